@@ -1,0 +1,3 @@
+from weft.core.cli import main
+
+raise SystemExit(main())
