@@ -1,0 +1,53 @@
+"""Give each attention module the function its Plan decision names, through AttentionInterface.
+
+transformers picks an attention function per sub-config (vision tower, text model)
+by name. When every module of a tower uses the same binding, that name is set
+directly; when they differ, one dispatcher keyed by module is registered for the
+tower. Nothing inside transformers is patched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AttentionInterface
+
+from weft.core.registry import AttentionBinding
+
+
+def install_attention(*, model: Any, plan: Any, mesh: Any, ctx: Any, pm: Any) -> dict[str, str]:
+    """Returns {sub-config key: attention implementation name} as set on the model."""
+    towers: dict[str, dict[str, AttentionBinding]] = {}
+    for module_plan in plan.modules_for("attention"):
+        info = module_plan.info
+        binding = pm.call_first("weft_attention", decision=module_plan.get("attention"), module_path=info.path, plan=plan, mesh=mesh, ctx=ctx)
+        if binding.fn is not None:
+            AttentionInterface.register(binding.name, binding.fn)
+        tower = "vision_config" if info.modality == "vision" else "text_config"
+        towers.setdefault(tower, {})[info.path] = binding
+    chosen: dict[str, str] = {}
+    for tower, bindings in towers.items():
+        names = {b.name for b in bindings.values()}
+        if len(names) == 1:
+            chosen[tower] = names.pop()
+        else:
+            chosen[tower] = _register_dispatcher(model, tower, bindings)
+    has_towers = hasattr(model.config, "vision_config")
+    model.set_attn_implementation(chosen if has_towers else chosen["text_config"])
+    ctx.log.info("attention.installed", **chosen)
+    return chosen
+
+
+def _register_dispatcher(model: Any, tower: str, bindings: dict[str, AttentionBinding]) -> str:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    table = {id(model.get_submodule(path)): ALL_ATTENTION_FUNCTIONS[b.name] for path, b in bindings.items()}
+
+    def dispatch(module, query, key, value, attention_mask, **kwargs):
+        return table[id(module)](module, query, key, value, attention_mask, **kwargs)
+
+    # "flash" in the name would change how transformers calls the tower; a mixed
+    # tower gets the plain per-window calling convention.
+    name = f"weft_mixed_{tower}_{id(model):x}"
+    AttentionInterface.register(name, dispatch)
+    return name

@@ -1,0 +1,187 @@
+"""The `weft` command: run, plan, plugins. User errors print one paragraph and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import sys
+from typing import Sequence
+
+from weft.core.errors import WeftError
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USER = 0, 1, 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except WeftError as error:
+        print(f"weft: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print("weft: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weft", description="Plugin-based parallelism for long-sequence VLM training.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="train a recipe on N local ranks (or under torchrun)")
+    run.add_argument("recipe", help="recipe TOML file")
+    run.add_argument("--nproc", type=_positive, default=None, help="local ranks to start (default: parallel.nproc of the recipe)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key, e.g. train.max_steps=10")
+    run.add_argument("--run-dir", type=pathlib.Path, default=None, help="run directory (default runs/<recipe>-<timestamp>)")
+    run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of --run-dir (default: the newest run of this recipe)")
+    run.set_defaults(func=_cmd_run)
+
+    plan = sub.add_parser("plan", help="show which strategy each module gets, without weights or processes")
+    plan.add_argument("recipe")
+    plan.add_argument("--world-size", type=_positive, default=None, help="ranks to plan for (default: parallel.nproc)")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--explain", action="store_true", help="add the deciding rule's file:line")
+    plan.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    plan.set_defaults(func=_cmd_plan)
+
+    plugins = sub.add_parser("plugins", help="hook points, plugins and their strategies")
+    plugins.add_argument("--json", action="store_true")
+    plugins.set_defaults(func=_cmd_plugins)
+    return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def plugin_manager_from_env():
+    """The run's plugin manager; the WEFT_* variables are read here and only here."""
+    from weft.core.plugin_manager import build_plugin_manager
+
+    def names(var: str) -> list[str] | None:
+        value = os.environ.get(var)
+        return [n.strip() for n in value.split(",") if n.strip()] if value is not None else None
+
+    return build_plugin_manager(
+        allow=names("WEFT_PLUGINS"),
+        block=names("WEFT_DISABLE_PLUGINS") or (),
+        trace=os.environ.get("WEFT_TRACE_HOOKS", "") not in ("", "0"),
+    )
+
+
+def _load(args) -> "object":
+    from weft.core.recipe import Recipe
+
+    return Recipe.from_toml(args.recipe, overrides=tuple(args.overrides))
+
+
+# ---------------------------------------------------------------------------
+# weft plan
+# ---------------------------------------------------------------------------
+
+
+def _cmd_plan(args) -> int:
+    from weft.core.planner import plan_recipe
+
+    recipe = _load(args)
+    pm = plugin_manager_from_env()
+    world_size = args.world_size or recipe.parallel.nproc
+    plan, _ = plan_recipe(recipe, registry=pm.registry, world_size=world_size)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=1))
+        return EXIT_OK
+    from weft.core.plan_view import render_plan
+
+    render_plan(plan, explain=args.explain, recipe=recipe)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# weft plugins
+# ---------------------------------------------------------------------------
+
+
+def _cmd_plugins(args) -> int:
+    from weft.core.plan_view import plugins_table
+
+    pm = plugin_manager_from_env()
+    table = plugins_table(pm)
+    if args.json:
+        print(json.dumps(table, indent=1, default=str))
+    else:
+        from weft.core.plan_view import render_plugins
+
+        render_plugins(table)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# weft run
+# ---------------------------------------------------------------------------
+
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _cmd_run(args) -> int:
+    from weft.core.planner import plan_recipe
+
+    recipe = _load(args)
+    pm = plugin_manager_from_env()
+    if _under_launcher():
+        world_size = int(os.environ["WORLD_SIZE"])
+        run_dir = args.run_dir or pathlib.Path("runs") / f"{pathlib.Path(args.recipe).stem}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}"
+        return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
+    nproc = args.nproc or recipe.parallel.nproc
+    # Everything a user can get wrong is checked here, before any process starts.
+    plan_recipe(recipe, registry=pm.registry, world_size=nproc)
+    run_dir = _run_dir(args, recipe)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.json").write_text(json.dumps({"source": recipe.source, "overrides": args.overrides, "recipe": recipe.raw}, indent=1, default=str))
+    print(f"weft: run directory {run_dir}", file=sys.stderr)
+    if nproc == 1:
+        return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
+    from weft.core.launch import launch_local
+
+    child_args = ["-m", "weft", "run", args.recipe, "--run-dir", str(run_dir)]
+    for override in args.overrides:
+        child_args += ["--set", override]
+    if args.resume:
+        child_args.append("--resume")
+    return launch_local(nproc=nproc, args=child_args)
+
+
+def _run_dir(args, recipe) -> pathlib.Path:
+    if args.run_dir is not None:
+        return args.run_dir
+    stem = pathlib.Path(args.recipe).stem
+    if args.resume:
+        runs = sorted(pathlib.Path("runs").glob(f"{stem}-*"))
+        if not runs:
+            raise WeftError(f"--resume: no earlier run of {stem!r} under runs/; give --run-dir", where="--resume")
+        return runs[-1]
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return pathlib.Path("runs") / f"{stem}-{stamp}"
+
+
+def _train(recipe, pm, *, run_dir: pathlib.Path, resume: bool) -> int:
+    from weft.core.loop import train
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    train(recipe=recipe, pm=pm, run_dir=run_dir, resume=resume, console=True)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

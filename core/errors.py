@@ -1,0 +1,33 @@
+"""weft's own error types: a user error is a message with an exit code, never a traceback."""
+
+from __future__ import annotations
+
+
+class WeftError(Exception):
+    """A problem the user can fix: bad recipe, bad flag, bad rule.
+
+    The CLI prints ``str(error)`` as one paragraph and exits with ``exit_code``
+    (2). ``where`` names the file and line or key the problem sits at, so every
+    message starts with it.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, where: str | None = None) -> None:
+        self.message = message
+        self.where = where
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+class RecipeError(WeftError):
+    """A recipe or rule file is malformed: unknown key, wrong type, bad value."""
+
+
+class PlanError(WeftError):
+    """The recipe is well-formed but cannot be carried out: mesh, heads, strategies."""
+
+
+class HookError(WeftError):
+    """A hook was called that no registered plugin answers."""
+
+    exit_code = 1

@@ -1,0 +1,141 @@
+"""The contract between weft's core loop and its plugins: every hook point, in one place.
+
+The core calls these hooks in this order, once per run unless said otherwise:
+
+1. ``weft_strategies``   when the plugin manager is built: collect named strategies.
+2. ``weft_shard``        once, after the model is built and the mesh exists.
+3. ``weft_attention``    once per (strategy, module) pair the Plan names.
+4. ``weft_batching``     once: returns this rank's iterator of optimizer steps.
+5. per optimizer step:   ``weft_guard(event="step_start")`` -> forward/backward for each
+   micro-batch -> ``weft_grad_sync`` -> ``weft_guard(event="step_end")`` -> optimizer.
+6. ``weft_guard(event="error")`` when a step raises; ``weft_kv_cache`` for generation/eval.
+
+Arguments are frozen objects (Plan, Decision, Recipe) or the live model/mesh; a plugin
+returns what it makes instead of mutating shared arguments. Firstresult hooks are
+dispatched on a strategy name: an implementation returns ``None`` for names it does
+not own. weft's ``call_first`` raises ``HookError`` naming the hook and the
+registered plugins when nobody answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT = "weft"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: The six hook points a rule can steer, in the order a step meets them.
+HOOK_POINTS: tuple[str, ...] = ("shard", "attention", "kv_cache", "batching", "grad_sync", "guard")
+
+
+# ---------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def weft_strategies() -> list[Any]:
+    """Declare the named strategies this plugin provides.
+
+    When: once, while the plugin manager is built (before any recipe is read).
+    Kind: collect-all; every plugin returns a list of
+    :class:`weft.core.registry.Strategy` (point, name, params class, summary).
+    May change: nothing; it only describes. The params class is an attrs class
+    whose fields are the strategy's rule parameters; the rule engine validates
+    a rule's table against it, so third-party strategies get the same checks.
+    Collectives: none.
+    """
+
+
+# ---------------------------------------------------------------------------
+# model preparation
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def weft_shard(model: Any, plan: Any, mesh: Any, ctx: Any) -> None:
+    """Wrap or shard the model's modules: FSDP2 groups, HSDP, activation checkpointing.
+
+    When: once per run, after the model is built and before the optimizer exists.
+    Kind: collect-all; each implementation handles only the modules whose
+    ``plan.decisions("shard")`` name one of its strategies, deepest modules first,
+    and returns ``None``. It may wrap modules in place (``fully_shard``,
+    checkpoint wrappers); it must not replace the root module object.
+    Collectives: FSDP2 broadcasts nothing at wrap time; sharding is local.
+    """
+
+
+@hookspec(firstresult=True)
+def weft_attention(decision: Any, module_path: str, plan: Any, mesh: Any, ctx: Any) -> Any:
+    """Give one attention module its attention function.
+
+    When: once per attention module the Plan lists, after ``weft_shard``.
+    Kind: firstresult on ``decision.strategy``; return an
+    :class:`weft.core.registry.AttentionBinding` (a name registered with
+    transformers' ``AttentionInterface`` and the callable) or ``None`` when the
+    strategy is not yours. The core sets ``attn_implementation`` per module
+    from the binding; no transformers internals are patched.
+    Collectives: none at install time; the returned function may issue
+    sequence-parallel collectives (all-to-all, send/recv) on every call.
+    """
+
+
+@hookspec(firstresult=True)
+def weft_kv_cache(decision: Any, model: Any, plan: Any, ctx: Any) -> Any:
+    """Build the key/value cache used for generation and evaluation.
+
+    When: once per generation or evaluation call, never during training steps.
+    Kind: firstresult on ``decision.strategy``; return a transformers ``Cache``
+    object or ``None`` when the strategy is not yours.
+    May change: nothing on the model.
+    Collectives: none at build time; a sequence-sharded cache may gather on use.
+    """
+
+
+@hookspec(firstresult=True)
+def weft_batching(decision: Any, recipe: Any, plan: Any, mesh: Any, ctx: Any) -> Any:
+    """Turn the recipe's data into this rank's optimizer steps.
+
+    When: once per run, after the model is ready (and again on resume).
+    Kind: firstresult on ``decision.strategy``; return an iterable of steps,
+    each a list of micro-batches (dicts of tensors, already this rank's shard),
+    or ``None`` when the strategy is not yours. Every rank must yield the same
+    number of steps and of micro-batches per step, since each micro-batch
+    issues collectives. Bad samples are skipped and counted in
+    ``ctx.counters["skipped_samples"]``.
+    Collectives: none required; a strategy may all-gather lengths.
+    """
+
+
+@hookspec
+def weft_grad_sync(model: Any, plan: Any, mesh: Any, ctx: Any) -> list[Any] | None:
+    """Finish gradients after backward and before the optimizer step.
+
+    When: once per optimizer step, after the last micro-batch's backward.
+    Kind: collect-all; each implementation whose strategy the Plan's
+    ``grad_sync`` decision names acts, the rest return ``None``. May reduce
+    gradients replicated across sequence-parallel ranks, cast reduce dtypes
+    and clip. An implementation that measures the gradient norm returns
+    ``[("grad_norm", tensor)]``; the core logs it without a host sync until
+    the metrics line.
+    Collectives: all-reduce over the mesh dimensions it syncs.
+    """
+
+
+@hookspec
+def weft_guard(event: str, state: Any, plan: Any, ctx: Any) -> list[Any] | None:
+    """Watch each step and each error; answer with verdicts.
+
+    When: ``event="step_start"`` before a step's first micro-batch,
+    ``event="step_end"`` after grad sync and before the optimizer step,
+    ``event="error"`` when a step raises.
+    Kind: collect-all; each returns a :class:`weft.core.registry.Verdict`
+    (``continue``, ``skip``, ``checkpoint`` or ``abort`` with a reason) or ``None``.
+    The strongest verdict wins: abort > skip > checkpoint > continue.
+    Collectives: a guard that decides from local values must all-reduce them,
+    so every rank reaches the same verdict.
+    """

@@ -1,0 +1,245 @@
+"""The training loop: one process's part of a run. Calls the hooks in the documented order.
+
+Order: process group -> model (seeded) -> Plan -> mesh -> weft_shard -> weft_attention
+per module -> optimizer -> resume -> weft_batching -> for each step: guard(step_start),
+micro-batches (forward, loss / global label count, backward), weft_grad_sync,
+guard(step_end), optimizer step, metrics, checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from weft.core import checkpoint
+from weft.core.attention_install import install_attention
+from weft.core.context import RunContext
+from weft.core.errors import WeftError
+from weft.core.logging import run_logger
+from weft.core.loss import label_count, token_loss_sum
+from weft.core.mesh import build_device_mesh, device_for
+from weft.core.planner import plan_recipe
+from weft.core.recipe import Recipe
+from weft.core.registry import Verdict
+
+
+@attrs.define(kw_only=True)
+class StepState:
+    """What guards see at the end of a step: global values, already reduced."""
+
+    step: int
+    loss: float | None = None
+    grad_norm: float | None = None
+    tokens: int = 0
+    consecutive_skips: int = 0
+    error: BaseException | None = None
+
+
+def init_process_group(recipe: Recipe) -> tuple[int, int, int, str]:
+    """(rank, world_size, local_rank, device_type); a single process gets a one-rank group."""
+    want = recipe.parallel.device
+    device_type = "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
+    backend = recipe.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if "RANK" in os.environ:  # started by torchrun / the elastic launcher
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return dist.get_rank(), dist.get_world_size(), local_rank, device_type
+
+
+def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, console: bool) -> dict:
+    rank, world_size, local_rank, device_type = init_process_group(recipe)
+    device = device_for(device_type, local_rank)
+    log = run_logger(run_dir=run_dir, rank=rank, console=console)
+    ctx = RunContext(recipe=recipe, device=device, rank=rank, world_size=world_size, run_dir=run_dir, log=log)
+    try:
+        return _train(recipe=recipe, pm=pm, ctx=ctx, resume=resume, console=console)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: bool) -> dict:
+    from weft.plugins.models.build import build_model
+
+    rank, log, run_dir = ctx.rank, ctx.log, ctx.run_dir
+    t_start = time.perf_counter()
+    model = build_model(recipe, device=ctx.device, seed=recipe.train.seed)
+    plan, _ = plan_recipe(recipe, registry=pm.registry, world_size=ctx.world_size, model=model)
+    if rank == 0:
+        (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
+    mesh = build_device_mesh(plan.mesh, device_type=ctx.device.type)
+    log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(("dp_replicate", "dp_shard", "ulysses", "ring"), plan.mesh.shape)),
+             params=sum(p.numel() for p in model.parameters()), device=str(ctx.device))
+
+    pm.hook.weft_shard(model=model, plan=plan, mesh=mesh, ctx=ctx)
+    install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
+    model.train()
+
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=recipe.train.lr, betas=(recipe.train.beta1, recipe.train.beta2),
+        weight_decay=recipe.train.weight_decay, foreach=True,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(recipe))
+    if resume:
+        found = checkpoint.checkpoint_dirs(run_dir)
+        if not found:
+            raise WeftError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}", where="--resume")
+        ctx.start_step = checkpoint.load(path=found[-1], model=model, optimizer=optimizer, scheduler=scheduler, rank=rank)
+        log.info("checkpoint.loaded", path=str(found[-1]), step=ctx.start_step)
+
+    steps = iter(pm.call_first("weft_batching", decision=plan.decision("batching"), recipe=recipe, plan=plan, mesh=mesh, ctx=ctx))
+    autocast = (
+        torch.autocast(ctx.device.type, dtype=torch.bfloat16) if recipe.train.precision == "bf16" else contextlib.nullcontext()
+    )
+    metrics_file = (run_dir / "metrics.jsonl").open("a") if rank == 0 else None
+    state = StepState(step=ctx.start_step)
+    totals = {"tokens": 0, "train_s": 0.0, "skipped_steps": 0}
+    progress = _progress(console and rank == 0 and sys.stderr.isatty(), total=recipe.train.max_steps, start=ctx.start_step)
+    final_loss = None
+    with progress as bar:
+        for step in range(ctx.start_step + 1, recipe.train.max_steps + 1):
+            t0 = time.perf_counter()
+            micro_batches = next(steps)
+            state = StepState(step=step, consecutive_skips=state.consecutive_skips)
+            _verdict(pm, "step_start", state, plan, ctx)
+            # One collective for the step's divisor: label tokens over every rank, so the
+            # loss equals the unsharded model's mean over the global batch.
+            counts = torch.stack([sum(label_count(mb["labels"]) for mb in micro_batches), torch.tensor(sum(mb["input_ids"].numel() for mb in micro_batches))]).to(ctx.device, torch.float64)
+            dist.all_reduce(counts)
+            global_labels = counts[0].clamp(min=1)
+            loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float32)
+            for mb in micro_batches:
+                batch = {k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()}
+                labels = batch.pop("labels")
+                with autocast:
+                    logits = model(**batch, use_cache=False).logits  # (B, S, V)
+                part = token_loss_sum(logits, labels)
+                # Gradient reductions average over all world_size ranks (FSDP and
+                # grad_sync alike); scaling by world_size turns that mean into the
+                # sum of every rank's share of (global loss sum / global label count).
+                (part * (ctx.world_size / global_labels)).backward()
+                loss_sum += part.detach()
+            grad_results = pm.hook.weft_grad_sync(model=model, plan=plan, mesh=mesh, ctx=ctx)
+            grad_norm = dict(item for result in grad_results if result for item in result).get("grad_norm")
+            dist.all_reduce(loss_sum)
+            state.loss = float(loss_sum / global_labels)  # the step's one host sync
+            state.grad_norm = float(grad_norm) if grad_norm is not None else None
+            state.tokens = int(counts[1])
+            verdict = _verdict(pm, "step_end", state, plan, ctx)
+            if verdict.action == "abort":
+                raise WeftError(f"guard {verdict.guard!r} stopped the run at step {step}: {verdict.reason}", where="guard")
+            if verdict.action == "skip":
+                optimizer.zero_grad(set_to_none=True)
+                state.consecutive_skips += 1
+                totals["skipped_steps"] += 1
+                log.warning("step.skipped", step=step, guard=verdict.guard, reason=verdict.reason)
+            else:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.consecutive_skips = 0
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            dt = time.perf_counter() - t0
+            totals["tokens"] += state.tokens
+            totals["train_s"] += dt
+            final_loss = state.loss
+            row = {"step": step, "loss": state.loss, "tokens": state.tokens, "tokens_per_s": state.tokens / dt, "lr": lr,
+                   "grad_norm": state.grad_norm, "step_s": dt, "skipped": verdict.action == "skip"}
+            if ctx.device.type == "cuda":
+                row["max_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
+            if step % recipe.train.log_every == 0 or step == recipe.train.max_steps:
+                log.info("step.end", **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})
+            bar.advance(step, row)
+            every = recipe.train.checkpoint_every
+            if (every and step % every == 0) or step == recipe.train.max_steps or verdict.action == "checkpoint":
+                path = checkpoint.save(run_dir=run_dir, step=step, model=model, optimizer=optimizer, scheduler=scheduler, rank=rank, keep=recipe.train.keep_checkpoints)
+                log.info("checkpoint.saved", step=step, path=str(path))
+    summary = {
+        "steps": recipe.train.max_steps,
+        "start_step": ctx.start_step,
+        "final_loss": final_loss,
+        "tokens": totals["tokens"],
+        "tokens_per_s": totals["tokens"] / totals["train_s"] if totals["train_s"] else 0.0,
+        "skipped_samples": ctx.counters.get("skipped_samples", 0),
+        "skipped_steps": totals["skipped_steps"],
+        "wall_s": time.perf_counter() - t_start,
+        "world_size": ctx.world_size,
+    }
+    if rank == 0:
+        metrics_file.close()
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        log.info("run.end", **summary)
+    return summary
+
+
+def _verdict(pm: Any, event: str, state: StepState, plan: Any, ctx: RunContext) -> Verdict:
+    verdicts = [v for v in pm.hook.weft_guard(event=event, state=state, plan=plan, ctx=ctx) if v is not None]
+    return Verdict.strongest(verdicts)
+
+
+def _lr_lambda(recipe: Recipe):
+    warmup, total, floor = recipe.train.warmup_steps, recipe.train.max_steps, recipe.train.min_lr_ratio
+
+    def factor(step: int) -> float:
+        # step counts completed optimizer steps: 0 for the first step.
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+class _NoProgress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def advance(self, step: int, row: dict) -> None:
+        pass
+
+
+class _RichProgress(_NoProgress):
+    """A rich bar with step, loss, tokens/s and memory."""
+
+    def __init__(self, total: int, start: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+        self.task = self.progress.add_task("train", total=total, completed=start, info="")
+
+    def __enter__(self):
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+        return False
+
+    def advance(self, step: int, row: dict) -> None:
+        memory = f" mem {row['max_memory_gib']:.1f} GiB" if "max_memory_gib" in row else ""
+        self.progress.update(self.task, completed=step, info=f"loss {row['loss']:.4f}  {row['tokens_per_s']:.0f} tok/s{memory}")
+
+
+def _progress(enabled: bool, *, total: int, start: int):
+    return _RichProgress(total, start) if enabled else _NoProgress()

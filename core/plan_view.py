@@ -1,0 +1,119 @@
+"""Text views of a Plan and of the loaded plugins, for `weft plan` and `weft plugins`."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import attrs
+
+from weft.core import hookspecs
+from weft.core.hookspecs import HOOK_POINTS
+from weft.core.schema import field_docs
+
+
+def _console():
+    from rich.console import Console
+
+    # Off a terminal (pipes, tests) never wrap: one module per line, greppable.
+    return Console(width=None if sys.stdout.isatty() else 400, soft_wrap=not sys.stdout.isatty())
+
+
+def _params(decision: Any) -> str:
+    values = attrs.asdict(decision.params)
+    shown = ", ".join(f"{k}={v}" for k, v in values.items() if v not in (None, ""))
+    return f"{decision.strategy}({shown})" if shown else decision.strategy
+
+
+def render_plan(plan: Any, *, explain: bool, recipe: Any) -> None:
+    from rich.table import Table
+
+    console = _console()
+    mesh = plan.mesh
+    console.print(
+        f"[bold]{recipe.source}[/bold]  world_size={plan.world_size}  seq_len={plan.seq_len}  "
+        f"mesh dp_replicate={mesh.dp_replicate} x dp_shard={mesh.dp_shard} x ulysses={mesh.ulysses} x ring={mesh.ring}"
+    )
+    root = plan.root()
+    glob = Table(title="run-wide decisions", show_lines=False)
+    glob.add_column("hook point")
+    glob.add_column("strategy")
+    if explain:
+        glob.add_column("rule")
+    for decision in root.decisions:
+        row = [decision.point, _params(decision)] + ([f"{decision.source}  {decision.rule}"] if explain else [])
+        glob.add_row(*row)
+    console.print(glob)
+
+    table = Table(title="modules")
+    for column in ("module", "class", "modality", "heads", "kv", "d", "point", "strategy"):
+        table.add_column(column)
+    if explain:
+        table.add_column("rule")
+    for module in plan.modules:
+        info = module.info
+        if info.kind == "root":
+            continue
+        for decision in module.decisions:
+            row = [
+                info.path, info.class_name, info.modality or "", _num(info.heads), _num(info.kv_heads), _num(info.head_dim),
+                decision.point, _params(decision),
+            ]
+            if explain:
+                row.append(f"{decision.source}  {decision.rule}")
+            table.add_row(*row)
+    console.print(table)
+
+
+def _num(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def plugins_table(pm: Any) -> dict:
+    points = []
+    for point in ("strategies", *HOOK_POINTS):
+        name = f"weft_{point}"
+        spec = getattr(hookspecs, name)
+        opts = getattr(spec, "weft_spec", None) or getattr(spec, f"{hookspecs.PROJECT}_spec", {})
+        points.append({
+            "hook": name,
+            "firstresult": bool(opts.get("firstresult")) if isinstance(opts, dict) else False,
+            "implemented_by": [impl.plugin_name for impl in getattr(pm.hook, name).get_hookimpls()],
+        })
+    plugins = [{"name": name, "distribution": pm.distribution_of(name)} for name in pm.plugin_names()]
+    strategies = [
+        {
+            "point": s.point,
+            "name": s.name,
+            "plugin": s.plugin,
+            "summary": s.summary,
+            "params": [{"name": n, "accepts": a, "default": d, "doc": doc} for n, a, d, doc in field_docs(s.params)],
+        }
+        for s in pm.registry.all()
+    ]
+    return {"hook_points": points, "plugins": plugins, "strategies": strategies}
+
+
+def render_plugins(table: dict) -> None:
+    from rich.table import Table
+
+    console = _console()
+    hooks = Table(title="hook points")
+    for column in ("hook", "kind", "implemented by"):
+        hooks.add_column(column)
+    for point in table["hook_points"]:
+        hooks.add_row(point["hook"], "firstresult" if point["firstresult"] else "collect-all", ", ".join(point["implemented_by"]))
+    console.print(hooks)
+    plugins = Table(title="plugins")
+    plugins.add_column("plugin")
+    plugins.add_column("distribution")
+    for plugin in table["plugins"]:
+        plugins.add_row(plugin["name"], plugin["distribution"])
+    console.print(plugins)
+    strategies = Table(title="strategies")
+    for column in ("point", "name", "plugin", "parameters", "summary"):
+        strategies.add_column(column)
+    for s in table["strategies"]:
+        params = "; ".join(f"{p['name']}: {p['accepts']} = {p['default']!r}" for p in s["params"]) or "-"
+        strategies.add_row(s["point"], s["name"], s["plugin"], params, s["summary"])
+    console.print(strategies)

@@ -1,0 +1,48 @@
+"""From a recipe to a Plan: build the model on the meta device, describe it, apply the rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weft.core.errors import PlanError
+from weft.core.mesh_spec import MeshSpec, resolve_mesh
+from weft.core.recipe import Recipe
+from weft.core.rules import ModuleInfo, Plan, build_plan
+
+
+def plan_recipe(recipe: Recipe, *, registry: Any, world_size: int, model: Any = None) -> tuple[Plan, Any]:
+    """The Plan for ``world_size`` ranks; ``model`` defaults to a meta-device build.
+
+    Returns (plan, model). Raises RecipeError/PlanError before any process group exists.
+    """
+    from weft.plugins.models.build import build_model
+    from weft.plugins.models.inventory import describe_modules, text_heads
+
+    if model is None:
+        model = build_model(recipe, device="meta", seed=recipe.train.seed)
+    modules = describe_modules(model)
+    mesh = resolve_mesh(recipe.parallel, world_size=world_size, heads=text_heads(modules), where=f"{recipe.source} [parallel]")
+    check_heads(modules, mesh, where=f"{recipe.source} [parallel]")
+    plan = build_plan(recipe=recipe, modules=modules, registry=registry, mesh=mesh, world_size=world_size)
+    return plan, model
+
+
+def check_heads(modules: list[ModuleInfo], mesh: MeshSpec, *, where: str) -> None:
+    """Ulysses splits the text model's heads: query heads must divide evenly.
+
+    KV heads may be fewer than the degree (they are then replicated) but must
+    divide it or be divisible by it.
+    """
+    if mesh.ulysses == 1:
+        return
+    for info in modules:
+        if info.kind != "attention" or info.modality != "text":
+            continue
+        heads, kv = info.heads or 0, info.kv_heads or 0
+        if heads % mesh.ulysses or (kv % mesh.ulysses and mesh.ulysses % kv):
+            accepted = [d for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+            raise PlanError(
+                f"parallel.ulysses = {mesh.ulysses} does not divide the heads of {info.path} "
+                f"({heads} query heads, {kv} KV heads); accepted Ulysses degrees: {', '.join(map(str, accepted))}",
+                where=where,
+            )

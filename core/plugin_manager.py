@@ -1,0 +1,151 @@
+"""Builds the one plugin manager of a run: built-ins first, then entry points, then checks."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import sys
+import time
+from typing import Any, Iterable
+
+import pluggy
+import structlog
+
+from weft.core import hookspecs
+from weft.core.errors import HookError
+from weft.core.registry import Strategy, StrategyRegistry
+
+
+#: Built-in plugins, one module per hook point; registered under these names.
+BUILTIN_PLUGINS: tuple[str, ...] = (
+    "weft.plugins.shard",
+    "weft.plugins.attention",
+    "weft.plugins.kv_cache",
+    "weft.plugins.batching",
+    "weft.plugins.grad_sync",
+    "weft.plugins.guard",
+)
+
+ENTRY_POINT_GROUP = "weft"
+
+
+class WeftPluginManager(pluggy.PluginManager):
+    """pluggy's manager plus the strategy registry and weft's firstresult check."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT)
+        self.add_hookspecs(hookspecs)
+        self._registry: StrategyRegistry | None = None
+
+    @property
+    def registry(self) -> StrategyRegistry:
+        if self._registry is None:
+            self._registry = self._collect_strategies()
+        return self._registry
+
+    def _collect_strategies(self) -> StrategyRegistry:
+        declared: list[Strategy] = []
+        for impl in self.hook.weft_strategies.get_hookimpls():
+            for strategy in impl.function() or []:
+                declared.append(
+                    Strategy(
+                        point=strategy.point,
+                        name=strategy.name,
+                        params=strategy.params,
+                        summary=strategy.summary,
+                        plugin=impl.plugin_name,
+                    )
+                )
+        return StrategyRegistry(declared)
+
+    def call_first(self, hook_name: str, **kwargs: Any) -> Any:
+        """Call a firstresult hook and insist on an answer."""
+        result = getattr(self.hook, hook_name)(**kwargs)
+        if result is None:
+            decision = kwargs.get("decision")
+            strategy = getattr(decision, "strategy", None)
+            plugins = ", ".join(self.plugin_names()) or "(none)"
+            raise HookError(
+                f"no plugin answered hook {hook_name}"
+                + (f" for strategy {strategy!r}" if strategy else "")
+                + f"; registered plugins: {plugins}"
+            )
+        return result
+
+    def plugin_names(self) -> list[str]:
+        return [name for name, plugin in self.list_name_plugin() if plugin is not None]
+
+    def distribution_of(self, plugin_name: str) -> str:
+        """The distribution a plugin came from: 'weft (built-in)' or 'name version'."""
+        plugin = self.get_plugin(plugin_name)
+        for loaded, dist in self.list_plugin_distinfo():
+            if loaded is plugin:
+                return f"{dist.project_name} {dist.version}"
+        return "weft (built-in)" if plugin_name in BUILTIN_PLUGINS else "(registered in-process)"
+
+
+def build_plugin_manager(
+    *,
+    allow: Iterable[str] | None = None,
+    block: Iterable[str] = (),
+    trace: bool = False,
+    extra: Iterable[tuple[str, object]] = (),
+    entry_points: bool = True,
+    log: Any = None,
+) -> WeftPluginManager:
+    """Make the run's plugin manager.
+
+    ``allow``: when given, only these entry-point plugins load (built-ins always do,
+    unless blocked). ``block``: plugin names never registered, built-ins included.
+    ``trace``: log every hook call with rank and duration. ``extra``: (name, plugin)
+    pairs registered after the built-ins, as tests and embedding programs do.
+    """
+    # Never the stdout default: `weft plan --json` prints its object there.
+    log = log if log is not None else structlog.wrap_logger(structlog.PrintLogger(sys.stderr))
+    blocked = set(block)
+    allowed = set(allow) if allow is not None else None
+    pm = WeftPluginManager()
+    for module_name in BUILTIN_PLUGINS:
+        if module_name not in blocked:
+            pm.register(importlib.import_module(module_name), name=module_name)
+    if entry_points:
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in blocked or (allowed is not None and ep.name not in allowed):
+                log.info("plugin.skipped", plugin=ep.name, reason="blocked" if ep.name in blocked else "not allowed")
+                continue
+            if pm.get_plugin(ep.name) is None:
+                pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
+    for name, plugin in extra:
+        if name not in blocked:
+            pm.register(plugin, name=name)
+    pm.check_pending()
+    if trace:
+        _install_trace(pm, log)
+    return pm
+
+
+def _install_trace(pm: WeftPluginManager, log: Any) -> None:
+    starts: list[float] = []
+
+    def before(hook_name: str, hook_impls: list, kwargs: dict) -> None:
+        starts.append(time.perf_counter())
+
+    def after(outcome: Any, hook_name: str, hook_impls: list, kwargs: dict) -> None:
+        duration = time.perf_counter() - starts.pop()
+        log.info(
+            "hook.call",
+            hook=hook_name,
+            rank=_rank(),
+            plugins=[impl.plugin_name for impl in hook_impls],
+            duration_ms=round(duration * 1000, 3),
+        )
+
+    pm.add_hookcall_monitoring(before, after)
+
+
+def _rank() -> int:
+    # Looked up, not imported: building a plugin manager must not import torch.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0

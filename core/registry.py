@@ -1,0 +1,85 @@
+"""Plain data the hooks exchange: strategy declarations, attention bindings, verdicts."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+
+from weft.core.hookspecs import HOOK_POINTS
+
+
+@attrs.frozen(kw_only=True)
+class NoParams:
+    """Parameter class of a strategy that takes none."""
+
+
+@attrs.frozen(kw_only=True)
+class Strategy:
+    """One named way of carrying out a hook point, declared by a plugin.
+
+    ``params`` is an attrs class; a rule's table (less ``strategy``) is
+    validated against its fields and becomes an instance of it in the Plan.
+    """
+
+    point: str = attrs.field(validator=attrs.validators.in_(HOOK_POINTS))
+    name: str
+    params: type = NoParams
+    summary: str = ""
+    plugin: str = ""  # filled in by the registry: which plugin declared it
+
+
+@attrs.frozen(kw_only=True)
+class AttentionBinding:
+    """What ``weft_attention`` returns: a name for transformers' AttentionInterface
+    and the function registered under it (signature of transformers' attention
+    functions: ``fn(module, query, key, value, attention_mask, **kwargs) -> (out, weights)``)."""
+
+    name: str
+    fn: Callable[..., Any] | None = None  # None: a name transformers already knows ("sdpa")
+
+
+VERDICTS: tuple[str, ...] = ("continue", "checkpoint", "skip", "abort")  # weakest first
+
+
+@attrs.frozen(kw_only=True)
+class Verdict:
+    """A guard's answer for one step."""
+
+    action: str = attrs.field(validator=attrs.validators.in_(VERDICTS))
+    reason: str = ""
+    guard: str = ""
+
+    @staticmethod
+    def strongest(verdicts: list["Verdict"]) -> "Verdict":
+        if not verdicts:
+            return Verdict(action="continue")
+        return max(verdicts, key=lambda v: VERDICTS.index(v.action))
+
+
+class StrategyRegistry:
+    """Every strategy the loaded plugins declared, by (point, name). Read-only after build."""
+
+    def __init__(self, strategies: list[Strategy]) -> None:
+        self._by_key: dict[tuple[str, str], Strategy] = {}
+        for strategy in strategies:
+            key = (strategy.point, strategy.name)
+            if key in self._by_key:
+                other = self._by_key[key]
+                from weft.core.errors import PlanError
+
+                raise PlanError(
+                    f"strategy {strategy.name!r} for hook point {strategy.point!r} is declared twice: "
+                    f"by plugin {other.plugin!r} and by plugin {strategy.plugin!r}; "
+                    "disable one with WEFT_DISABLE_PLUGINS"
+                )
+            self._by_key[key] = strategy
+
+    def get(self, point: str, name: str) -> Strategy | None:
+        return self._by_key.get((point, name))
+
+    def names(self, point: str) -> list[str]:
+        return sorted(name for (p, name) in self._by_key if p == point)
+
+    def all(self) -> list[Strategy]:
+        return sorted(self._by_key.values(), key=lambda s: (HOOK_POINTS.index(s.point), s.name))

@@ -1,0 +1,193 @@
+"""The rule engine: match modules against ordered rules and freeze the result as a Plan.
+
+Pure: imports no torch. The same recipe, module inventory and world size give the
+same Plan on every rank. First matching rule per hook point wins; the recipe's own
+rules come first, then included files in order, then weft's defaults.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import operator
+from typing import Any, Iterable
+
+import attrs
+
+from weft.core.errors import PlanError, RecipeError
+from weft.core.hookspecs import HOOK_POINTS
+from weft.core.mesh_spec import MeshSpec
+from weft.core.recipe import Action, Recipe, Rule, Selector, default_rules
+from weft.core.registry import StrategyRegistry
+from weft.core.schema import build, did_you_mean
+
+#: Which kind of module each hook point decides for.
+POINT_KINDS: dict[str, tuple[str, ...]] = {
+    "shard": ("unit", "root"),
+    "attention": ("attention",),
+    "kv_cache": ("attention",),
+    "batching": ("root",),
+    "grad_sync": ("root",),
+    "guard": ("root",),
+}
+#: Points whose implementations are collect-all and may take several strategies.
+MULTI_POINTS: tuple[str, ...] = ("grad_sync", "guard")
+
+_OPS = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
+
+
+@attrs.frozen(kw_only=True)
+class ModuleInfo:
+    """What the rules can see of one module; made by a model adapter."""
+
+    path: str  # "" is the root
+    class_name: str
+    kind: str  # "attention", "unit" (a shard unit) or "root"
+    modality: str | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Decision:
+    point: str
+    strategy: str
+    params: Any
+    source: str  # "file:line" of the deciding rule
+    rule: str
+
+    def to_json(self) -> dict:
+        return {"strategy": self.strategy, "params": attrs.asdict(self.params), "rule": self.rule, "source": self.source}
+
+
+@attrs.frozen(kw_only=True)
+class ModulePlan:
+    info: ModuleInfo
+    decisions: tuple[Decision, ...]
+
+    def get(self, point: str) -> Decision | None:
+        return next((d for d in self.decisions if d.point == point), None)
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    modules: tuple[ModulePlan, ...]
+    mesh: MeshSpec
+    seq_len: int
+    world_size: int
+
+    def root(self) -> ModulePlan:
+        return next(m for m in self.modules if m.info.kind == "root")
+
+    def decision(self, point: str) -> Decision:
+        """The single global decision of a root-level point (batching)."""
+        decisions = self.decisions_of(point)
+        return decisions[0]
+
+    def decisions_of(self, point: str) -> tuple[Decision, ...]:
+        return tuple(d for d in self.root().decisions if d.point == point)
+
+    def modules_for(self, point: str, strategy: str | None = None) -> list[ModulePlan]:
+        return [
+            m
+            for m in self.modules
+            if (d := m.get(point)) is not None and (strategy is None or d.strategy == strategy)
+        ]
+
+    def to_json(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "seq_len": self.seq_len,
+            "mesh": attrs.asdict(self.mesh),
+            "modules": [
+                {
+                    "path": m.info.path,
+                    "class": m.info.class_name,
+                    "kind": m.info.kind,
+                    "modality": m.info.modality,
+                    "heads": m.info.heads,
+                    "kv_heads": m.info.kv_heads,
+                    "head_dim": m.info.head_dim,
+                    "decisions": {d.point if d.point not in MULTI_POINTS else f"{d.point}.{d.strategy}": d.to_json() for d in m.decisions},
+                }
+                for m in self.modules
+            ],
+        }
+
+
+class _RuleWhere:
+    """Error locations inside a rule already parsed: 'file:line (point.key)'."""
+
+    def __init__(self, source: str) -> None:
+        self.path = source
+
+    def at(self, dotted: str) -> str:
+        return f"{self.path} ({dotted})"
+
+
+def validate_rules(rules: Iterable[Rule], registry: StrategyRegistry) -> dict[tuple[int, str, int], Any]:
+    """Check every rule's strategies and params; return built params by (rule, point, i)."""
+    built: dict[tuple[int, str, int], Any] = {}
+    for r, rule in enumerate(rules):
+        for point, actions in rule.actions:
+            for i, action in enumerate(actions):
+                strategy = registry.get(point, action.strategy)
+                if strategy is None:
+                    names = registry.names(point)
+                    raise RecipeError(
+                        f"unknown {point} strategy {action.strategy!r}{did_you_mean(action.strategy, names)} "
+                        f"Available: {', '.join(names) or '(none registered)'}",
+                        where=f"{rule.source} ({point}.strategy)",
+                    )
+                built[(r, point, i)] = build(
+                    strategy.params, dict(action.params), where=_RuleWhere(rule.source), prefix=point  # type: ignore[arg-type]
+                )
+    return built
+
+
+def matches(selector: Selector, info: ModuleInfo, *, seq_len: int, world_size: int) -> bool:
+    if selector.paths and not any(fnmatch.fnmatchcase(info.path, p) for p in selector.paths):
+        return False
+    if selector.classes and not any(fnmatch.fnmatchcase(info.class_name, c) for c in selector.classes):
+        return False
+    if selector.modalities and info.modality not in selector.modalities:
+        return False
+    values = {"heads": info.heads, "kv_heads": info.kv_heads, "head_dim": info.head_dim, "seq_len": seq_len, "world_size": world_size}
+    for key, comparisons in selector.numbers:
+        value = values[key]
+        if value is None or not all(_OPS[c.op](value, c.value) for c in comparisons):
+            return False
+    return True
+
+
+def build_plan(
+    *,
+    recipe: Recipe,
+    modules: list[ModuleInfo],
+    registry: StrategyRegistry,
+    mesh: MeshSpec,
+    world_size: int,
+) -> Plan:
+    """Decide every (module, hook point) pair. Raises RecipeError/PlanError for bad rules."""
+    rules = list(recipe.rules) + default_rules()
+    params = validate_rules(rules, registry)
+    seq_len = recipe.train.seq_len
+    plans = []
+    for info in modules:
+        decisions: list[Decision] = []
+        for point in HOOK_POINTS:
+            if info.kind not in POINT_KINDS[point]:
+                continue
+            for r, rule in enumerate(rules):
+                actions: tuple[Action, ...] | None = rule.action(point)
+                if actions is None or not matches(rule.when, info, seq_len=seq_len, world_size=world_size):
+                    continue
+                for i, action in enumerate(actions):
+                    decisions.append(
+                        Decision(point=point, strategy=action.strategy, params=params[(r, point, i)], source=rule.source, rule=rule.name)
+                    )
+                break
+            else:
+                raise PlanError(f"no rule decides hook point {point!r} for module {info.path or '(root)'}; the defaults should")
+        plans.append(ModulePlan(info=info, decisions=tuple(decisions)))
+    return Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size)

@@ -1,0 +1,87 @@
+"""Batching hook: this rank's optimizer steps, filled to the recipe's token budget."""
+
+from __future__ import annotations
+
+import pathlib
+
+import attrs
+
+from weft.core.errors import WeftError
+from weft.core.hookspecs import hookimpl
+from weft.core.registry import Strategy
+from weft.core.schema import in_range
+
+
+@attrs.frozen(kw_only=True)
+class TokenBudgetParams:
+    bucket_size: int = attrs.field(default=256, validator=in_range(low=1), metadata={"doc": "samples sorted by length within buckets of this size"})
+
+
+@hookimpl
+def weft_strategies():
+    return [Strategy(point="batching", name="token_budget", params=TokenBudgetParams, summary="micro-batches up to train.micro_batch_tokens, steps up to train.step_tokens, disjoint across DP ranks")]
+
+
+@hookimpl
+def weft_batching(decision, recipe, plan, mesh, ctx):
+    if decision.strategy != "token_budget":
+        return None
+    return _steps(decision.params, recipe, plan, mesh, ctx)
+
+
+def _steps(params, recipe, plan, mesh, ctx):
+    from weft.core.mesh import dp_rank
+    from weft.plugins.models.build import model_config
+    from weft.strategies import datasets
+    from weft.strategies.conversation import collate, load_processor
+    from weft.strategies.token_budget import pack_micro_batches, schedule_steps
+
+    _, processor = model_config(recipe)
+    tokenizer, image_processor = load_processor(processor)
+    if recipe.data.source == "synthetic":
+        source = datasets.synthetic_samples(
+            seed=recipe.train.seed, num_samples=recipe.data.num_samples, min_side=recipe.data.min_side,
+            max_side=recipe.data.max_side, tokenizer=tokenizer, image_processor=image_processor,
+        )
+    else:
+        path = pathlib.Path(recipe.data.path)
+        if not path.is_absolute():
+            path = pathlib.Path(recipe.source).parent / path
+        if not path.is_file():
+            raise WeftError(f"data.path {str(path)!r} does not exist", where=recipe.source)
+        source = datasets.jsonl_samples(path, tokenizer=tokenizer, image_processor=image_processor)
+
+    def on_bad(bad):
+        if recipe.data.strict:
+            raise WeftError(f"bad sample ({bad.reason}); data.strict = true stops the run", where=bad.where)
+        ctx.count("skipped_samples")
+        ctx.log.warning("data.skipped", where=bad.where, reason=bad.reason)
+
+    samples = datasets.collect(source, on_bad=on_bad)
+    budget = recipe.train.micro_batch_tokens
+    limit = min(budget, recipe.train.seq_len)
+    # Over-long samples get a length past the budget, so packing leaves them out.
+    lengths = [s.num_tokens if s.num_tokens <= limit else budget + 1 for s in samples]
+    too_long = sum(1 for n in lengths if n > budget)
+    if too_long:
+        ctx.count("skipped_samples", too_long)
+        ctx.log.warning("data.too_long", samples=too_long, micro_batch_tokens=budget, max_seq_len=recipe.train.seq_len)
+    pad_id = tokenizer.pad_token_id
+    me = dp_rank(mesh)
+    step = 0
+    epoch = 0
+    while True:
+        batches = pack_micro_batches(lengths, budget=budget, seed=recipe.train.seed, epoch=epoch, bucket_size=params.bucket_size)
+        steps = schedule_steps(batches, lengths, dp_size=plan.mesh.dp, step_tokens=recipe.train.step_tokens)
+        if not steps:
+            raise WeftError(
+                f"the data gives no full step: {len(samples)} usable samples make {len(batches)} micro-batches "
+                f"for {plan.mesh.dp} data-parallel ranks; add samples or lower train.step_tokens",
+                where=recipe.source,
+            )
+        for rounds in steps:
+            if step >= ctx.start_step:
+                yield [collate([samples[i] for i in round_[me]], pad_id=pad_id) for round_ in rounds]
+            step += 1
+        epoch += 1
+        ctx.log.info("data.epoch", epoch=epoch)

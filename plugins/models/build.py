@@ -1,0 +1,42 @@
+"""Build the recipe's model: a named preset (random init) or a local HF directory."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+import transformers
+
+from weft.core.errors import RecipeError
+from weft.core.recipe import Recipe
+from weft.strategies.presets import build_config, load_preset
+
+#: model_type -> the transformers auto class that trains it.
+VISION_LANGUAGE = ("qwen2_5_vl", "qwen2_vl")
+
+
+def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | None]:
+    """The transformers config and the processor folder (bundled name or path)."""
+    if recipe.model.preset is not None:
+        model_type, kwargs, processor = load_preset(recipe.model.preset)
+        config = build_config(model_type, kwargs)
+    else:
+        path = pathlib.Path(recipe.model.path)  # type: ignore[arg-type]
+        if not path.is_absolute():
+            path = pathlib.Path(recipe.source).parent / path
+        if not (path / "config.json").is_file():
+            raise RecipeError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json)", where=recipe.source)
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        processor = str(path)
+    return config, recipe.model.processor or processor
+
+
+def build_model(recipe: Recipe, *, device: torch.device | str, seed: int) -> torch.nn.Module:
+    """Random init from the preset (seeded, identical on every rank) or load local weights."""
+    config, _ = model_config(recipe)
+    auto = transformers.AutoModelForImageTextToText if config.model_type in VISION_LANGUAGE else transformers.AutoModelForCausalLM
+    if recipe.model.path is not None and str(device) != "meta":
+        return auto.from_pretrained(config.name_or_path or recipe.model.path, config=config, local_files_only=True, dtype=torch.float32).to(device)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return auto.from_config(config, dtype=torch.float32)

@@ -1,0 +1,70 @@
+"""Describe a transformers model's modules for the rule engine: modality, kind, heads.
+
+One table of path patterns covers Qwen2.5-VL, Qwen2-VL and text-only Qwen2/Llama:
+their module names follow transformers' shared layout (``visual.blocks.N``,
+``visual.merger``, ``language_model.layers.N``, ``embed_tokens``, ``lm_head``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+
+from weft.core.rules import ModuleInfo
+
+#: (glob on the module path, modality); first match wins.
+MODALITY_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("*visual.merger*", "projector"),
+    ("*visual*", "vision"),
+    ("*embed_tokens", "embedding"),
+    ("lm_head", "head"),
+)
+
+#: Shard units besides the repeated blocks: (glob, why).
+UNIT_PATTERNS: tuple[str, ...] = ("*visual.merger", "*embed_tokens", "lm_head")
+
+
+def modality_of(path: str) -> str:
+    for pattern, modality in MODALITY_PATTERNS:
+        if fnmatch.fnmatchcase(path, pattern):
+            return modality
+    return "text"
+
+
+def describe_modules(model: torch.nn.Module) -> list[ModuleInfo]:
+    """Root first, then attention modules and shard units in module order."""
+    infos = [ModuleInfo(path="", class_name=type(model).__name__, kind="root")]
+    block_lists = {name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("blocks", "layers")}
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        if parent in block_lists or any(fnmatch.fnmatchcase(path, p) for p in UNIT_PATTERNS):
+            infos.append(ModuleInfo(path=path, class_name=type(module).__name__, kind="unit", modality=modality_of(path)))
+        elif _is_attention(module):
+            heads = int(module.num_heads if hasattr(module, "num_heads") else module.config.num_attention_heads)
+            groups = int(getattr(module, "num_key_value_groups", 1) or 1)
+            kv_heads = int(getattr(module, "num_key_value_heads", heads // groups))
+            infos.append(
+                ModuleInfo(
+                    path=path,
+                    class_name=type(module).__name__,
+                    kind="attention",
+                    modality=modality_of(path),
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    head_dim=int(module.head_dim),
+                )
+            )
+    return infos
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith("Attention") and hasattr(module, "head_dim")
+
+
+def text_heads(infos: list[ModuleInfo]) -> int | None:
+    """Query heads of the text model's attention (what ulysses='auto' divides)."""
+    return next((i.heads for i in infos if i.kind == "attention" and i.modality == "text"), None)

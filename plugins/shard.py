@@ -1,0 +1,66 @@
+"""Shard hook: FSDP2 per unit with per-group precision, or no sharding."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from weft.core.hookspecs import hookimpl
+from weft.core.mesh import fsdp_mesh
+from weft.core.registry import NoParams, Strategy
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@attrs.frozen(kw_only=True)
+class Fsdp2Params:
+    group: str = attrs.field(default="", metadata={"doc": "name of the modality group, shown in the plan"})
+    param_dtype: Dtype | None = attrs.field(default=None, metadata={"doc": "dtype of gathered parameters; unset = storage dtype"})
+    reduce_dtype: Dtype | None = attrs.field(default=None, metadata={"doc": "dtype of the gradient reduce-scatter"})
+    reshard_after_forward: bool = attrs.field(default=True, metadata={"doc": "free gathered params after forward"})
+    offload: bool = attrs.field(default=False, metadata={"doc": "keep shards and optimizer state on the CPU"})
+
+
+@hookimpl
+def weft_strategies():
+    return [
+        Strategy(point="shard", name="fsdp2", params=Fsdp2Params, summary="FSDP2 fully_shard per unit over dp_shard x SP ranks"),
+        Strategy(point="shard", name="none", params=NoParams, summary="keep the module whole on every rank; grad_sync averages its gradients"),
+    ]
+
+
+@hookimpl
+def weft_shard(model, plan, mesh, ctx):
+    from weft.strategies.fsdp2 import ShardGroup, apply_fsdp2
+
+    units = plan.modules_for("shard", "fsdp2")
+    root = plan.root()
+    if not units:
+        return None
+    root_fsdp = root.get("shard").strategy == "fsdp2"
+    groups = []
+    # Deepest first: a path with more dots is inside a shallower one.
+    for unit in sorted((u for u in units if u.info.kind == "unit"), key=lambda u: -u.info.path.count(".")):
+        params = unit.get("shard").params
+        groups.append(ShardGroup(modules=(model.get_submodule(unit.info.path),), **_policy(params)))
+    if not root_fsdp:
+        raise_mixed = [u.info.path for u in units if u.info.kind == "unit"]
+        from weft.core.errors import PlanError
+
+        raise PlanError(
+            f"units {raise_mixed[:3]}... use fsdp2 but the root uses 'none'; FSDP2 needs the root sharded too "
+            "(give the root module, path = \"\", shard = { strategy = \"fsdp2\" })"
+        )
+    apply_fsdp2(groups=groups, root=model, root_group=ShardGroup(modules=(model,), **_policy(root.get("shard").params)), mesh=fsdp_mesh(mesh, plan.mesh))
+    ctx.log.info("shard.fsdp2", units=len(groups), mesh=list(plan.mesh.shape))
+    return None
+
+
+def _policy(params: Fsdp2Params) -> dict:
+    return {
+        "param_dtype": params.param_dtype,
+        "reduce_dtype": params.reduce_dtype,
+        "reshard_after_forward": params.reshard_after_forward,
+        "offload": params.offload,
+    }

@@ -1,0 +1,47 @@
+"""FSDP2 (``fully_shard``) applied per unit, deepest first, each with its own precision policy."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import attrs
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@attrs.frozen(kw_only=True)
+class ShardGroup:
+    """One fully_shard call: the modules of one unit and its policy."""
+
+    modules: tuple[torch.nn.Module, ...]
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    reshard_after_forward: bool = True
+    offload: bool = False
+
+
+def apply_fsdp2(*, groups: Iterable[ShardGroup], root: torch.nn.Module, root_group: ShardGroup | None, mesh: DeviceMesh) -> None:
+    """Shard each group's modules, then the root, over ``mesh`` (1-D FSDP or 2-D HSDP).
+
+    Order matters: children are wrapped before their parents so each parameter
+    belongs to the innermost unit; the root call gathers whatever is left.
+    """
+    for group in groups:
+        modules = group.modules[0] if len(group.modules) == 1 else list(group.modules)
+        fully_shard(modules, mesh=mesh, **_policy(group))
+    fully_shard(root, mesh=mesh, **(_policy(root_group) if root_group else {}))
+
+
+def _policy(group: ShardGroup) -> dict:
+    mp = MixedPrecisionPolicy(
+        param_dtype=DTYPES[group.param_dtype] if group.param_dtype else None,
+        reduce_dtype=DTYPES[group.reduce_dtype] if group.reduce_dtype else None,
+    )
+    return {
+        "mp_policy": mp,
+        "reshard_after_forward": group.reshard_after_forward,
+        "offload_policy": CPUOffloadPolicy() if group.offload else OffloadPolicy(),
+    }

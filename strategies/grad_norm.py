@@ -1,0 +1,60 @@
+"""Gradient averaging for replicated parameters and global-norm clipping over DTensor and plain grads."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def average_replicated_grads(params: list[torch.Tensor], *, world_size: int) -> None:
+    """All-reduce (mean) the plain-tensor gradients: parameters no FSDP unit owns.
+
+    FSDP2 already reduced DTensor gradients; a plain gradient belongs to a module
+    kept whole on every rank, so its rank-local gradients must be averaged.
+    """
+    plain = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+    if world_size == 1 or not plain or not dist.is_initialized():
+        return
+    flat = torch.cat([g.reshape(-1) for g in plain])  # one collective, not one per tensor
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world_size
+    offset = 0
+    for grad in plain:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def clip_global_norm(params: list[torch.Tensor], *, max_norm: float) -> torch.Tensor:
+    """L2 norm over all gradients of all ranks; scale them down to ``max_norm`` if larger.
+
+    Returns the norm before clipping as a plain local tensor (no host sync).
+    Sharded (DTensor) gradients contribute their squared local shards, summed
+    over their mesh; replicated plain gradients count once.
+    """
+    grads = [p.grad for p in params]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.zeros((), device=device, dtype=torch.float32)
+    if sharded:
+        by_mesh: dict[int, list[DTensor]] = {}
+        for g in sharded:
+            by_mesh.setdefault(id(g.device_mesh), []).append(g)
+        for group in by_mesh.values():
+            local = torch.stack([g.to_local().float().pow(2).sum() for g in group]).sum()
+            mesh = group[0].device_mesh
+            # Shard placements: sum the squares over the mesh. HSDP's replicate
+            # dimension holds copies, so sum only over the shard dimension.
+            shard_dims = [i for i, p in enumerate(group[0].placements) if p.is_shard()]
+            for dim in shard_dims:
+                dist.all_reduce(local, group=mesh.get_group(dim))
+            total_sq = total_sq + local
+    if plain:
+        total_sq = total_sq + torch.stack([g.float().pow(2).sum() for g in plain]).sum()
+    norm = total_sq.sqrt()
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(scale.to(g.dtype if not isinstance(g, DTensor) else g.to_local().dtype))
+    return norm
