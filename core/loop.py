@@ -16,6 +16,7 @@ import os
 import pathlib
 import sys
 import time
+import warnings
 from typing import Any
 
 import attrs
@@ -126,7 +127,10 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
             for mb in micro_batches:
                 batch = {k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()}
                 labels = batch.pop("labels")
-                with autocast:
+                with autocast, warnings.catch_warnings():
+                    # FSDP2 warns that the root returned a view (transformers slices
+                    # logits); the loss only reads it, never updates it in place.
+                    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
                     logits = model(**batch, use_cache=False).logits  # (B, S, V)
                 part = token_loss_sum(logits, labels)
                 # Gradient reductions average over all world_size ranks (FSDP and

@@ -1,32 +1,49 @@
-"""The run's one DeviceMesh (dp_replicate x dp_shard x ulysses x ring) and views of it."""
+"""The run's one DeviceMesh (dp_replicate x dp_shard x ulysses x ring) and the views hooks use."""
 
 from __future__ import annotations
 
+import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from weft.core.mesh_spec import DIMS, MeshSpec
 
 
-def build_device_mesh(spec: MeshSpec, *, device_type: str) -> DeviceMesh:
-    mesh = init_device_mesh(device_type, spec.shape, mesh_dim_names=DIMS)
-    # FSDP shards over dp_shard and the SP ranks together, so SP ranks never each
-    # hold a full replica; HSDP replicates across dp_replicate.
-    mesh[("dp_shard", "ulysses", "ring")]._flatten("fsdp")
-    mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-    return mesh
+@attrs.frozen(kw_only=True)
+class WeftMesh:
+    """The 4-D mesh plus the flattened views made from it, kept rather than re-sliced.
+
+    ``fsdp``: dp_shard x ulysses x ring flattened, so SP ranks share parameter
+    shards instead of each holding a replica. ``dp``: dp_replicate x dp_shard,
+    the ranks that see different data.
+    """
+
+    root: DeviceMesh
+    fsdp: DeviceMesh
+    dp: DeviceMesh
+    spec: MeshSpec
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.root[name]
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """1-D mesh for FSDP, or 2-D (replicate, shard) for HSDP."""
+        if self.spec.dp_replicate > 1:
+            # Slicing a flattened dim from the root warns in torch >= 2.11, but it is
+            # the one way to get a 2-D (replicate, fsdp) mesh from the 4-D one.
+            return self.root[("dp_replicate", "fsdp")]
+        return self.fsdp
+
+    def dp_rank(self) -> int:
+        """This rank's index among data-parallel replicas (SP ranks of one group share it)."""
+        return self.dp.get_local_rank()
 
 
-def fsdp_mesh(mesh: DeviceMesh, spec: MeshSpec) -> DeviceMesh:
-    """1-D mesh for FSDP, or 2-D (replicate, shard) for HSDP."""
-    if spec.dp_replicate > 1:
-        return mesh[("dp_replicate", "fsdp")]
-    return mesh["fsdp"]
-
-
-def dp_rank(mesh: DeviceMesh) -> int:
-    """This rank's index among data-parallel replicas (SP ranks of one group share it)."""
-    return mesh["dp"].get_local_rank()
+def build_device_mesh(spec: MeshSpec, *, device_type: str) -> WeftMesh:
+    root = init_device_mesh(device_type, spec.shape, mesh_dim_names=DIMS)
+    fsdp = root[("dp_shard", "ulysses", "ring")]._flatten("fsdp")
+    dp = root[("dp_replicate", "dp_shard")]._flatten("dp")
+    return WeftMesh(root=root, fsdp=fsdp, dp=dp, spec=spec)
 
 
 def device_for(kind: str, local_rank: int) -> torch.device:

@@ -30,7 +30,6 @@ def weft_batching(decision, recipe, plan, mesh, ctx):
 
 
 def _steps(params, recipe, plan, mesh, ctx):
-    from weft.core.mesh import dp_rank
     from weft.plugins.models.build import model_config
     from weft.strategies import datasets
     from weft.strategies.conversation import collate, load_processor
@@ -67,7 +66,7 @@ def _steps(params, recipe, plan, mesh, ctx):
         ctx.count("skipped_samples", too_long)
         ctx.log.warning("data.too_long", samples=too_long, micro_batch_tokens=budget, max_seq_len=recipe.train.seq_len)
     pad_id = tokenizer.pad_token_id
-    me = dp_rank(mesh)
+    me = mesh.dp_rank()
     step = 0
     epoch = 0
     while True:

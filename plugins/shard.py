@@ -7,7 +7,6 @@ from typing import Literal
 import attrs
 
 from weft.core.hookspecs import hookimpl
-from weft.core.mesh import fsdp_mesh
 from weft.core.registry import NoParams, Strategy
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -52,7 +51,7 @@ def weft_shard(model, plan, mesh, ctx):
             f"units {raise_mixed[:3]}... use fsdp2 but the root uses 'none'; FSDP2 needs the root sharded too "
             "(give the root module, path = \"\", shard = { strategy = \"fsdp2\" })"
         )
-    apply_fsdp2(groups=groups, root=model, root_group=ShardGroup(modules=(model,), **_policy(root.get("shard").params)), mesh=fsdp_mesh(mesh, plan.mesh))
+    apply_fsdp2(groups=groups, root=model, root_group=ShardGroup(modules=(model,), **_policy(root.get("shard").params)), mesh=mesh.fsdp_mesh())
     ctx.log.info("shard.fsdp2", units=len(groups), mesh=list(plan.mesh.shape))
     return None
 
