@@ -146,6 +146,7 @@ def _cmd_run(args) -> int:
     nproc = args.nproc or recipe.parallel.nproc
     # Everything a user can get wrong is checked here, before any process starts.
     plan_recipe(recipe, registry=pm.registry, world_size=nproc)
+    _check_inputs(recipe)
     run_dir = _run_dir(args, recipe)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.json").write_text(json.dumps({"source": recipe.source, "overrides": args.overrides, "recipe": recipe.raw}, indent=1, default=str))
@@ -160,6 +161,14 @@ def _cmd_run(args) -> int:
     if args.resume:
         child_args.append("--resume")
     return launch_local(nproc=nproc, args=child_args)
+
+
+def _check_inputs(recipe) -> None:
+    if recipe.data.source == "jsonl":
+        path = pathlib.Path(recipe.data.path)
+        path = path if path.is_absolute() else pathlib.Path(recipe.source).parent / path
+        if not path.is_file():
+            raise WeftError(f"data.path {str(path)!r} does not exist (paths are relative to the recipe)", where=f"{recipe.source} (data.path)")
 
 
 def _run_dir(args, recipe) -> pathlib.Path:

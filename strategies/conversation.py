@@ -1,0 +1,273 @@
+"""Qwen2.5-VL chat preprocessing: messages -> token ids, labels and image patches.
+
+Layout per message (what Qwen2.5-VL's chat template renders, minus its default
+system prompt):
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n
+
+where each image in `content` becomes
+`<|vision_start|>` + `<|image_pad|>` * n + `<|vision_end|>` with
+n = grid_t * grid_h * grid_w // merge_size**2, the number of features the vision
+tower's patch merger returns for it. Text between two special tokens is tokenized as
+one string, so `input_ids` equal what the tokenizer gives for the rendered text.
+
+Labels are aligned with input_ids (not shifted; transformers' loss shifts) and are
+-100 except on assistant content and the assistant's closing `<|im_end|>`, which the
+model must learn to emit to stop.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import io
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from PIL import Image
+
+IGNORE_INDEX = -100
+# Values of mm_token_type_ids, as transformers' Qwen2.5-VL processor writes them.
+TEXT_TYPE, IMAGE_TYPE = 0, 1
+
+_RECIPES_PACKAGE = "weft.recipes"
+_ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
+
+
+# eq=False: attrs' generated == would compare tensors elementwise and fail on bool().
+@attrs.frozen(kw_only=True, eq=False)
+class Sample:
+    """One tokenized conversation; tensors are on CPU."""
+
+    input_ids: torch.Tensor  # (S,) long
+    labels: torch.Tensor  # (S,) long, IGNORE_INDEX where no loss
+    pixel_values: torch.Tensor | None = None  # (N_patches, C*T*P*P) float
+    image_grid_thw: torch.Tensor | None = None  # (n_images, 3) long
+    # (S,) long: 0 text, 1 image. Qwen2.5-VL only builds its 3D (mRoPE) position ids
+    # when this is passed; without it image tokens silently get 1D text positions.
+    # May be omitted only for text-only samples, where it is all zeros.
+    mm_token_type_ids: torch.Tensor = attrs.field()
+
+    @mm_token_type_ids.default
+    def _text_only_types(self) -> torch.Tensor:
+        if self.image_grid_thw is not None:
+            raise ValueError("a Sample with images needs mm_token_type_ids")
+        return torch.zeros_like(self.input_ids)
+
+    def __attrs_post_init__(self) -> None:
+        if self.input_ids.ndim != 1 or self.labels.shape != self.input_ids.shape:
+            raise ValueError(f"input_ids {tuple(self.input_ids.shape)} / labels {tuple(self.labels.shape)} must be equal 1-D")
+        if self.mm_token_type_ids.shape != self.input_ids.shape:
+            raise ValueError("mm_token_type_ids must have the shape of input_ids")
+        if (self.pixel_values is None) != (self.image_grid_thw is None):
+            raise ValueError("pixel_values and image_grid_thw come together")
+        if self.image_grid_thw is not None:
+            n_patches = int(self.image_grid_thw.prod(-1).sum())
+            if self.pixel_values.shape[0] != n_patches:
+                raise ValueError(f"pixel_values has {self.pixel_values.shape[0]} rows, grids say {n_patches}")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_label_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+@attrs.frozen(kw_only=True)
+class _SpecialIds:
+    im_start: int
+    im_end: int
+    vision_start: int
+    vision_end: int
+    image_pad: int
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> _SpecialIds:
+        names = {
+            "im_start": "<|im_start|>",
+            "im_end": "<|im_end|>",
+            "vision_start": "<|vision_start|>",
+            "vision_end": "<|vision_end|>",
+            "image_pad": "<|image_pad|>",
+        }
+        ids = {}
+        for field, token in names.items():
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if token_id is None or token_id == tokenizer.unk_token_id:
+                raise ValueError(f"tokenizer has no {token}: not a Qwen2-VL style tokenizer")
+            ids[field] = token_id
+        return cls(**ids)
+
+
+def encode_conversation(
+    conversation_messages: Sequence[Mapping[str, Any]], *, tokenizer: Any, image_processor: Any
+) -> Sample:
+    """Tokenize one chat (transformers message format) into a training Sample.
+
+    `conversation_messages` may also be an object with a `.messages` attribute
+    (e.g. synthetic_vl.Conversation).
+    """
+    messages = getattr(conversation_messages, "messages", conversation_messages)
+    special = _SpecialIds.from_tokenizer(tokenizer)
+
+    images = [_to_rgb(_open_image(part)) for m in messages for part in _parts(m) if part["type"] == "image"]
+    pixel_values = image_grid_thw = None
+    pads_per_image: list[int] = []
+    if images:
+        processed = image_processor(images=images, return_tensors="pt")
+        pixel_values = processed["pixel_values"].to(torch.float32)  # (N_patches, C*T*P*P)
+        image_grid_thw = processed["image_grid_thw"].to(torch.long)  # (n_images, 3)
+        merge = int(image_processor.merge_size)
+        pads_per_image = [int(n) // merge**2 for n in image_grid_thw.prod(-1)]
+
+    ids: list[int] = []
+    train: list[bool] = []
+    types: list[int] = []
+
+    def add_special(token_id: int, *, trained: bool = False, type_id: int = TEXT_TYPE) -> None:
+        ids.append(token_id)
+        train.append(trained)
+        types.append(type_id)
+
+    def add_text(text: str, *, train_from: int | None) -> None:
+        # train_from: char offset from which tokens get labels (None: no labels).
+        if not text:
+            return
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        for token_id, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]):
+            ids.append(token_id)
+            # A token that ends past the boundary carries trained text: label it.
+            train.append(train_from is not None and end > train_from)
+            types.append(TEXT_TYPE)
+
+    image_iter = iter(pads_per_image)
+    for message in messages:
+        role = message["role"]
+        is_assistant = role == "assistant"
+        header = f"{role}\n"
+        add_special(special.im_start)
+        # The header and the text after it sit between the same two specials, so they
+        # are tokenized together (as in the rendered string); labels start after it.
+        text, train_from = header, (len(header) if is_assistant else None)
+        for part in _parts(message):
+            if part["type"] == "text":
+                text += part["text"]
+            elif part["type"] == "image":
+                add_text(text, train_from=train_from)
+                text, train_from = "", (0 if is_assistant else None)
+                add_special(special.vision_start)
+                for _ in range(next(image_iter)):
+                    add_special(special.image_pad, type_id=IMAGE_TYPE)
+                add_special(special.vision_end)
+            else:
+                raise ValueError(f"unsupported content type {part['type']!r} (text and image only)")
+        add_text(text, train_from=train_from)
+        add_special(special.im_end, trained=is_assistant)
+        add_text("\n", train_from=None)
+
+    input_ids = torch.tensor(ids, dtype=torch.long)  # (S,)
+    labels = torch.where(torch.tensor(train, dtype=torch.bool), input_ids, IGNORE_INDEX)  # (S,)
+    return Sample(
+        input_ids=input_ids,
+        labels=labels,
+        pixel_values=pixel_values,
+        image_grid_thw=image_grid_thw,
+        mm_token_type_ids=torch.tensor(types, dtype=torch.long),
+    )
+
+
+def collate(samples: Sequence[Sample], *, pad_id: int, pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad a batch. Keys: input_ids, attention_mask, labels (B, S); only if some
+    sample has images also mm_token_type_ids (B, S), pixel_values (sum N_patches, D) and
+    image_grid_thw (n_images, 3), so a text-only batch also suits text-only models.
+    `pad_to_multiple_of` rounds S up (e.g. for sequence-parallel sharding)."""
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    longest = max(s.num_tokens for s in samples)
+    seq_len = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    batch = len(samples)
+    input_ids = torch.full((batch, seq_len), pad_id, dtype=torch.long)  # (B, S)
+    attention_mask = torch.zeros((batch, seq_len), dtype=torch.long)  # (B, S)
+    labels = torch.full((batch, seq_len), IGNORE_INDEX, dtype=torch.long)  # (B, S)
+    mm_token_type_ids = torch.zeros((batch, seq_len), dtype=torch.long)  # (B, S)
+    for row, s in enumerate(samples):
+        n = s.num_tokens
+        input_ids[row, :n] = s.input_ids
+        attention_mask[row, :n] = 1
+        labels[row, :n] = s.labels
+        mm_token_type_ids[row, :n] = s.mm_token_type_ids
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    # Images are concatenated in sample order: the model scatters image features into
+    # the image-pad positions in row-major (batch, sequence) order, which matches.
+    with_images = [s for s in samples if s.pixel_values is not None]
+    if with_images:
+        out["mm_token_type_ids"] = mm_token_type_ids
+        out["pixel_values"] = torch.cat([s.pixel_values for s in with_images])  # (sum N_patches, D)
+        out["image_grid_thw"] = torch.cat([s.image_grid_thw for s in with_images])  # (n_images, 3)
+    return out
+
+
+def load_processor(path_or_bundled_name: str | os.PathLike[str], *, backend: str | None = "pil") -> tuple[Any, Any]:
+    """(tokenizer, image_processor) from a processor folder.
+
+    A bare name such as "tiny_vl" means the folder shipped in `weft.recipes`; a path
+    (anything with a separator, or a PathLike) is used as is. `backend="pil"` by default
+    so pixel values do not depend on whether torchvision happens to be installed.
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    text = os.fspath(path_or_bundled_name)
+    is_bare_name = not isinstance(path_or_bundled_name, os.PathLike) and os.sep not in text and "/" not in text
+    if is_bare_name:
+        resource = importlib.resources.files(_RECIPES_PACKAGE) / text
+        if resource.is_dir():
+            # as_file gives a real directory even if the package is zipped.
+            with importlib.resources.as_file(resource) as folder:
+                return _load_from(folder, backend, AutoTokenizer, AutoImageProcessor)
+    folder = pathlib.Path(text)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no processor folder {text!r} (neither bundled in {_RECIPES_PACKAGE} nor on disk)")
+    return _load_from(folder, backend, AutoTokenizer, AutoImageProcessor)
+
+
+def _load_from(folder: pathlib.Path, backend: str | None, auto_tok: Any, auto_image: Any) -> tuple[Any, Any]:
+    tokenizer = auto_tok.from_pretrained(str(folder))
+    kwargs = {} if backend is None else {"backend": backend}
+    image_processor = auto_image.from_pretrained(str(folder), **kwargs)
+    return tokenizer, image_processor
+
+
+def _parts(message: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    content = message["content"]
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return list(content)
+
+
+def _open_image(part: Mapping[str, Any]) -> Image.Image:
+    source = part.get("image", part.get("path"))
+    if isinstance(source, Image.Image):
+        return source
+    if isinstance(source, (bytes, bytearray)):
+        return Image.open(io.BytesIO(source))
+    if isinstance(source, (str, os.PathLike)):
+        return Image.open(source)
+    raise TypeError(f"image part needs a PIL image, bytes or a path, got {type(source).__name__}")
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB for the image processor; transparent pixels become white (as a viewer shows
+    them), rather than whatever colour happens to sit under alpha 0."""
+    if image.mode == "RGB":
+        return image
+    has_alpha = image.mode in _ALPHA_MODES or (image.mode == "P" and "transparency" in image.info)
+    if not has_alpha:
+        return image.convert("RGB")  # L, P, CMYK, YCbCr, 1, ...
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")

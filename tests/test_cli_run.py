@@ -1,0 +1,97 @@
+"""`weft run` end to end: the embedded default on 2 gloo ranks, the run directory, resume."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny-vl.toml"
+
+
+def weft(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "weft", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def read_metrics(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> pathlib.Path:
+    run_dir = tmp_path_factory.mktemp("run") / "tiny"
+    done = weft("run", str(TINY), "--set", "train.max_steps=12", "--set", "train.checkpoint_every=6", "--run-dir", str(run_dir), cwd=run_dir.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run_dir
+
+
+def test_run_writes_the_run_directory(tiny_run):
+    for name in ("metrics.jsonl", "summary.json", "log.jsonl", "recipe.json", "plan.json"):
+        assert (tiny_run / name).is_file(), name
+    rows = read_metrics(tiny_run)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    for row in rows:
+        assert {"step", "loss", "tokens", "tokens_per_s", "lr", "grad_norm"} <= row.keys()
+        assert row["tokens"] > 0 and row["tokens_per_s"] > 0
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    assert {"steps", "final_loss", "tokens", "tokens_per_s", "skipped_samples", "wall_s"} <= summary.keys()
+    assert summary["steps"] == 12 and summary["world_size"] == 2
+    assert summary["tokens"] == sum(r["tokens"] for r in rows)
+    events = [json.loads(line)["event"] for line in (tiny_run / "log.jsonl").read_text().splitlines()]
+    assert "run.start" in events and "run.end" in events and "shard.fsdp2" in events
+    assert (tiny_run / "logs" / "rank-1.jsonl").is_file()
+
+
+def test_run_loss_falls(tiny_run):
+    losses = [r["loss"] for r in read_metrics(tiny_run)]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_run_keeps_checkpoints(tiny_run):
+    names = sorted(p.name for p in (tiny_run / "checkpoints").iterdir())
+    assert names == ["step-12", "step-6"]
+
+
+def test_resume_continues_from_newest_checkpoint(tiny_run, tmp_path):
+    done = weft("run", str(TINY), "--set", "train.max_steps=14", "--run-dir", str(tiny_run), "--resume", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = read_metrics(tiny_run)
+    assert [r["step"] for r in rows][-2:] == [13, 14]
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    assert summary["start_step"] == 12
+
+
+def test_resume_without_checkpoint_is_a_user_error(tmp_path):
+    done = weft("run", str(TINY), "--nproc", "1", "--run-dir", str(tmp_path / "empty"), "--resume", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "no checkpoint" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_missing_data_file_fails_before_launch(tmp_path):
+    done = weft("run", str(TINY), "--set", "data.source='jsonl'", "--set", "data.path='nope.jsonl'", "--run-dir", str(tmp_path / "r"), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "data.path" in done.stderr and "nope.jsonl" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_plan_lists_every_attention_module_of_both_towers(tmp_path):
+    done = weft("plan", str(TINY), "--world-size", "4", "--explain", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for path in ("model.visual.blocks.0.attn", "model.visual.blocks.1.attn", "model.language_model.layers.0.self_attn", "model.language_model.layers.1.self_attn"):
+        rows = [line for line in lines if path + " " in line and "attention" in line]
+        assert rows, path
+        assert "sdpa" in rows[0] and "defaults.toml:" in rows[0]
+    assert "dp_shard=4" in done.stdout
+
+
+def test_plan_json_is_parseable(tmp_path):
+    done = weft("plan", str(TINY), "--world-size", "2", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["mesh"]["dp_shard"] == 2
+    vision = [m for m in plan["modules"] if m["modality"] == "vision" and m["kind"] == "attention"]
+    assert len(vision) == 2 and all(m["decisions"]["attention"]["strategy"] == "sdpa" for m in vision)
