@@ -1,0 +1,145 @@
+"""Attention block kernels that return the log-sum-exp, for ring attention's merges.
+
+Every kernel has the same two functions, on SDPA's layout:
+
+    forward(q, k, v, *, causal, scale) -> (out (B, H, Sq, D), lse (B, H, Sq) float32+)
+    backward(dout, q, k, v, out, lse, *, causal, scale) -> (dq, dk, dv)
+
+``backward`` takes the *final* out and lse of the whole row (after every ring
+step merged), which is what makes per-block gradients exact: P = exp(S - lse)
+is then the true softmax and D = rowsum(dO * O) the true correction term.
+k and v carry as many heads as q; GQA expansion happens in the caller. With
+``causal`` the block is square and lies on the diagonal.
+
+Backends: ``math`` (any device and dtype; the float64 reference), ``cpu_flash``
+(torch's fused CPU op), ``cudnn`` and ``flash`` (torch's CUDA SDPA ops; cuDNN
+is the fastest on Hopper), ``flash_attn`` (the optional package).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class BlockKernel:
+    name: str
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    # True where attention is allowed; the diagonal block is square (sq == sk).
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+
+
+def _math_forward(q, k, v, *, causal, scale):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
+    if causal:
+        s = s.masked_fill(~_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return torch.matmul(p, v.to(acc)).to(q.dtype), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, *, causal, scale):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    q_, k_, v_, do = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+    s = torch.matmul(q_, k_.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))  # (B, H, Sq, Sk)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, v_.transpose(-1, -2))
+    delta = (do * out.to(acc)).sum(dim=-1, keepdim=True)  # (B, H, Sq, 1)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, k_) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q_) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _cpu_flash_forward(q, k, v, *, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.to(torch.promote_types(lse.dtype, torch.float32))
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, *, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse.to(q.dtype if q.dtype == torch.float64 else torch.float32), 0.0, causal, scale=scale
+    )
+
+
+def _cudnn_forward(q, k, v, *, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+    return out, _lse3(lse)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, *, causal, scale):
+    empty = torch.empty(0, device=q.device)
+    seed = torch.empty(0, dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.float().unsqueeze(-1).contiguous(),  # cuDNN keeps (B, H, S, 1)
+        seed, seed, empty, empty, empty, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+    )
+
+
+def _flash_forward(q, k, v, *, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out, _lse3(lse)
+
+
+def _flash_backward(dout, q, k, v, out, lse, *, causal, scale):
+    empty = torch.empty(0, device=q.device)
+    seed = torch.empty(2, dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), empty, empty, q.shape[2], k.shape[2], 0.0, causal, seed, seed, scale=scale,
+    )
+
+
+def _lse3(lse: torch.Tensor) -> torch.Tensor:
+    # cuDNN returns (B, H, S, 1); the merges work on (B, H, S).
+    return (lse.squeeze(-1) if lse.dim() == 4 else lse).float()
+
+
+def _flash_attn_forward(q, k, v, *, causal, scale):
+    from flash_attn.flash_attn_interface import _flash_attn_forward as fwd  # optional extra
+
+    out, lse, *_ = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, causal, -1, -1, 0.0, None, False)
+    return out.transpose(1, 2), lse
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, *, causal, scale):
+    from flash_attn.flash_attn_interface import _flash_attn_backward as bwd
+
+    t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731 - (B, H, S, D) -> (B, S, H, D)
+    dq, dk, dv = torch.empty_like(t(q)), torch.empty_like(t(k)), torch.empty_like(t(v))
+    bwd(t(dout), t(q), t(k), t(v), t(out), lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, False)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+KERNELS: dict[str, BlockKernel] = {
+    "math": BlockKernel("math", _math_forward, _math_backward),
+    "cpu_flash": BlockKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward),
+    "cudnn": BlockKernel("cudnn", _cudnn_forward, _cudnn_backward),
+    "flash": BlockKernel("flash", _flash_forward, _flash_backward),
+    "flash_attn": BlockKernel("flash_attn", _flash_attn_forward, _flash_attn_backward),
+}
+BACKENDS: tuple[str, ...] = ("auto", *KERNELS)
+
+
+def select_kernel(backend: str, *, device: torch.device, dtype: torch.dtype, head_dim: int) -> BlockKernel:
+    """``auto``: cuDNN on CUDA for bf16/fp16 (head_dim <= 128), else torch's flash op;
+    torch's fused CPU op on CPU; the math kernel for float64 on CUDA."""
+    if backend != "auto":
+        if backend not in KERNELS:
+            raise ValueError(f"unknown attention backend {backend!r}; accepted: {', '.join(BACKENDS)}")
+        return KERNELS[backend]
+    if device.type == "cuda":
+        if dtype in (torch.bfloat16, torch.float16):
+            return KERNELS["cudnn"] if head_dim <= 128 else KERNELS["flash"]
+        return KERNELS["math"]
+    return KERNELS["cpu_flash"]

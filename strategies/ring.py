@@ -1,0 +1,204 @@
+"""Ring attention: K/V blocks travel around the ring while each rank merges partial outputs.
+
+Forward: at step i a rank attends its queries to the K/V block that started on
+rank (r - i) mod W, while the next block is already in flight (async send/recv
+overlapped with the block's compute). Partial outputs are merged in float32
+(float64 for float64 inputs) with the log-sum-exp update
+``lse' = logaddexp(lse, l); out' = out * exp(lse - lse') + o * exp(l - lse')``.
+Backward runs its own ring: K/V travel again, and a dK/dV buffer travels with
+them collecting every rank's contribution, arriving home after W hops.
+
+Layouts (see ``sequence_shard``): ``zigzag`` gives each rank chunks r and
+2W-1-r, so under a causal mask every step costs every rank the same; with
+``contiguous`` the ranks late in the sequence do more work.
+GQA: K/V travel with their own (fewer) heads and are expanded per block;
+their gradients are summed back over each head group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from weft.strategies.block_kernels import BlockKernel, select_kernel
+from weft.strategies.sequence_shard import LAYOUTS
+
+_ALL = slice(None)
+
+
+@attrs.frozen
+class Block:
+    """One ring step's work for one rank: query rows x key rows of the local tensors."""
+
+    q: slice
+    kv: slice
+    causal: bool
+
+
+def block_for(*, rank: int, src: int, world: int, layout: str, causal: bool, local_len: int) -> Block | None:
+    """What rank ``rank`` computes against the K/V block that started on rank ``src``.
+
+    None: nothing (a contiguous-layout block entirely in the future).
+    """
+    if not causal:
+        return Block(_ALL, _ALL, False)
+    if src == rank:
+        return Block(_ALL, _ALL, True)  # own chunks: positions increase, so plain causal is exact
+    if layout == "contiguous":
+        return Block(_ALL, _ALL, False) if src < rank else None
+    half = local_len // 2
+    if src < rank:
+        # Chunks src and 2W-1-src; only chunk src lies before both of ours.
+        return Block(_ALL, slice(0, half), False)
+    # src > rank: both K/V chunks lie before our tail chunk 2W-1-r, after our head chunk r.
+    return Block(slice(half, None), _ALL, False)
+
+
+class _Ring:
+    """Neighbour exchange on one process group."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
+
+    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Send to the next rank and receive from the previous one, asynchronously."""
+        recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # (B, KV, S, D) -> (B, KV * groups, S, D); query head h uses KV head h // groups.
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _reduce(dx: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return dx
+    b, h, s, d = dx.shape
+    return dx.view(b, h // groups, groups, s, d).sum(dim=2)
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's (out, lse) into the running (out, lse) in place."""
+    new = torch.logaddexp(lse, block_lse.to(lse.dtype))
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out.to(out.dtype) * torch.exp(block_lse.to(lse.dtype) - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _forward(q, k, v, *, ring: _Ring, causal: bool, scale: float, layout: str, kernel: BlockKernel):
+    b, h, s, d = q.shape  # (B, H, S_local, D)
+    groups = h // k.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(b, h, s, v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+    kv = torch.stack([k, v])  # (2, B, KV, S_local, D): one message per step
+    for step in range(ring.world):
+        if step + 1 < ring.world:
+            incoming, works = ring.exchange(kv)
+        block = block_for(rank=ring.rank, src=(ring.rank - step) % ring.world, world=ring.world, layout=layout, causal=causal, local_len=s)
+        if block is not None:
+            qb = q[:, :, block.q].contiguous()
+            kb = _expand(kv[0][:, :, block.kv], groups).contiguous()
+            vb = _expand(kv[1][:, :, block.kv], groups).contiguous()
+            block_out, block_lse = kernel.forward(qb, kb, vb, causal=block.causal, scale=scale)
+            merge_block(out[:, :, block.q], lse[:, :, block.q], block_out, block_lse)
+        if step + 1 < ring.world:
+            _wait(works)
+            kv = incoming
+    return out.to(q.dtype), lse
+
+
+def _backward(dout, q, k, v, out, lse, *, ring: _Ring, causal: bool, scale: float, layout: str, kernel: BlockKernel):
+    s = q.shape[2]
+    groups = q.shape[1] // k.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = torch.stack([k, v])
+    travelling = None  # (recv buffer, works): the dK/dV buffer arriving from the previous rank
+    for step in range(ring.world):
+        if step + 1 < ring.world:
+            incoming, works = ring.exchange(kv)
+        block = block_for(rank=ring.rank, src=(ring.rank - step) % ring.world, world=ring.world, layout=layout, causal=causal, local_len=s)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this block's gradient, (2, B, KV, S, D)
+        if block is not None:
+            dq_b, dk_b, dv_b = kernel.backward(
+                dout[:, :, block.q].contiguous(), q[:, :, block.q].contiguous(),
+                _expand(kv[0][:, :, block.kv], groups).contiguous(), _expand(kv[1][:, :, block.kv], groups).contiguous(),
+                out[:, :, block.q].contiguous(), lse[:, :, block.q].contiguous(), causal=block.causal, scale=scale,
+            )
+            dq[:, :, block.q] += dq_b
+            dkv[0][:, :, block.kv] += _reduce(dk_b, groups)
+            dkv[1][:, :, block.kv] += _reduce(dv_b, groups)
+        if travelling is not None:
+            _wait(travelling[1])
+            dkv += travelling[0]
+        # Pass the block's gradient on with the block; after W hops it is home.
+        travelling = ring.exchange(dkv) if ring.world > 1 else (dkv, [])
+        if step + 1 < ring.world:
+            _wait(works)
+            kv = incoming
+    _wait(travelling[1])
+    dkv = travelling[0]
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, layout, backend):
+        ring = _Ring(group)
+        kernel = select_kernel(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
+        out, lse = _forward(q, k, v, ring=ring, causal=causal, scale=scale, layout=layout, kernel=kernel)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.config = (ring, causal, scale, layout, kernel)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, causal, scale, layout, kernel = ctx.config
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ring=ring, causal=causal, scale=scale, layout=layout, kernel=kernel)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    layout: str = "zigzag",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact attention over a sequence split across ``group``'s ranks.
+
+    q: (B, H, S_local, D); k, v: (B, KV, S_local, D) with H % KV == 0 (GQA);
+    this rank's part of the sequence in ``layout`` (see ``sequence_shard``).
+    Returns (B, H, S_local, D) in q's dtype. Differentiable (own backward ring).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown ring layout {layout!r}; accepted: {', '.join(LAYOUTS)}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"ring_attention takes (batch, heads, seq, head_dim) tensors, got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}, {v.shape[1]})")
+    if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
+        raise ValueError(f"q, k, v must hold the same local sequence length, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
+    if causal and layout == "zigzag" and q.shape[2] % 2:
+        raise ValueError(f"zigzag layout: the local sequence holds two equal chunks, so its length must be even; got {q.shape[2]}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _RingAttention.apply(q, k, v, group, causal, scale, layout, backend)

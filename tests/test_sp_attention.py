@@ -1,0 +1,155 @@
+"""Ring, Ulysses and USP attention equal full attention: outputs and q/k/v gradients, on gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distributed import run_ranks
+from weft.strategies.ring import ring_attention
+from weft.strategies.sequence_shard import sequence_index, shard_sequence, unshard_sequence, usp_shard, usp_unshard
+from weft.strategies.ulysses import ulysses_attention
+from weft.strategies.usp import usp_attention
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def make_inputs(*, batch, heads, kv_heads, seq, head_dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq, head_dim, generator=g, dtype=dtype)
+    k = torch.randn(batch, kv_heads, seq, head_dim, generator=g, dtype=dtype)
+    v = torch.randn(batch, kv_heads, seq, head_dim, generator=g, dtype=dtype)
+    dout = torch.randn(batch, heads, seq, head_dim, generator=g, dtype=dtype)
+    return q, k, v, dout
+
+
+def reference(q, k, v, dout, *, causal):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def check_case(case: dict, *, shard, run) -> None:
+    """Shard inputs with ``shard``, attend with ``run``, compare to the full reference on this rank's part."""
+    dtype = case["dtype"]
+    q, k, v, dout = make_inputs(**{k: case[k] for k in ("batch", "heads", "kv_heads", "seq", "head_dim", "dtype")}, seed=case.get("seed", 0))
+    want = reference(q, k, v, dout, causal=case["causal"])
+    local = [shard(t).clone().requires_grad_() for t in (q, k, v)]
+    out = run(*local)
+    out.backward(shard(dout))
+    got = (out.detach(), local[0].grad, local[1].grad, local[2].grad)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        err = rel_err(g, shard(w))
+        assert err <= TOLERANCE[dtype], f"{case['name']}: {name} relative error {err:.3g} > {TOLERANCE[dtype]:g} ({dtype})"
+
+
+def _cases(world: int) -> list[dict]:
+    cases = []
+    for dtype in (torch.float32, torch.float64):
+        for causal in (True, False):
+            base = dict(batch=2, heads=8, kv_heads=8, seq=16 * world, head_dim=80, dtype=dtype, causal=causal)
+            cases.append(dict(base, name=f"ring-zigzag-{dtype}-causal{causal}", kind="ring", layout="zigzag"))
+            cases.append(dict(base, name=f"ring-contiguous-{dtype}-causal{causal}", kind="ring", layout="contiguous"))
+            cases.append(dict(base, name=f"ulysses-{dtype}-causal{causal}", kind="ulysses"))
+            # GQA: 8 query heads, 2 KV heads: replicated when the degree exceeds them.
+            cases.append(dict(base, kv_heads=2, name=f"ulysses-gqa-{dtype}-causal{causal}", kind="ulysses"))
+            cases.append(dict(base, kv_heads=2, name=f"ring-gqa-{dtype}-causal{causal}", kind="ring", layout="zigzag"))
+    cases.append(dict(batch=2, heads=8, kv_heads=8, seq=16 * world, head_dim=80, dtype=torch.float64, causal=True, name="ring-math-backend", kind="ring", layout="zigzag", backend="math"))
+    return cases
+
+
+def _worker_1d(rank: int, world: int) -> None:
+    for case in _cases(world):
+        if case["kind"] == "ring":
+            layout = case["layout"]
+
+            def shard(t, layout=layout):
+                return shard_sequence(t, dim=2, rank=rank, world=world, layout=layout)
+
+            def run(q, k, v, case=case):
+                return ring_attention(q, k, v, causal=case["causal"], layout=case["layout"], backend=case.get("backend", "auto"))
+        else:
+
+            def shard(t):
+                return shard_sequence(t, dim=2, rank=rank, world=world, layout="contiguous")
+
+            def run(q, k, v, case=case):
+                return ulysses_attention(q, k, v, causal=case["causal"])
+
+        check_case(case, shard=shard, run=run)
+
+
+def _worker_usp(rank: int, world: int, ulysses: int, ring: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+    ring_rank, ulysses_rank = mesh["ring"].get_local_rank(), mesh["ulysses"].get_local_rank()
+    for dtype in (torch.float32, torch.float64):
+        for causal in (True, False):
+            for kv_heads in (8, 2):
+                case = dict(batch=2, heads=8, kv_heads=kv_heads, seq=32, head_dim=80, dtype=dtype, causal=causal, name=f"usp-u{ulysses}r{ring}-{dtype}-causal{causal}-kv{kv_heads}")
+
+                def shard(t):
+                    return usp_shard(t, dim=2, ring_rank=ring_rank, ring=ring, ulysses_rank=ulysses_rank, ulysses=ulysses, layout="zigzag")
+
+                def run(q, k, v, causal=causal):
+                    return usp_attention(q, k, v, ulysses_group=mesh["ulysses"].get_group(), ring_group=mesh["ring"].get_group(), causal=causal)
+
+                check_case(case, shard=shard, run=run)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_and_ulysses_equal_full_attention(world):
+    run_ranks(world, _worker_1d)
+
+
+def test_usp_ulysses2_ring2_equals_full_attention():
+    run_ranks(4, _worker_usp, 2, 2)
+
+
+def _worker_errors(rank: int, world: int) -> None:
+    q = torch.randn(1, 4, 5, 16)
+    with pytest.raises(ValueError, match="must be even"):
+        ring_attention(q, q, q, causal=True, layout="zigzag")
+    with pytest.raises(ValueError, match="does not divide the 6 query heads"):
+        ulysses_attention(torch.randn(1, 6, 4, 16), torch.randn(1, 6, 4, 16), torch.randn(1, 6, 4, 16))
+    with pytest.raises(ValueError, match="one must divide the other"):
+        ulysses_attention(torch.randn(1, 12, 4, 16), torch.randn(1, 3, 4, 16), torch.randn(1, 3, 4, 16))
+
+
+def test_bad_shapes_are_clear_errors():
+    run_ranks(4, _worker_errors)
+
+
+def test_sequence_not_divisible_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"length 30 is not divisible by 8 .*pad it by 2 to 32"):
+        shard_sequence(torch.zeros(30), dim=0, rank=0, world=4, layout="zigzag")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_and_unshard_are_exact_inverses(layout, world):
+    x = torch.randn(2, 3, 24 * world, 5)
+    parts = [shard_sequence(x, dim=2, rank=r, world=world, layout=layout) for r in range(world)]
+    assert torch.equal(unshard_sequence(parts, dim=2, layout=layout), x)
+    assert sum(p.shape[2] for p in parts) == x.shape[2]
+    index = torch.cat([sequence_index(x.shape[2], rank=r, world=world, layout=layout) for r in range(world)])
+    assert sorted(index.tolist()) == list(range(x.shape[2]))
+
+
+def test_zigzag_gives_each_rank_a_head_and_a_tail_chunk():
+    assert sequence_index(8, rank=0, world=2, layout="zigzag").tolist() == [0, 1, 6, 7]
+    assert sequence_index(8, rank=1, world=2, layout="zigzag").tolist() == [2, 3, 4, 5]
+
+
+def test_usp_shard_round_trip():
+    x = torch.randn(1, 2, 32, 4)
+    parts = [[usp_shard(x, dim=2, ring_rank=r, ring=2, ulysses_rank=u, ulysses=2, layout="zigzag") for u in range(2)] for r in range(2)]
+    assert torch.equal(usp_unshard(parts, dim=2, layout="zigzag"), x)
