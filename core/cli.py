@@ -145,8 +145,9 @@ def _cmd_run(args) -> int:
         return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
     nproc = args.nproc or recipe.parallel.nproc
     # Everything a user can get wrong is checked here, before any process starts.
-    plan_recipe(recipe, registry=pm.registry, world_size=nproc)
+    plan, _ = plan_recipe(recipe, registry=pm.registry, world_size=nproc)
     _check_inputs(recipe)
+    _check_runnable(plan, recipe)
     run_dir = _run_dir(args, recipe)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.json").write_text(json.dumps({"source": recipe.source, "overrides": args.overrides, "recipe": recipe.raw}, indent=1, default=str))
@@ -169,6 +170,19 @@ def _check_inputs(recipe) -> None:
         path = path if path.is_absolute() else pathlib.Path(recipe.source).parent / path
         if not path.is_file():
             raise WeftError(f"data.path {str(path)!r} does not exist (paths are relative to the recipe)", where=f"{recipe.source} (data.path)")
+
+
+def _check_runnable(plan, recipe) -> None:
+    # The attention strategies are exact for split sequences (tests/test_sp_model.py), but the
+    # batching hook does not split VLM micro-batches over SP ranks yet (mRoPE ids, images):
+    # training now would silently attend to the wrong tokens, so refuse it.
+    if plan.mesh.sp > 1:
+        raise WeftError(
+            f"parallel.ulysses = {plan.mesh.ulysses} and parallel.ring = {plan.mesh.ring}: `weft run` does not split "
+            "micro-batches over sequence-parallel ranks yet; use ulysses = 1 and ring = 1 for training "
+            "(`weft plan` shows sequence-parallel plans, and weft.strategies.{ring,ulysses,usp} work on split tensors)",
+            where=f"{recipe.source} [parallel]",
+        )
 
 
 def _run_dir(args, recipe) -> pathlib.Path:

@@ -1,4 +1,4 @@
-"""The run's one DeviceMesh (dp_replicate x dp_shard x ulysses x ring) and the views hooks use."""
+"""The run's one DeviceMesh (dp_replicate x dp_shard x ring x ulysses) and the views hooks use."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from weft.core.mesh_spec import DIMS, MeshSpec
+from weft.core.mesh_spec import MeshSpec
 
 
 @attrs.frozen(kw_only=True)
@@ -39,9 +39,15 @@ class WeftMesh:
         return self.dp.get_local_rank()
 
 
+#: Mesh dims outermost first. Ulysses is innermost so its all-to-all runs between
+#: neighbouring ranks (one host); the ring's point-to-point steps span hosts.
+MESH_ORDER: tuple[str, ...] = ("dp_replicate", "dp_shard", "ring", "ulysses")
+
+
 def build_device_mesh(spec: MeshSpec, *, device_type: str) -> WeftMesh:
-    root = init_device_mesh(device_type, spec.shape, mesh_dim_names=DIMS)
-    fsdp = root[("dp_shard", "ulysses", "ring")]._flatten("fsdp")
+    shape = tuple(getattr(spec, dim) for dim in MESH_ORDER)
+    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
+    fsdp = root[("dp_shard", "ring", "ulysses")]._flatten("fsdp")
     dp = root[("dp_replicate", "dp_shard")]._flatten("dp")
     return WeftMesh(root=root, fsdp=fsdp, dp=dp, spec=spec)
 

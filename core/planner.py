@@ -24,7 +24,29 @@ def plan_recipe(recipe: Recipe, *, registry: Any, world_size: int, model: Any = 
     mesh = resolve_mesh(recipe.parallel, world_size=world_size, heads=text_heads(modules), where=f"{recipe.source} [parallel]")
     check_heads(modules, mesh, where=f"{recipe.source} [parallel]")
     plan = build_plan(recipe=recipe, modules=modules, registry=registry, mesh=mesh, world_size=world_size)
+    check_sequence_parallel(plan, registry, where=f"{recipe.source} [parallel]")
     return plan, model
+
+
+def check_sequence_parallel(plan: Plan, registry: Any, *, where: str) -> None:
+    """Text attention must span every sequence-parallel dim the mesh splits the sequence over."""
+    split = {dim for dim in ("ulysses", "ring") if getattr(plan.mesh, dim) > 1}
+    if not split:
+        return
+    for module in plan.modules_for("attention"):
+        if module.info.modality != "text":
+            continue
+        decision = module.get("attention")
+        spans = set(registry.get("attention", decision.strategy).sp_dims)
+        if not split <= spans:
+            degrees = ", ".join(f"{d}={getattr(plan.mesh, d)}" for d in sorted(split))
+            fitting = [s.name for s in registry.all() if s.point == "attention" and split <= set(s.sp_dims)]
+            raise PlanError(
+                f"the sequence is split over {degrees}, but {module.info.path} gets attention strategy "
+                f"{decision.strategy!r} (rule at {decision.source}), which spans {sorted(spans) or 'no sequence-parallel dims'}; "
+                f"strategies that fit: {', '.join(fitting)}",
+                where=where,
+            )
 
 
 def check_heads(modules: list[ModuleInfo], mesh: MeshSpec, *, where: str) -> None:

@@ -54,6 +54,7 @@ class WeftPluginManager(pluggy.PluginManager):
                         params=strategy.params,
                         summary=strategy.summary,
                         plugin=impl.plugin_name,
+                        sp_dims=strategy.sp_dims,
                     )
                 )
         return StrategyRegistry(declared)

@@ -27,6 +27,10 @@ class Strategy:
     params: type = NoParams
     summary: str = ""
     plugin: str = ""  # filled in by the registry: which plugin declared it
+    #: Attention strategies: the sequence-parallel mesh dims ("ulysses", "ring") the
+    #: strategy spans. Text attention must span every SP dim of degree > 1, or each
+    #: rank would attend only to its own part of the sequence.
+    sp_dims: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

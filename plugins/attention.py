@@ -1,9 +1,28 @@
-"""Attention hook: which function each attention module calls, via transformers' AttentionInterface."""
+"""Attention hook: which function each attention module calls, via transformers' AttentionInterface.
+
+``sdpa``/``eager`` are names transformers already knows. ``ring``, ``ulysses``
+and ``usp`` register a function bound to this run's process groups; ``auto``
+picks one of them from the mesh: sdpa without sequence parallelism, ring when
+only ring > 1, ulysses when only ulysses > 1, usp when both.
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
+import attrs
+
 from weft.core.hookspecs import hookimpl
 from weft.core.registry import AttentionBinding, NoParams, Strategy
+
+Layout = Literal["zigzag", "contiguous"]
+Backend = Literal["auto", "math", "cpu_flash", "cudnn", "flash", "flash_attn"]
+
+
+@attrs.frozen(kw_only=True)
+class RingParams:
+    layout: Layout = attrs.field(default="zigzag", metadata={"doc": "how the sequence is split over the ring ranks"})
+    backend: Backend = attrs.field(default="auto", metadata={"doc": "block kernel: auto = cuDNN on GPU, torch's fused op on CPU"})
 
 
 @hookimpl
@@ -11,12 +30,35 @@ def weft_strategies():
     return [
         Strategy(point="attention", name="sdpa", params=NoParams, summary="torch SDPA on the whole local sequence (no sequence parallelism)"),
         Strategy(point="attention", name="eager", params=NoParams, summary="transformers' eager attention (reference; slow)"),
+        Strategy(point="attention", name="ring", params=RingParams, summary="ring attention over the ring ranks, async K/V rotation, exact backward", sp_dims=("ring",)),
+        Strategy(point="attention", name="ulysses", params=NoParams, summary="head/sequence all-to-all over the Ulysses ranks; KV heads replicated when fewer than the degree", sp_dims=("ulysses",)),
+        Strategy(point="attention", name="usp", params=RingParams, summary="Ulysses inside, ring outside (2-D)", sp_dims=("ulysses", "ring")),
+        Strategy(point="attention", name="auto", params=RingParams, summary="sdpa, ring, ulysses or usp from the mesh's ulysses and ring degrees", sp_dims=("ulysses", "ring")),
     ]
+
+
+def resolve_auto(strategy: str, *, ulysses: int, ring: int) -> str:
+    if strategy != "auto":
+        return strategy
+    if ulysses > 1 and ring > 1:
+        return "usp"
+    return "ulysses" if ulysses > 1 else "ring" if ring > 1 else "sdpa"
 
 
 @hookimpl
 def weft_attention(decision, module_path, plan, mesh, ctx):
-    if decision.strategy in ("sdpa", "eager"):
+    strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring)
+    if strategy in ("sdpa", "eager"):
         # Names transformers already registers: nothing to add to the interface.
-        return AttentionBinding(name=decision.strategy)
-    return None
+        return AttentionBinding(name=strategy)
+    if strategy not in ("ring", "ulysses", "usp"):
+        return None
+    from weft.strategies.hf_attention import make_attention_function
+
+    params = decision.params if isinstance(decision.params, RingParams) else RingParams()
+    fn = make_attention_function(
+        strategy=strategy, layout=params.layout, backend=params.backend,
+        ulysses_group=mesh["ulysses"].get_group(), ring_group=mesh["ring"].get_group(),
+    )
+    # Never "flash" in the name: transformers would switch to its varlen calling convention.
+    return AttentionBinding(name=f"weft_{strategy}_{params.layout}_{params.backend}_{id(mesh):x}", fn=fn)

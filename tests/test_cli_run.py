@@ -84,7 +84,8 @@ def test_plan_lists_every_attention_module_of_both_towers(tmp_path):
     for path in ("model.visual.blocks.0.attn", "model.visual.blocks.1.attn", "model.language_model.layers.0.self_attn", "model.language_model.layers.1.self_attn"):
         rows = [line for line in lines if path + " " in line and "attention" in line]
         assert rows, path
-        assert "sdpa" in rows[0] and "defaults.toml:" in rows[0]
+        # Vision: whole images, local SDPA; text: chosen from the mesh ("auto").
+        assert ("sdpa" if "visual" in path else "auto") in rows[0] and "defaults.toml:" in rows[0]
     assert "dp_shard=4" in done.stdout
 
 
@@ -95,3 +96,8 @@ def test_plan_json_is_parseable(tmp_path):
     assert plan["mesh"]["dp_shard"] == 2
     vision = [m for m in plan["modules"] if m["modality"] == "vision" and m["kind"] == "attention"]
     assert len(vision) == 2 and all(m["decisions"]["attention"]["strategy"] == "sdpa" for m in vision)
+
+
+def test_run_refuses_sequence_parallel_until_batching_splits(tmp_path):
+    done = weft("run", str(TINY), "--nproc", "4", "--set", "parallel.ulysses=2", "--run-dir", str(tmp_path / "r"), cwd=tmp_path)
+    assert done.returncode == 2 and "does not split" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,37 @@
+"""Adapt weft's sequence-parallel attention to transformers' attention-function signature.
+
+transformers calls ``fn(module, query, key, value, attention_mask, dropout=, scaling=, **kw)``
+with (B, H, S, D) tensors and expects ((B, S, H, D), weights). The local
+sequence is this rank's part, in the layout the batching produced; the padding
+mask is not used (padding sits at the end of causal sequences and is masked out
+of the loss; packed documents arrive with their own kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+from weft.strategies.ring import ring_attention
+from weft.strategies.ulysses import ulysses_attention
+from weft.strategies.usp import usp_attention
+
+
+def make_attention_function(*, strategy: str, layout: str, backend: str, ulysses_group: Any, ring_group: Any) -> Callable:
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+        if dropout:
+            raise ValueError(f"{strategy} attention does not implement attention dropout (module {type(module).__name__}, dropout={dropout})")
+        if kwargs.get("sliding_window"):
+            raise ValueError(f"{strategy} attention does not implement sliding-window attention (module {type(module).__name__})")
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if strategy == "ring":
+            out = ring_attention(query, key, value, group=ring_group, causal=causal, scale=scaling, layout=layout, backend=backend)
+        elif strategy == "ulysses":
+            out = ulysses_attention(query, key, value, group=ulysses_group, causal=causal, scale=scaling)
+        else:
+            out = usp_attention(query, key, value, ulysses_group=ulysses_group, ring_group=ring_group, causal=causal, scale=scaling, layout=layout, backend=backend)
+        return out.transpose(1, 2).contiguous(), None  # (B, S_local, H, D)
+
+    return attention
+
+
