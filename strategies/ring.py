@@ -92,29 +92,58 @@ def _reduce(dx: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold one block's (out, lse) into the running (out, lse) in place."""
-    new = torch.logaddexp(lse, block_lse.to(lse.dtype))
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out.to(out.dtype) * torch.exp(block_lse.to(lse.dtype) - new).unsqueeze(-1))
-    lse.copy_(new)
+    """Fold one block's (out, lse) into the running (out, lse) in place.
+
+    With w = exp(l - logaddexp(lse, l)) = sigmoid(l - lse), the two weights sum to
+    one, so the update is a single lerp: out + w * (o - out). Stable for any
+    magnitudes, and the first block (lse = -inf) gives w = 1 exactly.
+    """
+    block_lse = block_lse.to(lse.dtype)
+    weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)  # (B, H, S, 1)
+    out.lerp_(block_out.to(out.dtype), weight)
+    lse.copy_(torch.logaddexp(lse, block_lse))
 
 
-def _forward(q, k, v, *, ring: _Ring, causal: bool, scale: float, layout: str, kernel: BlockKernel):
-    b, h, s, d = q.shape  # (B, H, S_local, D)
-    groups = h // k.shape[1]
+def attend_block(q, kv, *, block: Block, groups: int, scale: float, kernel: BlockKernel, out, lse) -> None:
+    """One ring step's forward for one rank: attend, then merge into (out, lse)."""
+    qb = q[:, :, block.q].contiguous()
+    kb = _expand(kv[0][:, :, block.kv], groups).contiguous()
+    vb = _expand(kv[1][:, :, block.kv], groups).contiguous()
+    block_out, block_lse = kernel.forward(qb, kb, vb, causal=block.causal, scale=scale)
+    merge_block(out[:, :, block.q], lse[:, :, block.q], block_out, block_lse)
+
+
+def attend_block_backward(dout, q, kv, out, lse, *, block: Block, groups: int, scale: float, kernel: BlockKernel, dq, dkv) -> None:
+    """One ring step's backward for one rank: add this block's dQ and dK/dV in place."""
+    dq_b, dk_b, dv_b = kernel.backward(
+        dout[:, :, block.q].contiguous(), q[:, :, block.q].contiguous(),
+        _expand(kv[0][:, :, block.kv], groups).contiguous(), _expand(kv[1][:, :, block.kv], groups).contiguous(),
+        out[:, :, block.q].contiguous(), lse[:, :, block.q].contiguous(), causal=block.causal, scale=scale,
+    )
+    dq[:, :, block.q] += dq_b
+    dkv[0][:, :, block.kv] += _reduce(dk_b, groups)
+    dkv[1][:, :, block.kv] += _reduce(dv_b, groups)
+
+
+def _accumulators(q, v):
+    b, h, s, _ = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(b, h, s, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+def _forward(q, k, v, *, ring: _Ring, causal: bool, scale: float, layout: str, kernel: BlockKernel):
+    s = q.shape[2]  # (B, H, S_local, D)
+    groups = q.shape[1] // k.shape[1]
+    out, lse = _accumulators(q, v)
     kv = torch.stack([k, v])  # (2, B, KV, S_local, D): one message per step
     for step in range(ring.world):
         if step + 1 < ring.world:
             incoming, works = ring.exchange(kv)
         block = block_for(rank=ring.rank, src=(ring.rank - step) % ring.world, world=ring.world, layout=layout, causal=causal, local_len=s)
         if block is not None:
-            qb = q[:, :, block.q].contiguous()
-            kb = _expand(kv[0][:, :, block.kv], groups).contiguous()
-            vb = _expand(kv[1][:, :, block.kv], groups).contiguous()
-            block_out, block_lse = kernel.forward(qb, kb, vb, causal=block.causal, scale=scale)
-            merge_block(out[:, :, block.q], lse[:, :, block.q], block_out, block_lse)
+            attend_block(q, kv, block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse)
         if step + 1 < ring.world:
             _wait(works)
             kv = incoming
@@ -134,14 +163,7 @@ def _backward(dout, q, k, v, out, lse, *, ring: _Ring, causal: bool, scale: floa
         block = block_for(rank=ring.rank, src=(ring.rank - step) % ring.world, world=ring.world, layout=layout, causal=causal, local_len=s)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this block's gradient, (2, B, KV, S, D)
         if block is not None:
-            dq_b, dk_b, dv_b = kernel.backward(
-                dout[:, :, block.q].contiguous(), q[:, :, block.q].contiguous(),
-                _expand(kv[0][:, :, block.kv], groups).contiguous(), _expand(kv[1][:, :, block.kv], groups).contiguous(),
-                out[:, :, block.q].contiguous(), lse[:, :, block.q].contiguous(), causal=block.causal, scale=scale,
-            )
-            dq[:, :, block.q] += dq_b
-            dkv[0][:, :, block.kv] += _reduce(dk_b, groups)
-            dkv[1][:, :, block.kv] += _reduce(dv_b, groups)
+            attend_block_backward(dout, q, kv, out, lse, block=block, groups=groups, scale=scale, kernel=kernel, dq=dq, dkv=dkv)
         if travelling is not None:
             _wait(travelling[1])
             dkv += travelling[0]
@@ -153,6 +175,47 @@ def _backward(dout, q, k, v, out, lse, *, ring: _Ring, causal: bool, scale: floa
     _wait(travelling[1])
     dkv = travelling[0]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def emulate_ring(q_parts, k_parts, v_parts, dout_parts=None, *, causal: bool, scale: float, layout: str, kernel: BlockKernel):
+    """Every rank's block schedule run in turn in one process, without communication.
+
+    ``*_parts[r]`` is rank r's local tensor. Returns per-rank outs and, when
+    ``dout_parts`` is given, per-rank (dq, dk, dv). Same arithmetic as the real
+    ring (same blocks, kernels and merges), so one GPU can measure the schedule's
+    compute efficiency and check its numerics; the time of the P2P transfers,
+    which the real ring overlaps with compute, is not included.
+    """
+    world = len(q_parts)
+    s = q_parts[0].shape[2]
+    groups = q_parts[0].shape[1] // k_parts[0].shape[1]
+    kvs = [torch.stack([k, v]) for k, v in zip(k_parts, v_parts)]
+    outs, lses = [], []
+    for rank in range(world):
+        out, lse = _accumulators(q_parts[rank], v_parts[rank])
+        for step in range(world):
+            src = (rank - step) % world
+            block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
+            if block is not None:
+                attend_block(q_parts[rank], kvs[src], block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse)
+        outs.append(out.to(q_parts[rank].dtype))
+        lses.append(lse)
+    if dout_parts is None:
+        return outs, None
+    acc = torch.promote_types(q_parts[0].dtype, torch.float32)
+    dqs = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in q_parts]
+    dkvs = [torch.zeros(kv.shape, dtype=acc, device=kv.device) for kv in kvs]
+    for rank in range(world):
+        for step in range(world):
+            src = (rank - step) % world
+            block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
+            if block is not None:
+                attend_block_backward(
+                    dout_parts[rank], q_parts[rank], kvs[src], outs[rank], lses[rank],
+                    block=block, groups=groups, scale=scale, kernel=kernel, dq=dqs[rank], dkv=dkvs[src],
+                )
+    grads = [(dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype)) for dq, dkv, q in zip(dqs, dkvs, q_parts)]
+    return outs, grads
 
 
 class _RingAttention(torch.autograd.Function):

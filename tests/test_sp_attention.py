@@ -153,3 +153,23 @@ def test_usp_shard_round_trip():
     x = torch.randn(1, 2, 32, 4)
     parts = [[usp_shard(x, dim=2, ring_rank=r, ring=2, ulysses_rank=u, ulysses=2, layout="zigzag") for u in range(2)] for r in range(2)]
     assert torch.equal(usp_unshard(parts, dim=2, layout="zigzag"), x)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_emulated_ring_equals_full_attention(layout, causal):
+    """The one-process emulation the GPU benchmark times computes the same as full attention."""
+    from weft.strategies.block_kernels import KERNELS
+    from weft.strategies.ring import emulate_ring
+
+    world = 4
+    q, k, v, dout = make_inputs(batch=2, heads=8, kv_heads=2, seq=64, head_dim=80, dtype=torch.float64, seed=3)
+    want = reference(q, k, v, dout, causal=causal)
+
+    def parts(t):
+        return [shard_sequence(t, dim=2, rank=r, world=world, layout=layout) for r in range(world)]
+
+    outs, grads = emulate_ring(parts(q), parts(k), parts(v), parts(dout), causal=causal, scale=80**-0.5, layout=layout, kernel=KERNELS["cpu_flash"])
+    got = [unshard_sequence(outs, dim=2, layout=layout)] + [unshard_sequence([g[i] for g in grads], dim=2, layout=layout) for i in range(3)]
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert rel_err(g, w) <= 1e-10, name
