@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import importlib.resources
 import pathlib
+import re
 import sys
 from typing import Any, Literal
 
@@ -98,6 +99,11 @@ class ParallelSection:
 NUMERIC_SELECTORS: tuple[str, ...] = ("heads", "kv_heads", "head_dim", "seq_len", "world_size")
 MODALITIES: tuple[str, ...] = ("vision", "projector", "text", "embedding", "head")
 COMPARISONS: tuple[str, ...] = ("eq", "ne", "gt", "ge", "lt", "le")
+#: Spellings from other languages, for the did-you-mean of a bad comparison.
+_COMPARISON_ALIASES: dict[str, str] = {
+    "==": "eq", "=": "eq", "!=": "ne", "neq": "ne", ">": "gt", ">=": "ge", "gte": "ge",
+    "<": "lt", "<=": "le", "lte": "le",
+}
 SELECTOR_KEYS: tuple[str, ...] = ("path", "class", "modality", *NUMERIC_SELECTORS)
 RULE_KEYS: tuple[str, ...] = ("name", "when", *HOOK_POINTS)
 
@@ -155,13 +161,18 @@ class Recipe:
         path = pathlib.Path(path)
         text = _read(path, what="recipe")
         data = _parse(text, path)
+        overridden = {}
         for override in overrides:
             apply_override(data, override)
-        return cls.from_dict(data, source=str(path), text=text)
+            overridden[override.partition("=")[0].strip()] = override.strip()
+        return cls.from_dict(data, source=str(path), text=text, overridden=overridden)
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str = "<memory>", text: str | None = None) -> "Recipe":
-        where = Where(source, text)
+    def from_dict(
+        cls, data: Any, *, source: str = "<memory>", text: str | None = None, overridden: dict[str, str] | None = None
+    ) -> "Recipe":
+        """``overridden``: dotted key -> the ``--set`` text that set it, for error locations."""
+        where = Where(source, text, overridden=overridden)
         if not isinstance(data, dict):
             raise RecipeError("a recipe must be a table of sections", where=source)
         known = ("include", "model", "data", "train", "parallel", "rules")
@@ -174,14 +185,40 @@ class Recipe:
         if "model" not in data:
             raise RecipeError("the [model] section is missing; give model.preset or model.path", where=source)
         model = build(ModelSection, data["model"], where=where, prefix="model")
+        _check_preset(model, where=where)
         sections = {
             name: build(klass, data.get(name, {}), where=where, prefix=name)
             for name, klass in (("data", DataSection), ("train", TrainSection), ("parallel", ParallelSection))
         }
         base = pathlib.Path(source).parent if source != "<memory>" else pathlib.Path.cwd()
         rules = parse_rules(data.get("rules", []), where=where, prefix="rules")
-        rules += load_includes(data.get("include", []), where=where, base=base, seen=(source,))
+        try:
+            rules += load_includes(data.get("include", []), where=where, base=base, seen=(source,))
+        except RecipeError as error:
+            if source in str(error):
+                raise
+            # The problem sits in an included file: also name the recipe the user gave.
+            raise RecipeError(f"{error.message} (in a file included by {source})", where=error.where) from None
         return cls(model=model, rules=tuple(rules), source=source, raw=copy.deepcopy(data), **sections)
+
+
+def _check_preset(model: ModelSection, *, where: Where) -> None:
+    """A bare preset name must be a bundled preset (a path-like one is read at build time)."""
+    name = model.preset
+    if name is None or "/" in name or "\\" in name or name.endswith(".toml"):
+        return
+    names = preset_names()
+    if name not in names:
+        raise RecipeError(
+            f"unknown model.preset {name!r}{did_you_mean(name, names)} Bundled presets: {', '.join(names) or '(none)'}",
+            where=where.at("model.preset"),
+        )
+
+
+def preset_names() -> list[str]:
+    """Names of the presets bundled in weft/recipes/presets."""
+    root = pathlib.Path(str(importlib.resources.files("weft.recipes"))) / "presets"
+    return sorted(p.stem for p in root.glob("*.toml"))
 
 
 def parse_rules(items: Any, *, where: Where, prefix: str) -> list[Rule]:
@@ -225,6 +262,9 @@ def _parse_rule(item: Any, *, where: Where, prefix: str, index: int) -> Rule:
 def _parse_actions(value: Any, *, where: Where, prefix: str, point: str) -> tuple[Action, ...]:
     # Collect-all points (guard, grad_sync) may list several strategies.
     tables = value if isinstance(value, list) and point in ("guard", "grad_sync") else [value]
+    if not tables:
+        # An empty list would silently drop the point (e.g. no gradient all-reduce at all).
+        raise RecipeError(f"{point} = [] chooses no strategy; give at least one (e.g. {point} = [\"...\"])", where=where.at(prefix))
     actions = []
     for i, table in enumerate(tables):
         here = f"{prefix}[{i}]" if len(tables) > 1 or isinstance(value, list) else prefix
@@ -283,7 +323,8 @@ def _parse_comparisons(value: Any, *, where: Where, prefix: str) -> tuple[Compar
     out = []
     for op, number in value.items():
         if op not in COMPARISONS:
-            raise RecipeError(f"unknown comparison {op!r}{did_you_mean(op, COMPARISONS)} Accepted: {', '.join(COMPARISONS)}", where=where.at(f"{prefix}.{op}"))
+            hint = f"; did you mean {_COMPARISON_ALIASES[op]!r}?" if op in _COMPARISON_ALIASES else did_you_mean(op, COMPARISONS)
+            raise RecipeError(f"unknown comparison {op!r}{hint} Accepted: {', '.join(COMPARISONS)}", where=where.at(f"{prefix}.{op}"))
         if not isinstance(number, int) or isinstance(number, bool):
             raise RecipeError(f"comparison {op} needs an integer, got {number!r}", where=where.at(f"{prefix}.{op}"))
         out.append(Comparison(op=op, value=number))
@@ -303,7 +344,7 @@ def load_includes(includes: Any, *, where: Where, base: pathlib.Path, seen: tupl
     rules: list[Rule] = []
     for name in includes:
         path = resolve_include(name, base=base, where=where)
-        if str(path) in seen:
+        if _same_file(path) in {_same_file(pathlib.Path(s)) for s in seen}:
             raise RecipeError(f"include cycle: {' -> '.join(seen)} -> {path}", where=where.at("include"))
         text = _read(path, what="included rule file", where=where.at("include"))
         data = _parse(text, path)
@@ -319,9 +360,24 @@ def load_includes(includes: Any, *, where: Where, base: pathlib.Path, seen: tupl
     return rules
 
 
+def _same_file(path: pathlib.Path) -> str:
+    """A key equal for every spelling of one file (relative, absolute, with '..')."""
+    try:
+        return str(path.resolve())
+    except (OSError, RuntimeError):
+        return str(path)
+
+
+def _is_file(path: pathlib.Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # name too long, NUL byte, ...
+        return False
+
+
 def resolve_include(name: str, *, base: pathlib.Path, where: Where) -> pathlib.Path:
     local = base / name
-    if local.is_file():
+    if _is_file(local):
         return local
     bundled = bundled_path(name)
     if bundled is not None:
@@ -336,7 +392,7 @@ def resolve_include(name: str, *, base: pathlib.Path, where: Where) -> pathlib.P
 def bundled_path(name: str) -> pathlib.Path | None:
     root = pathlib.Path(str(importlib.resources.files("weft.recipes")))
     for candidate in (root / name, root / "rules" / name, root / "rules" / f"{name}.toml", root / f"{name}.toml"):
-        if candidate.is_file():
+        if _is_file(candidate):
             return candidate
     return None
 
@@ -360,26 +416,27 @@ def apply_override(data: dict, override: str) -> None:
         raise RecipeError(f"--set takes KEY=VALUE (e.g. train.max_steps=10), got {override!r}", where="--set")
     key, _, text = override.partition("=")
     key = key.strip()
+    flag = f"--set {override.strip()}"
     parts = key.split(".")
     if len(parts) != 2 or not all(parts):
         raise RecipeError(
-            f"--set key {key!r} must be SECTION.KEY with a section among model, data, train, parallel",
-            where="--set",
+            f"the key {key!r} must be SECTION.KEY with a section among model, data, train, parallel",
+            where=flag,
         )
     section, name = parts
     sections = {"model": ModelSection, "data": DataSection, "train": TrainSection, "parallel": ParallelSection}
     if section not in sections:
-        raise RecipeError(f"--set {key}: unknown section {section!r}{did_you_mean(section, sections)} Accepted: {', '.join(sections)}", where="--set")
+        raise RecipeError(f"unknown section {section!r}{did_you_mean(section, sections)} Accepted: {', '.join(sections)}", where=flag)
     fields = [f.name for f in attrs.fields(sections[section])]
     if name not in fields:
-        raise RecipeError(f"--set {key}: unknown key {name!r}{did_you_mean(name, fields)} Accepted: {', '.join(fields)}", where="--set")
+        raise RecipeError(f"unknown key {name!r}{did_you_mean(name, fields)} Accepted: {', '.join(fields)}", where=flag)
     try:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         value = text.strip()  # a bare word is a string: --set model.preset=qwen2_5_vl_7b
     table = data.setdefault(section, {})
     if not isinstance(table, dict):
-        raise RecipeError(f"--set {key}: [{section}] is not a table in the recipe", where="--set")
+        raise RecipeError(f"[{section}] is not a table in the recipe", where=flag)
     if section == "model" and name in ("path", "preset"):
         # Choosing one source of weights replaces the other.
         table.pop("path", None)
@@ -392,7 +449,7 @@ def _read(path: pathlib.Path, *, what: str, where: str | None = None) -> str:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RecipeError(f"{what} {str(path)!r} does not exist", where=where) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as error:
+    except (OSError, UnicodeDecodeError) as error:
         raise RecipeError(f"cannot read {what} {str(path)!r}: {error}", where=where) from None
 
 
@@ -400,7 +457,14 @@ def _parse(text: str, path: pathlib.Path) -> dict:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
+        # Python 3.14 gives lineno/msg; earlier versions only "... (at line L, column C)".
+        message = getattr(error, "msg", None) or str(error)
         line = getattr(error, "lineno", None)
+        found = re.search(r"\s*\(at line (\d+), column (\d+)\)$", message)
+        if found:
+            line = line or int(found.group(1))
+            message = f"{message[: found.start()]} (column {found.group(2)})"
         place = f"{path}:{line}" if line else str(path)
-        message = getattr(error, "msg", str(error))
         raise RecipeError(f"not valid TOML: {message}", where=place) from None
+    except RecursionError:
+        raise RecipeError("not valid TOML: arrays or tables nested too deeply", where=str(path)) from None

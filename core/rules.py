@@ -170,7 +170,13 @@ def build_plan(
 ) -> Plan:
     """Decide every (module, hook point) pair. Raises RecipeError/PlanError for bad rules."""
     rules = list(recipe.rules) + default_rules()
-    params = validate_rules(rules, registry)
+    try:
+        params = validate_rules(rules, registry)
+    except RecipeError as error:
+        if recipe.source in str(error):
+            raise
+        # A rule of an included file or of the defaults: also name the recipe being planned.
+        raise RecipeError(f"{error.message} (while planning {recipe.source})", where=error.where) from None
     seq_len = recipe.train.seq_len
     plans = []
     for info in modules:

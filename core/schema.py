@@ -8,6 +8,7 @@ library would need as much code again to reshape its errors. Pure: imports no to
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import types
 import typing
@@ -28,9 +29,11 @@ class Where:
     _header = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]\]?\s*(#.*)?$")
     _key = re.compile(r"^\s*([A-Za-z0-9_\-\"']+)\s*=")
 
-    def __init__(self, path: str, text: str | None) -> None:
+    def __init__(self, path: str, text: str | None, *, overridden: dict[str, str] | None = None) -> None:
         self.path = path
         self.lines = text.splitlines() if text else []
+        #: dotted key -> the ``--set`` that gave its value: errors there name the flag, not the file's line.
+        self.overridden = dict(overridden or {})
 
     def line_of(self, dotted: str) -> int | None:
         """1-based line of ``a.b`` / ``rules[2].attention.strategy``; None if not found.
@@ -64,13 +67,20 @@ class Where:
         return inline
 
     def at(self, dotted: str) -> str:
+        if dotted in self.overridden:
+            return f"{self.path} (--set {self.overridden[dotted]})"
         line = self.line_of(dotted) if dotted else None
         return f"{self.path}:{line} ({dotted})" if line else f"{self.path} ({dotted})" if dotted else self.path
 
 
-def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+def did_you_mean(word: str, choices: typing.Iterable[str], *, otherwise: str = ".") -> str:
+    """'; did you mean 'x'?' for the closest choice, else ``otherwise``.
+
+    Callers write ``f"unknown key {k!r}{did_you_mean(k, keys)} Accepted: ..."``; the
+    default '.' keeps that a sentence when nothing is close.
+    """
+    close = difflib.get_close_matches(word, [c for c in choices if isinstance(c, str)], n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else otherwise
 
 
 def describe(annotation: Any) -> str:
@@ -130,7 +140,10 @@ def convert(value: Any, annotation: Any) -> Any:
         raise ValueError
     if annotation is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer beyond float range
+                raise ValueError from None
         raise ValueError
     if annotation is str:
         if isinstance(value, str):
@@ -165,14 +178,30 @@ def build(cls: type, data: Any, *, where: Where, prefix: str) -> Any:
         try:
             kwargs[field.name] = convert(value, annotation)
         except ValueError:
+            hint = did_you_mean(value, _literal_strings(annotation), otherwise="") if isinstance(value, str) else ""
             raise RecipeError(
-                f"{_show(value)} is not accepted for {key!r}; expected {describe(annotation)}",
+                f"{_show(value)} is not accepted for {key!r}; expected {describe(annotation)}{hint}",
                 where=where.at(dotted),
             ) from None
     try:
         return cls(**kwargs)
+    except FieldValueError as error:  # one field's validator: point at that key
+        dotted = f"{prefix}.{error.field}" if prefix else error.field
+        raise RecipeError(str(error), where=where.at(dotted) if dotted in _dotted_keys(data, prefix) else where.at(prefix)) from None
     except (ValueError, TypeError) as error:
         raise RecipeError(str(error), where=where.at(prefix)) from None
+
+
+def _dotted_keys(data: dict, prefix: str) -> set[str]:
+    return {f"{prefix}.{k}" if prefix else k for k in data}
+
+
+class FieldValueError(ValueError):
+    """A validator's complaint about one field; ``build`` locates it at that key."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def field_docs(cls: type) -> list[tuple[str, str, Any, str]]:
@@ -187,6 +216,16 @@ def field_docs(cls: type) -> list[tuple[str, str, Any, str]]:
     return rows
 
 
+def _literal_strings(annotation: Any) -> list[str]:
+    """The string choices of a Literal (also inside a union), for did-you-mean."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return [a for a in typing.get_args(annotation) if isinstance(a, str)]
+    if origin in (typing.Union, types.UnionType):
+        return [s for a in typing.get_args(annotation) for s in _literal_strings(a)]
+    return []
+
+
 def _show(value: Any) -> str:
     text = repr(value)
     kind = type(value).__name__
@@ -195,11 +234,14 @@ def _show(value: Any) -> str:
 
 
 def in_range(*, low: float | None = None, high: float | None = None):
-    """attrs validator: number within [low, high]."""
+    """attrs validator: a finite number within [low, high] (nan and inf are refused)."""
 
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if low is not None and value < low or high is not None and value > high:
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not finite or low is not None and value < low or high is not None and value > high:
             bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"between {low} and {high}"
-            raise ValueError(f"{attribute.name} = {value!r} is out of range; accepted: {bounds}")
+            if not finite:
+                bounds = f"a finite number {bounds}"
+            raise FieldValueError(f"{attribute.name} = {value!r} is out of range; accepted: {bounds}", field=attribute.name)
 
     return check

@@ -1,0 +1,197 @@
+"""Recipes that are right: the bundled one, defaults, --set overrides, the raw data kept."""
+
+from __future__ import annotations
+
+import importlib.resources
+import pathlib
+import textwrap
+
+import attrs
+import pytest
+
+from weft.core.errors import RecipeError
+from weft.core.recipe import (
+    DataSection,
+    ModelSection,
+    ParallelSection,
+    Recipe,
+    TrainSection,
+    apply_override,
+    bundled_path,
+)
+
+TINY_VL = pathlib.Path(str(importlib.resources.files("weft.recipes"))) / "tiny-vl.toml"
+
+
+def write(tmp_path: pathlib.Path, text: str, name: str = "recipe.toml") -> pathlib.Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+def test_bundled_tiny_vl_recipe_parses():
+    recipe = Recipe.from_toml(TINY_VL)
+    assert recipe.source == str(TINY_VL)
+    assert recipe.model == ModelSection(preset="qwen2_5_vl_tiny")
+    assert recipe.data.source == "synthetic" and recipe.data.path is None
+    assert recipe.data.min_side <= recipe.data.max_side
+    assert recipe.train.max_steps >= 1 and recipe.train.precision in ("fp32", "bf16")
+    assert recipe.parallel.dp_shard == -1
+    # Its rules are those of the included modality-groups file, in file order.
+    groups = bundled_path("rules/modality-groups.toml")
+    assert recipe.rules and all(r.source.startswith(f"{groups}:") for r in recipe.rules)
+    assert recipe.raw["include"] == ["rules/modality-groups.toml"]
+
+
+def test_defaults():
+    recipe = Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}})
+    assert recipe.data == DataSection()
+    assert recipe.train == TrainSection()
+    assert recipe.parallel == ParallelSection()
+    assert recipe.rules == ()
+    assert recipe.source == "<memory>"
+    assert recipe.model.path is None and recipe.model.processor is None
+    assert (recipe.data.source, recipe.data.num_samples, recipe.data.strict) == ("synthetic", 256, False)
+    assert (recipe.train.max_steps, recipe.train.seed, recipe.train.precision, recipe.train.lr) == (20, 0, "fp32", 1e-3)
+    assert (recipe.parallel.nproc, recipe.parallel.dp_replicate, recipe.parallel.dp_shard) == (1, 1, -1)
+    assert (recipe.parallel.ulysses, recipe.parallel.ring, recipe.parallel.backend, recipe.parallel.device) == (1, 1, "auto", "auto")
+
+
+def test_seq_len_property():
+    assert TrainSection().seq_len == TrainSection().micro_batch_tokens
+    assert TrainSection(micro_batch_tokens=512, max_seq_len=4096).seq_len == 4096
+
+
+def test_int_is_accepted_for_float_fields():
+    recipe = Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"lr": 1, "beta1": 0}})
+    assert recipe.train.lr == 1.0 and isinstance(recipe.train.lr, float)
+    assert recipe.train.beta1 == 0.0 and isinstance(recipe.train.beta1, float)
+
+
+def test_model_path_instead_of_preset():
+    recipe = Recipe.from_dict({"model": {"path": "/models/Qwen2.5-VL-7B-Instruct", "processor": "tiny_vl"}})
+    assert recipe.model == ModelSection(path="/models/Qwen2.5-VL-7B-Instruct", processor="tiny_vl")
+
+
+def test_preset_given_as_a_path_is_not_checked_against_bundled_names():
+    assert Recipe.from_dict({"model": {"preset": "presets/my_shape.toml"}}).model.preset == "presets/my_shape.toml"
+
+
+def test_recipe_is_frozen():
+    recipe = Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}})
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        recipe.train = TrainSection()  # type: ignore[misc]
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        recipe.train.max_steps = 3  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------
+# --set
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, section, key, value",
+    [
+        ("train.max_steps=5", "train", "max_steps", 5),
+        ("train.max_steps = 7", "train", "max_steps", 7),  # spaces around '='
+        ("train.lr=1e-4", "train", "lr", 1e-4),
+        ("train.lr=2", "train", "lr", 2.0),  # an integer for a float field
+        ("train.precision=bf16", "train", "precision", "bf16"),  # a bare word is a string
+        ('train.precision="bf16"', "train", "precision", "bf16"),  # a TOML string too
+        ("data.strict=true", "data", "strict", True),
+        ("data.strict=false", "data", "strict", False),
+        ("data.num_samples=1_000", "data", "num_samples", 1000),  # TOML integer syntax
+        ("parallel.ulysses=auto", "parallel", "ulysses", "auto"),
+        ("parallel.ulysses=2", "parallel", "ulysses", 2),
+        ("parallel.ring=2", "parallel", "ring", 2),  # a section the file does not have
+        ("parallel.backend=gloo", "parallel", "backend", "gloo"),
+        ("model.processor=tiny_vl", "model", "processor", "tiny_vl"),
+    ],
+)
+def test_set_overrides(tmp_path, override, section, key, value):
+    path = write(tmp_path, """
+        [model]
+        preset = "qwen2_5_vl_tiny"
+
+        [train]
+        max_steps = 40
+        lr = 3e-3
+    """)
+    recipe = Recipe.from_toml(path, overrides=(override,))
+    got = getattr(getattr(recipe, section), key)
+    assert got == value and type(got) is type(value)
+    assert recipe.raw[section][key] == value  # raw keeps the override, as TOML read it
+    # Keys not overridden keep the file's values.
+    if key != "max_steps":
+        assert recipe.train.max_steps == 40
+
+
+def test_several_overrides_apply_in_order(tmp_path):
+    path = write(tmp_path, '[model]\npreset = "qwen2_5_vl_tiny"\n')
+    recipe = Recipe.from_toml(path, overrides=("train.max_steps=5", "train.max_steps=6", "data.source=jsonl", "data.path=chat.jsonl"))
+    assert recipe.train.max_steps == 6
+    assert (recipe.data.source, recipe.data.path) == ("jsonl", "chat.jsonl")
+
+
+def test_set_model_preset_replaces_model_path(tmp_path):
+    path = write(tmp_path, '[model]\npath = "/models/Qwen2.5-VL-7B-Instruct"\nprocessor = "tiny_vl"\n')
+    recipe = Recipe.from_toml(path, overrides=("model.preset=qwen2_5_vl_tiny",))
+    assert recipe.model == ModelSection(preset="qwen2_5_vl_tiny", processor="tiny_vl")
+    assert "path" not in recipe.raw["model"]
+
+
+def test_set_model_path_replaces_model_preset():
+    recipe = Recipe.from_toml(TINY_VL, overrides=("model.path=/models/Qwen2.5-VL-7B-Instruct",))
+    assert recipe.model == ModelSection(path="/models/Qwen2.5-VL-7B-Instruct")
+
+
+def test_apply_override_on_raw_data():
+    data: dict = {"model": {"preset": "qwen2_5_vl_tiny"}}
+    apply_override(data, "train.seed=3")
+    apply_override(data, "model.preset=qwen2_text_tiny")
+    assert data == {"model": {"preset": "qwen2_text_tiny"}, "train": {"seed": 3}}
+
+
+def test_set_onto_a_section_that_is_not_a_table():
+    with pytest.raises(RecipeError, match="\\[train\\] is not a table in the recipe"):
+        apply_override({"train": 5}, "train.seed=3")
+
+
+# ---------------------------------------------------------------------------
+# raw data
+# ---------------------------------------------------------------------------
+
+
+def test_raw_is_the_merged_data(tmp_path):
+    path = write(tmp_path, """
+        include = ["rules/modality-groups.toml"]
+
+        [model]
+        preset = "qwen2_5_vl_tiny"
+
+        [train]
+        max_steps = 40
+
+        [[rules]]
+        name = "eager text"
+        when = { modality = "text", heads = { ge = 2 } }
+        attention = { strategy = "eager" }
+    """)
+    recipe = Recipe.from_toml(path, overrides=("train.max_steps=3", "parallel.ring=2"))
+    assert recipe.raw == {
+        "include": ["rules/modality-groups.toml"],
+        "model": {"preset": "qwen2_5_vl_tiny"},
+        "train": {"max_steps": 3},
+        "parallel": {"ring": 2},
+        "rules": [{"name": "eager text", "when": {"modality": "text", "heads": {"ge": 2}}, "attention": {"strategy": "eager"}}],
+    }
+
+
+def test_raw_is_a_copy():
+    data = {"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"max_steps": 4}}
+    recipe = Recipe.from_dict(data)
+    data["train"]["max_steps"] = 99
+    assert recipe.raw["train"]["max_steps"] == 4
+    # raw does not take part in equality: two recipes of equal meaning are equal.
+    assert recipe == Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"max_steps": 4}})
