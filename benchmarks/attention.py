@@ -1,0 +1,211 @@
+"""Sequence-parallel attention on one GPU: bf16 exactness and the ring schedule's efficiency.
+
+Ring sizes are emulated on the one GPU: every rank's block schedule (the same
+kernels, GQA expansion and merges as weft.strategies.ring) is executed in turn
+and timed per (rank, step). A real ring runs the ranks at once, so its step
+takes as long as its slowest rank: the emulated parallel time is
+sum over steps of max over ranks. The P2P transfers, which the ring overlaps
+with compute, are not part of it.
+
+    efficiency = (T_full / W) / T_parallel
+
+T_full is one cuDNN SDPA call (forward + backward) over the whole sequence,
+measured in the same run; 1.0 means the ring computes as fast per GPU as one
+whole-sequence call. Writes a markdown table (and JSON) to --out.
+
+    python3 benchmarks/attention.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _bootstrap import ensure_weft  # noqa: E402
+
+ensure_weft()
+
+import torch  # noqa: E402
+
+from weft.strategies.block_kernels import select_kernel  # noqa: E402
+from weft.strategies.ring import _accumulators, attend_block, attend_block_backward, block_for, emulate_ring  # noqa: E402
+from weft.strategies.sequence_shard import shard_sequence, unshard_sequence  # noqa: E402
+
+
+def attention_flops(*, batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> float:
+    """Forward + backward FLOPs (backward = 2.5 x forward, the usual count)."""
+    forward = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+    return 3.5 * forward
+
+
+def full_sdpa_time(q, k, v, dout, *, causal: bool, iters: int) -> float:
+    """One cuDNN SDPA call over the whole sequence, forward + backward, seconds."""
+    kernel = select_kernel("cudnn", device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
+    groups = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # the op takes equal heads
+    scale = q.shape[-1] ** -0.5
+
+    def once():
+        out, lse = kernel.forward(q, ke, ve, causal=causal, scale=scale)
+        kernel.backward(dout, q, ke, ve, out, lse, causal=causal, scale=scale)
+
+    once()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        once()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000 / iters
+
+
+def emulated_ring_time(q, k, v, dout, *, world: int, layout: str, causal: bool, iters: int) -> dict:
+    """Per-(rank, step) timed emulation; returns parallel (critical-path) and serial seconds."""
+    kernel = select_kernel("auto", device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
+    scale = q.shape[-1] ** -0.5
+    groups = q.shape[1] // k.shape[1]
+    parts = {name: [shard_sequence(t, dim=2, rank=r, world=world, layout=layout) for r in range(world)] for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout))}
+    kvs = [torch.stack([kk, vv]) for kk, vv in zip(parts["k"], parts["v"])]
+    s = parts["q"][0].shape[2]
+    acc = torch.float32
+
+    def run(events):
+        outs, lses = [], []
+        for rank in range(world):
+            out, lse = _accumulators(parts["q"][rank], parts["v"][rank])
+            for step in range(world):
+                src = (rank - step) % world
+                block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
+                events[("fwd", rank, step)][0].record()
+                if block is not None:
+                    attend_block(parts["q"][rank], kvs[src], block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse)
+                events[("fwd", rank, step)][1].record()
+            outs.append(out.to(q.dtype))
+            lses.append(lse)
+        dkvs = [torch.zeros(kv.shape, dtype=acc, device=kv.device) for kv in kvs]
+        for rank in range(world):
+            dq = torch.zeros(parts["q"][rank].shape, dtype=acc, device=q.device)
+            for step in range(world):
+                src = (rank - step) % world
+                block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
+                events[("bwd", rank, step)][0].record()
+                if block is not None:
+                    attend_block_backward(parts["dout"][rank], parts["q"][rank], kvs[src], outs[rank], lses[rank], block=block, groups=groups, scale=scale, kernel=kernel, dq=dq, dkv=dkvs[src])
+                events[("bwd", rank, step)][1].record()
+
+    keys = [(phase, r, st) for phase in ("fwd", "bwd") for r in range(world) for st in range(world)]
+    totals = {"parallel": 0.0, "serial": 0.0}
+    for it in range(iters + 1):  # the first is a warm-up
+        events = {key: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for key in keys}
+        run(events)
+        torch.cuda.synchronize()
+        if it == 0:
+            continue
+        ms = {key: a.elapsed_time(b) for key, (a, b) in events.items()}
+        for phase in ("fwd", "bwd"):
+            totals["parallel"] += sum(max(ms[(phase, r, st)] for r in range(world)) for st in range(world)) / 1000
+            totals["serial"] += sum(ms[(phase, r, st)] for r in range(world) for st in range(world)) / 1000
+    return {k: v / iters for k, v in totals.items()}
+
+
+def check_bf16(*, seq: int, heads: int, kv_heads: int, head_dim: int) -> list[dict]:
+    """Emulated ring (bf16) vs one full SDPA call, within torch's CP tolerances atol 8e-3*W, rtol 1e-3*W."""
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, kv_heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, kv_heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    dout = torch.randn(1, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    for causal in (True, False):
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, enable_gqa=True)
+        ref.backward(dout)
+        want = (ref.detach(), qr.grad, kr.grad, vr.grad)
+        for world in (2, 4, 8):
+            for layout in (("zigzag", "contiguous") if causal else ("zigzag",)):
+                kernel = select_kernel("auto", device=q.device, dtype=q.dtype, head_dim=head_dim)
+
+                def parts(t):
+                    return [shard_sequence(t, dim=2, rank=r, world=world, layout=layout) for r in range(world)]
+
+                outs, grads = emulate_ring(parts(q), parts(k), parts(v), parts(dout), causal=causal, scale=head_dim**-0.5, layout=layout, kernel=kernel)
+                got = [unshard_sequence(outs, dim=2, layout=layout)] + [unshard_sequence([gr[i] for gr in grads], dim=2, layout=layout) for i in range(3)]
+                ok, worst = True, {}
+                for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                    try:
+                        torch.testing.assert_close(a.float(), b.float(), atol=8e-3 * world, rtol=1e-3 * world)
+                    except AssertionError:
+                        ok = False
+                    worst[name] = (a.float() - b.float()).abs().max().item()
+                rows.append({"causal": causal, "world": world, "layout": layout, "kernel": kernel.name, "pass": ok, **{f"max_abs_{k}": round(v, 5) for k, v in worst.items()}})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="32768,131072")
+    parser.add_argument("--ring-sizes", default="2,4,8")
+    parser.add_argument("--heads", type=int, default=28)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--check-seq", type=int, default=8192)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    print(f"# {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+
+    checks = check_bf16(seq=args.check_seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    for row in checks:
+        print("check", row, flush=True)
+
+    rows = []
+    for seq in (int(x) for x in args.lengths.split(",")):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        shape = dict(device="cuda", dtype=torch.bfloat16, generator=g)
+        q = torch.randn(1, args.heads, seq, args.head_dim, **shape)
+        k = torch.randn(1, args.kv_heads, seq, args.head_dim, **shape)
+        v = torch.randn(1, args.kv_heads, seq, args.head_dim, **shape)
+        dout = torch.randn(1, args.heads, seq, args.head_dim, **shape)
+        for causal in (True, False):
+            flops = attention_flops(batch=1, heads=args.heads, seq=seq, head_dim=args.head_dim, causal=causal)
+            t_full = full_sdpa_time(q, k, v, dout, causal=causal, iters=args.iters)
+            rows.append({"seq": seq, "causal": causal, "schedule": "full cuDNN SDPA (1 GPU)", "world": 1, "tflops_per_gpu": flops / t_full / 1e12, "efficiency": 1.0, "ms": t_full * 1e3})
+            print(rows[-1], flush=True)
+            for world in (int(x) for x in args.ring_sizes.split(",")):
+                for layout in (("zigzag", "contiguous") if causal else ("zigzag",)):
+                    timing = emulated_ring_time(q, k, v, dout, world=world, layout=layout, causal=causal, iters=args.iters)
+                    rows.append({
+                        "seq": seq, "causal": causal, "schedule": f"ring {layout}", "world": world,
+                        "tflops_per_gpu": flops / world / timing["parallel"] / 1e12,
+                        "efficiency": (t_full / world) / timing["parallel"],
+                        "ms": timing["parallel"] * 1e3, "serial_ms": timing["serial"] * 1e3,
+                    })
+                    print(rows[-1], flush=True)
+            torch.cuda.empty_cache()
+
+    lines = [
+        f"Device: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; bf16; batch 1, {args.heads} query heads, {args.kv_heads} KV heads, head_dim {args.head_dim}.",
+        "",
+        "| total length | causal | schedule | ring size | TFLOP/s per GPU | fraction of full cuDNN | parallel ms (fwd+bwd) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(f"| {r['seq'] // 1024}K | {r['causal']} | {r['schedule']} | {r['world']} | {r['tflops_per_gpu']:.0f} | {r['efficiency']:.3f} | {r['ms']:.1f} |")
+    lines += ["", "bf16 exactness (emulated ring vs one SDPA call, torch CP tolerances atol 8e-3·W, rtol 1e-3·W):", "",
+              "| causal | layout | ring size | kernel | pass | max abs err out / dq / dk / dv |", "| --- | --- | --- | --- | --- | --- |"]
+    for c in checks:
+        lines.append(f"| {c['causal']} | {c['layout']} | {c['world']} | {c['kernel']} | {c['pass']} | {c['max_abs_out']} / {c['max_abs_dq']} / {c['max_abs_dk']} / {c['max_abs_dv']} |")
+    (args.out / "attention.md").write_text("\n".join(lines) + "\n")
+    (args.out / "attention.json").write_text(json.dumps({"rows": rows, "checks": checks}, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
