@@ -45,6 +45,9 @@ class StepState:
     tokens: int = 0
     consecutive_skips: int = 0
     error: BaseException | None = None
+    # Per-run state a guard keeps between steps (a running mean, a counter), keyed
+    # by the guard's strategy name; the loop hands the same dict to every step.
+    memory: dict[str, Any] = attrs.field(factory=dict)
 
 
 def init_process_group(recipe: Recipe) -> tuple[int, int, int, str]:
@@ -116,7 +119,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
         for step in range(ctx.start_step + 1, recipe.train.max_steps + 1):
             t0 = time.perf_counter()
             micro_batches = next(steps)
-            state = StepState(step=step, consecutive_skips=state.consecutive_skips)
+            state = StepState(step=step, consecutive_skips=state.consecutive_skips, memory=state.memory)
             _verdict(pm, "step_start", state, plan, ctx)
             # One collective for the step's divisor: label tokens over every rank, so the
             # loss equals the unsharded model's mean over the global batch.

@@ -1,0 +1,207 @@
+"""Regenerate the reference tables of docs/rules.md from the code that defines them.
+
+    python docs/gen_reference.py           # rewrite docs/rules.md in place
+    python docs/gen_reference.py --check   # exit 1 if docs/rules.md is out of date
+
+Each table sits between ``<!-- generated: NAME -->`` and ``<!-- /generated -->``;
+everything outside the markers is prose and is left alone. Tables come from the
+attrs classes of core/recipe.py (keys, accepted values, defaults, docs), the
+selector constants, and the parameter classes of the built-in strategies.
+tests/test_docs_reference.py fails when the file and the code disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+from typing import Any, Callable
+
+import attrs
+
+RULES_MD = pathlib.Path(__file__).resolve().parent / "rules.md"
+_BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.DOTALL)
+
+
+def _toml(value: Any) -> str:
+    """A default as it would be written in TOML."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    return f"`{value!r}`"
+
+
+def _bounds(validator: Any) -> str:
+    """The range of weft's ``in_range`` validator, read from its closure."""
+    if validator is None:
+        return ""
+    inner = getattr(validator, "_validators", (validator,))  # attrs.validators.and_
+    for check in inner:
+        code = getattr(check, "__code__", None)
+        if getattr(check, "__qualname__", "") != "in_range.<locals>.check" or code is None:
+            continue
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in check.__closure__ or ())))
+        low, high = cells.get("low"), cells.get("high")
+        if low is not None and high is not None:
+            return f"{low} to {high}"
+        if low is not None:
+            return f">= {low}"
+        if high is not None:
+            return f"<= {high}"
+    return ""
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def params_table(cls: type) -> str:
+    """Markdown table of an attrs class: key, accepted, default, meaning."""
+    from weft.core.schema import field_docs
+
+    fields = {f.alias or f.name: f for f in attrs.fields(cls)}
+    rows = ["| key | accepts | default | meaning |", "| --- | --- | --- | --- |"]
+    for name, accepts, default, doc in field_docs(cls):
+        bounds = _bounds(fields[name].validator)
+        accepts = accepts.removesuffix(" or nothing")  # optional: the default column says "unset"
+        accepted = f"{accepts} ({bounds})" if bounds else accepts
+        rows.append(f"| `{name}` | {_escape(accepted)} | {_toml(default)} | {_escape(doc)} |")
+    if len(rows) == 2:
+        return "No parameters.\n"
+    return "\n".join(rows) + "\n"
+
+
+def section_table(name: str) -> Callable[[], str]:
+    def render() -> str:
+        from weft.core import recipe
+
+        classes = {"model": recipe.ModelSection, "data": recipe.DataSection, "train": recipe.TrainSection, "parallel": recipe.ParallelSection}
+        return params_table(classes[name])
+
+    return render
+
+
+def selectors_table() -> str:
+    from weft.core.recipe import COMPARISONS, MODALITIES, NUMERIC_SELECTORS, SELECTOR_KEYS
+
+    meaning = {
+        "path": "glob on the module path (`\"\"` is the root)",
+        "class": "glob on the module's class name",
+        "modality": "the module's modality: " + ", ".join(f"`{m}`" for m in MODALITIES),
+        "heads": "query heads of an attention module",
+        "kv_heads": "key/value heads of an attention module",
+        "head_dim": "head dimension of an attention module",
+        "seq_len": "the run's sequence length: `train.max_seq_len`, or `train.micro_batch_tokens` when that is 0",
+        "world_size": "ranks the plan is made for",
+    }
+    ops = ", ".join(f"`{op}`" for op in COMPARISONS)
+    rows = ["| selector | matches | value |", "| --- | --- | --- |"]
+    for key in SELECTOR_KEYS:
+        value = f"an integer (equality) or a table of comparisons ({ops})" if key in NUMERIC_SELECTORS else "a string or a list of strings (any matches)"
+        rows.append(f"| `{key}` | {meaning.get(key, '')} | {value} |")
+    return "\n".join(rows) + "\n"
+
+
+def points_table() -> str:
+    from weft.core.hookspecs import HOOK_POINTS
+    from weft.core.rules import MULTI_POINTS, POINT_KINDS
+
+    kinds = {"unit": "each shard unit", "root": "the root", "attention": "each attention module"}
+    rows = ["| rule key | hook | decides for | value |", "| --- | --- | --- | --- |"]
+    for point in HOOK_POINTS:
+        value = "a table or a list of tables (all apply)" if point in MULTI_POINTS else "a table"
+        where = " and ".join(kinds[k] for k in POINT_KINDS[point])
+        where = "the root only: one run-wide decision" if POINT_KINDS[point] == ("root",) else where
+        rows.append(f"| `{point}` | `weft_{point}` | {where} | {value} |")
+    return "\n".join(rows) + "\n"
+
+
+def presets_list() -> str:
+    from weft.strategies.presets import preset_names
+
+    return ", ".join(f"`{name}`" for name in preset_names()) + "\n"
+
+
+def defaults_table() -> str:
+    """The rules of recipes/rules/defaults.toml, lowest precedence, in order."""
+    from weft.core.recipe import default_rules
+
+    rows = ["| rule | when | chooses |", "| --- | --- | --- |"]
+    for rule in default_rules():
+        when = _when(rule.when) or "every module"
+        chooses = "; ".join(
+            f"`{point}` = " + " + ".join(f"`{a.strategy}`" + (f" ({', '.join(f'{k}={v!r}' for k, v in a.params)})" if a.params else "") for a in actions)
+            for point, actions in rule.actions
+        )
+        rows.append(f"| {_escape(rule.name)} | {when} | {chooses} |")
+    return "\n".join(rows) + "\n"
+
+
+def _when(selector: Any) -> str:
+    parts = [f"{key} {' or '.join(values)}" for key, values in (("path", selector.paths), ("class", selector.classes), ("modality", selector.modalities)) if values]
+    parts += [f"{key} " + " and ".join(f"{c.op} {c.value}" for c in comparisons) for key, comparisons in selector.numbers]
+    return ", ".join(parts)
+
+
+def strategies_section() -> str:
+    """Every built-in strategy with its parameters (third-party ones: `weft plugins`)."""
+    from weft.core.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(entry_points=False)  # built-ins only: installed plugins must not change the docs
+    out = []
+    for strategy in pm.registry.all():
+        out.append(f"#### `{strategy.point}` / `{strategy.name}`\n\n{strategy.summary} (plugin `{strategy.plugin}`)\n\n{params_table(strategy.params)}")
+    return "\n".join(out)
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "section.model": section_table("model"),
+    "section.data": section_table("data"),
+    "section.train": section_table("train"),
+    "section.parallel": section_table("parallel"),
+    "presets": presets_list,
+    "defaults": defaults_table,
+    "selectors": selectors_table,
+    "points": points_table,
+    "strategies": strategies_section,
+}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block replaced by a fresh rendering."""
+    missing = set(GENERATORS) - {m.group("name") for m in _BLOCK.finditer(text)}
+    if missing:
+        raise SystemExit(f"docs/rules.md lacks the generated blocks {sorted(missing)}; add '<!-- generated: NAME -->' ... '<!-- /generated -->'")
+
+    def fill(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in GENERATORS:
+            raise SystemExit(f"docs/rules.md has an unknown generated block {name!r}; known: {', '.join(GENERATORS)}")
+        return f"{match.group(1)}{GENERATORS[name]()}{match.group(4)}"
+
+    return _BLOCK.sub(fill, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/rules.md is out of date")
+    args = parser.parse_args(argv)
+    current = RULES_MD.read_text(encoding="utf-8")
+    fresh = render(current)
+    if args.check:
+        if fresh != current:
+            print("docs/rules.md is out of date: run python docs/gen_reference.py", file=sys.stderr)
+            return 1
+        return 0
+    if fresh != current:
+        RULES_MD.write_text(fresh, encoding="utf-8")
+        print("docs/rules.md updated")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

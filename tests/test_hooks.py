@@ -1,0 +1,429 @@
+"""The hook contract: one `test_hook_<name>` per hookspec, calling it through a plugin manager.
+
+Each test registers a small in-process plugin (and/or relies on the built-in one)
+and checks the semantics docs/hooks.md states: firstresult hooks return the first
+non-None answer and `call_first` raises HookError when nobody answers; collect-all
+hooks gather every implementation's list. A meta-test fails when a hookspec has no
+test here or no section in docs/hooks.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+import math
+import pathlib
+import re
+
+import attrs
+import pytest
+import structlog
+import torch
+import torch.distributed as dist
+from structlog.testing import capture_logs
+
+from weft.core import hookspecs
+from weft.core.context import RunContext
+from weft.core.errors import HookError, PlanError, RecipeError
+from weft.core.hookspecs import hookimpl
+from weft.core.loop import StepState
+from weft.core.mesh_spec import MeshSpec
+from weft.core.plugin_manager import build_plugin_manager
+from weft.core.recipe import Recipe
+from weft.core.registry import AttentionBinding, NoParams, Strategy, Verdict
+from weft.core.rules import Decision, ModuleInfo, build_plan
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+ROOT_MODULE = ModuleInfo(path="", class_name="Toy", kind="root")
+TEXT_ATTN = ModuleInfo(path="layers.0.self_attn", class_name="Qwen2Attention", kind="attention", modality="text", heads=4, kv_heads=2, head_dim=16)
+
+
+class ListLog:
+    """A structlog-shaped logger that keeps (event, fields) pairs."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def info(self, event: str, **fields) -> None:
+        self.events.append((event, fields))
+
+    warning = error = debug = info
+
+
+def make_pm(*plugins: tuple[str, object]):
+    # entry_points=False: an installed third-party plugin must not change these tests.
+    return build_plugin_manager(extra=plugins, entry_points=False)
+
+
+def make_plan(pm, rules: list[dict], modules: list[ModuleInfo] = (ROOT_MODULE,)):
+    recipe = Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}, "rules": rules})
+    plan = build_plan(recipe=recipe, modules=list(modules), registry=pm.registry, mesh=MeshSpec(), world_size=1)
+    ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=ListLog())
+    return recipe, plan, ctx
+
+
+def decision(point: str, strategy: str) -> Decision:
+    return Decision(point=point, strategy=strategy, params=NoParams(), source="test", rule="test")
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A one-rank gloo process group, as `weft run` makes for a single process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class EchoParams:
+    word: str = attrs.field(default="hi", metadata={"doc": "what to say"})
+
+
+class EchoPlugin:
+    @hookimpl
+    def weft_strategies(self):
+        return [Strategy(point="attention", name="echo", params=EchoParams, summary="says a word")]
+
+
+def test_hook_weft_strategies():
+    pm = make_pm(("echo-plugin", EchoPlugin()))
+    # Collect-all: one list per implementing plugin, built-ins included.
+    lists = pm.hook.weft_strategies()
+    assert len(lists) == len(pm.hook.weft_strategies.get_hookimpls()) == 7
+    assert all(isinstance(s, Strategy) for items in lists for s in items)
+    # The registry records which plugin declared each strategy.
+    echo = pm.registry.get("attention", "echo")
+    assert echo is not None and echo.plugin == "echo-plugin" and echo.params is EchoParams
+    assert pm.registry.get("guard", "finite").plugin == "weft.plugins.guard"
+    assert "echo" in pm.registry.names("attention") and "sdpa" in pm.registry.names("attention")
+    # The params class validates rule tables: a bad key fails with the strategy's fields listed.
+    _, plan, _ = make_plan(pm, [{"attention": {"strategy": "echo", "word": "yo"}}], [ROOT_MODULE, TEXT_ATTN])
+    assert plan.modules[1].get("attention").params == EchoParams(word="yo")
+    with pytest.raises(Exception, match="unknown key 'wrod'.*word"):
+        make_plan(pm, [{"attention": {"strategy": "echo", "wrod": "yo"}}], [ROOT_MODULE, TEXT_ATTN])
+
+    # Two plugins declaring one (point, name): an error naming both.
+    class Clash:
+        @hookimpl
+        def weft_strategies(self):
+            return [Strategy(point="attention", name="sdpa")]
+
+    with pytest.raises(PlanError, match=r"'sdpa'.*'weft\.plugins\.attention'.*'clash'"):
+        make_pm(("clash", Clash())).registry
+
+    # Replacing a built-in: block it and declare the same strategy name elsewhere.
+    class MyFinite:
+        @hookimpl
+        def weft_strategies(self):
+            return [Strategy(point="guard", name="finite", params=EchoParams)]
+
+    replaced = build_plugin_manager(block=["weft.plugins.guard"], extra=[("my-finite", MyFinite())], entry_points=False)
+    assert replaced.registry.get("guard", "finite").plugin == "my-finite"
+    _, plan, _ = make_plan(replaced, [])
+    assert plan.decision("guard").params == EchoParams()
+    # Blocked without a replacement: the defaults name a strategy nobody declares.
+    with pytest.raises(RecipeError, match="unknown guard strategy 'finite'"):
+        make_plan(build_plugin_manager(block=["weft.plugins.guard"], entry_points=False), [])
+
+
+# ---------------------------------------------------------------------------
+# model preparation
+# ---------------------------------------------------------------------------
+
+
+class FreezePlugin:
+    """A shard strategy that freezes the modules the Plan gives it, in place."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @hookimpl
+    def weft_strategies(self):
+        return [Strategy(point="shard", name="freeze", summary="requires_grad = False")]
+
+    @hookimpl
+    def weft_shard(self, model, plan):  # an implementation may take fewer arguments than the spec
+        self.calls += 1
+        for unit in plan.modules_for("shard", "freeze"):
+            model.get_submodule(unit.info.path).requires_grad_(False)
+
+
+def test_hook_weft_shard():
+    freeze = FreezePlugin()
+    pm = make_pm(("freeze", freeze))
+    modules = [ROOT_MODULE, ModuleInfo(path="0", class_name="Linear", kind="unit", modality="text"), ModuleInfo(path="1", class_name="Linear", kind="unit", modality="text")]
+    rules = [{"when": {"path": "0"}, "shard": {"strategy": "freeze"}}, {"when": {"path": ["", "1"]}, "shard": {"strategy": "none"}}]
+    _, plan, ctx = make_plan(pm, rules, modules)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    # Collect-all: every implementation runs; both return None, so the result is empty.
+    assert pm.hook.weft_shard(model=model, plan=plan, mesh=None, ctx=ctx) == []
+    assert freeze.calls == 1
+    assert not any(p.requires_grad for p in model[0].parameters())
+    assert all(p.requires_grad for p in model[1].parameters())
+
+    # The built-in fsdp2 strategy (the default rule) on a one-rank gloo mesh.
+    from torch.distributed.tensor import DTensor
+
+    from weft.core.mesh import build_device_mesh
+
+    pm = make_pm()
+    _, plan, ctx = make_plan(pm, [], modules)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with one_rank_group():
+        mesh = build_device_mesh(plan.mesh, device_type="cpu")
+        assert pm.hook.weft_shard(model=model, plan=plan, mesh=mesh, ctx=ctx) == []
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert ("shard.fsdp2", {"units": 2, "mesh": [1, 1, 1, 1]}) in ctx.log.events
+
+
+class EchoAttention(EchoPlugin):
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    @hookimpl
+    def weft_attention(self, decision, module_path):
+        self.asked.append(decision.strategy)
+        if decision.strategy != "echo":
+            return None  # not ours: let another plugin answer
+        return AttentionBinding(name=f"echo_{decision.params.word}", fn=lambda *a, **k: None)
+
+
+def test_hook_weft_attention():
+    echo = EchoAttention()
+    pm = make_pm(("echo-plugin", echo))
+    rules = [{"when": {"modality": "text", "seq_len": {"gt": 10**9}}, "attention": {"strategy": "echo"}}]
+    _, plan, ctx = make_plan(pm, rules + [{"when": {"class": "*Attention"}, "attention": {"strategy": "echo", "word": "yo"}}], [ROOT_MODULE, TEXT_ATTN])
+    mine = plan.modules_for("attention")[0].get("attention")
+    assert mine.strategy == "echo" and mine.params.word == "yo"  # the seq_len rule did not match
+    binding = pm.call_first("weft_attention", decision=mine, module_path=TEXT_ATTN.path, plan=plan, mesh=None, ctx=ctx)
+    assert binding.name == "echo_yo" and callable(binding.fn)
+
+    # Firstresult: the echo plugin (registered last, so asked first) declines "sdpa";
+    # the built-in answers with a name transformers already knows.
+    _, plan, ctx = make_plan(pm, [{"attention": "sdpa"}], [ROOT_MODULE, TEXT_ATTN])
+    sdpa = plan.modules_for("attention")[0].get("attention")
+    assert pm.call_first("weft_attention", decision=sdpa, module_path=TEXT_ATTN.path, plan=plan, mesh=None, ctx=ctx) == AttentionBinding(name="sdpa")
+    assert echo.asked[-1] == "sdpa"
+    # The default rule, on a mesh without sequence parallelism, also comes down to sdpa.
+    _, plan, ctx = make_plan(pm, [], [ROOT_MODULE, TEXT_ATTN])
+    default = plan.modules_for("attention")[0].get("attention")
+    assert pm.call_first("weft_attention", decision=default, module_path=TEXT_ATTN.path, plan=plan, mesh=None, ctx=ctx) == AttentionBinding(name="sdpa")
+
+    # Nobody owns the strategy: the plain hook returns None, call_first names hook and plugins.
+    nobody = decision("attention", "nobody")
+    assert pm.hook.weft_attention(decision=nobody, module_path="x", plan=plan, mesh=None, ctx=ctx) is None
+    with pytest.raises(HookError, match=r"weft_attention.*'nobody'.*weft\.plugins\.attention.*echo-plugin"):
+        pm.call_first("weft_attention", decision=nobody, module_path="x", plan=plan, mesh=None, ctx=ctx)
+
+
+def test_hook_weft_kv_cache():
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = Qwen2ForCausalLM(config)
+    pm = make_pm()
+    _, plan, ctx = make_plan(pm, [], [ROOT_MODULE, TEXT_ATTN])
+    chosen = plan.modules_for("kv_cache")[0].get("kv_cache")
+    assert chosen.strategy == "dynamic"  # the default rule
+    cache = pm.call_first("weft_kv_cache", decision=chosen, model=model, plan=plan, ctx=ctx)
+    assert isinstance(cache, DynamicCache)
+    assert len(cache.layers) == config.num_hidden_layers
+    kv = torch.zeros(1, config.num_key_value_heads, 3, config.hidden_size // config.num_attention_heads)  # (B, H_kv, S, D)
+    cache.update(kv, kv, layer_idx=0)
+    assert cache.get_seq_length() == 3
+    # Building a cache changes nothing on the model.
+    assert model.config.use_cache == config.use_cache
+    with pytest.raises(HookError, match=r"weft_kv_cache.*'paged'"):
+        pm.call_first("weft_kv_cache", decision=decision("kv_cache", "paged"), model=model, plan=plan, ctx=ctx)
+
+
+@attrs.frozen(kw_only=True)
+class FixedParams:
+    steps: int = 2
+    tokens: int = 4
+
+
+class FixedBatches:
+    """A batching strategy yielding the same tiny step over and over."""
+
+    @hookimpl
+    def weft_strategies(self):
+        return [Strategy(point="batching", name="fixed", params=FixedParams)]
+
+    @hookimpl
+    def weft_batching(self, decision, recipe, plan, mesh, ctx):
+        if decision.strategy != "fixed":
+            return None
+        ids = torch.arange(decision.params.tokens).unsqueeze(0)  # (B=1, S)
+        return [[{"input_ids": ids, "labels": ids.clone()}] for _ in range(decision.params.steps)]
+
+
+def test_hook_weft_batching():
+    import weft.plugins.batching as builtin
+
+    pm = make_pm(("fixed", FixedBatches()))
+    recipe, plan, ctx = make_plan(pm, [{"batching": {"strategy": "fixed", "steps": 3}}])
+    chosen = plan.decision("batching")
+    assert (chosen.strategy, chosen.params) == ("fixed", FixedParams(steps=3))
+    # The built-in declines a strategy it does not own.
+    assert builtin.weft_batching(decision=chosen, recipe=recipe, plan=plan, mesh=None, ctx=ctx) is None
+    steps = list(pm.call_first("weft_batching", decision=chosen, recipe=recipe, plan=plan, mesh=None, ctx=ctx))
+    assert len(steps) == 3 and all(len(step) == 1 for step in steps)
+    assert steps[0][0]["input_ids"].shape == (1, 4)
+    # And the fake declines the default.
+    _, default_plan, _ = make_plan(pm, [])
+    assert default_plan.decision("batching").strategy == "token_budget"
+    assert FixedBatches().weft_batching(decision=default_plan.decision("batching"), recipe=recipe, plan=plan, mesh=None, ctx=ctx) is None
+    with pytest.raises(HookError, match=r"no plugin answered hook weft_batching for strategy 'nobody'; registered plugins: .*weft\.plugins\.batching.*fixed"):
+        pm.call_first("weft_batching", decision=decision("batching", "nobody"), recipe=recipe, plan=plan, mesh=None, ctx=ctx)
+
+
+class NoteGradSync:
+    """A second grad_sync implementation: answers only when its strategy is chosen."""
+
+    @hookimpl
+    def weft_strategies(self):
+        return [Strategy(point="grad_sync", name="note")]
+
+    @hookimpl
+    def weft_grad_sync(self, model, plan):
+        if not any(d.strategy == "note" for d in plan.decisions_of("grad_sync")):
+            return None
+        return [("grads_seen", sum(1 for p in model.parameters() if p.grad is not None))]
+
+
+def test_hook_weft_grad_sync():
+    pm = make_pm(("note", NoteGradSync()))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    (model(torch.randn(5, 8)).pow(2).sum() * 10).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert expected > 0.5
+    # A list of strategies: both implementations act; results are gathered (collect-all).
+    _, plan, ctx = make_plan(pm, [{"grad_sync": [{"strategy": "clip", "max_norm": 0.5}, {"strategy": "note"}]}])
+    with one_rank_group():
+        results = pm.hook.weft_grad_sync(model=model, plan=plan, mesh=None, ctx=ctx)
+    assert sorted(name for result in results for name, _ in result) == ["grad_norm", "grads_seen"]
+    merged = dict(item for result in results for item in result)  # as the loop reads them
+    assert merged["grads_seen"] == 2
+    torch.testing.assert_close(merged["grad_norm"], expected)
+    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    torch.testing.assert_close(clipped, torch.tensor(0.5), rtol=1e-5, atol=1e-5)
+    for grad, before in zip((p.grad for p in model.parameters()), grads):
+        torch.testing.assert_close(grad, before * (0.5 / expected), rtol=1e-5, atol=1e-6)
+
+    # max_norm = 0 measures only; without a clip decision the built-in stays out.
+    _, plan, ctx = make_plan(pm, [{"grad_sync": {"strategy": "clip", "max_norm": 0.0}}])
+    with one_rank_group():
+        (result,) = pm.hook.weft_grad_sync(model=model, plan=plan, mesh=None, ctx=ctx)
+    torch.testing.assert_close(result[0][1], torch.tensor(0.5), rtol=1e-5, atol=1e-5)
+    _, plan, ctx = make_plan(pm, [{"grad_sync": {"strategy": "note"}}])
+    assert pm.hook.weft_grad_sync(model=model, plan=plan, mesh=None, ctx=ctx) == [[("grads_seen", 2)]]
+
+
+class CheckpointGuard:
+    @hookimpl
+    def weft_strategies(self):
+        return [Strategy(point="guard", name="every_step_checkpoint")]
+
+    @hookimpl
+    def weft_guard(self, event, plan):
+        if event != "step_end" or not any(d.strategy == "every_step_checkpoint" for d in plan.decisions_of("guard")):
+            return None
+        return Verdict(action="checkpoint", guard="every_step_checkpoint")
+
+
+def test_hook_weft_guard():
+    pm = make_pm(("ckpt", CheckpointGuard()))
+    _, plan, ctx = make_plan(pm, [{"guard": [{"strategy": "finite", "max_consecutive_skips": 3}, {"strategy": "every_step_checkpoint"}]}])
+
+    def verdicts(event: str, **state) -> list[Verdict]:
+        # Collect-all: None answers are dropped by pluggy; the loop takes the strongest.
+        return pm.hook.weft_guard(event=event, state=StepState(step=1, **state), plan=plan, ctx=ctx)
+
+    assert verdicts("step_start", loss=math.nan) == []  # finite looks only at step_end
+    fine = verdicts("step_end", loss=2.0, grad_norm=1.0)
+    assert sorted(v.action for v in fine) == ["checkpoint", "continue"]
+    assert Verdict.strongest(fine).action == "checkpoint"
+    nan = verdicts("step_end", loss=math.nan, grad_norm=1.0)
+    strongest = Verdict.strongest(nan)
+    assert (strongest.action, strongest.guard) == ("skip", "finite") and "loss" in strongest.reason
+    assert Verdict.strongest(verdicts("step_end", loss=1.0, grad_norm=math.inf)).action == "skip"
+    # The third non-finite step in a row aborts (max_consecutive_skips = 3).
+    assert Verdict.strongest(verdicts("step_end", loss=math.nan, consecutive_skips=1)).action == "skip"
+    aborted = Verdict.strongest(verdicts("step_end", loss=math.nan, consecutive_skips=2))
+    assert aborted.action == "abort" and "3 steps in a row" in aborted.reason
+    assert Verdict.strongest([]).action == "continue"
+
+
+# ---------------------------------------------------------------------------
+# tracing (WEFT_TRACE_HOOKS)
+# ---------------------------------------------------------------------------
+
+
+def test_trace_logs_every_hook_call():
+    with capture_logs() as logs:
+        pm = build_plugin_manager(trace=True, log=structlog.get_logger(), entry_points=False)
+        _, plan, ctx = make_plan(pm, [], [ROOT_MODULE, TEXT_ATTN])
+        pm.hook.weft_attention(decision=plan.modules[1].get("attention"), module_path=TEXT_ATTN.path, plan=plan, mesh=None, ctx=ctx)
+        pm.hook.weft_guard(event="step_start", state=StepState(step=1), plan=plan, ctx=ctx)
+    calls = [entry for entry in logs if entry["event"] == "hook.call"]
+    assert [c["hook"] for c in calls] == ["weft_attention", "weft_guard"]
+    for call in calls:
+        assert call["rank"] == 0 and call["log_level"] == "info"
+        assert isinstance(call["duration_ms"], float) and call["duration_ms"] >= 0
+    assert calls[0]["plugins"] == ["weft.plugins.attention"]
+
+    # Without trace nothing is logged per call.
+    log = ListLog()
+    quiet = build_plugin_manager(log=log, entry_points=False)
+    quiet.hook.weft_guard(event="step_start", state=StepState(step=1), plan=plan, ctx=ctx)
+    assert not [e for e, _ in log.events if e == "hook.call"]
+
+
+def test_weft_trace_hooks_env(monkeypatch, capsys):
+    from weft.core.cli import plugin_manager_from_env
+
+    monkeypatch.setenv("WEFT_TRACE_HOOKS", "1")
+    pm = plugin_manager_from_env()
+    _, plan, ctx = make_plan(pm, [])
+    pm.hook.weft_guard(event="step_start", state=StepState(step=1), plan=plan, ctx=ctx)
+    err = capsys.readouterr().err
+    assert "hook.call" in err and "weft_guard" in err and "duration_ms" in err
+
+
+# ---------------------------------------------------------------------------
+# meta: every hookspec is tested and documented
+# ---------------------------------------------------------------------------
+
+
+def hookspec_signatures() -> dict[str, str]:
+    specs = {}
+    for name, fn in vars(hookspecs).items():
+        if name.startswith("weft_") and getattr(fn, f"{hookspecs.PROJECT}_spec", None) is not None:
+            specs[name] = f"{name}({', '.join(inspect.signature(fn).parameters)})"
+    return specs
+
+
+def test_every_hookspec_is_tested_and_documented():
+    specs = hookspec_signatures()
+    assert set(specs) == {f"weft_{p}" for p in ("strategies", *hookspecs.HOOK_POINTS)}
+    tests = set()
+    for path in (ROOT / "tests").glob("test_*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tests |= {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name.startswith("test_hook_")}
+    untested = sorted(name for name in specs if f"test_hook_{name}" not in tests)
+    docs = (ROOT / "docs" / "hooks.md").read_text(encoding="utf-8")
+    headings = set(re.findall(r"^### `([^`]+)`\s*$", docs, flags=re.MULTILINE))
+    undocumented = sorted(f"{name}: expected heading ### `{sig}`" for name, sig in specs.items() if sig not in headings)
+    assert not untested and not undocumented, f"hookspecs without a test_hook_<name> in tests/: {untested}; without a heading in docs/hooks.md: {undocumented}"
