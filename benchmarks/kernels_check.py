@@ -23,11 +23,11 @@ def main() -> int:
     reference = KERNELS["math"]
     for name in ("cudnn", "flash"):
         kernel = KERNELS[name]
-        for causal, sq, sk in ((True, 512, 512), (False, 512, 256), (False, 256, 512)):
+        for causal, sq, sk, kv_heads in ((True, 512, 512, 4), (False, 512, 256, 4), (False, 256, 512, 4), (True, 512, 512, 2), (False, 512, 256, 1)):
             g = torch.Generator(device="cuda").manual_seed(0)
             q = torch.randn(2, 4, sq, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-            k = torch.randn(2, 4, sk, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-            v = torch.randn(2, 4, sk, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            k = torch.randn(2, kv_heads, sk, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            v = torch.randn(2, kv_heads, sk, 128, device="cuda", dtype=torch.bfloat16, generator=g)
             dout = torch.randn(2, 4, sq, 128, device="cuda", dtype=torch.bfloat16, generator=g)
             try:
                 out, lse = kernel.forward(q, k, v, causal=causal, scale=128**-0.5)
@@ -36,9 +36,11 @@ def main() -> int:
                 print(f"{name} causal={causal} {sq}x{sk}: FAILED {type(error).__name__}: {error}")
                 failures += 1
                 continue
-            f32 = [t.float() for t in (q, k, v)]
+            groups = 4 // kv_heads  # the math reference takes equal heads: expand, then sum the groups back
+            f32 = [q.float(), k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)]
             ref_out, ref_lse = reference.forward(*f32, causal=causal, scale=128**-0.5)
-            ref_grads = reference.backward(dout.float(), *f32, ref_out, ref_lse, causal=causal, scale=128**-0.5)
+            dq_r, dk_r, dv_r = reference.backward(dout.float(), *f32, ref_out, ref_lse, causal=causal, scale=128**-0.5)
+            ref_grads = (dq_r, dk_r.view(2, kv_heads, groups, sk, 128).sum(2), dv_r.view(2, kv_heads, groups, sk, 128).sum(2))
             errs = {
                 "out": (out.float() - ref_out).abs().max().item(),
                 "lse": (lse - ref_lse).abs().max().item(),
@@ -46,7 +48,7 @@ def main() -> int:
             }
             bad = any(e > 0.05 for e in errs.values()) or lse.shape != ref_lse.shape
             failures += bad
-            print(f"{name} causal={causal} {sq}x{sk}: lse {tuple(lse.shape)} {'BAD' if bad else 'ok'} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+            print(f"{name} causal={causal} {sq}x{sk} kv_heads={kv_heads}: lse {tuple(lse.shape)} {'BAD' if bad else 'ok'} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     return 1 if failures else 0
 
 

@@ -8,7 +8,8 @@ Every kernel has the same two functions, on SDPA's layout:
 ``backward`` takes the *final* out and lse of the whole row (after every ring
 step merged), which is what makes per-block gradients exact: P = exp(S - lse)
 is then the true softmax and D = rowsum(dO * O) the true correction term.
-k and v carry as many heads as q; GQA expansion happens in the caller. With
+k and v carry as many heads as q unless the kernel is marked ``gqa``; the
+caller expands them otherwise. With
 ``causal`` the block is square and lies on the diagonal.
 
 Backends: ``math`` (any device and dtype; the float64 reference), ``cpu_flash``
@@ -29,6 +30,10 @@ class BlockKernel:
     name: str
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    #: Takes k/v with fewer heads than q (GQA) itself; otherwise the caller expands them.
+    gqa: bool = False
+    #: Accepts strided (non-contiguous) q/k/v/out views, e.g. slices of the sequence dim.
+    strided: bool = False
 
 
 def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
@@ -79,11 +84,11 @@ def _cudnn_forward(q, k, v, *, causal, scale):
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, *, causal, scale):
-    empty = torch.empty(0, device=q.device)
-    seed = torch.empty(0, dtype=torch.int64, device=q.device)
+    # Without dropout, bias or varlen, the RNG state, bias and cumulative lengths are
+    # undefined tensors (None), exactly what the forward returns for them.
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout.contiguous(), q, k, v, out.contiguous(), lse.float().unsqueeze(-1).contiguous(),  # cuDNN keeps (B, H, S, 1)
-        seed, seed, empty, empty, empty, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+        None, None, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
     )
 
 
@@ -93,10 +98,8 @@ def _flash_forward(q, k, v, *, causal, scale):
 
 
 def _flash_backward(dout, q, k, v, out, lse, *, causal, scale):
-    empty = torch.empty(0, device=q.device)
-    seed = torch.empty(2, dtype=torch.int64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse.contiguous(), empty, empty, q.shape[2], k.shape[2], 0.0, causal, seed, seed, scale=scale,
+        dout.contiguous(), q, k, v, out.contiguous(), lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, None, None, scale=scale,
     )
 
 
@@ -124,8 +127,8 @@ def _flash_attn_backward(dout, q, k, v, out, lse, *, causal, scale):
 KERNELS: dict[str, BlockKernel] = {
     "math": BlockKernel("math", _math_forward, _math_backward),
     "cpu_flash": BlockKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward),
-    "cudnn": BlockKernel("cudnn", _cudnn_forward, _cudnn_backward),
-    "flash": BlockKernel("flash", _flash_forward, _flash_backward),
+    "cudnn": BlockKernel("cudnn", _cudnn_forward, _cudnn_backward, gqa=True, strided=True),
+    "flash": BlockKernel("flash", _flash_forward, _flash_backward, gqa=True, strided=True),
     "flash_attn": BlockKernel("flash_attn", _flash_attn_forward, _flash_attn_backward),
 }
 BACKENDS: tuple[str, ...] = ("auto", *KERNELS)

@@ -104,25 +104,37 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     lse.copy_(torch.logaddexp(lse, block_lse))
 
 
-def attend_block(q, kv, *, block: Block, groups: int, scale: float, kernel: BlockKernel, out, lse) -> None:
-    """One ring step's forward for one rank: attend, then merge into (out, lse)."""
-    qb = q[:, :, block.q].contiguous()
-    kb = _expand(kv[0][:, :, block.kv], groups).contiguous()
-    vb = _expand(kv[1][:, :, block.kv], groups).contiguous()
+def _operands(kernel: BlockKernel, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t if kernel.strided else t.contiguous() for t in tensors]
+
+
+def attend_block(q, kv, *, block: Block, groups: int, scale: float, kernel: BlockKernel, out, lse, first: bool = False) -> None:
+    """One ring step's forward for one rank: attend, then merge into (out, lse).
+
+    ``first``: nothing merged yet for these rows, so the block's result is copied
+    in instead of merged (one pass over the accumulator saved).
+    """
+    expand = 1 if kernel.gqa else groups
+    qb, kb, vb = _operands(kernel, q[:, :, block.q], _expand(kv[0][:, :, block.kv], expand), _expand(kv[1][:, :, block.kv], expand))
     block_out, block_lse = kernel.forward(qb, kb, vb, causal=block.causal, scale=scale)
-    merge_block(out[:, :, block.q], lse[:, :, block.q], block_out, block_lse)
+    if first:
+        out[:, :, block.q].copy_(block_out)
+        lse[:, :, block.q].copy_(block_lse)
+    else:
+        merge_block(out[:, :, block.q], lse[:, :, block.q], block_out, block_lse)
 
 
 def attend_block_backward(dout, q, kv, out, lse, *, block: Block, groups: int, scale: float, kernel: BlockKernel, dq, dkv) -> None:
     """One ring step's backward for one rank: add this block's dQ and dK/dV in place."""
-    dq_b, dk_b, dv_b = kernel.backward(
-        dout[:, :, block.q].contiguous(), q[:, :, block.q].contiguous(),
-        _expand(kv[0][:, :, block.kv], groups).contiguous(), _expand(kv[1][:, :, block.kv], groups).contiguous(),
-        out[:, :, block.q].contiguous(), lse[:, :, block.q].contiguous(), causal=block.causal, scale=scale,
+    expand = 1 if kernel.gqa else groups
+    operands = _operands(
+        kernel, dout[:, :, block.q], q[:, :, block.q],
+        _expand(kv[0][:, :, block.kv], expand), _expand(kv[1][:, :, block.kv], expand), out[:, :, block.q],
     )
+    dq_b, dk_b, dv_b = kernel.backward(*operands, lse[:, :, block.q].contiguous(), causal=block.causal, scale=scale)
     dq[:, :, block.q] += dq_b
-    dkv[0][:, :, block.kv] += _reduce(dk_b, groups)
-    dkv[1][:, :, block.kv] += _reduce(dv_b, groups)
+    dkv[0][:, :, block.kv] += _reduce(dk_b, expand)
+    dkv[1][:, :, block.kv] += _reduce(dv_b, expand)
 
 
 def _accumulators(q, v):
@@ -143,7 +155,7 @@ def _forward(q, k, v, *, ring: _Ring, causal: bool, scale: float, layout: str, k
             incoming, works = ring.exchange(kv)
         block = block_for(rank=ring.rank, src=(ring.rank - step) % ring.world, world=ring.world, layout=layout, causal=causal, local_len=s)
         if block is not None:
-            attend_block(q, kv, block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse)
+            attend_block(q, kv, block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse, first=step == 0)
         if step + 1 < ring.world:
             _wait(works)
             kv = incoming
@@ -197,7 +209,7 @@ def emulate_ring(q_parts, k_parts, v_parts, dout_parts=None, *, causal: bool, sc
             src = (rank - step) % world
             block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
             if block is not None:
-                attend_block(q_parts[rank], kvs[src], block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse)
+                attend_block(q_parts[rank], kvs[src], block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse, first=step == 0)
         outs.append(out.to(q_parts[rank].dtype))
         lses.append(lse)
     if dout_parts is None:
