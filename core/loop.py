@@ -121,32 +121,15 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
             micro_batches = next(steps)
             state = StepState(step=step, consecutive_skips=state.consecutive_skips, memory=state.memory)
             _verdict(pm, "step_start", state, plan, ctx)
-            # One collective for the step's divisor: label tokens over every rank, so the
-            # loss equals the unsharded model's mean over the global batch.
-            counts = torch.stack([sum(label_count(mb["labels"]) for mb in micro_batches), torch.tensor(sum(mb["input_ids"].numel() for mb in micro_batches))]).to(ctx.device, torch.float64)
-            dist.all_reduce(counts)
-            global_labels = counts[0].clamp(min=1)
-            loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float32)
-            for mb in micro_batches:
-                batch = {k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()}
-                labels = batch.pop("labels")
-                with autocast, warnings.catch_warnings():
-                    # FSDP2 warns that the root returned a view (transformers slices
-                    # logits); the loss only reads it, never updates it in place.
-                    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-                    logits = model(**batch, use_cache=False).logits  # (B, S, V)
-                part = token_loss_sum(logits, labels)
-                # Gradient reductions average over all world_size ranks (FSDP and
-                # grad_sync alike); scaling by world_size turns that mean into the
-                # sum of every rank's share of (global loss sum / global label count).
-                (part * (ctx.world_size / global_labels)).backward()
-                loss_sum += part.detach()
-            grad_results = pm.hook.weft_grad_sync(model=model, plan=plan, mesh=mesh, ctx=ctx)
-            grad_norm = dict(item for result in grad_results if result for item in result).get("grad_norm")
-            dist.all_reduce(loss_sum)
-            state.loss = float(loss_sum / global_labels)  # the step's one host sync
-            state.grad_norm = float(grad_norm) if grad_norm is not None else None
-            state.tokens = int(counts[1])
+            try:
+                _forward_backward(model=model, micro_batches=micro_batches, state=state, autocast=autocast, pm=pm, plan=plan, mesh=mesh, ctx=ctx)
+            except Exception as error:
+                # Guards see the error (diagnostics, alerts); the run then stops: after a
+                # failed step the ranks' collectives may be out of step, so no verdict resumes it.
+                state.error = error
+                verdict = _verdict(pm, "error", state, plan, ctx)
+                log.error("step.error", step=step, error=repr(error), verdict=verdict.action, guard=verdict.guard)
+                raise
             verdict = _verdict(pm, "step_end", state, plan, ctx)
             if verdict.action == "abort":
                 raise WeftError(f"guard {verdict.guard!r} stopped the run at step {step}: {verdict.reason}", where="guard")
@@ -195,6 +178,36 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         log.info("run.end", **summary)
     return summary
+
+
+def _forward_backward(*, model, micro_batches, state: StepState, autocast, pm, plan, mesh, ctx: RunContext) -> None:
+    """Every micro-batch's forward and backward, then grad sync; fills state.loss/grad_norm/tokens."""
+    # One collective for the step's divisor: label tokens over every rank, so the
+    # loss equals the unsharded model's mean over the global batch.
+    counts = torch.stack([sum(label_count(mb["labels"]) for mb in micro_batches), torch.tensor(sum(mb["input_ids"].numel() for mb in micro_batches))]).to(ctx.device, torch.float64)
+    dist.all_reduce(counts)
+    global_labels = counts[0].clamp(min=1)
+    loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float32)
+    for mb in micro_batches:
+        batch = {k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()}
+        labels = batch.pop("labels")
+        with autocast, warnings.catch_warnings():
+            # FSDP2 warns that the root returned a view (transformers slices
+            # logits); the loss only reads it, never updates it in place.
+            warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+            logits = model(**batch, use_cache=False).logits  # (B, S, V)
+        part = token_loss_sum(logits, labels)
+        # Gradient reductions average over all world_size ranks (FSDP and
+        # grad_sync alike); scaling by world_size turns that mean into the
+        # sum of every rank's share of (global loss sum / global label count).
+        (part * (ctx.world_size / global_labels)).backward()
+        loss_sum += part.detach()
+    grad_results = pm.hook.weft_grad_sync(model=model, plan=plan, mesh=mesh, ctx=ctx)
+    grad_norm = dict(item for result in grad_results if result for item in result).get("grad_norm")
+    dist.all_reduce(loss_sum)
+    state.loss = float(loss_sum / global_labels)  # the step's one host sync
+    state.grad_norm = float(grad_norm) if grad_norm is not None else None
+    state.tokens = int(counts[1])
 
 
 def _verdict(pm: Any, event: str, state: StepState, plan: Any, ctx: RunContext) -> Verdict:
