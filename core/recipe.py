@@ -159,6 +159,9 @@ class Recipe:
     @classmethod
     def from_toml(cls, path: str | pathlib.Path, *, overrides: tuple[str, ...] = ()) -> "Recipe":
         path = pathlib.Path(path)
+        if not path.exists() and path.suffix in ("", ".toml") and len(path.parts) == 1:
+            # A bare name of a bundled recipe: `weft run tiny-vl` from any folder.
+            path = bundled_path(path.name if path.suffix else f"{path.name}.toml") or path
         text = _read(path, what="recipe")
         data = _parse(text, path)
         overridden = {}
