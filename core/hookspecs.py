@@ -97,10 +97,13 @@ def weft_kv_cache(decision: Any, model: Any, plan: Any, ctx: Any) -> Any:
 
 
 @hookspec(firstresult=True)
-def weft_batching(decision: Any, recipe: Any, plan: Any, mesh: Any, ctx: Any) -> Any:
+def weft_batching(decision: Any, recipe: Any, plan: Any, mesh: Any, model: Any, ctx: Any) -> Any:
     """Turn the recipe's data into this rank's optimizer steps.
 
     When: once per run, after the model is ready (and again on resume).
+    Under sequence parallelism the split happens after the vision merge, inside
+    the model's forward: an implementation may install module forward hooks on
+    ``model`` (never patch it) that cut the decoder's inputs to this rank's part.
     Kind: firstresult on ``decision.strategy``; return an iterable of steps,
     each a list of micro-batches (dicts of tensors, already this rank's shard),
     or ``None`` when the strategy is not yours. Every rank must yield the same

@@ -28,7 +28,7 @@ from weft.core.attention_install import install_attention
 from weft.core.context import RunContext
 from weft.core.errors import WeftError
 from weft.core.logging import run_logger
-from weft.core.loss import label_count, token_loss_sum
+from weft.core.loss import label_count, targets, token_loss_sum
 from weft.core.mesh import build_device_mesh, device_for
 from weft.core.planner import plan_recipe
 from weft.core.recipe import Recipe
@@ -77,22 +77,27 @@ def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, conso
         dist.destroy_process_group()
 
 
-def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: bool) -> dict:
+def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> tuple[Any, Any, Any]:
+    """Model (seeded, identical on every rank) -> Plan -> mesh -> weft_shard -> weft_attention."""
     from weft.plugins.models.build import build_model
 
-    rank, log, run_dir = ctx.rank, ctx.log, ctx.run_dir
-    t_start = time.perf_counter()
     model = build_model(recipe, device=ctx.device, seed=recipe.train.seed)
     plan, _ = plan_recipe(recipe, registry=pm.registry, world_size=ctx.world_size, model=model)
-    if rank == 0:
-        (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
     mesh = build_device_mesh(plan.mesh, device_type=ctx.device.type)
-    log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(("dp_replicate", "dp_shard", "ulysses", "ring"), plan.mesh.shape)),
-             params=sum(p.numel() for p in model.parameters()), device=str(ctx.device))
-
+    ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(("dp_replicate", "dp_shard", "ulysses", "ring"), plan.mesh.shape)),
+                 params=sum(p.numel() for p in model.parameters()), device=str(ctx.device))
     pm.hook.weft_shard(model=model, plan=plan, mesh=mesh, ctx=ctx)
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
     model.train()
+    return model, plan, mesh
+
+
+def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: bool) -> dict:
+    rank, log, run_dir = ctx.rank, ctx.log, ctx.run_dir
+    t_start = time.perf_counter()
+    model, plan, mesh = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
+    if rank == 0:
+        (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
 
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=recipe.train.lr, betas=(recipe.train.beta1, recipe.train.beta2),
@@ -106,7 +111,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
         ctx.start_step = checkpoint.load(path=found[-1], model=model, optimizer=optimizer, scheduler=scheduler, rank=rank)
         log.info("checkpoint.loaded", path=str(found[-1]), step=ctx.start_step)
 
-    steps = iter(pm.call_first("weft_batching", decision=plan.decision("batching"), recipe=recipe, plan=plan, mesh=mesh, ctx=ctx))
+    steps = iter(pm.call_first("weft_batching", decision=plan.decision("batching"), recipe=recipe, plan=plan, mesh=mesh, model=model, ctx=ctx))
     autocast = (
         torch.autocast(ctx.device.type, dtype=torch.bfloat16) if recipe.train.precision == "bf16" else contextlib.nullcontext()
     )
@@ -122,7 +127,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
             state = StepState(step=step, consecutive_skips=state.consecutive_skips, memory=state.memory)
             _verdict(pm, "step_start", state, plan, ctx)
             try:
-                _forward_backward(model=model, micro_batches=micro_batches, state=state, autocast=autocast, pm=pm, plan=plan, mesh=mesh, ctx=ctx)
+                forward_backward(model=model, micro_batches=micro_batches, state=state, autocast=autocast, pm=pm, plan=plan, mesh=mesh, ctx=ctx)
             except Exception as error:
                 # Guards see the error (diagnostics, alerts); the run then stops: after a
                 # failed step the ranks' collectives may be out of step, so no verdict resumes it.
@@ -180,23 +185,26 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
     return summary
 
 
-def _forward_backward(*, model, micro_batches, state: StepState, autocast, pm, plan, mesh, ctx: RunContext) -> None:
+def forward_backward(*, model, micro_batches, state: StepState, autocast, pm, plan, mesh, ctx: RunContext) -> None:
     """Every micro-batch's forward and backward, then grad sync; fills state.loss/grad_norm/tokens."""
     # One collective for the step's divisor: label tokens over every rank, so the
     # loss equals the unsharded model's mean over the global batch.
-    counts = torch.stack([sum(label_count(mb["labels"]) for mb in micro_batches), torch.tensor(sum(mb["input_ids"].numel() for mb in micro_batches))]).to(ctx.device, torch.float64)
+    # Tokens are this rank's positions (its part of the sequence under SP).
+    counts = torch.stack([sum(label_count(targets(mb)) for mb in micro_batches), torch.tensor(sum(targets(mb).numel() for mb in micro_batches))]).to(ctx.device, torch.float64)
     dist.all_reduce(counts)
     global_labels = counts[0].clamp(min=1)
     loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float32)
     for mb in micro_batches:
         batch = {k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()}
-        labels = batch.pop("labels")
+        target = targets(batch)
+        batch.pop("labels", None)
+        batch.pop("shift_labels", None)
         with autocast, warnings.catch_warnings():
             # FSDP2 warns that the root returned a view (transformers slices
             # logits); the loss only reads it, never updates it in place.
             warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
             logits = model(**batch, use_cache=False).logits  # (B, S, V)
-        part = token_loss_sum(logits, labels)
+        part = token_loss_sum(logits, target)
         # Gradient reductions average over all world_size ranks (FSDP and
         # grad_sync alike); scaling by world_size turns that mean into the
         # sum of every rank's share of (global loss sum / global label count).

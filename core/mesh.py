@@ -21,6 +21,7 @@ class WeftMesh:
     root: DeviceMesh
     fsdp: DeviceMesh
     dp: DeviceMesh
+    sp: DeviceMesh  # ring x ulysses flattened: the ranks sharing one sequence
     spec: MeshSpec
 
     def __getitem__(self, name: str) -> DeviceMesh:
@@ -49,7 +50,8 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str) -> WeftMesh:
     root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_ORDER)
     fsdp = root[("dp_shard", "ring", "ulysses")]._flatten("fsdp")
     dp = root[("dp_replicate", "dp_shard")]._flatten("dp")
-    return WeftMesh(root=root, fsdp=fsdp, dp=dp, spec=spec)
+    sp = root[("ring", "ulysses")]._flatten("sp")
+    return WeftMesh(root=root, fsdp=fsdp, dp=dp, sp=sp, spec=spec)
 
 
 def device_for(kind: str, local_rank: int) -> torch.device:

@@ -45,6 +45,18 @@ def resolve_auto(strategy: str, *, ulysses: int, ring: int) -> str:
     return "ulysses" if ulysses > 1 else "ring" if ring > 1 else "sdpa"
 
 
+def sequence_layout(plan) -> str:
+    """How the text sequence is split over the ring ranks: the text attention's layout."""
+    for module in plan.modules_for("attention"):
+        if module.info.modality == "text":
+            decision = module.get("attention")
+            strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring)
+            if strategy in ("ring", "usp") and isinstance(decision.params, RingParams):
+                return decision.params.layout
+            return "contiguous"
+    return "contiguous"
+
+
 @hookimpl
 def weft_attention(decision, module_path, plan, mesh, ctx):
     strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring)

@@ -23,13 +23,39 @@ def weft_strategies():
 
 
 @hookimpl
-def weft_batching(decision, recipe, plan, mesh, ctx):
+def weft_batching(decision, recipe, plan, mesh, model, ctx):
     if decision.strategy != "token_budget":
         return None
-    return _steps(decision.params, recipe, plan, mesh, ctx)
+    split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
+    return _steps(decision.params, recipe, plan, mesh, ctx, split)
 
 
-def _steps(params, recipe, plan, mesh, ctx):
+def install_sequence_split(*, model, plan, mesh):
+    """Hooks that cut the model's text sequence (after the vision merge) to this rank's part."""
+    from weft.plugins.attention import sequence_layout
+    from weft.plugins.models.sp_hooks import SequenceParallelHooks
+    from weft.strategies.sequence_split import TextSplit
+
+    split = TextSplit(
+        ring=plan.mesh.ring, ring_rank=mesh["ring"].get_local_rank(),
+        ulysses=plan.mesh.ulysses, ulysses_rank=mesh["ulysses"].get_local_rank(),
+        layout=sequence_layout(plan),
+    )
+    SequenceParallelHooks(model=model, split=split, sp_group=mesh.sp.get_group(), sp_rank=mesh.sp.get_local_rank(), sp_world=plan.mesh.sp)
+    return split
+
+
+def shard_batch(batch: dict, split) -> dict:
+    """Labels shifted on the whole sequence, then split like the decoder's inputs."""
+    from weft.core.loss import targets
+
+    out = dict(batch)
+    out["shift_labels"] = split.shard(targets(batch), dim=1)
+    del out["labels"]
+    return out
+
+
+def _steps(params, recipe, plan, mesh, ctx, split):
     from weft.plugins.models.build import model_config
     from weft.strategies import datasets
     from weft.strategies.conversation import collate, load_processor
@@ -80,7 +106,8 @@ def _steps(params, recipe, plan, mesh, ctx):
             )
         for rounds in steps:
             if step >= ctx.start_step:
-                yield [collate([samples[i] for i in round_[me]], pad_id=pad_id) for round_ in rounds]
+                batches = [collate([samples[i] for i in round_[me]], pad_id=pad_id, pad_to_multiple_of=split.multiple if split else 1) for round_ in rounds]
+                yield [shard_batch(b, split) for b in batches] if split else batches
             step += 1
         epoch += 1
         ctx.log.info("data.epoch", epoch=epoch)

@@ -96,8 +96,3 @@ def test_plan_json_is_parseable(tmp_path):
     assert plan["mesh"]["dp_shard"] == 2
     vision = [m for m in plan["modules"] if m["modality"] == "vision" and m["kind"] == "attention"]
     assert len(vision) == 2 and all(m["decisions"]["attention"]["strategy"] == "sdpa" for m in vision)
-
-
-def test_run_refuses_sequence_parallel_until_batching_splits(tmp_path):
-    done = weft("run", str(TINY), "--nproc", "4", "--set", "parallel.ulysses=2", "--run-dir", str(tmp_path / "r"), cwd=tmp_path)
-    assert done.returncode == 2 and "does not split" in done.stderr and "Traceback" not in done.stderr

@@ -260,7 +260,7 @@ class FixedBatches:
         return [Strategy(point="batching", name="fixed", params=FixedParams)]
 
     @hookimpl
-    def weft_batching(self, decision, recipe, plan, mesh, ctx):
+    def weft_batching(self, decision, recipe, plan, mesh, model, ctx):
         if decision.strategy != "fixed":
             return None
         ids = torch.arange(decision.params.tokens).unsqueeze(0)  # (B=1, S)
@@ -275,16 +275,16 @@ def test_hook_weft_batching():
     chosen = plan.decision("batching")
     assert (chosen.strategy, chosen.params) == ("fixed", FixedParams(steps=3))
     # The built-in declines a strategy it does not own.
-    assert builtin.weft_batching(decision=chosen, recipe=recipe, plan=plan, mesh=None, ctx=ctx) is None
-    steps = list(pm.call_first("weft_batching", decision=chosen, recipe=recipe, plan=plan, mesh=None, ctx=ctx))
+    assert builtin.weft_batching(decision=chosen, recipe=recipe, plan=plan, mesh=None, model=None, ctx=ctx) is None
+    steps = list(pm.call_first("weft_batching", decision=chosen, recipe=recipe, plan=plan, mesh=None, model=None, ctx=ctx))
     assert len(steps) == 3 and all(len(step) == 1 for step in steps)
     assert steps[0][0]["input_ids"].shape == (1, 4)
     # And the fake declines the default.
     _, default_plan, _ = make_plan(pm, [])
     assert default_plan.decision("batching").strategy == "token_budget"
-    assert FixedBatches().weft_batching(decision=default_plan.decision("batching"), recipe=recipe, plan=plan, mesh=None, ctx=ctx) is None
+    assert FixedBatches().weft_batching(decision=default_plan.decision("batching"), recipe=recipe, plan=plan, mesh=None, model=None, ctx=ctx) is None
     with pytest.raises(HookError, match=r"no plugin answered hook weft_batching for strategy 'nobody'; registered plugins: .*weft\.plugins\.batching.*fixed"):
-        pm.call_first("weft_batching", decision=decision("batching", "nobody"), recipe=recipe, plan=plan, mesh=None, ctx=ctx)
+        pm.call_first("weft_batching", decision=decision("batching", "nobody"), recipe=recipe, plan=plan, mesh=None, model=None, ctx=ctx)
 
 
 class NoteGradSync:

@@ -1,0 +1,89 @@
+"""`weft check`: the unsharded model vs the recipe's plan on 4 gloo ranks (FSDP2 + SP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny-vl.toml")
+
+
+def check(*args: str, env: dict | None = None, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "weft", "check", *args], capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
+
+
+def test_dp2_x_ulysses2_ring1_and_text_model(tmp_path):
+    """dp 2 x sp 2 (FSDP2 over dp_shard x ulysses) on the VL model; the same for text-only Qwen2."""
+    for extra in ([], ["--set", "model.preset=qwen2_text_tiny"]):
+        done = check(TINY, "--world-size", "4", "--set", "parallel.ulysses=2", *extra, "--json", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout)
+        assert result["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "ring": 1, "ulysses": 2}
+        assert result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
+        groups = set(result["grad_max_rel_diff_by_group"])
+        assert {"text", "embedding", "head"} <= groups
+        if not extra:
+            assert {"vision", "projector"} <= groups
+        assert {"loss_ref", "loss", "loss_rel_diff", "grad_max_rel_diff"} <= result.keys()
+
+
+def test_check_usp_table_output(tmp_path):
+    done = check(TINY, "--world-size", "4", "--set", "parallel.ulysses=2", "--set", "parallel.ring=2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "loss relative difference" in done.stdout and "OK" in done.stdout
+
+
+BROKEN_PLUGIN = '''
+"""A wrong attention plugin: claims to span the ring but attends only to its own part."""
+import torch.nn.functional as F
+from weft.core.hookspecs import hookimpl
+from weft.core.registry import AttentionBinding, NoParams, Strategy
+
+
+def local_only(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@hookimpl
+def weft_strategies():
+    return [Strategy(point="attention", name="broken_ring", params=NoParams, sp_dims=("ring",))]
+
+
+@hookimpl
+def weft_attention(decision, module_path, plan, mesh, ctx):
+    if decision.strategy == "broken_ring":
+        return AttentionBinding(name="weft_test_broken_ring", fn=local_only)
+    return None
+'''
+
+
+def test_check_catches_a_wrong_plugin(tmp_path):
+    site = tmp_path / "site"
+    (site / "broken_ring_plugin").mkdir(parents=True)
+    (site / "broken_ring_plugin" / "__init__.py").write_text(textwrap.dedent(BROKEN_PLUGIN))
+    info = site / "broken_ring_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-ring-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[weft]\nbroken = broken_ring_plugin\n")
+    recipe = tmp_path / "broken.toml"
+    recipe.write_text(textwrap.dedent(f'''
+        include = ["{ROOT / "recipes" / "rules" / "modality-groups.toml"}"]
+        [model]
+        preset = "qwen2_5_vl_tiny"
+        [parallel]
+        ring = 2
+        [[rules]]
+        when = {{ modality = "text" }}
+        attention = {{ strategy = "broken_ring" }}
+    '''))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    done = check(str(recipe), "--world-size", "2", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert not result["ok"] and result["loss_rel_diff"] > 1e-3
