@@ -109,13 +109,21 @@ def _cmd_plan(args) -> int:
     recipe = _load(args)
     pm = plugin_manager_from_env()
     world_size = args.world_size or recipe.parallel.nproc
-    plan, _ = plan_recipe(recipe, registry=pm.registry, world_size=world_size)
+    plan, model = plan_recipe(recipe, registry=pm.registry, world_size=world_size)
+    # Sequence parallelism on a model with a vision tower: show the first step's images per rank.
+    images = []
+    if plan.mesh.sp > 1 and hasattr(model.config, "vision_config"):
+        from weft.plugins.batching import describe_vision_split
+
+        images = describe_vision_split(recipe, plan)
     if args.json:
-        print(json.dumps(plan.to_json(), indent=1))
+        print(json.dumps(dict(plan.to_json(), vision_split=images), indent=1))
         return EXIT_OK
-    from weft.core.plan_view import render_plan
+    from weft.core.plan_view import render_plan, render_vision_split
 
     render_plan(plan, explain=args.explain, recipe=recipe)
+    if images:
+        render_vision_split(images)
     return EXIT_OK
 
 

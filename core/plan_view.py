@@ -65,6 +65,18 @@ def render_plan(plan: Any, *, explain: bool, recipe: Any) -> None:
     console.print(table)
 
 
+def render_vision_split(rows: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table(title="vision tower under sequence parallelism: the first step's images per rank")
+    for column in ("dp rank", "sp rank", "images (index: t x h x w patches)", "vision strategy"):
+        table.add_column(column)
+    for row in rows:
+        images = ", ".join(f"{i['index']}: {'x'.join(map(str, i['grid_thw']))} ({i['patches']})" for i in row["images"]) or "none (dummy image)"
+        table.add_row(str(row["dp_rank"]), str(row["sp_rank"]), images, row["vision"])
+    _console().print(table)
+
+
 def _num(value: int | None) -> str:
     return "" if value is None else str(value)
 

@@ -34,10 +34,22 @@ def check_sequence_parallel(plan: Plan, registry: Any, *, where: str) -> None:
     if not split:
         return
     for module in plan.modules_for("attention"):
+        decision = module.get("attention")
+        strategy = registry.get("attention", decision.strategy)
+        degree = 1
+        for dim in strategy.head_split:
+            degree *= getattr(plan.mesh, dim)
+        heads = module.info.heads or 0
+        if degree > 1 and heads % degree:
+            raise PlanError(
+                f"{module.info.path} has {heads} heads, which attention strategy {decision.strategy!r} "
+                f"(rule at {decision.source}) splits over {' x '.join(strategy.head_split)} = {degree} ranks; "
+                f"the degree must divide the heads",
+                where=where,
+            )
         if module.info.modality != "text":
             continue
-        decision = module.get("attention")
-        spans = set(registry.get("attention", decision.strategy).sp_dims)
+        spans = set(strategy.sp_dims)
         if not split <= spans:
             degrees = ", ".join(f"{d}={getattr(plan.mesh, d)}" for d in sorted(split))
             fitting = [s.name for s in registry.all() if s.point == "attention" and split <= set(s.sp_dims)]

@@ -55,6 +55,7 @@ class WeftPluginManager(pluggy.PluginManager):
                         summary=strategy.summary,
                         plugin=impl.plugin_name,
                         sp_dims=strategy.sp_dims,
+                        head_split=strategy.head_split,
                     )
                 )
         return StrategyRegistry(declared)

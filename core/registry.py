@@ -31,6 +31,9 @@ class Strategy:
     #: strategy spans. Text attention must span every SP dim of degree > 1, or each
     #: rank would attend only to its own part of the sequence.
     sp_dims: tuple[str, ...] = ()
+    #: Attention strategies: mesh dims over which the strategy splits the heads; the
+    #: product of their degrees must divide the module's query heads.
+    head_split: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -20,6 +20,11 @@ Backend = Literal["auto", "math", "cpu_flash", "cudnn", "flash", "flash_attn"]
 
 
 @attrs.frozen(kw_only=True)
+class VisionUlyssesParams:
+    min_patches: int = attrs.field(default=0, metadata={"doc": "an image with at least this many patches makes all SP ranks share the tower (Ulysses over patches); 0 = always; smaller images are spread over the ranks"})
+
+
+@attrs.frozen(kw_only=True)
 class RingParams:
     layout: Layout = attrs.field(default="zigzag", metadata={"doc": "how the sequence is split over the ring ranks"})
     backend: Backend = attrs.field(default="auto", metadata={"doc": "block kernel: auto = cuDNN on GPU, torch's fused op on CPU"})
@@ -31,9 +36,10 @@ def weft_strategies():
         Strategy(point="attention", name="sdpa", params=NoParams, summary="torch SDPA on the whole local sequence (no sequence parallelism)"),
         Strategy(point="attention", name="eager", params=NoParams, summary="transformers' eager attention (reference; slow)"),
         Strategy(point="attention", name="ring", params=RingParams, summary="ring attention over the ring ranks, async K/V rotation, exact backward", sp_dims=("ring",)),
-        Strategy(point="attention", name="ulysses", params=NoParams, summary="head/sequence all-to-all over the Ulysses ranks; KV heads replicated when fewer than the degree", sp_dims=("ulysses",)),
-        Strategy(point="attention", name="usp", params=RingParams, summary="Ulysses inside, ring outside (2-D)", sp_dims=("ulysses", "ring")),
-        Strategy(point="attention", name="auto", params=RingParams, summary="sdpa, ring, ulysses or usp from the mesh's ulysses and ring degrees", sp_dims=("ulysses", "ring")),
+        Strategy(point="attention", name="ulysses", params=NoParams, summary="head/sequence all-to-all over the Ulysses ranks; KV heads replicated when fewer than the degree", sp_dims=("ulysses",), head_split=("ulysses",)),
+        Strategy(point="attention", name="usp", params=RingParams, summary="Ulysses inside, ring outside (2-D)", sp_dims=("ulysses", "ring"), head_split=("ulysses",)),
+        Strategy(point="attention", name="auto", params=RingParams, summary="sdpa, ring, ulysses or usp from the mesh's ulysses and ring degrees", sp_dims=("ulysses", "ring"), head_split=("ulysses",)),
+        Strategy(point="attention", name="vision_ulysses", params=VisionUlyssesParams, summary="vision tower: large images' patches split over all SP ranks, Ulysses in every block (window and full)", sp_dims=("ulysses", "ring"), head_split=("ring", "ulysses")),
     ]
 
 
@@ -43,6 +49,15 @@ def resolve_auto(strategy: str, *, ulysses: int, ring: int) -> str:
     if ulysses > 1 and ring > 1:
         return "usp"
     return "ulysses" if ulysses > 1 else "ring" if ring > 1 else "sdpa"
+
+
+def vision_share_threshold(plan) -> int | None:
+    """Patches from which an image is shared by all SP ranks; None: images are only spread."""
+    for module in plan.modules_for("attention"):
+        if module.info.modality == "vision":
+            decision = module.get("attention")
+            return decision.params.min_patches if decision.strategy == "vision_ulysses" else None
+    return None
 
 
 def sequence_layout(plan) -> str:
@@ -63,6 +78,13 @@ def weft_attention(decision, module_path, plan, mesh, ctx):
     if strategy in ("sdpa", "eager"):
         # Names transformers already registers: nothing to add to the interface.
         return AttentionBinding(name=strategy)
+    if strategy == "vision_ulysses":
+        from weft.strategies.hf_attention import make_vision_attention_function
+
+        fn = make_vision_attention_function(group=mesh.sp.get_group(), rank=mesh.sp.get_local_rank(), world=plan.mesh.sp)
+        # "flash" in the name on purpose: transformers then hands the vision tower's whole
+        # patch sequence and its cu_seqlens to one call instead of looping over windows.
+        return AttentionBinding(name=f"weft_flash_vision_ulysses_{id(mesh):x}", fn=fn)
     if strategy not in ("ring", "ulysses", "usp"):
         return None
     from weft.strategies.hf_attention import make_attention_function

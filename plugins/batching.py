@@ -32,7 +32,7 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
 
 def install_sequence_split(*, model, plan, mesh):
     """Hooks that cut the model's text sequence (after the vision merge) to this rank's part."""
-    from weft.plugins.attention import sequence_layout
+    from weft.plugins.attention import sequence_layout, vision_share_threshold
     from weft.plugins.models.sp_hooks import SequenceParallelHooks
     from weft.strategies.sequence_split import TextSplit
 
@@ -41,7 +41,10 @@ def install_sequence_split(*, model, plan, mesh):
         ulysses=plan.mesh.ulysses, ulysses_rank=mesh["ulysses"].get_local_rank(),
         layout=sequence_layout(plan),
     )
-    SequenceParallelHooks(model=model, split=split, sp_group=mesh.sp.get_group(), sp_rank=mesh.sp.get_local_rank(), sp_world=plan.mesh.sp)
+    SequenceParallelHooks(
+        model=model, split=split, sp_group=mesh.sp.get_group(), sp_rank=mesh.sp.get_local_rank(), sp_world=plan.mesh.sp,
+        share_threshold=vision_share_threshold(plan),
+    )
     return split
 
 
@@ -111,3 +114,34 @@ def _steps(params, recipe, plan, mesh, ctx, split):
             step += 1
         epoch += 1
         ctx.log.info("data.epoch", epoch=epoch)
+
+
+def describe_vision_split(recipe, plan) -> list[dict]:
+    """For `weft plan`: which SP rank runs which images of the first step, and how.
+
+    Uses the same first samples as `weft check` (two per data-parallel rank) and the
+    same assignment the vision hooks make at run time.
+    """
+    from weft.core.check import check_batch
+    from weft.plugins.attention import vision_share_threshold
+    from weft.strategies.sequence_split import assign_images
+
+    if plan.mesh.sp == 1:
+        return []
+    threshold = vision_share_threshold(plan)
+    rows = []
+    for dp_rank, batch in enumerate(check_batch(recipe, dp=plan.mesh.dp, multiple=1)):
+        if "image_grid_thw" not in batch:
+            continue
+        grid = batch["image_grid_thw"].tolist()
+        patches = [t * h * w for t, h, w in grid]
+        shared = threshold is not None and max(patches) >= threshold
+        owned = [list(range(len(grid)))] * plan.mesh.sp if shared else assign_images(patches, plan.mesh.sp)
+        for sp_rank, images in enumerate(owned):
+            rows.append({
+                "dp_rank": dp_rank,
+                "sp_rank": sp_rank,
+                "images": [{"index": i, "grid_thw": grid[i], "patches": patches[i]} for i in images],
+                "vision": f"vision_ulysses: all SP ranks share every image's patches (an image has >= {threshold})" if shared else "own images, whole (tower run locally)",
+            })
+    return rows

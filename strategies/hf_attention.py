@@ -15,6 +15,7 @@ from typing import Any, Callable
 from weft.strategies.ring import ring_attention
 from weft.strategies.ulysses import ulysses_attention
 from weft.strategies.usp import usp_attention
+from weft.strategies.vision_ulysses import segment_attention, vision_ulysses_attention
 
 
 def make_attention_function(*, strategy: str, layout: str, backend: str, ulysses_group: Any, ring_group: Any) -> Callable:
@@ -35,3 +36,21 @@ def make_attention_function(*, strategy: str, layout: str, backend: str, ulysses
     return attention
 
 
+
+
+def make_vision_attention_function(*, group: Any, rank: int, world: int) -> Callable:
+    """For a vision tower whose attention name contains "flash": transformers then passes
+    the whole patch sequence with ``cu_seq_lens_q``. When the sequence arrives split over
+    the SP ranks (fewer local patches than ``cu_seq_lens_q`` covers), the ranks attend
+    together with Ulysses; otherwise this rank attends its own images alone."""
+
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+        cu_seqlens = kwargs["cu_seq_lens_q"]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if query.shape[2] < int(cu_seqlens[-1]):
+            out = vision_ulysses_attention(query, key, value, cu_seqlens=cu_seqlens, group=group, rank=rank, world=world, scale=scale)
+        else:
+            out = segment_attention(query, key, value, cu_seqlens=cu_seqlens, scale=scale)
+        return out.transpose(1, 2).contiguous(), None  # (1, S_part, H, D)
+
+    return attention

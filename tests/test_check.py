@@ -11,6 +11,7 @@ import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-vl.toml")
+TINY_SP = str(ROOT / "recipes" / "tiny-vl-sp.toml")
 
 
 def check(*args: str, env: dict | None = None, cwd: pathlib.Path) -> subprocess.CompletedProcess:
@@ -18,9 +19,11 @@ def check(*args: str, env: dict | None = None, cwd: pathlib.Path) -> subprocess.
 
 
 def test_dp2_x_ulysses2_ring1_and_text_model(tmp_path):
-    """dp 2 x sp 2 (FSDP2 over dp_shard x ulysses) on the VL model; the same for text-only Qwen2."""
+    """dp 2 x sp 2 (FSDP2 over dp_shard x ulysses) on the VL model, whose first batch has images
+    of 24 patches: the bundled recipe's vision-Ulysses rule makes the SP ranks share the tower;
+    the same for text-only Qwen2."""
     for extra in ([], ["--set", "model.preset=qwen2_text_tiny"]):
-        done = check(TINY, "--world-size", "4", "--set", "parallel.ulysses=2", *extra, "--json", cwd=tmp_path)
+        done = check(TINY_SP, "--world-size", "4", *extra, "--json", cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout)
         assert result["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "ring": 1, "ulysses": 2}

@@ -30,7 +30,7 @@ def _batch(preset: str, *, pad_multiple: int):
     return batch
 
 
-def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strategy: str, layout: str) -> None:
+def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strategy: str, layout: str, vision: dict | None = None) -> None:
     import structlog
 
     from weft.core.attention_install import install_attention
@@ -46,7 +46,8 @@ def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strat
     recipe = Recipe.from_dict({
         "model": {"preset": preset},
         "parallel": {"ulysses": ulysses, "ring": ring},
-        "rules": [{"when": {"modality": "text"}, "attention": {"strategy": strategy, **({"layout": layout} if strategy != "ulysses" else {})}}],
+        "rules": [{"when": {"modality": "text"}, "attention": {"strategy": strategy, **({"layout": layout} if strategy != "ulysses" else {})}}]
+        + ([{"when": {"modality": "vision"}, "attention": vision}] if vision else []),
     })
     pm = build_plugin_manager(entry_points=False)
     model = build_model(recipe, device="cpu", seed=0)
@@ -57,9 +58,10 @@ def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strat
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
     split = install_sequence_split(model=model, plan=plan, mesh=mesh)
 
-    batch = _batch(preset, pad_multiple=split.multiple)
+    batch = _batch("qwen2_5_vl_tiny" if "vision" in preset or "vl" in preset else preset, pad_multiple=split.multiple)
     if "image_grid_thw" in batch:
         assert len(set(map(tuple, batch["image_grid_thw"].tolist()))) > 1, "images of different sizes"
+        assert batch["image_grid_thw"].prod(-1).tolist() == [48, 16, 24]
     count = label_count(targets(batch))
 
     def inputs(b):
@@ -75,7 +77,7 @@ def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strat
     loss = loss_part.detach().clone()
     torch.distributed.all_reduce(loss)
     rel = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-    name = f"{preset} ulysses={ulysses} ring={ring} {strategy}/{layout}"
+    name = f"{preset} ulysses={ulysses} ring={ring} {strategy}/{layout} vision={vision}"
     assert rel <= 1e-5, f"{name}: loss {loss.item()} vs {ref_loss.item()} (rel {rel:.2e})"
     for (pname, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
         grad = p.grad.clone()
@@ -84,15 +86,27 @@ def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strat
         assert err <= 1e-4, f"{name}: {pname} gradient relative error {err:.2e}"
 
 
-def _all(rank: int, world: int) -> None:
+def _all(rank: int, world: int, wide_vision_preset: str) -> None:
     for preset in ("qwen2_5_vl_tiny", "qwen2_text_tiny"):
         for ulysses, ring, strategy, layout in CONFIGS:
             _check(rank, world, preset=preset, ulysses=ulysses, ring=ring, strategy=strategy, layout=layout)
+    # Vision-Ulysses: 4 vision heads over 4 SP ranks. The batch's images have 48, 16 and 24
+    # patches: min_patches 40 makes the ranks share the tower (window-attention block 0 and
+    # full-attention block 1 both run Ulysses over patches); 1000 spreads the images.
+    for min_patches in (40, 1000):
+        _check(rank, world, preset=wide_vision_preset, ulysses=2, ring=2, strategy="usp", layout="zigzag",
+               vision={"strategy": "vision_ulysses", "min_patches": min_patches})
 
 
-def test_vl_and_text_models_under_sp_equal_unsharded():
-    """ring 4 (zigzag and contiguous), ulysses 4, ulysses 2 x ring 2; Qwen2.5-VL and Qwen2."""
-    run_ranks(4, _all)
+def test_vl_and_text_models_under_sp_equal_unsharded(tmp_path):
+    """ring 4 (zigzag and contiguous), ulysses 4, ulysses 2 x ring 2; Qwen2.5-VL and Qwen2;
+    vision-Ulysses over 4 ranks for large images."""
+    import pathlib
+
+    tiny = (pathlib.Path(__file__).resolve().parents[1] / "recipes" / "presets" / "qwen2_5_vl_tiny.toml").read_text()
+    wide = tmp_path / "qwen2_5_vl_tiny_4_vision_heads.toml"
+    wide.write_text(tiny.replace("num_heads = 2", "num_heads = 4"))
+    run_ranks(4, _all, str(wide))
 
 
 def test_images_are_balanced_by_patch_count():

@@ -6,7 +6,12 @@
   mRoPE position ids on the whole sequence;
 - a forward pre-hook on the vision tower keeps only this rank's images, and a
   forward hook puts every image's merged embeddings back together, so the model's
-  own scatter sees the output of the whole tower.
+  own scatter sees the output of the whole tower;
+- when an image reaches the rule's ``min_patches`` (vision strategy
+  ``vision_ulysses``), the ranks share the tower instead: a pre-hook on each vision
+  block cuts the patch sequence (and its rotary tables) to this rank's part, the
+  vision attention runs Ulysses over the parts, and a hook on the last block puts
+  the patches back together before the patch merger.
 
 Only ``register_forward_pre_hook`` / ``register_forward_hook``: no transformers
 code is replaced.
@@ -19,6 +24,7 @@ from typing import Any
 import torch
 
 from weft.strategies.sequence_split import TextSplit, assign_images, gather_rows
+from weft.strategies.vision_ulysses import part_sizes
 
 
 def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
@@ -40,16 +46,22 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
 class SequenceParallelHooks:
     """Installs and owns the hooks of one model; ``remove()`` takes them off."""
 
-    def __init__(self, *, model: torch.nn.Module, split: TextSplit, sp_group: Any, sp_rank: int, sp_world: int) -> None:
+    def __init__(self, *, model: torch.nn.Module, split: TextSplit, sp_group: Any, sp_rank: int, sp_world: int, share_threshold: int | None = None) -> None:
         self.split = split
         self.sp_group, self.sp_rank, self.sp_world = sp_group, sp_rank, sp_world
+        self.share_threshold = share_threshold
         self._pending: list[dict] = []  # vision calls between pre-hook and hook
+        self._shared: list[int] | None = None  # patch rows per rank while the ranks share the tower
         self.handles = [text_decoder(model).register_forward_pre_hook(self._split_text, with_kwargs=True)]
         visual = vision_tower(model)
         if visual is not None and sp_world > 1:
             self.merge = visual.spatial_merge_size
             self.handles.append(visual.register_forward_pre_hook(self._local_images, with_kwargs=True))
             self.handles.append(visual.register_forward_hook(self._gather_images, with_kwargs=True))
+            if share_threshold is not None:
+                for block in visual.blocks:
+                    self.handles.append(block.register_forward_pre_hook(self._block_part, with_kwargs=True))
+                self.handles.append(visual.blocks[-1].register_forward_hook(self._block_gather))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -68,6 +80,11 @@ class SequenceParallelHooks:
         pixels = args[0] if args else kwargs.pop("hidden_states")
         grid = kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]
         patches = grid.prod(-1).tolist()  # patch rows of each image in `pixels`
+        if self.share_threshold is not None and max(patches) >= self.share_threshold:
+            # A large image: every rank runs the tower on all images, each on its part of the patches.
+            self._shared = part_sizes(sum(patches), self.sp_world)
+            self._pending.append({"shared": True})
+            return (pixels, *args[1:]), kwargs
         owned = assign_images(patches, self.sp_world)
         starts = [0]
         for n in patches:
@@ -87,6 +104,9 @@ class SequenceParallelHooks:
 
     def _gather_images(self, module, args, kwargs, output):
         call = self._pending.pop()
+        if call.get("shared"):
+            self._shared = None  # the last block already gathered the patches
+            return output
         merged = output.pooler_output if hasattr(output, "pooler_output") else output  # (N_local, H)
         owned, tokens = call["owned"], call["tokens"]
         sizes = [sum(tokens[i] for i in images) for images in owned]
@@ -105,3 +125,31 @@ class SequenceParallelHooks:
             output.pooler_output = full
             return output
         return full
+
+    # -- vision, shared by the ranks (large images) ------------------------------
+
+    def _block_part(self, module, args, kwargs):
+        if self._shared is None:
+            return None
+        sizes = self._shared
+        start = sum(sizes[: self.sp_rank])
+        end = start + sizes[self.sp_rank]
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[0] == sum(sizes):  # the first block gets the whole sequence
+            hidden = hidden[start:end]
+        if args:
+            args = (hidden, *args[1:])
+        else:
+            kwargs = dict(kwargs, hidden_states=hidden)
+        for key in ("position_embeddings", "rotary_pos_emb"):
+            value = kwargs.get(key)
+            if isinstance(value, tuple) and value[0].shape[0] == sum(sizes):
+                kwargs = dict(kwargs, **{key: tuple(t[start:end] for t in value)})
+            elif isinstance(value, torch.Tensor) and value.shape[0] == sum(sizes):
+                kwargs = dict(kwargs, **{key: value[start:end]})
+        return args, kwargs
+
+    def _block_gather(self, module, args, output):
+        if self._shared is None:
+            return None
+        return gather_rows(output, sizes=self._shared, group=self.sp_group)  # (S, hidden) for the merger
