@@ -21,8 +21,8 @@ def check(*args: str, env: dict | None = None, cwd: pathlib.Path) -> subprocess.
 def test_dp2_x_ulysses2_ring1_and_text_model(tmp_path):
     """dp 2 x sp 2 (FSDP2 over dp_shard x ulysses) on the VL model, whose first batch has images
     of 24 patches: the bundled recipe's vision-Ulysses rule makes the SP ranks share the tower;
-    the same for text-only Qwen2."""
-    for extra in ([], ["--set", "model.preset=qwen2_text_tiny"]):
+    the same for Qwen2-VL (no window attention in its ViT) and for text-only Qwen2."""
+    for extra in ([], ["--set", "model.preset=qwen2_vl_tiny"], ["--set", "model.preset=qwen2_text_tiny"]):
         done = check(TINY_SP, "--world-size", "4", *extra, "--json", cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout)
@@ -30,7 +30,7 @@ def test_dp2_x_ulysses2_ring1_and_text_model(tmp_path):
         assert result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
         groups = set(result["grad_max_rel_diff_by_group"])
         assert {"text", "embedding", "head"} <= groups
-        if not extra:
+        if "model.preset=qwen2_text_tiny" not in extra:
             assert {"vision", "projector"} <= groups
         assert {"loss_ref", "loss", "loss_rel_diff", "grad_max_rel_diff"} <= result.keys()
 
