@@ -194,7 +194,12 @@ def forward_backward(*, model, micro_batches, state: StepState, autocast, pm, pl
     dist.all_reduce(counts)
     global_labels = counts[0].clamp(min=1)
     loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float32)
-    for mb in micro_batches:
+    # FSDP2: reduce-scatter gradients once, after the last micro-batch; earlier ones
+    # accumulate unsharded gradients locally (less communication, more memory).
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    for index, mb in enumerate(micro_batches):
+        if sync is not None:
+            sync(index == len(micro_batches) - 1)
         batch = {k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()}
         target = targets(batch)
         batch.pop("labels", None)

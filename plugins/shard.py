@@ -7,9 +7,10 @@ from typing import Literal
 import attrs
 
 from weft.core.hookspecs import hookimpl
-from weft.core.registry import NoParams, Strategy
+from weft.core.registry import Strategy
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+Checkpoint = Literal["off", "full", "attention", "mlp"]
 
 
 @attrs.frozen(kw_only=True)
@@ -19,20 +20,36 @@ class Fsdp2Params:
     reduce_dtype: Dtype | None = attrs.field(default=None, metadata={"doc": "dtype of the gradient reduce-scatter"})
     reshard_after_forward: bool = attrs.field(default=True, metadata={"doc": "free gathered params after forward"})
     offload: bool = attrs.field(default=False, metadata={"doc": "keep shards and optimizer state on the CPU"})
+    checkpoint: Checkpoint = attrs.field(default="off", metadata={"doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
+
+
+@attrs.frozen(kw_only=True)
+class KeepParams:
+    checkpoint: Checkpoint = attrs.field(default="off", metadata={"doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
 
 
 @hookimpl
 def weft_strategies():
     return [
         Strategy(point="shard", name="fsdp2", params=Fsdp2Params, summary="FSDP2 fully_shard per unit over dp_shard x SP ranks"),
-        Strategy(point="shard", name="none", params=NoParams, summary="keep the module whole on every rank; grad_sync averages its gradients"),
+        Strategy(point="shard", name="none", params=KeepParams, summary="keep the module whole on every rank; grad_sync averages its gradients"),
     ]
 
 
 @hookimpl
 def weft_shard(model, plan, mesh, ctx):
+    from weft.strategies.activation_checkpoint import apply_checkpointing
     from weft.strategies.fsdp2 import ShardGroup, apply_fsdp2
 
+    # Activation checkpointing first, on every unit whose rule asks for it, whatever
+    # its sharding: torch's order is checkpointing, then FSDP.
+    checkpointed = sum(
+        apply_checkpointing(model.get_submodule(unit.info.path), mode=unit.get("shard").params.checkpoint)
+        for unit in plan.modules_for("shard")
+        if unit.info.kind == "unit" and unit.get("shard").strategy in ("fsdp2", "none")
+    )
+    if checkpointed:
+        ctx.log.info("shard.checkpointing", modules=checkpointed)
     units = plan.modules_for("shard", "fsdp2")
     root = plan.root()
     if not units:
@@ -56,7 +73,7 @@ def weft_shard(model, plan, mesh, ctx):
     return None
 
 
-def _policy(params: Fsdp2Params) -> dict:
+def _policy(params) -> dict:
     return {
         "param_dtype": params.param_dtype,
         "reduce_dtype": params.reduce_dtype,
