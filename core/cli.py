@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--set", dest="overrides", action="append", default=[])
     worker.set_defaults(func=_cmd_check_worker)
 
+    export = sub.add_parser("export", help="write a run's newest checkpoint as a Hugging Face model directory")
+    export.add_argument("run_dir", type=pathlib.Path)
+    export.add_argument("out_dir", type=pathlib.Path)
+    export.add_argument("--step", type=_positive, default=None, help="export this step's checkpoint instead of the newest")
+    export.set_defaults(func=_cmd_export)
+
     plugins = sub.add_parser("plugins", help="hook points, plugins and their strategies")
     plugins.add_argument("--json", action="store_true")
     plugins.set_defaults(func=_cmd_plugins)
@@ -152,6 +158,19 @@ def _cmd_check_worker(args) -> int:
     from weft.core.check import worker
 
     worker(_load(args), out=args.out)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# weft export
+# ---------------------------------------------------------------------------
+
+
+def _cmd_export(args) -> int:
+    from weft.core.export import export
+
+    checkpoint = export(args.run_dir, args.out_dir, step=args.step)
+    print(f"weft: exported {checkpoint} to {args.out_dir}", file=sys.stderr)
     return EXIT_OK
 
 

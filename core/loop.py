@@ -124,6 +124,11 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
         for step in range(ctx.start_step + 1, recipe.train.max_steps + 1):
             t0 = time.perf_counter()
             micro_batches = next(steps)
+            if not micro_batches:
+                raise WeftError(
+                    f"batching strategy {plan.decision('batching').strategy!r} gave rank {rank} no micro-batch for step {step}; "
+                    "every rank needs at least one (and the same number) per step", where="batching",
+                )
             state = StepState(step=step, consecutive_skips=state.consecutive_skips, memory=state.memory)
             _verdict(pm, "step_start", state, plan, ctx)
             try:

@@ -212,6 +212,16 @@ def collate(samples: Sequence[Sample], *, pad_id: int, pad_to_multiple_of: int =
     return out
 
 
+def processor_dir(path_or_bundled_name: str | os.PathLike[str]) -> pathlib.Path:
+    """The folder a processor name points at: a bundled name ("tiny_vl") or a path."""
+    text = os.fspath(path_or_bundled_name)
+    if not isinstance(path_or_bundled_name, os.PathLike) and os.sep not in text and "/" not in text:
+        resource = importlib.resources.files(_RECIPES_PACKAGE) / text
+        if resource.is_dir():
+            return pathlib.Path(str(resource))
+    return pathlib.Path(text)
+
+
 def load_processor(path_or_bundled_name: str | os.PathLike[str], *, backend: str | None = "pil") -> tuple[Any, Any]:
     """(tokenizer, image_processor) from a processor folder.
 

@@ -1,0 +1,75 @@
+"""`weft export RUN_DIR OUT_DIR`: the newest checkpoint as a Hugging Face model directory.
+
+One process, whatever world size saved the checkpoint: torch.distributed.checkpoint
+reshards the saved shards into the plain model. The directory holds the
+safetensors weights and config (``save_pretrained``) plus the processor files,
+so ``from_pretrained(OUT_DIR)`` loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from weft.core.checkpoint import checkpoint_dirs
+from weft.core.errors import WeftError
+from weft.core.recipe import Recipe
+
+#: Files of a processor folder that travel with an exported model (not weights).
+PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json", "chat_template.jinja",
+                   "processor_config.json", "generation_config.json", "added_tokens.json")
+
+
+def run_recipe(run_dir: pathlib.Path) -> Recipe:
+    saved = run_dir / "recipe.json"
+    if not saved.is_file():
+        raise WeftError(f"{run_dir} is not a weft run directory (no recipe.json)", where=str(run_dir))
+    data = json.loads(saved.read_text())
+    return Recipe.from_dict(data["recipe"], source=data["source"])
+
+
+def load_checkpoint_into(model: torch.nn.Module, path: pathlib.Path) -> None:
+    """Fill a plain (unsharded) model with a checkpoint's weights, any saving world size."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+
+
+def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, step: int | None = None) -> pathlib.Path:
+    from weft.plugins.models.build import build_model, model_config
+    from weft.strategies.conversation import processor_dir
+
+    recipe = run_recipe(run_dir)
+    found = checkpoint_dirs(run_dir)
+    if step is not None:
+        found = [p for p in found if p.name == f"step-{step}"]
+    if not found:
+        raise WeftError(f"no checkpoint{f' for step {step}' if step is not None else ''} under {run_dir / 'checkpoints'}", where=str(run_dir))
+    checkpoint = found[-1]
+    started = not dist.is_initialized()
+    if started:
+        # DCP's loader wants a process group; one rank is enough to reshard any save.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build_model(recipe, device="cpu", seed=recipe.train.seed)
+        load_checkpoint_into(model, checkpoint)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _, processor = model_config(recipe)
+    if processor is not None:
+        source = processor_dir(processor)
+        for name in PROCESSOR_FILES:
+            if (source / name).is_file() and not (out_dir / name).exists():
+                shutil.copy2(source / name, out_dir / name)
+    (out_dir / "weft_export.json").write_text(json.dumps({"run_dir": str(run_dir), "checkpoint": checkpoint.name}, indent=1))
+    return checkpoint

@@ -1,0 +1,74 @@
+"""Test-only plugins, loaded into `weft run` subprocesses through a real entry point.
+
+- batching ``fixed_global``: step s is the same global batch whatever the world size:
+  samples [s*k, (s+1)*k) cut into ``parts`` micro-batches; data-parallel rank d takes
+  parts d, d+dp, ... So dp=2 and dp=1 (accumulating two micro-batches) see the same data.
+- guard ``kill``: SIGKILLs one rank at the start of one step (only in a fresh run), to
+  test that a crash costs only the steps since the last checkpoint.
+"""
+
+import os
+import signal
+
+import attrs
+
+from weft.core.hookspecs import hookimpl
+from weft.core.registry import Strategy
+
+
+@attrs.frozen(kw_only=True)
+class FixedGlobalParams:
+    samples_per_step: int = 4
+    parts: int = 2
+
+
+@attrs.frozen(kw_only=True)
+class KillParams:
+    step: int = 1
+    rank: int = 1
+
+
+@hookimpl
+def weft_strategies():
+    return [
+        Strategy(point="batching", name="fixed_global", params=FixedGlobalParams, summary="test: the same global batch at any world size"),
+        Strategy(point="guard", name="kill", params=KillParams, summary="test: SIGKILL one rank at one step"),
+    ]
+
+
+@hookimpl
+def weft_batching(decision, recipe, plan, mesh, model, ctx):
+    if decision.strategy != "fixed_global":
+        return None
+    from weft.plugins.batching import install_sequence_split, shard_batch
+    from weft.plugins.models.build import model_config
+    from weft.strategies.conversation import collate, encode_conversation, load_processor
+    from weft.strategies.synthetic_vl import synthetic_conversations
+
+    split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
+    tokenizer, image_processor = load_processor(model_config(recipe)[1])
+    # At least one part per data-parallel rank: the same samples, grouped differently.
+    k, dp, me = decision.params.samples_per_step, plan.mesh.dp, mesh.dp_rank()
+    parts = max(decision.params.parts, dp)
+    conversations = synthetic_conversations(seed=recipe.train.seed, num_samples=k * recipe.train.max_steps, min_side=28, max_side=84)
+    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor) for c in conversations]
+
+    def steps():
+        for step in range(ctx.start_step, recipe.train.max_steps):
+            chunk = samples[step * k : (step + 1) * k]
+            micro = []
+            for part in range(me, parts, dp):
+                batch = collate(chunk[part::parts], pad_id=tokenizer.pad_token_id, pad_to_multiple_of=split.multiple if split else 1)
+                micro.append(shard_batch(batch, split) if split else batch)
+            yield micro
+
+    return steps()
+
+
+@hookimpl
+def weft_guard(event, state, plan, ctx):
+    for decision in plan.decisions_of("guard"):
+        if decision.strategy == "kill" and event == "step_start" and ctx.start_step == 0:
+            if state.step == decision.params.step and ctx.rank == decision.params.rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+    return None
