@@ -79,14 +79,20 @@ def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, conso
 
 def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> tuple[Any, Any, Any]:
     """Model (seeded, identical on every rank) -> Plan -> mesh -> weft_shard -> weft_attention."""
-    from weft.plugins.models.build import build_model
+    from weft.plugins.models.build import build_model, load_weights
 
-    model = build_model(recipe, device=ctx.device, seed=recipe.train.seed)
+    # Weights from a directory: built on the meta device, sharded, then each rank loads
+    # only its shards (no process ever holds the whole model). Presets are random-init
+    # and small: built whole with the run's seed, so every rank starts identical.
+    from_disk = recipe.model.path is not None
+    model = build_model(recipe, device="meta" if from_disk else ctx.device, seed=recipe.train.seed)
     plan, _ = plan_recipe(recipe, registry=pm.registry, world_size=ctx.world_size, model=model)
     mesh = build_device_mesh(plan.mesh, device_type=ctx.device.type)
     ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(("dp_replicate", "dp_shard", "ulysses", "ring"), plan.mesh.shape)),
                  params=sum(p.numel() for p in model.parameters()), device=str(ctx.device))
     pm.hook.weft_shard(model=model, plan=plan, mesh=mesh, ctx=ctx)
+    if from_disk:
+        load_weights(model, recipe, device=ctx.device, log=ctx.log)
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
     model.train()
     return model, plan, mesh

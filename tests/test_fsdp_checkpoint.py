@@ -185,3 +185,19 @@ def test_export_loads_in_transformers_with_the_same_logits(single, env):
         assert torch.equal(value, want[name]), name  # bit for bit
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_model_directory_loads_shard_by_shard(single, env, tmp_path):
+    """model.path: built on the meta device, sharded (FSDP2 x Ulysses), each rank reading only
+    its rows of each tensor; `weft check` against transformers' own from_pretrained."""
+    exported(single, env)
+    recipe = tmp_path / "from-dir.toml"
+    recipe.write_text(textwrap.dedent(f'''
+        include = ["{ROOT / "recipes" / "rules" / "modality-groups.toml"}"]
+        [model]
+        path = "{single.parent / f"{single.name}-export"}"
+    '''))
+    done = weft("check", str(recipe), "--world-size", "4", "--set", "parallel.ulysses=2", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and result["loss_ref"] < 5.0, result  # the trained weights, not a fresh init
