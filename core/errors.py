@@ -31,3 +31,9 @@ class HookError(WeftError):
     """A hook was called that no registered plugin answers."""
 
     exit_code = 1
+
+
+class RunFailed(WeftError):
+    """A launched run or check failed at run time (the ranks' own output says why)."""
+
+    exit_code = 1

@@ -29,13 +29,15 @@ def apply_fsdp2(*, groups: Iterable[ShardGroup], root: torch.nn.Module, root_gro
     Order matters: children are wrapped before their parents so each parameter
     belongs to the innermost unit; the root call gathers whatever is left.
     """
+    # Pinned host memory needs an accelerator; on a CPU run offloading is a no-op anyway.
+    pin = mesh.device_type == "cuda"
     for group in groups:
         modules = group.modules[0] if len(group.modules) == 1 else list(group.modules)
-        fully_shard(modules, mesh=mesh, **_policy(group))
-    fully_shard(root, mesh=mesh, **(_policy(root_group) if root_group else {}))
+        fully_shard(modules, mesh=mesh, **_policy(group, pin=pin))
+    fully_shard(root, mesh=mesh, **(_policy(root_group, pin=pin) if root_group else {}))
 
 
-def _policy(group: ShardGroup) -> dict:
+def _policy(group: ShardGroup, *, pin: bool) -> dict:
     mp = MixedPrecisionPolicy(
         param_dtype=DTYPES[group.param_dtype] if group.param_dtype else None,
         reduce_dtype=DTYPES[group.reduce_dtype] if group.reduce_dtype else None,
@@ -43,5 +45,5 @@ def _policy(group: ShardGroup) -> dict:
     return {
         "mp_policy": mp,
         "reshard_after_forward": group.reshard_after_forward,
-        "offload_policy": CPUOffloadPolicy() if group.offload else OffloadPolicy(),
+        "offload_policy": CPUOffloadPolicy(pin_memory=pin) if group.offload else OffloadPolicy(),
     }
