@@ -172,6 +172,7 @@ def encode_conversation(
 
     input_ids = torch.tensor(ids, dtype=torch.long)  # (S,)
     labels = torch.where(torch.tensor(train, dtype=torch.bool), input_ids, IGNORE_INDEX)  # (S,)
+    _validate(input_ids, labels, special=special, pads_per_image=pads_per_image)
     return Sample(
         input_ids=input_ids,
         labels=labels,
@@ -179,6 +180,23 @@ def encode_conversation(
         image_grid_thw=image_grid_thw,
         mm_token_type_ids=torch.tensor(types, dtype=torch.long),
     )
+
+
+def _validate(input_ids: torch.Tensor, labels: torch.Tensor, *, special: "_SpecialIds", pads_per_image: list[int]) -> None:
+    """Refuse a sample the model would fail on mid-run, or learn nothing from.
+
+    A literal special token in the text (``<|image_pad|>``, ``<|vision_start|>``) would
+    break the image-token count: transformers raises "Image features and image tokens
+    do not match" at the forward. Checked here, the sample is skipped instead.
+    """
+    pads = int((input_ids == special.image_pad).sum())
+    if pads != sum(pads_per_image):
+        raise ValueError(f"image-token count {pads} does not match the images' {sum(pads_per_image)} features (a special token in the text?)")
+    starts = int((input_ids == special.vision_start).sum())
+    if starts != len(pads_per_image):
+        raise ValueError(f"{starts} <|vision_start|> tokens for {len(pads_per_image)} images")
+    if not bool((labels != IGNORE_INDEX).any()):
+        raise ValueError("no assistant reply: nothing to learn")
 
 
 def collate(samples: Sequence[Sample], *, pad_id: int, pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:

@@ -6,7 +6,6 @@ import json
 import pathlib
 from typing import Any, Callable, Iterator
 
-from PIL import Image
 
 from weft.strategies.conversation import Sample, encode_conversation
 
@@ -28,37 +27,25 @@ def synthetic_samples(*, seed: int, num_samples: int, min_side: int, max_side: i
 
 
 def jsonl_samples(path: pathlib.Path, *, tokenizer: Any, image_processor: Any) -> Iterator[Sample | BadSample]:
-    """Chat-format JSONL: one ``{"messages": [...]}`` per line; image parts name files relative to the JSONL."""
-    with path.open(encoding="utf-8") as handle:
+    """JSONL in the chat or sharegpt-style format (``data_formats``), one record per line.
+
+    A line that cannot become a sample, for whatever reason, is a BadSample naming
+    its file:line and the reason; blank lines are not samples.
+    """
+    from weft.strategies.data_formats import record_to_messages
+
+    with path.open(encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, start=1):
             where = f"{path}:{number}"
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-                messages = _load_images(record["messages"], base=path.parent)
+                messages = record_to_messages(json.loads(line), base=path.parent)
                 yield encode_conversation(messages, tokenizer=tokenizer, image_processor=image_processor)
+            except json.JSONDecodeError as error:
+                yield BadSample(where, f"malformed JSON: {error.msg} at column {error.colno}")
             except (ValueError, KeyError, TypeError, OSError) as error:
                 yield BadSample(where, f"{type(error).__name__}: {error}")
-
-
-def _load_images(messages: Any, *, base: pathlib.Path) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list")
-    out = []
-    for message in messages:
-        content = message["content"]
-        if isinstance(content, str):
-            content = [{"type": "text", "text": content}]
-        parts = []
-        for part in content:
-            if part.get("type") == "image" and isinstance(part.get("image"), str):
-                with Image.open(base / part["image"]) as image:
-                    image.load()
-                    part = {"type": "image", "image": image.copy()}
-            parts.append(part)
-        out.append({"role": message["role"], "content": parts})
-    return out
 
 
 def collect(samples: Iterator[Sample | BadSample], *, on_bad: Callable[[BadSample], None]) -> list[Sample]:

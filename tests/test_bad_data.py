@@ -1,0 +1,105 @@
+"""A dataset with 14 kinds of broken lines and images runs to the end; each one is reported."""
+
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def png(size, mode="RGB", colour=(200, 30, 30)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, size, colour if mode == "RGB" else colour + (128,)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def chat(image: str | None, question: str = "What colour is it?", answer: str = "It is red.") -> dict:
+    user = [{"type": "text", "text": question}] + ([{"type": "image", "image": image}] if image else [])
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+
+BROKEN = {
+    "malformed JSON": '{"messages": [',
+    "no messages key": json.dumps({"foo": 1}),
+    "empty conversation": json.dumps({"messages": []}),
+    "missing image file": json.dumps(chat("images/nowhere.png")),
+    "truncated PNG": json.dumps(chat("images/truncated.png")),
+    "text file named .png": json.dumps(chat("images/not-an-image.png")),
+    "zero-byte image": json.dumps(chat("images/empty.png")),
+    "unknown content part": json.dumps({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}, {"role": "assistant", "content": "hm"}]}),
+    "unknown role": json.dumps({"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "ok"}]}),
+    "no assistant turn": json.dumps({"messages": [{"role": "user", "content": "hello?"}]}),
+    "image token in text": json.dumps(chat("images/red.png", question="Look: <|image_pad|><|image_pad|>")),
+    "placeholders vs images": json.dumps({"messages": [{"role": "user", "content": "<image><image>Two?"}, {"role": "assistant", "content": "One."}], "images": ["images/red.png"]}),
+    "JSON array line": "[1, 2, 3]",
+    "content is a number": json.dumps({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "seven"}]}),
+}
+
+
+def make_dataset(folder: pathlib.Path) -> tuple[pathlib.Path, dict[int, str]]:
+    images = folder / "images"
+    images.mkdir(parents=True)
+    (images / "red.png").write_bytes(png((56, 84)))
+    (images / "rgba.png").write_bytes(png((84, 56), mode="RGBA"))
+    Image.new("CMYK", (70, 42), (0, 200, 200, 0)).save(images / "cmyk.jpg")
+    (images / "truncated.png").write_bytes(png((64, 64))[:60])
+    (images / "not-an-image.png").write_text("this is text")
+    (images / "empty.png").write_bytes(b"")
+    good = [
+        json.dumps(chat("images/red.png")),
+        json.dumps(chat("images/rgba.png", answer="It is red and half transparent.")),
+        json.dumps(chat("images/cmyk.jpg", answer="It is cyan.")),
+        json.dumps({"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}], "images": ["images/red.png"]}),
+        json.dumps({"conversations": [{"from": "human", "value": "<image>Colour?"}, {"from": "gpt", "value": "Red."}], "images": ["images/rgba.png"]}),
+    ]
+    lines, bad_lines = [], {}
+    for i, (kind, line) in enumerate(BROKEN.items()):
+        lines.append(good[i % len(good)])
+        lines.append(line)
+        bad_lines[len(lines)] = kind
+        lines.append("")  # blank lines are not samples
+    lines += good * 2
+    path = folder / "chat.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path, bad_lines
+
+
+def weft(*args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("data"))
+
+
+def test_broken_dataset_runs_to_the_end_and_reports_each_line(dataset, tmp_path):
+    path, bad_lines = dataset
+    assert len(bad_lines) >= 10
+    run_dir = tmp_path / "run"
+    done = weft("run", str(ROOT / "recipes" / "tiny-vl.toml"), "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
+                "--set", "train.max_steps=3", "--set", "train.micro_batch_tokens=256", "--run-dir", str(run_dir), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["skipped_samples"] == len(bad_lines) and summary["steps"] == 3
+    events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    reported = {int(e["where"].rsplit(":", 1)[1]): e["reason"] for e in events if e["event"] == "data.skipped"}
+    assert sorted(reported) == sorted(bad_lines), (reported, bad_lines)
+    assert all(e["where"].startswith(str(path)) for e in events if e["event"] == "data.skipped")
+    assert "image-token count" in reported[next(n for n, k in bad_lines.items() if k == "image token in text")]
+    assert "malformed JSON" in reported[next(n for n, k in bad_lines.items() if k == "malformed JSON")]
+
+
+def test_strict_data_stops_at_the_first_bad_line(dataset, tmp_path):
+    path, bad_lines = dataset
+    done = weft("run", str(ROOT / "recipes" / "tiny-vl.toml"), "--nproc", "1", "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
+                "--set", "data.strict=true", "--run-dir", str(tmp_path / "strict"), cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert f"{path}:{min(bad_lines)}" in done.stderr and "data.strict" in done.stderr
