@@ -43,12 +43,18 @@ def weft_strategies():
     ]
 
 
-def resolve_auto(strategy: str, *, ulysses: int, ring: int) -> str:
+def resolve_auto(strategy: str, *, ulysses: int, ring: int, packed: bool = False) -> str:
+    """``auto`` -> the strategy the mesh needs. Packed documents without sequence
+    parallelism take ``ring`` on one rank: weft's kernels read the document ids."""
     if strategy != "auto":
         return strategy
     if ulysses > 1 and ring > 1:
         return "usp"
-    return "ulysses" if ulysses > 1 else "ring" if ring > 1 else "sdpa"
+    return "ulysses" if ulysses > 1 else "ring" if ring > 1 or packed else "sdpa"
+
+
+def packed(plan) -> bool:
+    return bool(getattr(plan.decision("batching").params, "pack", False))
 
 
 def vision_share_threshold(plan) -> int | None:
@@ -65,7 +71,7 @@ def sequence_layout(plan) -> str:
     for module in plan.modules_for("attention"):
         if module.info.modality == "text":
             decision = module.get("attention")
-            strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring)
+            strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=packed(plan))
             if strategy in ("ring", "usp") and isinstance(decision.params, RingParams):
                 return decision.params.layout
             return "contiguous"
@@ -74,8 +80,13 @@ def sequence_layout(plan) -> str:
 
 @hookimpl
 def weft_attention(decision, module_path, plan, mesh, ctx):
-    strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring)
+    strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=packed(plan))
     if strategy in ("sdpa", "eager"):
+        if packed(plan) and module_path and "visual" not in module_path:
+            from weft.core.errors import PlanError
+
+            raise PlanError(f"{module_path}: packed documents need attention that keeps to each document; "
+                            f"{strategy!r} does not read document ids (use auto, ring, ulysses or usp)")
         # Names transformers already registers: nothing to add to the interface.
         return AttentionBinding(name=strategy)
     if strategy == "vision_ulysses":

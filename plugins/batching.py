@@ -15,6 +15,7 @@ from weft.core.schema import in_range
 @attrs.frozen(kw_only=True)
 class TokenBudgetParams:
     bucket_size: int = attrs.field(default=256, validator=in_range(low=1), metadata={"doc": "samples sorted by length within buckets of this size"})
+    pack: bool = attrs.field(default=False, metadata={"doc": "pack whole documents into one row per micro-batch; attention stays inside each document"})
 
 
 @hookimpl
@@ -27,7 +28,7 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
     if decision.strategy != "token_budget":
         return None
     split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
-    return _steps(decision.params, recipe, plan, mesh, ctx, split)
+    return _steps(decision.params, recipe, plan, mesh, model, ctx, split)
 
 
 def install_sequence_split(*, model, plan, mesh):
@@ -54,11 +55,11 @@ def shard_batch(batch: dict, split) -> dict:
 
     out = dict(batch)
     out["shift_labels"] = split.shard(targets(batch), dim=1)
-    del out["labels"]
+    out.pop("labels", None)
     return out
 
 
-def _steps(params, recipe, plan, mesh, ctx, split):
+def _steps(params, recipe, plan, mesh, model, ctx, split):
     from weft.plugins.models.build import model_config
     from weft.strategies import datasets
     from weft.strategies.conversation import collate, load_processor
@@ -96,11 +97,27 @@ def _steps(params, recipe, plan, mesh, ctx, split):
         ctx.log.warning("data.too_long", samples=too_long, micro_batch_tokens=budget, max_seq_len=recipe.train.seq_len)
     pad_id = tokenizer.pad_token_id
     me = mesh.dp_rank()
+    multiple = split.multiple if split else 1
+    if params.pack:
+        from weft.strategies.packing import collate_packed, pack_documents
+
+        positions = document_positions(model)
+
+        def make(indices):
+            return collate_packed([samples[i] for i in indices], pad_id=pad_id, pad_to_multiple_of=multiple, positions=positions)
+    else:
+
+        def make(indices):
+            return collate([samples[i] for i in indices], pad_id=pad_id, pad_to_multiple_of=multiple)
+
     step = 0
     epoch = 0
     while True:
-        batches = pack_micro_batches(lengths, budget=budget, seed=recipe.train.seed, epoch=epoch, bucket_size=params.bucket_size)
-        steps = schedule_steps(batches, lengths, dp_size=plan.mesh.dp, step_tokens=recipe.train.step_tokens)
+        if params.pack:
+            batches = pack_documents(lengths, budget=budget, seed=recipe.train.seed, epoch=epoch)
+        else:
+            batches = pack_micro_batches(lengths, budget=budget, seed=recipe.train.seed, epoch=epoch, bucket_size=params.bucket_size)
+        steps = schedule_steps(batches, lengths, dp_size=plan.mesh.dp, step_tokens=recipe.train.step_tokens, packed=params.pack)
         if not steps:
             raise WeftError(
                 f"the data gives no full step: {len(samples)} usable samples make {len(batches)} micro-batches "
@@ -109,8 +126,8 @@ def _steps(params, recipe, plan, mesh, ctx, split):
             )
         for rounds in steps:
             if step >= ctx.start_step:
-                batches = [collate([samples[i] for i in round_[me]], pad_id=pad_id, pad_to_multiple_of=split.multiple if split else 1) for round_ in rounds]
-                yield [shard_batch(b, split) for b in batches] if split else batches
+                micro = [make(round_[me]) for round_ in rounds]
+                yield [shard_batch(b, split) for b in micro] if split else micro
             step += 1
         epoch += 1
         ctx.log.info("data.epoch", epoch=epoch)
@@ -145,3 +162,29 @@ def describe_vision_split(recipe, plan) -> list[dict]:
                 "vision": f"vision_ulysses: all SP ranks share every image's patches (an image has >= {threshold})" if shared else "own images, whole (tower run locally)",
             })
     return rows
+
+
+def document_positions(model):
+    """positions(sample) for packing: each document's own position ids, restarting at 0.
+
+    Vision-language models: the model's own 3-D mRoPE rope-index function on the
+    document alone; text models: 0..L-1.
+    """
+    import inspect
+
+    import torch
+
+    finder = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
+    params = set(inspect.signature(finder.get_rope_index).parameters) if finder is not None else set()
+
+    def positions(sample):
+        if finder is None or sample.image_grid_thw is None:
+            n = sample.num_tokens
+            base = torch.arange(n)[None]  # (1, L)
+            return base if finder is None else base.expand(3, 1, n)  # text-only document in a VL model
+        kwargs = {"input_ids": sample.input_ids[None], "image_grid_thw": sample.image_grid_thw,
+                  "mm_token_type_ids": sample.mm_token_type_ids[None], "attention_mask": torch.ones_like(sample.input_ids)[None]}
+        position_ids, _ = finder.get_rope_index(**{k: v for k, v in kwargs.items() if k in params})
+        return position_ids  # (3, 1, L)
+
+    return positions

@@ -2,8 +2,12 @@
 
 Every kernel has the same two functions, on SDPA's layout:
 
-    forward(q, k, v, *, causal, scale) -> (out (B, H, Sq, D), lse (B, H, Sq) float32+)
-    backward(dout, q, k, v, out, lse, *, causal, scale) -> (dq, dk, dv)
+    forward(q, k, v, *, causal, scale, mask=None) -> (out (B, H, Sq, D), lse (B, H, Sq) float32+)
+    backward(dout, q, k, v, out, lse, *, causal, scale, mask=None) -> (dq, dk, dv)
+
+``mask`` (B, 1, Sq, Sk) bool, True = may attend, replaces ``causal`` for packed
+documents; kernels marked ``masks`` take it (a row with no allowed key gets
+lse = -inf and out = 0).
 
 ``backward`` takes the *final* out and lse of the whole row (after every ring
 step merged), which is what makes per-block gradients exact: P = exp(S - lse)
@@ -34,6 +38,8 @@ class BlockKernel:
     gqa: bool = False
     #: Accepts strided (non-contiguous) q/k/v/out views, e.g. slices of the sequence dim.
     strided: bool = False
+    #: Takes a boolean ``mask`` (packed documents).
+    masks: bool = False
 
 
 def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
@@ -41,23 +47,28 @@ def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
 
 
-def _math_forward(q, k, v, *, causal, scale):
-    acc = torch.promote_types(q.dtype, torch.float32)
+def _math_scores(q, k, *, causal, scale, mask, acc):
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
-    if causal:
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    elif causal:
         s = s.masked_fill(~_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    return s
+
+
+def _math_forward(q, k, v, *, causal, scale, mask=None):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = _math_scores(q, k, causal=causal, scale=scale, mask=mask, acc=acc)
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq); -inf for a row with no allowed key
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
     return torch.matmul(p, v.to(acc)).to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, *, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, *, causal, scale, mask=None):
     acc = torch.promote_types(q.dtype, torch.float32)
     q_, k_, v_, do = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
-    s = torch.matmul(q_, k_.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(~_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
-    p = torch.exp(s - lse.to(acc).unsqueeze(-1))  # (B, H, Sq, Sk)
+    s = _math_scores(q, k, causal=causal, scale=scale, mask=mask, acc=acc)
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1)).nan_to_num(0.0)  # (B, H, Sq, Sk)
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, v_.transpose(-1, -2))
     delta = (do * out.to(acc)).sum(dim=-1, keepdim=True)  # (B, H, Sq, 1)
@@ -78,17 +89,22 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, *, causal, scale):
     )
 
 
-def _cudnn_forward(q, k, v, *, causal, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+def _bias(mask, dtype):
+    # cuDNN takes an additive bias: 0 where allowed, -inf where not.
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _cudnn_forward(q, k, v, *, causal, scale, mask=None):
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, _bias(mask, q.dtype), True, 0.0, causal and mask is None, False, scale=scale)[:2]
     return out, _lse3(lse)
 
 
-def _cudnn_backward(dout, q, k, v, out, lse, *, causal, scale):
-    # Without dropout, bias or varlen, the RNG state, bias and cumulative lengths are
-    # undefined tensors (None), exactly what the forward returns for them.
+def _cudnn_backward(dout, q, k, v, out, lse, *, causal, scale, mask=None):
+    # Without dropout or varlen, the RNG state and cumulative lengths are undefined
+    # tensors (None), exactly what the forward returns for them.
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout.contiguous(), q, k, v, out.contiguous(), lse.float().unsqueeze(-1).contiguous(),  # cuDNN keeps (B, H, S, 1)
-        None, None, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+        None, None, _bias(mask, q.dtype), None, None, q.shape[2], k.shape[2], 0.0, causal and mask is None, scale=scale,
     )
 
 
@@ -125,22 +141,28 @@ def _flash_attn_backward(dout, q, k, v, out, lse, *, causal, scale):
 
 
 KERNELS: dict[str, BlockKernel] = {
-    "math": BlockKernel("math", _math_forward, _math_backward),
+    "math": BlockKernel("math", _math_forward, _math_backward, masks=True),
     "cpu_flash": BlockKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward),
-    "cudnn": BlockKernel("cudnn", _cudnn_forward, _cudnn_backward, gqa=True, strided=True),
+    "cudnn": BlockKernel("cudnn", _cudnn_forward, _cudnn_backward, gqa=True, strided=True, masks=True),
     "flash": BlockKernel("flash", _flash_forward, _flash_backward, gqa=True, strided=True),
     "flash_attn": BlockKernel("flash_attn", _flash_attn_forward, _flash_attn_backward),
 }
 BACKENDS: tuple[str, ...] = ("auto", *KERNELS)
 
 
-def select_kernel(backend: str, *, device: torch.device, dtype: torch.dtype, head_dim: int) -> BlockKernel:
+def select_kernel(backend: str, *, device: torch.device, dtype: torch.dtype, head_dim: int, masked: bool = False) -> BlockKernel:
     """``auto``: cuDNN on CUDA for bf16/fp16 (head_dim <= 128), else torch's flash op;
-    torch's fused CPU op on CPU; the math kernel for float64 on CUDA."""
+    torch's fused CPU op on CPU; the math kernel for float64 on CUDA. With ``masked``
+    (packed documents) only kernels that take a mask: cuDNN on CUDA, math elsewhere."""
     if backend != "auto":
         if backend not in KERNELS:
             raise ValueError(f"unknown attention backend {backend!r}; accepted: {', '.join(BACKENDS)}")
+        if masked and not KERNELS[backend].masks:
+            raise ValueError(f"attention backend {backend!r} takes no document mask; packed sequences need one of "
+                             + ", ".join(k.name for k in KERNELS.values() if k.masks) + " or auto")
         return KERNELS[backend]
+    if masked:
+        return KERNELS["cudnn"] if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else KERNELS["math"]
     if device.type == "cuda":
         if dtype in (torch.bfloat16, torch.float16):
             return KERNELS["cudnn"] if head_dim <= 128 else KERNELS["flash"]

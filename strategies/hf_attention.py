@@ -25,12 +25,15 @@ def make_attention_function(*, strategy: str, layout: str, backend: str, ulysses
         if kwargs.get("sliding_window"):
             raise ValueError(f"{strategy} attention does not implement sliding-window attention (module {type(module).__name__})")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        # Packed documents: weft's batching passes the whole sequence's document ids as a
+        # model input, which transformers hands on to every attention call.
+        docs = kwargs.get("weft_doc_ids")
         if strategy == "ring":
-            out = ring_attention(query, key, value, group=ring_group, causal=causal, scale=scaling, layout=layout, backend=backend)
+            out = ring_attention(query, key, value, group=ring_group, causal=causal, scale=scaling, layout=layout, backend=backend, doc_ids=docs)
         elif strategy == "ulysses":
-            out = ulysses_attention(query, key, value, group=ulysses_group, causal=causal, scale=scaling)
+            out = ulysses_attention(query, key, value, group=ulysses_group, causal=causal, scale=scaling, doc_ids=docs)
         else:
-            out = usp_attention(query, key, value, ulysses_group=ulysses_group, ring_group=ring_group, causal=causal, scale=scaling, layout=layout, backend=backend)
+            out = usp_attention(query, key, value, ulysses_group=ulysses_group, ring_group=ring_group, causal=causal, scale=scaling, layout=layout, backend=backend, doc_ids=docs)
         return out.transpose(1, 2).contiguous(), None  # (B, S_local, H, D)
 
     return attention

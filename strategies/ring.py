@@ -99,8 +99,9 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     magnitudes, and the first block (lse = -inf) gives w = 1 exactly.
     """
     block_lse = block_lse.to(lse.dtype)
-    weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)  # (B, H, S, 1)
-    out.lerp_(block_out.to(out.dtype), weight)
+    empty = torch.isneginf(block_lse)  # rows this block masks out entirely (packed documents)
+    weight = torch.where(empty, 0.0, torch.sigmoid(block_lse - lse)).unsqueeze(-1)  # (B, H, S, 1)
+    out.lerp_(torch.where(empty.unsqueeze(-1), 0.0, block_out.to(out.dtype)), weight)
     lse.copy_(torch.logaddexp(lse, block_lse))
 
 
@@ -108,33 +109,55 @@ def _operands(kernel: BlockKernel, *tensors: torch.Tensor) -> list[torch.Tensor]
     return [t if kernel.strided else t.contiguous() for t in tensors]
 
 
-def attend_block(q, kv, *, block: Block, groups: int, scale: float, kernel: BlockKernel, out, lse, first: bool = False) -> None:
+def attend_block(q, kv, *, block: Block, groups: int, scale: float, kernel: BlockKernel, out, lse, first: bool = False, mask=None) -> None:
     """One ring step's forward for one rank: attend, then merge into (out, lse).
 
     ``first``: nothing merged yet for these rows, so the block's result is copied
-    in instead of merged (one pass over the accumulator saved).
+    in instead of merged (one pass over the accumulator saved). ``mask``: the block's
+    document mask (B, 1, Sq, Sk), which replaces its causal flag.
     """
     expand = 1 if kernel.gqa else groups
     qb, kb, vb = _operands(kernel, q[:, :, block.q], _expand(kv[0][:, :, block.kv], expand), _expand(kv[1][:, :, block.kv], expand))
-    block_out, block_lse = kernel.forward(qb, kb, vb, causal=block.causal, scale=scale)
-    if first:
+    extra = {} if mask is None else {"mask": mask}
+    block_out, block_lse = kernel.forward(qb, kb, vb, causal=block.causal and mask is None, scale=scale, **extra)
+    if first and mask is None:
         out[:, :, block.q].copy_(block_out)
         lse[:, :, block.q].copy_(block_lse)
     else:
         merge_block(out[:, :, block.q], lse[:, :, block.q], block_out, block_lse)
 
 
-def attend_block_backward(dout, q, kv, out, lse, *, block: Block, groups: int, scale: float, kernel: BlockKernel, dq, dkv) -> None:
+def attend_block_backward(dout, q, kv, out, lse, *, block: Block, groups: int, scale: float, kernel: BlockKernel, dq, dkv, mask=None) -> None:
     """One ring step's backward for one rank: add this block's dQ and dK/dV in place."""
     expand = 1 if kernel.gqa else groups
     operands = _operands(
         kernel, dout[:, :, block.q], q[:, :, block.q],
         _expand(kv[0][:, :, block.kv], expand), _expand(kv[1][:, :, block.kv], expand), out[:, :, block.q],
     )
-    dq_b, dk_b, dv_b = kernel.backward(*operands, lse[:, :, block.q].contiguous(), causal=block.causal, scale=scale)
+    extra = {} if mask is None else {"mask": mask}
+    dq_b, dk_b, dv_b = kernel.backward(*operands, lse[:, :, block.q].contiguous(), causal=block.causal and mask is None, scale=scale, **extra)
     dq[:, :, block.q] += dq_b
     dkv[0][:, :, block.kv] += _reduce(dk_b, expand)
     dkv[1][:, :, block.kv] += _reduce(dv_b, expand)
+
+
+class _Documents:
+    """Global document ids and positions of a packed sequence, for per-block masks."""
+
+    def __init__(self, doc_ids: torch.Tensor, *, world: int, layout: str, causal: bool) -> None:
+        from weft.strategies.sequence_shard import sequence_index
+
+        self.doc_ids, self.causal = doc_ids, causal  # (B, S_global)
+        seq = doc_ids.shape[1]
+        self.index = [sequence_index(seq, rank=r, world=world, layout=layout).to(doc_ids.device) for r in range(world)]
+
+    def mask(self, *, rank: int, src: int, block: Block) -> torch.Tensor | None:
+        """(B, 1, Sq, Sk) for ``block``, or None when no query may see any key (skip it)."""
+        from weft.strategies.packing import document_mask
+
+        idx_q, idx_k = self.index[rank][block.q], self.index[src][block.kv]
+        mask = document_mask(self.doc_ids[:, idx_q], self.doc_ids[:, idx_k], idx_q, idx_k, causal=self.causal)
+        return mask if bool(mask.any()) else None
 
 
 def _accumulators(q, v):
@@ -145,7 +168,7 @@ def _accumulators(q, v):
     return out, lse
 
 
-def _forward(q, k, v, *, ring: _Ring, causal: bool, scale: float, layout: str, kernel: BlockKernel):
+def _forward(q, k, v, *, ring: _Ring, causal: bool, scale: float, layout: str, kernel: BlockKernel, docs: _Documents | None = None):
     s = q.shape[2]  # (B, H, S_local, D)
     groups = q.shape[1] // k.shape[1]
     out, lse = _accumulators(q, v)
@@ -153,16 +176,18 @@ def _forward(q, k, v, *, ring: _Ring, causal: bool, scale: float, layout: str, k
     for step in range(ring.world):
         if step + 1 < ring.world:
             incoming, works = ring.exchange(kv)
-        block = block_for(rank=ring.rank, src=(ring.rank - step) % ring.world, world=ring.world, layout=layout, causal=causal, local_len=s)
-        if block is not None:
-            attend_block(q, kv, block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse, first=step == 0)
+        src = (ring.rank - step) % ring.world
+        block = block_for(rank=ring.rank, src=src, world=ring.world, layout=layout, causal=causal, local_len=s)
+        mask = docs.mask(rank=ring.rank, src=src, block=block) if docs is not None and block is not None else None
+        if block is not None and (docs is None or mask is not None):
+            attend_block(q, kv, block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse, first=step == 0, mask=mask)
         if step + 1 < ring.world:
             _wait(works)
             kv = incoming
     return out.to(q.dtype), lse
 
 
-def _backward(dout, q, k, v, out, lse, *, ring: _Ring, causal: bool, scale: float, layout: str, kernel: BlockKernel):
+def _backward(dout, q, k, v, out, lse, *, ring: _Ring, causal: bool, scale: float, layout: str, kernel: BlockKernel, docs: _Documents | None = None):
     s = q.shape[2]
     groups = q.shape[1] // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -172,10 +197,12 @@ def _backward(dout, q, k, v, out, lse, *, ring: _Ring, causal: bool, scale: floa
     for step in range(ring.world):
         if step + 1 < ring.world:
             incoming, works = ring.exchange(kv)
-        block = block_for(rank=ring.rank, src=(ring.rank - step) % ring.world, world=ring.world, layout=layout, causal=causal, local_len=s)
+        src = (ring.rank - step) % ring.world
+        block = block_for(rank=ring.rank, src=src, world=ring.world, layout=layout, causal=causal, local_len=s)
+        mask = docs.mask(rank=ring.rank, src=src, block=block) if docs is not None and block is not None else None
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this block's gradient, (2, B, KV, S, D)
-        if block is not None:
-            attend_block_backward(dout, q, kv, out, lse, block=block, groups=groups, scale=scale, kernel=kernel, dq=dq, dkv=dkv)
+        if block is not None and (docs is None or mask is not None):
+            attend_block_backward(dout, q, kv, out, lse, block=block, groups=groups, scale=scale, kernel=kernel, dq=dq, dkv=dkv, mask=mask)
         if travelling is not None:
             _wait(travelling[1])
             dkv += travelling[0]
@@ -232,20 +259,21 @@ def emulate_ring(q_parts, k_parts, v_parts, dout_parts=None, *, causal: bool, sc
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, layout, backend):
+    def forward(ctx, q, k, v, group, causal, scale, layout, backend, doc_ids):
         ring = _Ring(group)
-        kernel = select_kernel(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
-        out, lse = _forward(q, k, v, ring=ring, causal=causal, scale=scale, layout=layout, kernel=kernel)
+        kernel = select_kernel(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1], masked=doc_ids is not None)
+        docs = None if doc_ids is None else _Documents(doc_ids, world=ring.world, layout=layout, causal=causal)
+        out, lse = _forward(q, k, v, ring=ring, causal=causal, scale=scale, layout=layout, kernel=kernel, docs=docs)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.config = (ring, causal, scale, layout, kernel)
+        ctx.config = (ring, causal, scale, layout, kernel, docs)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, causal, scale, layout, kernel = ctx.config
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, ring=ring, causal=causal, scale=scale, layout=layout, kernel=kernel)
-        return dq, dk, dv, None, None, None, None, None
+        ring, causal, scale, layout, kernel, docs = ctx.config
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ring=ring, causal=causal, scale=scale, layout=layout, kernel=kernel, docs=docs)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -258,11 +286,14 @@ def ring_attention(
     scale: float | None = None,
     layout: str = "zigzag",
     backend: str = "auto",
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence split across ``group``'s ranks.
 
     q: (B, H, S_local, D); k, v: (B, KV, S_local, D) with H % KV == 0 (GQA);
     this rank's part of the sequence in ``layout`` (see ``sequence_shard``).
+    ``doc_ids``: (B, S_global) document ids of the whole packed sequence; attention then
+    stays inside each document (blocks with no shared document are skipped).
     Returns (B, H, S_local, D) in q's dtype. Differentiable (own backward ring).
     """
     if layout not in LAYOUTS:
@@ -273,7 +304,9 @@ def ring_attention(
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}, {v.shape[1]})")
     if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
         raise ValueError(f"q, k, v must hold the same local sequence length, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
+    if dist.get_world_size(group if group is not None else dist.group.WORLD) == 1:
+        layout = "contiguous"  # one rank holds the whole sequence: no halves to balance
     if causal and layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"zigzag layout: the local sequence holds two equal chunks, so its length must be even; got {q.shape[2]}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, causal, scale, layout, backend)
+    return _RingAttention.apply(q, k, v, group, causal, scale, layout, backend, doc_ids)

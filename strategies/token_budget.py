@@ -38,11 +38,12 @@ def pack_micro_batches(lengths: list[int], *, budget: int, seed: int, epoch: int
     return batches
 
 
-def schedule_steps(batches: list[list[int]], lengths: list[int], *, dp_size: int, step_tokens: int) -> list[list[list[list[int]]]]:
+def schedule_steps(batches: list[list[int]], lengths: list[int], *, dp_size: int, step_tokens: int, packed: bool = False) -> list[list[list[list[int]]]]:
     """Arrange micro-batches into optimizer steps: step -> round -> dp rank -> sample indices.
 
     A round gives each data-parallel rank one micro-batch; a step takes rounds
-    until ``step_tokens`` padded tokens (over all ranks) are reached, at least one.
+    until ``step_tokens`` tokens (over all ranks; padded, or summed when ``packed``)
+    are reached, at least one.
     Leftover micro-batches that cannot fill a round or a step are dropped: every
     rank must run the same number of micro-batches, since each issues collectives.
     """
@@ -52,7 +53,7 @@ def schedule_steps(batches: list[list[int]], lengths: list[int], *, dp_size: int
     tokens = 0
     for round_ in rounds:
         current.append(round_)
-        tokens += sum(len(mb) * max(lengths[i] for i in mb) for mb in round_)
+        tokens += sum(sum(lengths[i] for i in mb) if packed else len(mb) * max(lengths[i] for i in mb) for mb in round_)
         if tokens >= step_tokens:
             steps.append(current)
             current, tokens = [], 0

@@ -60,9 +60,16 @@ def check_heads(*, heads: int, kv_heads: int, degree: int) -> None:
         raise ValueError(f"Ulysses degree {degree} and the {kv_heads} key/value heads: one must divide the other")
 
 
-def local_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
-    """Plain SDPA on whole sequences, GQA included."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+def local_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain SDPA on whole sequences, GQA included; inside each document when packed."""
+    gqa = k.shape[1] != q.shape[1]
+    if doc_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    from weft.strategies.packing import document_mask
+
+    index = torch.arange(doc_ids.shape[1], device=doc_ids.device)
+    mask = document_mask(doc_ids, doc_ids, index, index, causal=causal)  # (B, 1, S, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def ulysses_attention(
@@ -74,6 +81,7 @@ def ulysses_attention(
     causal: bool = True,
     scale: float | None = None,
     inner: Callable[..., torch.Tensor] | None = None,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence split contiguously across ``group``.
 
@@ -91,5 +99,6 @@ def ulysses_attention(
         k = k.repeat_interleave(degree // kv_heads, dim=1)
         v = v.repeat_interleave(degree // kv_heads, dim=1)
     q_h, k_h, v_h = seq_to_heads(q, group), seq_to_heads(k, group), seq_to_heads(v, group)  # (B, H/P, S, D)
-    out = (inner or local_sdpa)(q_h, k_h, v_h, causal=causal, scale=scale)
+    extra = {} if doc_ids is None else {"doc_ids": doc_ids}  # (B, S_global): packed documents
+    out = (inner or local_sdpa)(q_h, k_h, v_h, causal=causal, scale=scale, **extra)
     return heads_to_seq(out, group)  # (B, H, S_local, D)

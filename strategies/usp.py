@@ -28,11 +28,15 @@ def usp_attention(
     scale: float | None = None,
     layout: str = "zigzag",
     backend: str = "auto",
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: (B, H, S_local, D); k, v: (B, KV, S_local, D). Returns (B, H, S_local, D)."""
+    """q: (B, H, S_local, D); k, v: (B, KV, S_local, D). Returns (B, H, S_local, D).
+
+    ``doc_ids`` (B, S_global): packed documents; attention stays inside each.
+    """
     inner = functools.partial(_ring_inner, group=ring_group, layout=layout, backend=backend)
-    return ulysses_attention(q, k, v, group=ulysses_group, causal=causal, scale=scale, inner=inner)
+    return ulysses_attention(q, k, v, group=ulysses_group, causal=causal, scale=scale, inner=inner, doc_ids=doc_ids)
 
 
-def _ring_inner(q, k, v, *, causal, scale, group, layout, backend):
-    return ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout, backend=backend)
+def _ring_inner(q, k, v, *, causal, scale, group, layout, backend, doc_ids=None):
+    return ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout, backend=backend, doc_ids=doc_ids)

@@ -1,0 +1,81 @@
+"""Packing: several documents in one sequence, attention kept inside each document.
+
+A packed micro-batch is one row (B = 1) of whole documents. Each token carries its
+document id (``weft_doc_ids``, passed through the model's forward to the attention
+functions); position ids restart with every document (3-D mRoPE ids computed per
+document by the model's own rope-index function); targets are shifted inside each
+document, so no document predicts the next one's first token. Padding is a document
+of its own with no targets.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Sequence
+
+import torch
+
+IGNORE = -100
+
+
+def pack_documents(lengths: list[int], *, budget: int, seed: int, epoch: int) -> list[list[int]]:
+    """Shuffled documents, first-fit into rows of at most ``budget`` tokens (sum, not padded)."""
+    rng = random.Random(f"pack:{seed}:{epoch}")
+    order = [i for i in range(len(lengths)) if lengths[i] <= budget]
+    rng.shuffle(order)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index in order:
+        for r, free in enumerate(room):
+            if lengths[index] <= free:
+                rows[r].append(index)
+                room[r] -= lengths[index]
+                break
+        else:
+            rows.append([index])
+            room.append(budget - lengths[index])
+    return rows
+
+
+def collate_packed(samples: Sequence, *, pad_id: int, pad_to_multiple_of: int = 1, positions: Callable) -> dict[str, torch.Tensor]:
+    """One packed row. ``positions(sample) -> (..., L)`` position ids of one document."""
+    ids, targets, docs, types, pos = [], [], [], [], []
+    for doc, sample in enumerate(samples):
+        n = sample.num_tokens
+        ids.append(sample.input_ids)
+        shifted = torch.cat([sample.labels[1:], torch.tensor([IGNORE])])  # inside the document only
+        targets.append(shifted)
+        docs.append(torch.full((n,), doc))
+        types.append(sample.mm_token_type_ids)
+        pos.append(positions(sample))
+    total = sum(s.num_tokens for s in samples)
+    pad = -total % pad_to_multiple_of
+    if pad:
+        ids.append(torch.full((pad,), pad_id))
+        targets.append(torch.full((pad,), IGNORE))
+        docs.append(torch.full((pad,), len(samples)))  # padding attends only to itself
+        types.append(torch.zeros(pad, dtype=torch.long))
+        pos.append(torch.arange(pad).expand(*pos[0].shape[:-1], pad))
+    out = {
+        "input_ids": torch.cat(ids)[None],  # (1, S)
+        "shift_labels": torch.cat(targets)[None],  # (1, S)
+        "weft_doc_ids": torch.cat(docs)[None],  # (1, S)
+        "position_ids": torch.cat(pos, dim=-1),  # (1, S) text; (3, 1, S) mRoPE
+    }
+    with_images = [s for s in samples if s.pixel_values is not None]
+    if with_images:
+        out["mm_token_type_ids"] = torch.cat(types)[None]
+        out["pixel_values"] = torch.cat([s.pixel_values for s in with_images])
+        out["image_grid_thw"] = torch.cat([s.image_grid_thw for s in with_images])
+    return out
+
+
+def document_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, idx_q: torch.Tensor, idx_k: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """(B, 1, Sq, Sk) True where query i may attend key j: same document, and j <= i if causal.
+
+    doc_*: (B, S*) document ids of the rows; idx_*: (S*,) their global positions.
+    """
+    mask = doc_q[:, :, None] == doc_k[:, None, :]  # (B, Sq, Sk)
+    if causal:
+        mask = mask & (idx_q[:, None] >= idx_k[None, :])
+    return mask[:, None]
