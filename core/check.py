@@ -44,7 +44,7 @@ def check_batch(recipe: Recipe, *, dp: int, multiple: int) -> list[dict]:
     else:
         path = pathlib.Path(recipe.data.path)
         path = path if path.is_absolute() else pathlib.Path(recipe.source).parent / path
-        source = datasets.jsonl_samples(path, tokenizer=tokenizer, image_processor=image_processor)
+        source = datasets.jsonl_samples(path, processor=processor)
     samples = []
     for sample in source:
         if not isinstance(sample, datasets.BadSample):

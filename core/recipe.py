@@ -48,6 +48,8 @@ class DataSection:
     min_side: int = attrs.field(default=28, validator=in_range(low=28), metadata=_doc("smallest synthetic image side, px"))
     max_side: int = attrs.field(default=112, validator=in_range(low=28), metadata=_doc("largest synthetic image side, px"))
     strict: bool = attrs.field(default=False, metadata=_doc("a bad sample stops the run instead of being skipped"))
+    workers: int = attrs.field(default=-1, validator=in_range(low=-1), metadata=_doc("preprocessing processes; -1 = min(8, cores - 1), 0/1 = in-process"))
+    cache: bool = attrs.field(default=True, metadata=_doc("cache tokenized samples next to the dataset (<file>.weft-cache/)"))
 
     def __attrs_post_init__(self) -> None:
         if self.source == "jsonl" and self.path is None:

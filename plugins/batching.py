@@ -78,7 +78,11 @@ def _steps(params, recipe, plan, mesh, model, ctx, split):
             path = pathlib.Path(recipe.source).parent / path
         if not path.is_file():
             raise WeftError(f"data.path {str(path)!r} does not exist", where=recipe.source)
-        source = datasets.jsonl_samples(path, tokenizer=tokenizer, image_processor=image_processor)
+        from weft.strategies.preprocess import default_workers
+
+        workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
+        cache = path.with_name(path.name + ".weft-cache") if recipe.data.cache else None
+        source = datasets.jsonl_samples(path, processor=processor, workers=workers, cache_dir=cache)
 
     def on_bad(bad):
         if recipe.data.strict:
@@ -86,7 +90,14 @@ def _steps(params, recipe, plan, mesh, model, ctx, split):
         ctx.count("skipped_samples")
         ctx.log.warning("data.skipped", where=bad.where, reason=bad.reason)
 
+    import torch.distributed as dist
+
+    shared_cache = recipe.data.source == "jsonl" and recipe.data.cache and dist.is_initialized() and dist.get_world_size() > 1
+    if shared_cache and dist.get_rank() != 0:
+        dist.barrier()  # rank 0 preprocesses and fills the cache; the others then read it
     samples = datasets.collect(source, on_bad=on_bad)
+    if shared_cache and dist.get_rank() == 0:
+        dist.barrier()
     budget = recipe.train.micro_batch_tokens
     limit = min(budget, recipe.train.seq_len)
     # Over-long samples get a length past the budget, so packing leaves them out.

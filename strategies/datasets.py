@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Any, Callable, Iterator
 
@@ -26,26 +25,25 @@ def synthetic_samples(*, seed: int, num_samples: int, min_side: int, max_side: i
         yield encode_conversation(conversation.messages, tokenizer=tokenizer, image_processor=image_processor)
 
 
-def jsonl_samples(path: pathlib.Path, *, tokenizer: Any, image_processor: Any) -> Iterator[Sample | BadSample]:
-    """JSONL in the chat or sharegpt-style format (``data_formats``), one record per line.
+def jsonl_samples(path: pathlib.Path, *, processor: str, workers: int = 1, cache_dir: pathlib.Path | None = None) -> Iterator[Sample | BadSample]:
+    """JSONL in the chat or sharegpt-style format (``data_formats``), one record per line,
+    encoded in ``workers`` processes (``preprocess``), tokenized samples cached in ``cache_dir``.
 
     A line that cannot become a sample, for whatever reason, is a BadSample naming
     its file:line and the reason; blank lines are not samples.
     """
-    from weft.strategies.data_formats import record_to_messages
+    from weft.strategies.conversation import processor_dir
+    from weft.strategies.preprocess import encode_lines
 
-    with path.open(encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
-            where = f"{path}:{number}"
-            if not line.strip():
-                continue
-            try:
-                messages = record_to_messages(json.loads(line), base=path.parent)
-                yield encode_conversation(messages, tokenizer=tokenizer, image_processor=image_processor)
-            except json.JSONDecodeError as error:
-                yield BadSample(where, f"malformed JSON: {error.msg} at column {error.colno}")
-            except (ValueError, KeyError, TypeError, OSError) as error:
-                yield BadSample(where, f"{type(error).__name__}: {error}")
+    def lines():
+        with path.open(encoding="utf-8", errors="replace") as handle:
+            for number, line in enumerate(handle, start=1):
+                if line.strip():
+                    yield f"{path}:{number}", line
+
+    for where, result in encode_lines(lines(), processor=processor, processor_folder=processor_dir(processor), base=path.parent,
+                                      workers=workers, cache_dir=cache_dir):
+        yield result if isinstance(result, Sample) else BadSample(where, result)
 
 
 def collect(samples: Iterator[Sample | BadSample], *, on_bad: Callable[[BadSample], None]) -> list[Sample]:

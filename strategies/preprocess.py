@@ -1,0 +1,112 @@
+"""Encode dataset lines in worker processes, with an on-disk cache of tokenized samples.
+
+A line's cache key covers its text, the processor's files and the size and
+modification time of every image it names, so a resumed run, or a second rank,
+reads the tokenized sample back instead of preprocessing it again; a change to any
+of them makes a new entry. Entries are written to a temporary name and renamed, so a
+crash never leaves a half-written one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import pathlib
+from typing import Any, Iterable, Iterator
+
+import torch
+
+# One processor per worker process, loaded by the pool's initializer: the standard
+# way to give pool workers a heavy object without pickling it per task.
+_WORKER: dict[str, Any] = {}
+
+
+def default_workers() -> int:
+    return max(1, min(8, (os.cpu_count() or 1) - 1))
+
+
+def processor_fingerprint(folder: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.json")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str) -> None:
+    from weft.strategies.conversation import load_processor
+
+    torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
+    tokenizer, image_processor = load_processor(processor)
+    _WORKER.update(tokenizer=tokenizer, image_processor=image_processor, base=pathlib.Path(base),
+                   cache=pathlib.Path(cache_dir) if cache_dir else None, fingerprint=fingerprint)
+
+
+def _key(line: str, record: Any, base: pathlib.Path, fingerprint: str) -> str:
+    digest = hashlib.sha256(line.encode() + fingerprint.encode())
+    for path in sorted(_image_paths(record)):
+        try:
+            stat = (base / path).stat()
+            digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        except OSError:
+            digest.update(f"{path}:missing".encode())
+    return digest.hexdigest()
+
+
+def _image_paths(record: Any) -> list[str]:
+    paths = []
+    if isinstance(record, dict):
+        if isinstance(record.get("images"), list):
+            paths += [p for p in record["images"] if isinstance(p, str)]
+        for message in record.get("messages", []) if isinstance(record.get("messages"), list) else []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                paths += [p.get("image") for p in content if isinstance(p, dict) and isinstance(p.get("image"), str)]
+    return paths
+
+
+def _encode(job: tuple[str, str]) -> tuple[str, Any]:
+    """(where, line) -> (where, Sample) or (where, "reason")."""
+    from weft.strategies.conversation import encode_conversation
+    from weft.strategies.data_formats import record_to_messages
+
+    where, line = job
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        return where, f"malformed JSON: {error.msg} at column {error.colno}"
+    cache = _WORKER["cache"]
+    key = _key(line, record, _WORKER["base"], _WORKER["fingerprint"]) if cache else None
+    if key and (cache / f"{key}.pt").is_file():
+        try:
+            return where, torch.load(cache / f"{key}.pt", weights_only=False)
+        except Exception:  # a damaged entry is re-made below
+            pass
+    try:
+        messages = record_to_messages(record, base=_WORKER["base"])
+        sample = encode_conversation(messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"])
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        return where, f"{type(error).__name__}: {error}"
+    if key:
+        tmp = cache / f".{key}.{os.getpid()}.tmp"
+        torch.save(sample, tmp)
+        tmp.replace(cache / f"{key}.pt")
+    return where, sample
+
+
+def encode_lines(lines: Iterable[tuple[str, str]], *, processor: str, processor_folder: pathlib.Path, base: pathlib.Path,
+                 workers: int, cache_dir: pathlib.Path | None) -> Iterator[tuple[str, Any]]:
+    """Encode (where, JSON line) jobs in order; yields (where, Sample) or (where, reason)."""
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    args = (processor, str(base), str(cache_dir) if cache_dir else None, processor_fingerprint(processor_folder))
+    if workers <= 1:
+        _init(*args)
+        yield from map(_encode, lines)
+        return
+    # fork shares the parent's imports (fast start); a process that has touched CUDA
+    # must not fork, so it spawns its workers instead.
+    method = "spawn" if torch.cuda.is_available() and torch.cuda.is_initialized() else "fork"
+    with mp.get_context(method).Pool(workers, initializer=_init, initargs=args) as pool:
+        yield from pool.imap(_encode, lines, chunksize=4)
