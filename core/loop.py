@@ -185,6 +185,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
         "tokens": totals["tokens"],
         "tokens_per_s": totals["tokens"] / totals["train_s"] if totals["train_s"] else 0.0,
         "skipped_samples": ctx.counters.get("skipped_samples", 0),
+        "truncated_samples": ctx.counters.get("truncated_samples", 0),
         "skipped_steps": totals["skipped_steps"],
         "wall_s": time.perf_counter() - t_start,
         "world_size": ctx.world_size,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pathlib
 
+from typing import Literal
+
 import attrs
 
 from weft.core.errors import WeftError
@@ -16,6 +18,8 @@ from weft.core.schema import in_range
 class TokenBudgetParams:
     bucket_size: int = attrs.field(default=256, validator=in_range(low=1), metadata={"doc": "samples sorted by length within buckets of this size"})
     pack: bool = attrs.field(default=False, metadata={"doc": "pack whole documents into one row per micro-batch; attention stays inside each document"})
+    over_long: Literal["drop", "truncate"] = attrs.field(default="drop", metadata={"doc": "a sample longer than the limit: drop it, or keep its head (never cutting an image span)"})
+    prefetch: int = attrs.field(default=2, validator=in_range(low=0), metadata={"doc": "steps collated ahead in a background thread; 0 = none"})
 
 
 @hookimpl
@@ -28,7 +32,7 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
     if decision.strategy != "token_budget":
         return None
     split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
-    return _steps(decision.params, recipe, plan, mesh, model, ctx, split)
+    return _prefetched(_steps(decision.params, recipe, plan, mesh, model, ctx, split), decision.params.prefetch)
 
 
 def install_sequence_split(*, model, plan, mesh):
@@ -57,6 +61,53 @@ def shard_batch(batch: dict, split) -> dict:
     out["shift_labels"] = split.shard(targets(batch), dim=1)
     out.pop("labels", None)
     return out
+
+
+def _truncate(samples, *, limit, tokenizer, ctx, on_bad):
+    from weft.strategies.conversation import truncate_sample
+    from weft.strategies.datasets import BadSample
+
+    kept = []
+    for index, sample in enumerate(samples):
+        if sample.num_tokens <= limit:
+            kept.append(sample)
+            continue
+        try:
+            kept.append(truncate_sample(sample, limit, tokenizer=tokenizer))
+            ctx.count("truncated_samples")
+        except ValueError as error:
+            on_bad(BadSample(f"sample {index}", str(error)))
+    return kept
+
+
+def _prefetched(steps, depth: int):
+    """Collate the next ``depth`` steps in a background thread while the model trains.
+
+    Collation is CPU work on already-preprocessed samples; a thread (not a process)
+    keeps the tensors shareable without copies.
+    """
+    import queue
+    import threading
+
+    if depth == 0:
+        yield from steps
+        return
+    buffer: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def fill():
+        try:
+            for step in steps:
+                buffer.put(step)
+        except BaseException as error:  # hand the error to the consumer
+            buffer.put(error)
+        buffer.put(done)
+
+    threading.Thread(target=fill, daemon=True, name="weft-prefetch").start()
+    while (item := buffer.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 def _steps(params, recipe, plan, mesh, model, ctx, split):
@@ -100,6 +151,8 @@ def _steps(params, recipe, plan, mesh, model, ctx, split):
         dist.barrier()
     budget = recipe.train.micro_batch_tokens
     limit = min(budget, recipe.train.seq_len)
+    if params.over_long == "truncate":
+        samples = _truncate(samples, limit=limit - (split.multiple if split else 1) + 1, tokenizer=tokenizer, ctx=ctx, on_bad=on_bad)
     # Over-long samples get a length past the budget, so packing leaves them out.
     lengths = [s.num_tokens if s.num_tokens <= limit else budget + 1 for s in samples]
     too_long = sum(1 for n in lengths if n > budget)

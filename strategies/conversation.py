@@ -299,3 +299,40 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     rgba = image.convert("RGBA")
     white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
     return Image.alpha_composite(white, rgba).convert("RGB")
+
+
+def truncate_sample(sample: Sample, max_len: int, *, tokenizer: Any) -> Sample:
+    """The first ``max_len`` tokens of a sample, never cutting inside an image span.
+
+    A cut that would fall inside ``<|vision_start|> ... <|vision_end|>`` moves to just
+    before that span; images past the cut leave with their patches. Raises ValueError
+    when nothing to learn is left.
+    """
+    if sample.num_tokens <= max_len:
+        return sample
+    special = _SpecialIds.from_tokenizer(tokenizer)
+    ids = sample.input_ids
+    starts = (ids == special.vision_start).nonzero().flatten().tolist()
+    ends = (ids == special.vision_end).nonzero().flatten().tolist()
+    cut = max_len
+    kept = 0
+    for start, end in zip(starts, ends):
+        if end < cut:
+            kept += 1
+        elif start < cut:
+            cut = start  # the span would be cut: stop before it
+            break
+        else:
+            break
+    labels = sample.labels[:cut]
+    if not bool((labels != IGNORE_INDEX).any()):
+        raise ValueError(f"truncated to {cut} tokens (limit {max_len}), no assistant reply is left")
+    pixel_values = image_grid_thw = None
+    if kept:
+        grid = sample.image_grid_thw[:kept]
+        pixel_values = sample.pixel_values[: int(grid.prod(-1).sum())]
+        image_grid_thw = grid
+    return Sample(
+        input_ids=ids[:cut], labels=labels, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+        mm_token_type_ids=sample.mm_token_type_ids[:cut],
+    )
