@@ -11,8 +11,6 @@ embedding, head). Users adding a plugin run it to prove their change.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import sys
 import tempfile

@@ -208,7 +208,6 @@ def _cmd_run(args) -> int:
     recipe = _load(args)
     pm = plugin_manager_from_env()
     if _under_launcher():
-        world_size = int(os.environ["WORLD_SIZE"])
         run_dir = args.run_dir or pathlib.Path("runs") / f"{pathlib.Path(args.recipe).stem}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}"
         return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
     nproc = args.nproc or recipe.parallel.nproc

@@ -160,6 +160,15 @@ class _Documents:
         return mask if bool(mask.any()) else None
 
 
+def _step_work(*, rank: int, src: int, world: int, layout: str, causal: bool, local_len: int, docs: _Documents | None):
+    """(block, document mask or None) for this rank against ``src``'s K/V, or None: nothing to do."""
+    block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=local_len)
+    if block is None or docs is None:
+        return None if block is None else (block, None)
+    mask = docs.mask(rank=rank, src=src, block=block)
+    return None if mask is None else (block, mask)
+
+
 def _accumulators(q, v):
     b, h, s, _ = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -176,10 +185,9 @@ def _forward(q, k, v, *, ring: _Ring, causal: bool, scale: float, layout: str, k
     for step in range(ring.world):
         if step + 1 < ring.world:
             incoming, works = ring.exchange(kv)
-        src = (ring.rank - step) % ring.world
-        block = block_for(rank=ring.rank, src=src, world=ring.world, layout=layout, causal=causal, local_len=s)
-        mask = docs.mask(rank=ring.rank, src=src, block=block) if docs is not None and block is not None else None
-        if block is not None and (docs is None or mask is not None):
+        work = _step_work(rank=ring.rank, src=(ring.rank - step) % ring.world, world=ring.world, layout=layout, causal=causal, local_len=s, docs=docs)
+        if work is not None:
+            block, mask = work
             attend_block(q, kv, block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse, first=step == 0, mask=mask)
         if step + 1 < ring.world:
             _wait(works)
@@ -197,11 +205,10 @@ def _backward(dout, q, k, v, out, lse, *, ring: _Ring, causal: bool, scale: floa
     for step in range(ring.world):
         if step + 1 < ring.world:
             incoming, works = ring.exchange(kv)
-        src = (ring.rank - step) % ring.world
-        block = block_for(rank=ring.rank, src=src, world=ring.world, layout=layout, causal=causal, local_len=s)
-        mask = docs.mask(rank=ring.rank, src=src, block=block) if docs is not None and block is not None else None
+        work = _step_work(rank=ring.rank, src=(ring.rank - step) % ring.world, world=ring.world, layout=layout, causal=causal, local_len=s, docs=docs)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this block's gradient, (2, B, KV, S, D)
-        if block is not None and (docs is None or mask is not None):
+        if work is not None:
+            block, mask = work
             attend_block_backward(dout, q, kv, out, lse, block=block, groups=groups, scale=scale, kernel=kernel, dq=dq, dkv=dkv, mask=mask)
         if travelling is not None:
             _wait(travelling[1])

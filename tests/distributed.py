@@ -28,3 +28,35 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> None:
     """``fn(rank, world, *args)`` on ``world`` processes; raises if any rank raised."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world, join=True, start_method="spawn")
+
+
+def sp_model(recipe_data: dict, *, rank: int, world: int):
+    """On an initialised gloo group: the recipe's model with weft's attention and sequence split
+    installed, plus an untouched copy (transformers' own attention) as the reference.
+
+    Returns (model, reference, plan, mesh, split); split is None without sequence parallelism.
+    """
+    import copy
+
+    import structlog
+    import torch
+
+    from weft.core.attention_install import install_attention
+    from weft.core.context import RunContext
+    from weft.core.mesh import build_device_mesh
+    from weft.core.planner import plan_recipe
+    from weft.core.plugin_manager import build_plugin_manager
+    from weft.core.recipe import Recipe
+    from weft.plugins.batching import install_sequence_split
+    from weft.plugins.models.build import build_model
+
+    recipe = Recipe.from_dict(recipe_data)
+    pm = build_plugin_manager(entry_points=False)
+    model = build_model(recipe, device="cpu", seed=0)
+    reference = copy.deepcopy(model)
+    plan, _ = plan_recipe(recipe, registry=pm.registry, world_size=world, model=model)
+    mesh = build_device_mesh(plan.mesh, device_type="cpu")
+    ctx = RunContext(recipe=recipe, device=torch.device("cpu"), rank=rank, world_size=world, log=structlog.get_logger())
+    install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
+    split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
+    return model, reference, plan, mesh, split

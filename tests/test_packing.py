@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 
 import torch
 
-from distributed import run_ranks
+from distributed import run_ranks, sp_model
 from weft.strategies.packing import collate_packed, document_mask, pack_documents
 
 
@@ -41,17 +40,9 @@ CONFIGS = [(1, 1, "auto"), (1, 4, "ring"), (4, 1, "ulysses"), (2, 2, "usp")]
 
 
 def _worker(rank: int, world: int) -> None:
-    import structlog
 
-    from weft.core.attention_install import install_attention
-    from weft.core.context import RunContext
     from weft.core.loss import label_count, targets, token_loss_sum
-    from weft.core.mesh import build_device_mesh
-    from weft.core.planner import plan_recipe
-    from weft.core.plugin_manager import build_plugin_manager
-    from weft.core.recipe import Recipe
-    from weft.plugins.batching import document_positions, install_sequence_split, shard_batch
-    from weft.plugins.models.build import build_model
+    from weft.plugins.batching import document_positions, shard_batch
     from weft.strategies.conversation import collate, encode_conversation, load_processor
     from weft.strategies.synthetic_vl import synthetic_conversations
 
@@ -61,20 +52,12 @@ def _worker(rank: int, world: int) -> None:
     for preset in ("qwen2_5_vl_tiny", "qwen2_text_tiny"):
         for ulysses, ring, strategy in CONFIGS:
             sub = ulysses * ring
-            recipe = Recipe.from_dict({
+            model, reference, plan, mesh, split = sp_model({
                 "model": {"preset": preset},
                 "parallel": {"ulysses": ulysses, "ring": ring, "dp_shard": world // sub},
                 "rules": [{"when": {"modality": "text"}, "attention": {"strategy": strategy}},
                           {"batching": {"strategy": "token_budget", "pack": True}}],
-            })
-            pm = build_plugin_manager(entry_points=False)
-            model = build_model(recipe, device="cpu", seed=0)
-            reference = copy.deepcopy(model)
-            plan, _ = plan_recipe(recipe, registry=pm.registry, world_size=world, model=model)
-            mesh = build_device_mesh(plan.mesh, device_type="cpu")
-            ctx = RunContext(recipe=recipe, device=torch.device("cpu"), rank=rank, world_size=world, log=structlog.get_logger())
-            install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
-            split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
+            }, rank=rank, world=world)
 
             docs = samples if preset == "qwen2_5_vl_tiny" else [type(s)(input_ids=s.input_ids, labels=s.labels) for s in samples]
             keep = ("input_ids", "labels") if preset == "qwen2_text_tiny" else None

@@ -8,11 +8,10 @@ Loss relative difference <= 1e-5, every gradient <= 1e-4.
 
 from __future__ import annotations
 
-import copy
 
 import torch
 
-from distributed import run_ranks
+from distributed import run_ranks, sp_model
 
 CONFIGS = [(1, 4, "ring", "zigzag"), (4, 1, "ulysses", "zigzag"), (2, 2, "usp", "zigzag"), (1, 4, "ring", "contiguous")]
 
@@ -31,32 +30,16 @@ def _batch(preset: str, *, pad_multiple: int):
 
 
 def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strategy: str, layout: str, vision: dict | None = None) -> None:
-    import structlog
 
-    from weft.core.attention_install import install_attention
-    from weft.core.context import RunContext
     from weft.core.loss import label_count, targets, token_loss_sum
-    from weft.core.mesh import build_device_mesh
-    from weft.core.planner import plan_recipe
-    from weft.core.plugin_manager import build_plugin_manager
-    from weft.core.recipe import Recipe
-    from weft.plugins.batching import install_sequence_split, shard_batch
-    from weft.plugins.models.build import build_model
+    from weft.plugins.batching import shard_batch
 
-    recipe = Recipe.from_dict({
+    model, reference, plan, mesh, split = sp_model({
         "model": {"preset": preset},
         "parallel": {"ulysses": ulysses, "ring": ring},
         "rules": [{"when": {"modality": "text"}, "attention": {"strategy": strategy, **({"layout": layout} if strategy != "ulysses" else {})}}]
         + ([{"when": {"modality": "vision"}, "attention": vision}] if vision else []),
-    })
-    pm = build_plugin_manager(entry_points=False)
-    model = build_model(recipe, device="cpu", seed=0)
-    reference = copy.deepcopy(model)
-    plan, _ = plan_recipe(recipe, registry=pm.registry, world_size=world, model=model)
-    mesh = build_device_mesh(plan.mesh, device_type="cpu")
-    ctx = RunContext(recipe=recipe, device=torch.device("cpu"), rank=rank, world_size=world, log=structlog.get_logger())
-    install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
-    split = install_sequence_split(model=model, plan=plan, mesh=mesh)
+    }, rank=rank, world=world)
 
     batch = _batch("qwen2_5_vl_tiny" if "vision" in preset or "vl" in preset else preset, pad_multiple=split.multiple)
     if "image_grid_thw" in batch:
