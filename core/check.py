@@ -90,6 +90,8 @@ def worker(recipe: Recipe, *, out: pathlib.Path) -> None:
     from weft.core.loop import StepState, forward_backward, init_process_group, prepare_model
     from weft.core.mesh import device_for
     from weft.plugins.batching import install_sequence_split, shard_batch
+    from weft.plugins.models.sp_hooks import vision_tower
+    from weft.plugins.models.vision_sync import FLAG, VisionKeepAlive
 
     rank, world_size, local_rank, device_type = init_process_group(recipe)
     from weft.core.cli import plugin_manager_from_env
@@ -100,7 +102,12 @@ def worker(recipe: Recipe, *, out: pathlib.Path) -> None:
     try:
         model, plan, mesh = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
         split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
-        batch = check_batch(recipe, dp=plan.mesh.dp, multiple=split.multiple if split else 1)[mesh.dp_rank()]
+        parts = check_batch(recipe, dp=plan.mesh.dp, multiple=split.multiple if split else 1)
+        batch = parts[mesh.dp_rank()]
+        if plan.mesh.dp > 1 and vision_tower(model) is not None:
+            VisionKeepAlive(model)  # as the batching does: all ranks run the tower if any has images
+            if "pixel_values" not in batch and any("pixel_values" in p for p in parts):
+                batch = dict(batch, **{FLAG: torch.ones((), dtype=torch.bool)})
         state = StepState(step=1)
         forward_backward(model=model, micro_batches=[shard_batch(batch, split) if split else batch], state=state,
                          autocast=torch.autocast("cpu", enabled=False), pm=pm, plan=plan, mesh=mesh, ctx=ctx)

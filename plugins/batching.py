@@ -6,6 +6,8 @@ import pathlib
 
 from typing import Literal
 
+import torch
+
 import attrs
 
 from weft.core.errors import WeftError
@@ -32,7 +34,15 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
     if decision.strategy != "token_budget":
         return None
     split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
-    return _prefetched(_steps(decision.params, recipe, plan, mesh, model, ctx, split), decision.params.prefetch)
+    keep_vision = False
+    if plan.mesh.dp > 1 and model is not None:
+        from weft.plugins.models.sp_hooks import vision_tower
+        from weft.plugins.models.vision_sync import VisionKeepAlive
+
+        if vision_tower(model) is not None:
+            VisionKeepAlive(model)
+            keep_vision = True
+    return _prefetched(_steps(decision.params, recipe, plan, mesh, model, ctx, split, keep_vision), decision.params.prefetch)
 
 
 def install_sequence_split(*, model, plan, mesh):
@@ -110,7 +120,7 @@ def _prefetched(steps, depth: int):
         yield item
 
 
-def _steps(params, recipe, plan, mesh, model, ctx, split):
+def _steps(params, recipe, plan, mesh, model, ctx, split, keep_vision=False):
     from weft.plugins.models.build import model_config
     from weft.strategies import datasets
     from weft.strategies.conversation import collate, load_processor
@@ -191,6 +201,13 @@ def _steps(params, recipe, plan, mesh, model, ctx, split):
         for rounds in steps:
             if step >= ctx.start_step:
                 micro = [make(round_[me]) for round_ in rounds]
+                if keep_vision:
+                    from weft.plugins.models.vision_sync import FLAG
+
+                    for batch, round_ in zip(micro, rounds):
+                        # Every rank sees the whole round: if any rank has images, all run the tower.
+                        if "pixel_values" not in batch and any(samples[i].pixel_values is not None for part in round_ for i in part):
+                            batch[FLAG] = torch.ones((), dtype=torch.bool)
                 yield [shard_batch(b, split) for b in micro] if split else micro
             step += 1
         epoch += 1

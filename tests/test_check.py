@@ -90,3 +90,27 @@ def test_check_catches_a_wrong_plugin(tmp_path):
     assert done.returncode == 1, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert not result["ok"] and result["loss_rel_diff"] > 1e-3
+
+
+def test_data_parallel_rank_without_images_keeps_the_tower_in_step(tmp_path):
+    """DP rank 0's samples are text-only, rank 1's have images: FSDP's vision collectives
+    still line up (rank 0 runs a blank image with weight zero) and nothing changes numerically."""
+    from PIL import Image
+
+    Image.new("RGB", (56, 84), "red").save(tmp_path / "red.png")
+    text = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."}]}
+    image = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}], "images": ["red.png"]}
+    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in (text, image, text, image)) + "\n")
+    recipe = tmp_path / "mixed.toml"
+    recipe.write_text(textwrap.dedent(f'''
+        include = ["{ROOT / "recipes" / "rules" / "modality-groups.toml"}"]
+        [model]
+        preset = "qwen2_5_vl_tiny"
+        [data]
+        source = "jsonl"
+        path = "mixed.jsonl"
+    '''))
+    done = check(str(recipe), "--world-size", "2", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and "vision" in result["grad_max_rel_diff_by_group"], result

@@ -1,0 +1,50 @@
+"""Keep every rank's vision tower in step when only some data-parallel ranks have images.
+
+FSDP2 gathers a unit's parameters in its forward and reduces its gradients in its
+backward, on every rank together and in the same order. A micro-batch without images
+skips the vision tower, so its rank would call the next unit's collectives while the
+others are still in the tower's: a crash or a hang. When the batching knows that some
+rank of the round has images and this one has none, it marks the micro-batch
+(``weft_needs_vision``). A forward pre-hook on the model takes the mark; a forward hook
+on the text embedding, which the model runs just before its vision tower, runs the
+tower on one blank image and adds its output to the embeddings with weight zero. The
+tower then runs where it runs on the other ranks, forward and backward, and nothing
+changes numerically.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weft.plugins.models.sp_hooks import text_decoder, vision_tower
+
+FLAG = "weft_needs_vision"
+
+
+class VisionKeepAlive:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.visual = vision_tower(model)
+        self._armed = False
+        embed = text_decoder(model).embed_tokens
+        self.handles = [
+            model.register_forward_pre_hook(self._take_flag, with_kwargs=True),
+            embed.register_forward_hook(self._blank_image),
+        ]
+
+    def _take_flag(self, module, args, kwargs):
+        needs = kwargs.pop(FLAG, None)
+        self._armed = needs is not None and kwargs.get("pixel_values") is None
+        return args, kwargs
+
+    def _blank_image(self, module, args, output):
+        if not self._armed:
+            return None
+        self._armed = False
+        config = self.visual.config
+        merge = self.visual.spatial_merge_size
+        width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        pixels = torch.zeros(merge * merge, width, device=output.device)  # merge x merge patches: one merged token
+        grid = torch.tensor([[1, merge, merge]], device=output.device)
+        merged = self.visual(pixels, grid_thw=grid)
+        merged = merged.pooler_output if hasattr(merged, "pooler_output") else merged
+        return output + 0.0 * merged.sum().to(output.dtype)  # joins the graph, adds nothing
