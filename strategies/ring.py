@@ -17,6 +17,7 @@ their gradients are summed back over each head group.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import attrs
@@ -91,6 +92,22 @@ def _reduce(dx: torch.Tensor, groups: int) -> torch.Tensor:
     return dx.view(b, h // groups, groups, s, d).sum(dim=2)
 
 
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    block_lse = block_lse.to(lse.dtype)
+    empty = torch.isneginf(block_lse)  # rows this block masks out entirely (packed documents)
+    weight = torch.where(empty, 0.0, torch.sigmoid(block_lse - lse)).unsqueeze(-1)  # (B, H, S, 1)
+    out.lerp_(torch.where(empty.unsqueeze(-1), 0.0, block_out.to(out.dtype)), weight)
+    lse.copy_(torch.logaddexp(lse, block_lse))
+
+
+@functools.cache
+def _fused_merge():
+    # On CUDA the merge is memory-bound: compiled, its five element-wise passes become one
+    # kernel (one read of out/block_out/lse, one write). dynamic=True: one compile for every
+    # block length. CPU runs (tests, float64) use the eager ops.
+    return torch.compile(_merge, dynamic=True)
+
+
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one block's (out, lse) into the running (out, lse) in place.
 
@@ -98,11 +115,7 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     one, so the update is a single lerp: out + w * (o - out). Stable for any
     magnitudes, and the first block (lse = -inf) gives w = 1 exactly.
     """
-    block_lse = block_lse.to(lse.dtype)
-    empty = torch.isneginf(block_lse)  # rows this block masks out entirely (packed documents)
-    weight = torch.where(empty, 0.0, torch.sigmoid(block_lse - lse)).unsqueeze(-1)  # (B, H, S, 1)
-    out.lerp_(torch.where(empty.unsqueeze(-1), 0.0, block_out.to(out.dtype)), weight)
-    lse.copy_(torch.logaddexp(lse, block_lse))
+    (_fused_merge() if out.is_cuda else _merge)(out, lse, block_out, block_lse)
 
 
 def _operands(kernel: BlockKernel, *tensors: torch.Tensor) -> list[torch.Tensor]:
