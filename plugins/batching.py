@@ -154,11 +154,18 @@ def _steps(params, recipe, plan, mesh, model, ctx, split, keep_vision=False):
     import torch.distributed as dist
 
     shared_cache = recipe.data.source == "jsonl" and recipe.data.cache and dist.is_initialized() and dist.get_world_size() > 1
-    if shared_cache and dist.get_rank() != 0:
-        dist.barrier()  # rank 0 preprocesses and fills the cache; the others then read it
+    if shared_cache:
+        # Rank 0 preprocesses and fills the cache; the others then read it. Preprocessing a
+        # large dataset outlasts the run's collective timeout, so this waits on a CPU group
+        # of its own with a long one.
+        import datetime
+
+        waiting = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=12))
+        if dist.get_rank() != 0:
+            dist.barrier(group=waiting)
     samples = datasets.collect(source, on_bad=on_bad)
     if shared_cache and dist.get_rank() == 0:
-        dist.barrier()
+        dist.barrier(group=waiting)
     budget = recipe.train.micro_batch_tokens
     limit = min(budget, recipe.train.seq_len)
     if params.over_long == "truncate":
