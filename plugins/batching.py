@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import pathlib
-
 from typing import Literal
-
-import torch
 
 import attrs
 
@@ -209,6 +206,8 @@ def _steps(params, recipe, plan, mesh, model, ctx, split, keep_vision=False):
             if step >= ctx.start_step:
                 micro = [make(round_[me]) for round_ in rounds]
                 if keep_vision:
+                    import torch
+
                     from weft.plugins.models.vision_sync import FLAG
 
                     for batch, round_ in zip(micro, rounds):

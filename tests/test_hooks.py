@@ -427,3 +427,13 @@ def test_every_hookspec_is_tested_and_documented():
     headings = set(re.findall(r"^### `([^`]+)`\s*$", docs, flags=re.MULTILINE))
     undocumented = sorted(f"{name}: expected heading ### `{sig}`" for name, sig in specs.items() if sig not in headings)
     assert not untested and not undocumented, f"hookspecs without a test_hook_<name> in tests/: {untested}; without a heading in docs/hooks.md: {undocumented}"
+
+
+def test_building_the_plugin_manager_imports_no_torch():
+    """Plugins declare strategies without heavy imports: `weft plugins` and recipe validation stay fast."""
+    import subprocess
+    import sys
+
+    code = "import sys; from weft.core.plugin_manager import build_plugin_manager; build_plugin_manager(entry_points=False).registry; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
