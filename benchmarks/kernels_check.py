@@ -21,26 +21,28 @@ from weft.strategies.block_kernels import KERNELS  # noqa: E402
 def main() -> int:
     failures = 0
     reference = KERNELS["math"]
-    for name in ("cudnn", "flash"):
+    cases = ((True, 512, 512, 4, 128), (False, 512, 256, 4, 128), (False, 256, 512, 4, 128), (True, 512, 512, 2, 128), (False, 512, 256, 1, 128),
+             (True, 384, 384, 2, 80), (False, 200, 328, 4, 32), (True, 1000, 1000, 1, 64))
+    for name in ("cudnn", "flash", "triton"):
         kernel = KERNELS[name]
-        for causal, sq, sk, kv_heads in ((True, 512, 512, 4), (False, 512, 256, 4), (False, 256, 512, 4), (True, 512, 512, 2), (False, 512, 256, 1)):
+        for causal, sq, sk, kv_heads, d in cases:
             g = torch.Generator(device="cuda").manual_seed(0)
-            q = torch.randn(2, 4, sq, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-            k = torch.randn(2, kv_heads, sk, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-            v = torch.randn(2, kv_heads, sk, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-            dout = torch.randn(2, 4, sq, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            q = torch.randn(2, 4, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            k = torch.randn(2, kv_heads, sk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            v = torch.randn(2, kv_heads, sk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            dout = torch.randn(2, 4, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
             try:
-                out, lse = kernel.forward(q, k, v, causal=causal, scale=128**-0.5)
-                grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=128**-0.5)
+                out, lse = kernel.forward(q, k, v, causal=causal, scale=d**-0.5)
+                grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=d**-0.5)
             except Exception as error:  # report every kernel, not just the first failure
                 print(f"{name} causal={causal} {sq}x{sk}: FAILED {type(error).__name__}: {error}")
                 failures += 1
                 continue
             groups = 4 // kv_heads  # the math reference takes equal heads: expand, then sum the groups back
             f32 = [q.float(), k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)]
-            ref_out, ref_lse = reference.forward(*f32, causal=causal, scale=128**-0.5)
-            dq_r, dk_r, dv_r = reference.backward(dout.float(), *f32, ref_out, ref_lse, causal=causal, scale=128**-0.5)
-            ref_grads = (dq_r, dk_r.view(2, kv_heads, groups, sk, 128).sum(2), dv_r.view(2, kv_heads, groups, sk, 128).sum(2))
+            ref_out, ref_lse = reference.forward(*f32, causal=causal, scale=d**-0.5)
+            dq_r, dk_r, dv_r = reference.backward(dout.float(), *f32, ref_out, ref_lse, causal=causal, scale=d**-0.5)
+            ref_grads = (dq_r, dk_r.view(2, kv_heads, groups, sk, d).sum(2), dv_r.view(2, kv_heads, groups, sk, d).sum(2))
             errs = {
                 "out": (out.float() - ref_out).abs().max().item(),
                 "lse": (lse - ref_lse).abs().max().item(),
@@ -48,8 +50,35 @@ def main() -> int:
             }
             bad = any(e > 0.05 for e in errs.values()) or lse.shape != ref_lse.shape
             failures += bad
-            print(f"{name} causal={causal} {sq}x{sk} kv_heads={kv_heads}: lse {tuple(lse.shape)} {'BAD' if bad else 'ok'} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+            print(f"{name} causal={causal} {sq}x{sk} kv_heads={kv_heads} head_dim={d}: lse {tuple(lse.shape)} {'BAD' if bad else 'ok'} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    failures += check_accumulate()
     return 1 if failures else 0
+
+
+def check_accumulate() -> int:
+    """The Triton backward adds into float32 buffers: strided halves of one, prefilled."""
+    from weft.strategies.triton_backward import backward_accumulate
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, dout = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    f32 = [q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1)]
+    ref = KERNELS["math"]
+    # Query tail half against the key head half (a zigzag off-diagonal block), on slices.
+    qs, ks, vs, ds = q[:, :, 512:], k[:, :, :512], v[:, :, :512], dout[:, :, 512:]
+    out, lse = ref.forward(f32[0][:, :, 512:], f32[1][:, :, :512], f32[2][:, :, :512], causal=False, scale=128**-0.5)
+    dq_r, dk_r, dv_r = ref.backward(ds.float(), f32[0][:, :, 512:], f32[1][:, :, :512], f32[2][:, :, :512], out, lse, causal=False, scale=128**-0.5)
+    dq, dk, dv = torch.full(q.shape, 2.0, device="cuda"), torch.full(k.shape, 2.0, device="cuda"), torch.full(k.shape, 2.0, device="cuda")
+    backward_accumulate(ds, qs, ks, vs, out.to(q.dtype), lse, causal=False, scale=128**-0.5, dq=dq[:, :, 512:], dk=dk[:, :, :512], dv=dv[:, :, :512])
+    errs = [
+        (dq[:, :, 512:] - 2 - dq_r).abs().max().item(),
+        (dk[:, :, :512] - 2 - dk_r.view(1, 2, 4, 512, 128).sum(2)).abs().max().item(),
+        (dv[:, :, :512] - 2 - dv_r.view(1, 2, 4, 512, 128).sum(2)).abs().max().item(),
+    ]
+    untouched = bool((dq[:, :, :512] == 2).all() and (dk[:, :, 512:] == 2).all() and (dv[:, :, 512:] == 2).all())
+    bad = max(errs) > 0.05 or not untouched
+    print(f"triton accumulate into strided, prefilled buffers: {'BAD' if bad else 'ok'} untouched={untouched} " + " ".join(f"{e:.2e}" for e in errs))
+    return int(bad)
 
 
 if __name__ == "__main__":

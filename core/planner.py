@@ -25,7 +25,27 @@ def plan_recipe(recipe: Recipe, *, registry: Any, world_size: int, model: Any = 
     check_heads(modules, mesh, where=f"{recipe.source} [parallel]")
     plan = build_plan(recipe=recipe, modules=modules, registry=registry, mesh=mesh, world_size=world_size)
     check_sequence_parallel(plan, registry, where=f"{recipe.source} [parallel]")
+    check_strategy_params(plan, registry, recipe)
     return plan, model
+
+
+def check_strategy_params(plan: Plan, registry: Any, recipe: Recipe) -> None:
+    """Each strategy's own plan-time check of its rule parameters against the recipe."""
+    seen: set[tuple[str, str, Any]] = set()
+    for module in plan.modules:
+        for decision in module.decisions:
+            strategy = registry.get(decision.point, decision.strategy)
+            key = (decision.point, decision.strategy, decision.params)
+            if strategy is None or strategy.check is None or key in seen:
+                continue
+            seen.add(key)
+            message = strategy.check(decision.params, recipe=recipe)
+            if message:
+                raise PlanError(
+                    f"{module.info.path or '(root)'}: {decision.point} strategy {decision.strategy!r} "
+                    f"(rule at {decision.source}): {message}",
+                    where=recipe.source,
+                )
 
 
 def check_sequence_parallel(plan: Plan, registry: Any, *, where: str) -> None:

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any, Iterable
 
+import attrs
 import pluggy
 import structlog
 
@@ -47,17 +48,7 @@ class WeftPluginManager(pluggy.PluginManager):
         declared: list[Strategy] = []
         for impl in self.hook.weft_strategies.get_hookimpls():
             for strategy in impl.function() or []:
-                declared.append(
-                    Strategy(
-                        point=strategy.point,
-                        name=strategy.name,
-                        params=strategy.params,
-                        summary=strategy.summary,
-                        plugin=impl.plugin_name,
-                        sp_dims=strategy.sp_dims,
-                        head_split=strategy.head_split,
-                    )
-                )
+                declared.append(attrs.evolve(strategy, plugin=impl.plugin_name))
         return StrategyRegistry(declared)
 
     def call_first(self, hook_name: str, **kwargs: Any) -> Any:

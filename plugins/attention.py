@@ -16,7 +16,7 @@ from weft.core.hookspecs import hookimpl
 from weft.core.registry import AttentionBinding, NoParams, Strategy
 
 Layout = Literal["zigzag", "contiguous"]
-Backend = Literal["auto", "math", "cpu_flash", "cudnn", "flash", "flash_attn"]
+Backend = Literal["auto", "math", "cpu_flash", "cudnn", "flash", "flash_attn", "triton"]
 
 
 @attrs.frozen(kw_only=True)
@@ -27,7 +27,28 @@ class VisionUlyssesParams:
 @attrs.frozen(kw_only=True)
 class RingParams:
     layout: Layout = attrs.field(default="zigzag", metadata={"doc": "how the sequence is split over the ring ranks"})
-    backend: Backend = attrs.field(default="auto", metadata={"doc": "block kernel: auto = cuDNN on GPU, torch's fused op on CPU"})
+    backend: Backend = attrs.field(default="auto", metadata={"doc": "block kernel: auto = cuDNN on GPU, torch's fused op on CPU; triton = cuDNN forward + a backward that keeps gradients in float32 across ring steps (GPU)"})
+
+
+#: Block kernels that run only on CUDA with bf16 inputs (torch's CUDA SDPA ops, Triton).
+_GPU_BACKENDS = ("cudnn", "flash", "flash_attn", "triton")
+
+
+def check_backend(params, *, recipe) -> str | None:
+    """Plan time: a GPU-only block kernel on a CPU or float32 run is refused here,
+    with the keys to change, rather than failing inside the first forward."""
+    backend = getattr(params, "backend", "auto")
+    if backend not in _GPU_BACKENDS:
+        return None
+    device = recipe.parallel.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and recipe.train.precision == "bf16":
+        return None
+    return (f"backend = {backend!r} runs on CUDA in bf16, but this run trains on {device} in {recipe.train.precision} "
+            f"(parallel.device, train.precision); backends that run here: auto, math, cpu_flash")
 
 
 @hookimpl
@@ -35,10 +56,10 @@ def weft_strategies():
     return [
         Strategy(point="attention", name="sdpa", params=NoParams, summary="torch SDPA on the whole local sequence (no sequence parallelism)"),
         Strategy(point="attention", name="eager", params=NoParams, summary="transformers' eager attention (reference; slow)"),
-        Strategy(point="attention", name="ring", params=RingParams, summary="ring attention over the ring ranks, async K/V rotation, exact backward", sp_dims=("ring",)),
+        Strategy(point="attention", name="ring", params=RingParams, summary="ring attention over the ring ranks, async K/V rotation, exact backward", sp_dims=("ring",), check=check_backend),
         Strategy(point="attention", name="ulysses", params=NoParams, summary="head/sequence all-to-all over the Ulysses ranks; KV heads replicated when fewer than the degree", sp_dims=("ulysses",), head_split=("ulysses",)),
-        Strategy(point="attention", name="usp", params=RingParams, summary="Ulysses inside, ring outside (2-D)", sp_dims=("ulysses", "ring"), head_split=("ulysses",)),
-        Strategy(point="attention", name="auto", params=RingParams, summary="sdpa, ring, ulysses or usp from the mesh's ulysses and ring degrees", sp_dims=("ulysses", "ring"), head_split=("ulysses",)),
+        Strategy(point="attention", name="usp", params=RingParams, summary="Ulysses inside, ring outside (2-D)", sp_dims=("ulysses", "ring"), head_split=("ulysses",), check=check_backend),
+        Strategy(point="attention", name="auto", params=RingParams, summary="sdpa, ring, ulysses or usp from the mesh's ulysses and ring degrees", sp_dims=("ulysses", "ring"), head_split=("ulysses",), check=check_backend),
         Strategy(point="attention", name="vision_ulysses", params=VisionUlyssesParams, summary="vision tower: large images' patches split over all SP ranks, Ulysses in every block (window and full)", sp_dims=("ulysses", "ring"), head_split=("ring", "ulysses")),
     ]
 

@@ -18,7 +18,13 @@ caller expands them otherwise. With
 
 Backends: ``math`` (any device and dtype; the float64 reference), ``cpu_flash``
 (torch's fused CPU op), ``cudnn`` and ``flash`` (torch's CUDA SDPA ops; cuDNN
-is the fastest on Hopper), ``flash_attn`` (the optional package).
+is the fastest on Hopper), ``flash_attn`` (the optional package), ``triton``
+(cuDNN forward; a Triton backward that adds each block's dQ/dK/dV into the
+ring's float32 accumulators, so gradients are rounded to bf16 once, at the
+end, instead of once per ring step: see ``triton_backward``).
+
+Kernels with ``accumulate`` add a block's gradients into float32 buffers
+themselves: ``accumulate(dout, q, k, v, out, lse, *, causal, scale, dq, dk, dv)``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class BlockKernel:
     strided: bool = False
     #: Takes a boolean ``mask`` (packed documents).
     masks: bool = False
+    #: Adds a block's gradients into float32 dq/dk/dv buffers (no per-block rounding).
+    accumulate: Callable[..., None] | None = None
 
 
 def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
@@ -140,13 +148,33 @@ def _flash_attn_backward(dout, q, k, v, out, lse, *, causal, scale):
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+def _triton_forward(q, k, v, *, causal, scale):
+    # The forward's per-block outputs are merged in float32 already; only the backward differs.
+    return (_cudnn_forward if q.shape[-1] <= 128 else _flash_forward)(q, k, v, causal=causal, scale=scale)
+
+
+def _triton_accumulate(dout, q, k, v, out, lse, *, causal, scale, dq, dk, dv):
+    from weft.strategies.triton_backward import backward_accumulate
+
+    backward_accumulate(dout, q, k, v, out, lse, causal=causal, scale=scale, dq=dq, dk=dk, dv=dv)
+
+
+def _triton_backward(dout, q, k, v, out, lse, *, causal, scale):
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+    _triton_accumulate(dout, q, k, v, out, lse, causal=causal, scale=scale, dq=dq, dk=dk, dv=dv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 KERNELS: dict[str, BlockKernel] = {
     "math": BlockKernel("math", _math_forward, _math_backward, masks=True),
     "cpu_flash": BlockKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward),
     "cudnn": BlockKernel("cudnn", _cudnn_forward, _cudnn_backward, gqa=True, strided=True, masks=True),
     "flash": BlockKernel("flash", _flash_forward, _flash_backward, gqa=True, strided=True),
     "flash_attn": BlockKernel("flash_attn", _flash_attn_forward, _flash_attn_backward),
+    "triton": BlockKernel("triton", _triton_forward, _triton_backward, gqa=True, strided=True, accumulate=_triton_accumulate),
 }
+#: Kernels that run only on CUDA with bf16/fp16 inputs.
+_CUDA_HALF = ("cudnn", "flash", "flash_attn", "triton")
 BACKENDS: tuple[str, ...] = ("auto", *KERNELS)
 
 
@@ -157,6 +185,9 @@ def select_kernel(backend: str, *, device: torch.device, dtype: torch.dtype, hea
     if backend != "auto":
         if backend not in KERNELS:
             raise ValueError(f"unknown attention backend {backend!r}; accepted: {', '.join(BACKENDS)}")
+        if backend in _CUDA_HALF and (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)):
+            raise ValueError(f"attention backend {backend!r} runs on CUDA with bf16/fp16 inputs, got {device.type} {dtype}; "
+                             "use auto, math or cpu_flash here")
         if masked and not KERNELS[backend].masks:
             raise ValueError(f"attention backend {backend!r} takes no document mask; packed sequences need one of "
                              + ", ".join(k.name for k in KERNELS.values() if k.masks) + " or auto")
