@@ -39,7 +39,7 @@ def check_strategy_params(plan: Plan, registry: Any, recipe: Recipe) -> None:
             if strategy is None or strategy.check is None or key in seen:
                 continue
             seen.add(key)
-            message = strategy.check(decision.params, recipe=recipe)
+            message = strategy.check(decision.params, recipe=recipe, plan=plan)
             if message:
                 raise PlanError(
                     f"{module.info.path or '(root)'}: {decision.point} strategy {decision.strategy!r} "

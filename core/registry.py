@@ -34,9 +34,10 @@ class Strategy:
     #: Attention strategies: mesh dims over which the strategy splits the heads; the
     #: product of their degrees must divide the module's query heads.
     head_split: tuple[str, ...] = ()
-    #: Plan-time check of a rule's parameters against the whole recipe (device,
-    #: precision, ...): ``check(params, recipe=recipe) -> str | None``, a message
-    #: saying why this choice cannot run, or None. Runs before any process starts.
+    #: Plan-time check of a rule's parameters against the recipe and the rest of the
+    #: plan (device, precision, other points' choices):
+    #: ``check(params, recipe=recipe, plan=plan) -> str | None``, a message saying why
+    #: this choice cannot run, or None. Runs before any process starts.
     check: Callable[..., str | None] | None = None
 
 

@@ -34,10 +34,18 @@ class RingParams:
 _GPU_BACKENDS = ("cudnn", "flash", "flash_attn", "triton")
 
 
-def check_backend(params, *, recipe) -> str | None:
-    """Plan time: a GPU-only block kernel on a CPU or float32 run is refused here,
-    with the keys to change, rather than failing inside the first forward."""
+#: Block kernels that take a document mask (packed sequences).
+_MASK_BACKENDS = ("auto", "math", "cudnn")
+
+
+def check_backend(params, *, recipe, plan) -> str | None:
+    """Plan time: a block kernel that cannot run this recipe (a GPU-only kernel on a
+    CPU or float32 run, a kernel without document masks under packing) is refused
+    here, with the keys to change, rather than failing inside the first forward."""
     backend = getattr(params, "backend", "auto")
+    if packed(plan) and backend not in _MASK_BACKENDS:
+        return (f"backend = {backend!r} takes no document mask, and batching packs documents (pack = true); "
+                f"backends for packed sequences: {', '.join(_MASK_BACKENDS)}")
     if backend not in _GPU_BACKENDS:
         return None
     device = recipe.parallel.device
