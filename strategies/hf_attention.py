@@ -11,11 +11,27 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 
 from weft.strategies.ring import ring_attention
 from weft.strategies.ulysses import ulysses_attention
 from weft.strategies.usp import usp_attention
 from weft.strategies.vision_ulysses import segment_attention, vision_ulysses_attention
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, q/k/v in the autocast dtype, as torch's SDPA would get them.
+
+    Models apply rotary embeddings with float32 cos/sin, so q and k reach the attention
+    function in float32 even in a bf16 autocast run; SDPA is on autocast's lower-precision
+    list and casts them back, a custom function must do it itself. Without this the
+    ring would pick float32 block kernels and Ulysses would send float32 over the wire.
+    """
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
 def make_attention_function(*, strategy: str, layout: str, backend: str, ulysses_group: Any, ring_group: Any) -> Callable:
@@ -28,6 +44,7 @@ def make_attention_function(*, strategy: str, layout: str, backend: str, ulysses
         # Packed documents: weft's batching passes the whole sequence's document ids as a
         # model input, which transformers hands on to every attention call.
         docs = kwargs.get("weft_doc_ids")
+        query, key, value = autocast_inputs(query, key, value)
         if strategy == "ring":
             out = ring_attention(query, key, value, group=ring_group, causal=causal, scale=scaling, layout=layout, backend=backend, doc_ids=docs)
         elif strategy == "ulysses":
@@ -50,6 +67,7 @@ def make_vision_attention_function(*, group: Any, rank: int, world: int) -> Call
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
         cu_seqlens = kwargs["cu_seq_lens_q"]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        query, key, value = autocast_inputs(query, key, value)
         if query.shape[2] < int(cu_seqlens[-1]):
             out = vision_ulysses_attention(query, key, value, cu_seqlens=cu_seqlens, group=group, rank=rank, world=world, scale=scale)
         else:

@@ -172,3 +172,31 @@ def test_emulated_ring_equals_full_attention(layout, causal):
     got = [unshard_sequence(outs, dim=2, layout=layout)] + [unshard_sequence([g[i] for g in grads], dim=2, layout=layout) for i in range(3)]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert rel_err(g, w) <= 1e-10, name
+
+
+def _worker_autocast(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from weft.strategies.hf_attention import make_attention_function
+
+    group = dist.group.WORLD
+    fn = make_attention_function(strategy="ring", layout="zigzag", backend="auto", ulysses_group=None, ring_group=group)
+    q, k, v = make_inputs(batch=1, heads=4, kv_heads=2, seq=32, head_dim=16, dtype=torch.float32, seed=3)[:3]
+    q, k, v = (shard_sequence(t, dim=2, rank=rank, world=world, layout="zigzag") for t in (q, k, v))
+
+    class Module:
+        is_causal = True
+
+    # Rotary embeddings leave q/k in float32 inside a bf16 autocast region; the adapter must
+    # cast like SDPA would, so the ring runs bf16 kernels (and Ulysses sends bf16).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = fn(Module(), q, k, v, None, scaling=0.25)
+    want = ring_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), group=group, causal=True, scale=0.25, layout="zigzag")
+    assert out.dtype == torch.bfloat16, out.dtype
+    assert torch.equal(out, want.transpose(1, 2)), (out.float() - want.transpose(1, 2).float()).abs().max()
+    out32, _ = fn(Module(), q, k, v, None, scaling=0.25)  # outside autocast: untouched float32
+    assert out32.dtype == torch.float32
+
+
+def test_hf_adapter_casts_like_sdpa_under_autocast():
+    run_ranks(2, _worker_autocast)
