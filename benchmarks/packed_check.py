@@ -57,7 +57,7 @@ def main() -> None:
     k, v = (torch.randn(1, 2, seq, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     dout = torch.randn_like(q)
     ref_bf16, ref_fp32 = per_document(q, k, v, dout, torch.bfloat16), per_document(q, k, v, dout, torch.float32)
-    for backend in ("auto", "cudnn"):
+    for backend in ("auto", "cudnn", "triton"):
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         out = ring_attention(qr, kr, vr, causal=True, backend=backend, doc_ids=doc_ids)
         out.backward(dout)

@@ -35,7 +35,7 @@ _GPU_BACKENDS = ("cudnn", "flash", "flash_attn", "triton")
 
 
 #: Block kernels that take a document mask (packed sequences).
-_MASK_BACKENDS = ("auto", "math", "cudnn")
+_MASK_BACKENDS = ("auto", "math", "cudnn", "triton")
 
 
 def check_backend(params, *, recipe, plan) -> str | None:

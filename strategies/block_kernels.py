@@ -24,7 +24,7 @@ ring's float32 accumulators, so gradients are rounded to bf16 once, at the
 end, instead of once per ring step: see ``triton_backward``).
 
 Kernels with ``accumulate`` add a block's gradients into float32 buffers
-themselves: ``accumulate(dout, q, k, v, out, lse, *, causal, scale, dq, dk, dv)``.
+themselves: ``accumulate(dout, q, k, v, out, lse, *, causal, scale, dq, dk, dv, mask=None)``.
 """
 
 from __future__ import annotations
@@ -148,20 +148,24 @@ def _flash_attn_backward(dout, q, k, v, out, lse, *, causal, scale):
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def _triton_forward(q, k, v, *, causal, scale):
+def _triton_forward(q, k, v, *, causal, scale, mask=None):
     # The forward's per-block outputs are merged in float32 already; only the backward differs.
-    return (_cudnn_forward if q.shape[-1] <= 128 else _flash_forward)(q, k, v, causal=causal, scale=scale)
+    if q.shape[-1] <= 128:
+        return _cudnn_forward(q, k, v, causal=causal, scale=scale, mask=mask)
+    if mask is not None:
+        raise ValueError(f"attention backend 'triton' takes document masks up to head_dim 128 (cuDNN forward), got {q.shape[-1]}")
+    return _flash_forward(q, k, v, causal=causal, scale=scale)
 
 
-def _triton_accumulate(dout, q, k, v, out, lse, *, causal, scale, dq, dk, dv):
+def _triton_accumulate(dout, q, k, v, out, lse, *, causal, scale, dq, dk, dv, mask=None):
     from weft.strategies.triton_backward import backward_accumulate
 
-    backward_accumulate(dout, q, k, v, out, lse, causal=causal, scale=scale, dq=dq, dk=dk, dv=dv)
+    backward_accumulate(dout, q, k, v, out, lse, causal=causal, scale=scale, dq=dq, dk=dk, dv=dv, mask=mask)
 
 
-def _triton_backward(dout, q, k, v, out, lse, *, causal, scale):
+def _triton_backward(dout, q, k, v, out, lse, *, causal, scale, mask=None):
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
-    _triton_accumulate(dout, q, k, v, out, lse, causal=causal, scale=scale, dq=dq, dk=dk, dv=dv)
+    _triton_accumulate(dout, q, k, v, out, lse, causal=causal, scale=scale, dq=dq, dk=dk, dv=dv, mask=mask)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -171,7 +175,7 @@ KERNELS: dict[str, BlockKernel] = {
     "cudnn": BlockKernel("cudnn", _cudnn_forward, _cudnn_backward, gqa=True, strided=True, masks=True),
     "flash": BlockKernel("flash", _flash_forward, _flash_backward, gqa=True, strided=True),
     "flash_attn": BlockKernel("flash_attn", _flash_attn_forward, _flash_attn_backward),
-    "triton": BlockKernel("triton", _triton_forward, _triton_backward, gqa=True, strided=True, accumulate=_triton_accumulate),
+    "triton": BlockKernel("triton", _triton_forward, _triton_backward, gqa=True, strided=True, masks=True, accumulate=_triton_accumulate),
 }
 #: Kernels that run only on CUDA with bf16/fp16 inputs.
 _CUDA_HALF = ("cudnn", "flash", "flash_attn", "triton")

@@ -142,11 +142,12 @@ def attend_block(q, kv, *, block: Block, groups: int, scale: float, kernel: Bloc
 
 def attend_block_backward(dout, q, kv, out, lse, *, block: Block, groups: int, scale: float, kernel: BlockKernel, dq, dkv, mask=None) -> None:
     """One ring step's backward for one rank: add this block's dQ and dK/dV in place."""
-    if kernel.accumulate is not None and mask is None:
+    if kernel.accumulate is not None:
         # The kernel adds into the float32 buffers itself: no per-block rounding.
+        extra = {} if mask is None else {"mask": mask}
         kernel.accumulate(
             dout[:, :, block.q], q[:, :, block.q], kv[0][:, :, block.kv], kv[1][:, :, block.kv], out[:, :, block.q], lse[:, :, block.q],
-            causal=block.causal, scale=scale, dq=dq[:, :, block.q], dk=dkv[0][:, :, block.kv], dv=dkv[1][:, :, block.kv],
+            causal=block.causal and mask is None, scale=scale, dq=dq[:, :, block.q], dk=dkv[0][:, :, block.kv], dv=dkv[1][:, :, block.kv], **extra,
         )
         return
     expand = 1 if kernel.gqa else groups

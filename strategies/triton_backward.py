@@ -18,7 +18,8 @@ is what makes per-block results exact.
 Two kernels: one program per (K/V tile, batch, KV head) sweeps the query tiles
 of every query head of its group (GQA needs no expanded K/V and no atomics);
 one program per (query tile, batch, head) sweeps the K/V tiles for dQ.
-``causal`` means the block is square and lies on the diagonal.
+``causal`` means the block is square and lies on the diagonal; packed documents
+pass their block's boolean mask instead.
 
 Written for this project rather than taken from the flash-attn package: that
 package is an optional extra (not installable here) and its backward also
@@ -41,11 +42,11 @@ def _kernels():
 
     @triton.jit
     def dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV,
+        Q, K, V, DO, LSE, DELTA, DK, DV, MASK,
         sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
-        slb, slh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+        slb, slh, smb, smq, smk, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
         kv_heads, groups, seq_q, seq_k, head_dim, qk_scale2, scale,
-        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+        CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     ):
         tile_n = tl.program_id(0)
         bh = tl.program_id(1)
@@ -81,6 +82,9 @@ def _kernels():
                 keep = m_ok[None, :] & n_ok[:, None]
                 if CAUSAL:
                     keep = keep & (offs_m[None, :] >= offs_n[:, None])
+                if MASKED:
+                    allowed = tl.load(MASK + b * smb + offs_m[None, :] * smq + offs_n[:, None] * smk, mask=keep, other=0)
+                    keep = keep & (allowed != 0)
                 pt = tl.where(keep, pt, 0.0)
                 dv += tl.dot(pt.to(do.dtype), do)
                 dpt = tl.dot(v, tl.trans(do))  # (N, M)
@@ -93,11 +97,11 @@ def _kernels():
 
     @triton.jit
     def dq_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ,
+        Q, K, V, DO, LSE, DELTA, DQ, MASK,
         sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
-        slb, slh, sdqb, sdqh, sdqs,
+        slb, slh, smb, smq, smk, sdqb, sdqh, sdqs,
         heads, groups, seq_q, seq_k, head_dim, qk_scale2, scale,
-        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+        CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     ):
         tile_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -128,6 +132,9 @@ def _kernels():
             keep = m_ok[:, None] & n_ok[None, :]
             if CAUSAL:
                 keep = keep & (offs_m[:, None] >= offs_n[None, :])
+            if MASKED:
+                allowed = tl.load(MASK + b * smb + offs_m[:, None] * smq + offs_n[None, :] * smk, mask=keep, other=0)
+                keep = keep & (allowed != 0)
             p = tl.where(keep, p, 0.0)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
@@ -154,11 +161,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def backward_accumulate(dout, q, k, v, out, lse, *, causal: bool, scale: float, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, config: dict | None = None) -> None:
+def backward_accumulate(
+    dout, q, k, v, out, lse, *, causal: bool, scale: float, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+    mask: torch.Tensor | None = None, config: dict | None = None,
+) -> None:
     """Add one block's gradients into float32 ``dq`` (B, H, Sq, D) and ``dk``/``dv`` (B, KV, Sk, D).
 
     q, dout, out: (B, H, Sq, D); k, v: (B, KV, Sk, D) with H a multiple of KV;
     lse: (B, H, Sq) float32, natural log, of the whole row (every block merged).
+    ``mask``: (B, 1, Sq, Sk) bool, True = may attend (packed documents); it replaces
+    ``causal``. The mask holds one byte per pair, read tile by tile beside Q and dO.
     """
     triton, dkdv_kernel, dq_kernel = _kernels()
     config = {**_CONFIG, **(config or {})}
@@ -168,24 +180,30 @@ def backward_accumulate(dout, q, k, v, out, lse, *, causal: bool, scale: float, 
     if causal and seq_q != seq_k:
         raise ValueError(f"a causal block must be square; got {seq_q} queries x {seq_k} keys")
     groups = heads // kv_heads
+    if mask is not None:
+        causal = False
+        allowed = mask.view(torch.uint8) if mask.dtype == torch.bool else mask  # (B, 1, Sq, Sk)
+        mask_strides = (allowed.stride(0), allowed.stride(2), allowed.stride(3))
+    else:
+        allowed, mask_strides = q, (0, 0, 0)  # any pointer: never read when MASKED is off
     lse = lse.float().contiguous()  # (B, H, Sq)
     delta = (dout.float() * out.float()).sum(dim=-1).contiguous()  # (B, H, Sq): rowsum(dO * O)
     width = max(16, triton.next_power_of_2(head_dim))
     qk_scale2 = scale * _LOG2E  # exp(x) = exp2(x * log2(e))
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-              lse.stride(0), lse.stride(1))
+              lse.stride(0), lse.stride(1), *mask_strides)
     c = config["dkdv"]
     dkdv_kernel[(triton.cdiv(seq_k, c["BLOCK_N"]), b * kv_heads)](
-        q, k, v, dout, lse, delta, dk, dv, *common,
+        q, k, v, dout, lse, delta, dk, dv, allowed, *common,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         kv_heads, groups, seq_q, seq_k, head_dim, qk_scale2, scale,
-        CAUSAL=causal, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], D=width, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        CAUSAL=causal, MASKED=mask is not None, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], D=width, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     c = config["dq"]
     dq_kernel[(triton.cdiv(seq_q, c["BLOCK_M"]), b * heads)](
-        q, k, v, dout, lse, delta, dq, *common,
+        q, k, v, dout, lse, delta, dq, allowed, *common,
         dq.stride(0), dq.stride(1), dq.stride(2),
         heads, groups, seq_q, seq_k, head_dim, qk_scale2, scale,
-        CAUSAL=causal, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], D=width, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        CAUSAL=causal, MASKED=mask is not None, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], D=width, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )

@@ -27,7 +27,7 @@ def test_kernels_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(HERE / "triton_interpreted.py")], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count(" ok ") == 9, done.stdout
+    assert done.stdout.count(" ok ") == 12, done.stdout
 
 
 @pytest.mark.parametrize("backend", ["triton", "cudnn", "flash"])

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from weft.strategies.block_kernels import KERNELS, BlockKernel, _triton_accumulate
-from weft.strategies.ring import emulate_ring
+from weft.strategies.packing import document_mask
+from weft.strategies.ring import _accumulators, _Documents, _step_work, attend_block, attend_block_backward, emulate_ring
 from weft.strategies.sequence_shard import shard_sequence, unshard_sequence
 from weft.strategies.triton_backward import backward_accumulate
 
@@ -23,40 +24,50 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
-def reference(dout, q, k, v, *, causal, scale):
+def reference(dout, q, k, v, *, causal, scale, mask=None):
     """float64 math kernel, K/V expanded to the query heads and the groups summed back."""
     b, kv, sk, d = k.shape
     groups = q.shape[1] // kv
     ke, ve = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
-    out, lse = MATH.forward(q.double(), ke, ve, causal=causal, scale=scale)
-    dq, dk, dv = MATH.backward(dout.double(), q.double(), ke, ve, out, lse, causal=causal, scale=scale)
+    out, lse = MATH.forward(q.double(), ke, ve, causal=causal, scale=scale, mask=mask)
+    dq, dk, dv = MATH.backward(dout.double(), q.double(), ke, ve, out, lse, causal=causal, scale=scale, mask=mask)
     return out, lse, dq, dk.view(b, kv, groups, sk, d).sum(2), dv.view(b, kv, groups, sk, d).sum(2)
 
 
-def check_block(*, batch, heads, kv_heads, sq, sk, head_dim, causal, config, strided=False) -> None:
+def check_block(*, batch, heads, kv_heads, sq, sk, head_dim, causal, config, strided=False, masked=False) -> None:
     g = torch.Generator().manual_seed(sq * 7 + head_dim)
     q = torch.randn(batch, heads, 2 * sq if strided else sq, head_dim, generator=g)
     q = q[:, :, sq:] if strided else q  # a sequence slice, as the zigzag halves are
     k, v = (torch.randn(batch, kv_heads, sk, head_dim, generator=g) for _ in range(2))
     dout = torch.randn(batch, heads, sq, head_dim, generator=g)
     scale = head_dim**-0.5
-    out, lse, dq_r, dk_r, dv_r = reference(dout, q, k, v, causal=causal, scale=scale)
+    mask = None
+    if masked:  # two packed documents, this block's rows and keys from anywhere in them
+        doc_q, doc_k = (torch.randint(0, 2, (batch, n), generator=g) for n in (sq, sk))
+        idx_q, idx_k = torch.randperm(sq + sk, generator=g)[:sq], torch.randperm(sq + sk, generator=g)[:sk]
+        mask = document_mask(doc_q, doc_k, idx_q, idx_k, causal=True)  # (B, 1, Sq, Sk)
+        mask[:, :, :, 0] = True  # every row sees a key (a packed row always sees itself)
+    out, lse, dq_r, dk_r, dv_r = reference(dout, q, k, v, causal=causal, scale=scale, mask=mask)
     # Prefilled accumulators: the kernels must add, not overwrite.
     dq, dk, dv = torch.full(q.shape, 3.0), torch.full(k.shape, 3.0), torch.full(v.shape, 3.0)
-    backward_accumulate(dout, q, k, v, out.float(), lse.float(), causal=causal, scale=scale, dq=dq, dk=dk, dv=dv, config=config)
+    backward_accumulate(dout, q, k, v, out.float(), lse.float(), causal=causal, scale=scale, dq=dq, dk=dk, dv=dv, mask=mask, config=config)
     errors = [rel(a - 3.0, b) for a, b in ((dq, dq_r), (dk, dk_r), (dv, dv_r))]
-    case = f"block B{batch} H{heads}/{kv_heads} {sq}x{sk} D{head_dim} causal={causal} strided={strided}"
+    case = f"block B{batch} H{heads}/{kv_heads} {sq}x{sk} D{head_dim} causal={causal} strided={strided} masked={masked}"
     assert max(errors) <= 1e-5, f"{case}: relative errors dq/dk/dv {errors}"
     print(case, "ok", [f"{e:.1e}" for e in errors])
 
 
+def _forward(q, k, v, **kw):  # the math kernel takes equal heads; the Triton backward takes K/V's own
+    groups = q.shape[1] // k.shape[1]
+    return MATH.forward(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **kw)
+
+
+KERNEL = BlockKernel("triton-interpreted", _forward, MATH.backward, gqa=True, strided=True, masks=True, accumulate=_triton_accumulate)
+
+
 def check_ring(*, world, layout, causal, heads, kv_heads, seq, head_dim) -> None:
     """The ring schedule with the accumulating backward equals full attention."""
-    def forward(q, k, v, **kw):  # the math kernel takes equal heads; the Triton backward takes K/V's own
-        groups = q.shape[1] // k.shape[1]
-        return MATH.forward(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **kw)
-
-    kernel = BlockKernel("triton-interpreted", forward, MATH.backward, gqa=True, strided=True, accumulate=_triton_accumulate)
+    kernel = KERNEL
     g = torch.Generator().manual_seed(world * 100 + seq)
     q = torch.randn(2, heads, seq, head_dim, generator=g)
     k, v = (torch.randn(2, kv_heads, seq, head_dim, generator=g) for _ in range(2))
@@ -75,6 +86,53 @@ def check_ring(*, world, layout, causal, heads, kv_heads, seq, head_dim) -> None
     print(case, "ok", [f"{e:.1e}" for e in errors])
 
 
+def check_packed_ring(*, world, layout, lengths, heads, kv_heads, head_dim) -> None:
+    """Packed documents through the ring's per-block masks (every rank's schedule in turn,
+    as ``emulate_ring`` does, with the documents' masks) equal attention per document."""
+    seq = sum(lengths)
+    g = torch.Generator().manual_seed(seq)
+    q = torch.randn(1, heads, seq, head_dim, generator=g)
+    k, v = (torch.randn(1, kv_heads, seq, head_dim, generator=g) for _ in range(2))
+    dout = torch.randn(1, heads, seq, head_dim, generator=g)
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]  # (1, S)
+    scale = head_dim**-0.5
+    docs = _Documents(doc_ids, world=world, layout=layout, causal=True)
+
+    def parts(t):
+        return [shard_sequence(t, dim=2, rank=r, world=world, layout=layout) for r in range(world)]
+
+    qs, dos = parts(q), parts(dout)
+    kvs = [torch.stack([a, b]) for a, b in zip(parts(k), parts(v))]
+    local = qs[0].shape[2]
+    outs, lses = [], []
+    for rank in range(world):
+        out, lse = _accumulators(qs[rank], kvs[rank][1])
+        for step in range(world):
+            work = _step_work(rank=rank, src=(rank - step) % world, world=world, layout=layout, causal=True, local_len=local, docs=docs)
+            if work is not None:
+                attend_block(qs[rank], kvs[(rank - step) % world], block=work[0], groups=heads // kv_heads, scale=scale, kernel=KERNEL, out=out, lse=lse, mask=work[1])
+        outs.append(out)
+        lses.append(lse)
+    dqs = [torch.zeros(t.shape) for t in qs]
+    dkvs = [torch.zeros(t.shape) for t in kvs]
+    for rank in range(world):
+        for step in range(world):
+            src = (rank - step) % world
+            work = _step_work(rank=rank, src=src, world=world, layout=layout, causal=True, local_len=local, docs=docs)
+            if work is not None:
+                attend_block_backward(dos[rank], qs[rank], kvs[src], outs[rank], lses[rank], block=work[0], groups=heads // kv_heads,
+                                      scale=scale, kernel=KERNEL, dq=dqs[rank], dkv=dkvs[src], mask=work[1])
+    got = [unshard_sequence(outs, dim=2, layout=layout), unshard_sequence(dqs, dim=2, layout=layout),
+           unshard_sequence([d[0] for d in dkvs], dim=2, layout=layout), unshard_sequence([d[1] for d in dkvs], dim=2, layout=layout)]
+    idx = torch.arange(seq)
+    mask = document_mask(doc_ids, doc_ids, idx, idx, causal=True)
+    out, _, dq_r, dk_r, dv_r = reference(dout, q, k, v, causal=False, scale=scale, mask=mask)
+    errors = [rel(a, b) for a, b in zip(got, (out, dq_r, dk_r, dv_r))]
+    case = f"packed ring {world} {layout} documents {lengths} H{heads}/{kv_heads} D{head_dim}"
+    assert max(errors) <= 1e-5, f"{case}: relative errors out/dq/dk/dv {errors}"
+    print(case, "ok", [f"{e:.1e}" for e in errors])
+
+
 def main() -> None:
     torch.manual_seed(0)
     check_block(batch=1, heads=2, kv_heads=2, sq=64, sk=64, head_dim=16, causal=True, config=SMALL)
@@ -82,8 +140,11 @@ def main() -> None:
     check_block(batch=1, heads=4, kv_heads=1, sq=48, sk=96, head_dim=80, causal=False, config=SMALL)  # GQA 4:1, head_dim 80
     check_block(batch=1, heads=2, kv_heads=2, sq=40, sk=24, head_dim=32, causal=False, config=SMALL, strided=True)
     check_block(batch=1, heads=2, kv_heads=1, sq=96, sk=96, head_dim=32, causal=True, config=None)  # the GPU tile sizes
+    check_block(batch=2, heads=4, kv_heads=2, sq=48, sk=80, head_dim=16, causal=False, config=SMALL, masked=True)
     for world, layout, causal in ((2, "zigzag", True), (4, "zigzag", True), (4, "contiguous", True), (2, "zigzag", False)):
         check_ring(world=world, layout=layout, causal=causal, heads=4, kv_heads=2, seq=64, head_dim=16)
+    check_packed_ring(world=2, layout="zigzag", lengths=(20, 30, 14), heads=4, kv_heads=2, head_dim=16)
+    check_packed_ring(world=4, layout="zigzag", lengths=(9, 40, 15), heads=2, kv_heads=1, head_dim=8)
 
 
 if __name__ == "__main__":
