@@ -1,5 +1,7 @@
 """Ring and Ulysses attention on real GPUs (one rank per GPU, NCCL): exactness and speed.
 
+Ring over all ranks (zigzag), Ulysses over all ranks, and on 4 ranks USP 2 x 2
+(Ulysses inside contiguous pairs, ring across them).
 Unlike benchmarks/attention.py (ring sizes emulated on one GPU), the ranks here run
 at once and exchange K/V (and dK/dV) over NCCL, so the time includes whatever
 communication the compute does not hide.
@@ -33,8 +35,22 @@ import torch.distributed as dist  # noqa: E402
 
 from attention import attention_flops, full_sdpa_time, tolerance_ratio  # noqa: E402
 from weft.strategies.ring import ring_attention  # noqa: E402
-from weft.strategies.sequence_shard import shard_sequence, unshard_sequence  # noqa: E402
+from weft.strategies.sequence_shard import shard_sequence, unshard_sequence, usp_shard, usp_unshard  # noqa: E402
 from weft.strategies.ulysses import ulysses_attention  # noqa: E402
+from weft.strategies.usp import usp_attention  # noqa: E402
+
+
+class Mesh2D:
+    """USP on 4 ranks: Ulysses over contiguous pairs {0,1},{2,3}, ring over {0,2},{1,3}."""
+
+    def __init__(self, rank: int) -> None:
+        ulysses = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        ring = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        self.ulysses_rank, self.ring_rank = rank % 2, rank // 2
+        self.ulysses_group, self.ring_group = ulysses[self.ring_rank], ring[self.ulysses_rank]
+
+
+MESH: list[Mesh2D] = []  # filled in main() on 4 ranks
 
 
 def inputs(*, batch, heads, kv_heads, seq, head_dim, draw):
@@ -49,22 +65,44 @@ def inputs(*, batch, heads, kv_heads, seq, head_dim, draw):
 
 
 def run_sp(strategy, backend, q, k, v, dout, *, rank, world, causal):
-    """This rank's (out, dq, dk, dv) for its part of the sequence."""
-    layout = "zigzag" if strategy == "ring" else "contiguous"
-    part = [shard_sequence(t, dim=2, rank=rank, world=world, layout=layout).contiguous() for t in (q, k, v, dout)]
+    """This rank's (out, dq, dk, dv) for its part of the sequence, and how to reassemble parts."""
+    if strategy == "usp":
+        mesh = MESH[0]
+
+        def split(t):
+            return usp_shard(t, dim=2, ring_rank=mesh.ring_rank, ring=2, ulysses_rank=mesh.ulysses_rank, ulysses=2, layout="zigzag")
+
+        def join(parts):  # all_gather order is rank order: rank = 2 * ring_rank + ulysses_rank
+            return usp_unshard([parts[0:2], parts[2:4]], dim=2, layout="zigzag")
+    else:
+        layout = "zigzag" if strategy == "ring" else "contiguous"
+
+        def split(t):
+            return shard_sequence(t, dim=2, rank=rank, world=world, layout=layout)
+
+        def join(parts):
+            return unshard_sequence(parts, dim=2, layout=layout)
+    part = [split(t).contiguous() for t in (q, k, v, dout)]
     ql, kl, vl = (t.clone().requires_grad_() for t in part[:3])
     if strategy == "ring":
-        out = ring_attention(ql, kl, vl, causal=causal, layout=layout, backend=backend)
+        out = ring_attention(ql, kl, vl, causal=causal, layout="zigzag", backend=backend)
+    elif strategy == "usp":
+        out = usp_attention(ql, kl, vl, ulysses_group=MESH[0].ulysses_group, ring_group=MESH[0].ring_group, causal=causal, layout="zigzag", backend=backend)
     else:
         out = ulysses_attention(ql, kl, vl, causal=causal)
     out.backward(part[3])
-    return layout, [out.detach(), ql.grad, kl.grad, vl.grad]
+    return join, [out.detach(), ql.grad, kl.grad, vl.grad]
 
 
-def gather(local, *, world, layout):
+def gather(local, *, world, join):
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local.contiguous())
-    return unshard_sequence(parts, dim=2, layout=layout)
+    return join(parts)
+
+
+def strategies(world):
+    runs = [("ring", "cudnn"), ("ring", "triton"), ("ulysses", "-")]
+    return runs + ([("usp", "cudnn"), ("usp", "triton")] if world == 4 else [])
 
 
 def exactness(*, rank, world, lines):
@@ -79,9 +117,9 @@ def exactness(*, rank, world, lines):
                 o = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, enable_gqa=kr.shape[1] != qr.shape[1])
                 o.backward(dout.to(dtype))
                 refs[dtype] = [t.detach().float() for t in (o, qr.grad, kr.grad, vr.grad)]
-            for strategy, backend in (("ring", "cudnn"), ("ring", "triton"), ("ulysses", "-")):
-                layout, got = run_sp(strategy, backend, q, k, v, dout, rank=rank, world=world, causal=causal)
-                full = [gather(t, world=world, layout=layout).float() for t in got]
+            for strategy, backend in strategies(world):
+                join, got = run_sp(strategy, backend, q, k, v, dout, rank=rank, world=world, causal=causal)
+                full = [gather(t, world=world, join=join).float() for t in got]
                 if rank == 0:
                     vs_bf16 = max(tolerance_ratio(a, b, world=world) for a, b in zip(full, refs[torch.bfloat16]))
                     vs_fp32 = max(tolerance_ratio(a, b, world=world) for a, b in zip(full, refs[torch.float32]))
@@ -95,7 +133,7 @@ def speed(*, rank, world, seq, iters, lines):
     for causal in (True, False):
         flops = attention_flops(batch=1, heads=heads, seq=seq, head_dim=head_dim, causal=causal)
         t_full = full_sdpa_time(q, k, v, dout, causal=causal, iters=iters) if rank == 0 else 0.0
-        for strategy, backend in (("ring", "cudnn"), ("ring", "triton"), ("ulysses", "-")):
+        for strategy, backend in strategies(world):
             run_sp(strategy, backend, q, k, v, dout, rank=rank, world=world, causal=causal)  # warm-up
             torch.cuda.synchronize()
             dist.barrier()
@@ -120,6 +158,8 @@ def main() -> None:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 4:
+        MESH.append(Mesh2D(rank))
     lines = [f"{torch.cuda.get_device_name()} x {world}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; NCCL, one rank per GPU.", "",
              "| setting | seq | causal | strategy | kernel | ranks | within tolerance of bf16 SDPA (worst err/tol) | within tolerance of fp32 SDPA (worst err/tol) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
