@@ -147,9 +147,10 @@ def _kernels():
 
 #: Tiles, warps and pipeline stages: the fastest of a sweep (64/128 tiles, 4/8 warps,
 #: 2/3 stages) on one H200 at 16K x 16K, 28 query / 4 KV heads, head_dim 128, causal
-#: and not (BENCHMARKS.md). Adding dQ from the K/V-tile kernel with float32 atomics
-#: instead of the second kernel measured no faster. Fixed rather than autotuned: the kernels add into their
-#: outputs, so an autotuner's repeated trial runs would corrupt the accumulators.
+#: and not, then a second sweep of narrower inner tiles (BENCHMARKS.md). Adding dQ
+#: from the K/V-tile kernel with float32 atomics instead of the second kernel measured
+#: no faster. Fixed rather than autotuned: the kernels add into their outputs, so an
+#: autotuner's repeated trial runs would corrupt the accumulators.
 _CONFIG = {
     "dkdv": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
     "dq": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
@@ -180,6 +181,9 @@ def backward_accumulate(
     if causal and seq_q != seq_k:
         raise ValueError(f"a causal block must be square; got {seq_q} queries x {seq_k} keys")
     groups = heads // kv_heads
+    for name, acc in (("dq", dq), ("dk", dk), ("dv", dv)):
+        if acc.dtype != torch.float32 or acc.stride(-1) != 1:
+            raise ValueError(f"{name} must be a float32 buffer with unit stride along head_dim, got {acc.dtype} strides {acc.stride()}")
     if mask is not None:
         causal = False
         allowed = mask.view(torch.uint8) if mask.dtype == torch.bool else mask  # (B, 1, Sq, Sk)
