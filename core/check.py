@@ -83,43 +83,49 @@ def reference(recipe: Recipe, *, dp: int, max_norm: float | None) -> dict:
 
 def worker(recipe: Recipe, *, out: pathlib.Path) -> None:
     """One rank of (b); rank 0 writes the loss and the full gradients to ``out``."""
-    import torch.distributed as dist
+    from weft.core.loop import close_process_group, init_process_group
 
+    rank, world_size, local_rank, device_type = init_process_group(recipe)
+    try:
+        _one_step(recipe, out=out, rank=rank, world_size=world_size, local_rank=local_rank, device_type=device_type)
+    except BaseException:
+        close_process_group(clean=False)
+        raise
+    # The model and its FSDP groups are unreachable once _one_step returns.
+    close_process_group(clean=True)
+
+
+def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, local_rank: int, device_type: str) -> None:
+    from weft.core.cli import plugin_manager_from_env
     from weft.core.context import RunContext
     from weft.core.logging import run_logger
-    from weft.core.loop import StepState, forward_backward, init_process_group, prepare_model
+    from weft.core.loop import StepState, forward_backward, prepare_model
     from weft.core.mesh import device_for
     from weft.plugins.batching import install_sequence_split, shard_batch
     from weft.plugins.models.sp_hooks import vision_tower
     from weft.plugins.models.vision_sync import FLAG, VisionKeepAlive
 
-    rank, world_size, local_rank, device_type = init_process_group(recipe)
-    from weft.core.cli import plugin_manager_from_env
-
     pm = plugin_manager_from_env()
     log = run_logger(run_dir=None, rank=rank, console=False)  # the parent prints the comparison
     ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size, log=log)
-    try:
-        model, plan, mesh = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
-        split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
-        parts = check_batch(recipe, dp=plan.mesh.dp, multiple=split.multiple if split else 1)
-        batch = parts[mesh.dp_rank()]
-        if plan.mesh.dp > 1 and vision_tower(model) is not None:
-            VisionKeepAlive(model)  # as the batching does: all ranks run the tower if any has images
-            if "pixel_values" not in batch and any("pixel_values" in p for p in parts):
-                batch = dict(batch, **{FLAG: torch.ones((), dtype=torch.bool)})
-        state = StepState(step=1)
-        forward_backward(model=model, micro_batches=[shard_batch(batch, split) if split else batch], state=state,
-                         autocast=torch.autocast("cpu", enabled=False), pm=pm, plan=plan, mesh=mesh, ctx=ctx)
-        grads = {}
-        for name, p in model.named_parameters():
-            if p.grad is not None:
-                g = p.grad
-                grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu()
-        if rank == 0:
-            torch.save({"loss": state.loss, "grads": grads, "mesh": list(plan.mesh.shape)}, out)
-    finally:
-        dist.destroy_process_group()
+    model, plan, mesh = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
+    split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
+    parts = check_batch(recipe, dp=plan.mesh.dp, multiple=split.multiple if split else 1)
+    batch = parts[mesh.dp_rank()]
+    if plan.mesh.dp > 1 and vision_tower(model) is not None:
+        VisionKeepAlive(model)  # as the batching does: all ranks run the tower if any has images
+        if "pixel_values" not in batch and any("pixel_values" in p for p in parts):
+            batch = dict(batch, **{FLAG: torch.ones((), dtype=torch.bool)})
+    state = StepState(step=1)
+    forward_backward(model=model, micro_batches=[shard_batch(batch, split) if split else batch], state=state,
+                     autocast=torch.autocast("cpu", enabled=False), pm=pm, plan=plan, mesh=mesh, ctx=ctx)
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu()
+    if rank == 0:
+        torch.save({"loss": state.loss, "grads": grads, "mesh": list(plan.mesh.shape)}, out)
 
 
 def compare(ref: dict, got: dict) -> dict:

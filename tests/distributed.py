@@ -18,10 +18,14 @@ def _entry(rank: int, world: int, store_path: str, fn: Callable[..., Any], args:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    from weft.core.loop import close_process_group
+
     try:
         fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        close_process_group(clean=False)
+        raise
+    close_process_group(clean=True)
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> None:
