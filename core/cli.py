@@ -122,12 +122,15 @@ def _cmd_plan(args) -> int:
         from weft.plugins.batching import describe_vision_split
 
         images = describe_vision_split(recipe, plan)
+    from weft.plugins.models.build import rope_summary
+
+    rope = rope_summary(model.config, recipe=recipe)
     if args.json:
-        print(json.dumps(dict(plan.to_json(), vision_split=images), indent=1))
+        print(json.dumps(dict(plan.to_json(), vision_split=images, rope=rope), indent=1))
         return EXIT_OK
     from weft.core.plan_view import render_plan, render_vision_split
 
-    render_plan(plan, explain=args.explain, recipe=recipe)
+    render_plan(plan, explain=args.explain, recipe=recipe, rope=rope)
     if images:
         render_vision_split(images)
     return EXIT_OK

@@ -20,6 +20,7 @@ class RunContext:
     log: Any = None  # a structlog logger bound with rank
     counters: dict[str, int] = attrs.field(factory=dict)
     start_step: int = 0  # first step to yield: > 0 when resuming
+    positions: Any = None  # the model's PositionWatch: largest position id seen, vs its rotary context
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n

@@ -108,9 +108,16 @@ def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, conso
     return result
 
 
+def _global_max(value: int, *, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> tuple[Any, Any, Any]:
     """Model (seeded, identical on every rank) -> Plan -> mesh -> weft_shard -> weft_attention."""
-    from weft.plugins.models.build import build_model, load_weights
+    from weft.plugins.models.build import build_model, load_weights, watch_positions
 
     # Weights from a directory: built on the meta device, sharded, then each rank loads
     # only its shards (no process ever holds the whole model). Presets are random-init
@@ -125,6 +132,7 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> tuple[Any, Any
     if from_disk:
         load_weights(model, recipe, device=ctx.device, log=ctx.log)
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
+    ctx.positions = watch_positions(model, recipe=recipe, log=ctx.log)
     model.train()
     return model, plan, mesh
 
@@ -177,6 +185,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
                 verdict = _verdict(pm, "error", state, plan, ctx)
                 log.error("step.error", step=step, error=repr(error), verdict=verdict.action, guard=verdict.guard)
                 raise
+            ctx.positions.poll()  # after the step's own syncs: warns once if positions passed the rotary context
             verdict = _verdict(pm, "step_end", state, plan, ctx)
             if verdict.action == "abort":
                 raise WeftError(f"guard {verdict.guard!r} stopped the run at step {step}: {verdict.reason}", where="guard")
@@ -220,6 +229,9 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
         "skipped_steps": totals["skipped_steps"],
         "wall_s": time.perf_counter() - t_start,
         "world_size": ctx.world_size,
+        # Over every rank's batches: how close the data came to the rotary context.
+        "largest_position": _global_max(ctx.positions.largest, device=ctx.device),
+        "rope_context": ctx.positions.context,
     }
     if rank == 0:
         metrics_file.close()

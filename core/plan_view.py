@@ -25,7 +25,7 @@ def _params(decision: Any) -> str:
     return f"{decision.strategy}({shown})" if shown else decision.strategy
 
 
-def render_plan(plan: Any, *, explain: bool, recipe: Any) -> None:
+def render_plan(plan: Any, *, explain: bool, recipe: Any, rope: dict | None = None) -> None:
     from rich.table import Table
 
     console = _console()
@@ -34,6 +34,8 @@ def render_plan(plan: Any, *, explain: bool, recipe: Any) -> None:
         f"[bold]{recipe.source}[/bold]  world_size={plan.world_size}  seq_len={plan.seq_len}  "
         f"mesh dp_replicate={mesh.dp_replicate} x dp_shard={mesh.dp_shard} x ulysses={mesh.ulysses} x ring={mesh.ring}"
     )
+    if rope is not None:
+        console.print(_rope_line(rope, seq_len=plan.seq_len))
     root = plan.root()
     glob = Table(title="run-wide decisions", show_lines=False)
     glob.add_column("hook point")
@@ -63,6 +65,17 @@ def render_plan(plan: Any, *, explain: bool, recipe: Any) -> None:
                 row.append(f"{decision.source}  {decision.rule}")
             table.add_row(*row)
     console.print(table)
+
+
+def _rope_line(rope: dict, *, seq_len: int) -> str:
+    how = (f"yarn x{rope['factor']:g} over {rope['trained_positions']} trained positions"
+           if rope["scaling"] == "yarn" else f"as the model ships, {rope['trained_positions']} trained positions")
+    line = f"rotary context {rope['context']} ({how})"
+    if seq_len > rope["context"]:
+        # Not an error: mRoPE images and packed documents keep position ids below the token count.
+        line += (f"; seq_len {seq_len} is longer: fine while the data's position ids stay below {rope['context']}, "
+                 "else the run warns 'positions.beyond_trained' with the YaRN factor it needs")
+    return line
 
 
 def render_vision_split(rows: list[dict]) -> None:

@@ -41,6 +41,8 @@ def test_run_writes_the_run_directory(tiny_run):
     assert {"steps", "final_loss", "tokens", "tokens_per_s", "skipped_samples", "wall_s"} <= summary.keys()
     assert summary["steps"] == 12 and summary["world_size"] == 2
     assert summary["tokens"] == sum(r["tokens"] for r in rows)
+    # mRoPE: images advance positions by their side, so the largest id stays below the longest row
+    assert 0 < summary["largest_position"] < 1024 and summary["rope_context"] == 4096
     events = [json.loads(line)["event"] for line in (tiny_run / "log.jsonl").read_text().splitlines()]
     assert "run.start" in events and "run.end" in events and "shard.fsdp2" in events
     assert (tiny_run / "logs" / "rank-1.jsonl").is_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import torch
 import transformers
@@ -10,6 +11,7 @@ import transformers
 from weft.core.errors import RecipeError
 from weft.core.recipe import Recipe
 from weft.strategies.presets import build_config, load_preset
+from weft.strategies.yarn import trained_positions, yarn_parameters
 
 #: model_type -> the transformers auto class that trains it.
 VISION_LANGUAGE = ("qwen2_5_vl", "qwen2_vl")
@@ -26,7 +28,35 @@ def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | N
             raise RecipeError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json)", where=recipe.source)
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         processor = str(path)
+    if recipe.model.rope_scaling == "yarn":
+        apply_yarn(config, factor=recipe.model.rope_factor, original=recipe.model.rope_original_max)
     return config, recipe.model.processor or processor
+
+
+def text_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """The config the text decoder (and its rotary embedding) is built from."""
+    return getattr(config, "text_config", None) or config
+
+
+def trained_context(config: transformers.PretrainedConfig, *, original: int = 0) -> tuple[int, int]:
+    """(positions the text decoder's rotary embedding holds as configured, YaRN included;
+    positions it was trained on). ``original``: model.rope_original_max, 0 = the config's."""
+    text = text_config(config)
+    rope = text.rope_parameters or {}
+    if rope.get("rope_type") == "yarn":
+        trained = int(rope["original_max_position_embeddings"])
+        return int(trained * rope["factor"]), trained
+    trained = trained_positions(rope, max_position_embeddings=text.max_position_embeddings, original=original)
+    return trained, trained
+
+
+def apply_yarn(config: transformers.PretrainedConfig, *, factor: float, original: int) -> None:
+    """YaRN on the text decoder's rotary embedding, in place; transformers computes it."""
+    text = text_config(config)
+    rope = dict(text.rope_parameters or {})
+    original = trained_positions(rope, max_position_embeddings=text.max_position_embeddings, original=original)
+    text.rope_parameters = yarn_parameters(rope, factor=factor, original=original)
+    text.max_position_embeddings = int(original * factor)
 
 
 def model_dir(recipe: Recipe) -> pathlib.Path:
@@ -59,3 +89,17 @@ def load_weights(model: torch.nn.Module, recipe: Recipe, *, device: torch.device
     tensors = load_sharded(model, model_dir(recipe), tied=tied)
     rotary = reset_non_persistent_buffers(model)
     log.info("weights.loaded", path=str(model_dir(recipe)), tensors=tensors, rotary_tables=rotary)
+
+
+def watch_positions(model: torch.nn.Module, *, recipe: Recipe, log) -> Any:
+    """Warn once when the text decoder is fed positions past its rotary context."""
+    from weft.plugins.models.positions import PositionWatch
+
+    context, trained = trained_context(model.config, original=recipe.model.rope_original_max)
+    return PositionWatch(model=model, context=context, original=trained, scaling=recipe.model.rope_scaling, log=log)
+
+
+def rope_summary(config: transformers.PretrainedConfig, *, recipe: Recipe) -> dict:
+    """The text decoder's rotary context, for `weft plan`."""
+    context, trained = trained_context(config, original=recipe.model.rope_original_max)
+    return {"scaling": recipe.model.rope_scaling, "factor": recipe.model.rope_factor, "trained_positions": trained, "context": context}
