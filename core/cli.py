@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--explain", action="store_true", help="add the deciding rule's file:line")
     plan.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    plan.add_argument("--positions", action="store_true", help="read the recipe's data: the largest position id per sample (mRoPE-aware) and the YaRN factor it needs")
     plan.set_defaults(func=_cmd_plan)
 
     check = sub.add_parser("check", help="one batch: unsharded model vs the recipe's plan on N ranks (loss, gradients)")
@@ -125,12 +126,19 @@ def _cmd_plan(args) -> int:
     from weft.plugins.models.build import rope_summary
 
     rope = rope_summary(model.config, recipe=recipe)
+    positions = None
+    if args.positions:
+        from weft.plugins.batching import describe_positions
+
+        positions = describe_positions(recipe, plan, model)
     if args.json:
-        print(json.dumps(dict(plan.to_json(), vision_split=images, rope=rope), indent=1))
+        print(json.dumps(dict(plan.to_json(), vision_split=images, rope=rope, **({"positions": positions} if positions else {})), indent=1))
         return EXIT_OK
-    from weft.core.plan_view import render_plan, render_vision_split
+    from weft.core.plan_view import render_plan, render_positions, render_vision_split
 
     render_plan(plan, explain=args.explain, recipe=recipe, rope=rope)
+    if positions is not None:
+        render_positions(positions)
     if images:
         render_vision_split(images)
     return EXIT_OK

@@ -78,6 +78,20 @@ def _rope_line(rope: dict, *, seq_len: int) -> str:
     return line
 
 
+def render_positions(found: dict) -> None:
+    console = _console()
+    console.print(
+        f"positions: {found['samples']} samples (max {found['max_tokens']} tokens; {found['dropped_over_long']} over-long left out, "
+        f"{found['bad']} bad); largest position id {found['largest_position']} (median per sample {found['p50_position']}), "
+        f"rotary context {found['context']}"
+    )
+    if found["beyond_context"]:
+        console.print(f"[yellow]{found['beyond_context']} samples pass the context[/yellow]: set model.rope_scaling = 'yarn' and "
+                      f"model.rope_factor = {found['needed_factor']:g} (over {found['trained_positions']} trained positions)")
+    else:
+        console.print("every sample stays inside the rotary context: no scaling needed")
+
+
 def render_vision_split(rows: list[dict]) -> None:
     from rich.table import Table
 

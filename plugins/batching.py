@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pathlib
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -117,30 +117,37 @@ def _prefetched(steps, depth: int):
         yield item
 
 
-def _steps(params, recipe, plan, mesh, model, ctx, split, keep_vision=False):
+def sample_source(recipe) -> tuple[Any, Any]:
+    """(tokenizer, iterator of Sample | BadSample) for the recipe's data, as a run reads it."""
     from weft.plugins.models.build import model_config
     from weft.strategies import datasets
-    from weft.strategies.conversation import collate, load_processor
-    from weft.strategies.token_budget import pack_micro_batches, schedule_steps
+    from weft.strategies.conversation import load_processor
 
     _, processor = model_config(recipe)
     tokenizer, image_processor = load_processor(processor)
     if recipe.data.source == "synthetic":
-        source = datasets.synthetic_samples(
+        return tokenizer, datasets.synthetic_samples(
             seed=recipe.train.seed, num_samples=recipe.data.num_samples, min_side=recipe.data.min_side,
             max_side=recipe.data.max_side, tokenizer=tokenizer, image_processor=image_processor,
         )
-    else:
-        path = pathlib.Path(recipe.data.path)
-        if not path.is_absolute():
-            path = pathlib.Path(recipe.source).parent / path
-        if not path.is_file():
-            raise WeftError(f"data.path {str(path)!r} does not exist", where=recipe.source)
-        from weft.strategies.preprocess import default_workers
+    path = pathlib.Path(recipe.data.path)
+    if not path.is_absolute():
+        path = pathlib.Path(recipe.source).parent / path
+    if not path.is_file():
+        raise WeftError(f"data.path {str(path)!r} does not exist", where=recipe.source)
+    from weft.strategies.preprocess import default_workers
 
-        workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
-        cache = path.with_name(path.name + ".weft-cache") if recipe.data.cache else None
-        source = datasets.jsonl_samples(path, processor=processor, workers=workers, cache_dir=cache)
+    workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
+    cache = path.with_name(path.name + ".weft-cache") if recipe.data.cache else None
+    return tokenizer, datasets.jsonl_samples(path, processor=processor, workers=workers, cache_dir=cache)
+
+
+def _steps(params, recipe, plan, mesh, model, ctx, split, keep_vision=False):
+    from weft.strategies import datasets
+    from weft.strategies.conversation import collate
+    from weft.strategies.token_budget import pack_micro_batches, schedule_steps
+
+    tokenizer, source = sample_source(recipe)
 
     def on_bad(bad):
         if recipe.data.strict:
@@ -218,6 +225,50 @@ def _steps(params, recipe, plan, mesh, model, ctx, split, keep_vision=False):
             step += 1
         epoch += 1
         ctx.log.info("data.epoch", epoch=epoch)
+
+
+def describe_positions(recipe, plan, model) -> dict:
+    """For `weft plan --positions`: every sample of the recipe's data as a run would feed
+    it (over-long ones truncated or left out, as the batching rule says), and the
+    largest position id each reaches through the model's own rope index (3-D mRoPE for
+    vision-language models; packed documents restart at 0, so a sample's own ids are
+    what the decoder sees). ``model`` may be on the meta device."""
+    from weft.plugins.models.build import trained_context
+    from weft.strategies.conversation import truncate_sample
+    from weft.strategies.datasets import BadSample
+    from weft.strategies.yarn import needed_factor
+
+    params = plan.decision("batching").params
+    limit = min(recipe.train.micro_batch_tokens, recipe.train.seq_len)
+    tokenizer, source = sample_source(recipe)
+    positions = document_positions(model)
+    tokens, largest = [], []
+    bad = dropped = 0
+    for sample in source:
+        if isinstance(sample, BadSample):
+            bad += 1
+            continue
+        if sample.num_tokens > limit:
+            if getattr(params, "over_long", "drop") != "truncate":
+                dropped += 1
+                continue
+            try:
+                sample = truncate_sample(sample, limit, tokenizer=tokenizer)
+            except ValueError:
+                bad += 1
+                continue
+        tokens.append(sample.num_tokens)
+        largest.append(int(positions(sample).max()))
+    context, trained = trained_context(model.config, original=recipe.model.rope_original_max)
+    top = max(largest, default=-1)
+    return {
+        "samples": len(largest), "bad": bad, "dropped_over_long": dropped,
+        "max_tokens": max(tokens, default=0), "largest_position": top,
+        "p50_position": sorted(largest)[len(largest) // 2] if largest else -1,
+        "context": context, "trained_positions": trained,
+        "needed_factor": needed_factor(top, trained=trained) if top >= 0 else 1.0,
+        "beyond_context": sum(1 for x in largest if x >= context),
+    }
 
 
 def describe_vision_split(recipe, plan) -> list[dict]:

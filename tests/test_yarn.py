@@ -138,3 +138,32 @@ def test_sequence_parallel_stays_exact_with_yarn(tmp_path):
     assert done.returncode == 0 and done.stdout.lstrip().startswith("{"), done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["mesh"]["ring"] == 2, result
+
+
+def test_plan_positions_reads_the_data_like_the_model(capsys):
+    """`weft plan --positions`: the largest position id over the recipe's samples equals
+    what the model's own forward computes for them, one sample at a time."""
+    from weft.core.cli import main
+    from weft.plugins.batching import sample_source
+    from weft.plugins.models.positions import PositionWatch
+    from weft.strategies.conversation import collate
+
+    tiny = str(ROOT / "recipes" / "tiny-vl.toml")
+    sets = ["--set", "data.num_samples=12", "--set", "model.rope_original_max=48"]
+    assert main(["plan", tiny, "--positions", "--json", *sets]) == 0
+    found = json.loads(capsys.readouterr().out)["positions"]
+
+    recipe = Recipe.from_toml(tiny, overrides=tuple(s for s in sets if s != "--set"))
+    tokenizer, source = sample_source(recipe)
+    model = build_model(recipe, device="cpu", seed=0)
+    watch = PositionWatch(model=model, context=48, original=48, scaling="none", log=ListLog())
+    tokens = []
+    with torch.no_grad():
+        for sample in source:
+            batch = collate([sample], pad_id=tokenizer.pad_token_id)
+            model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False)
+            tokens.append(sample.num_tokens)
+    assert found["samples"] == len(tokens) == 12 and found["max_tokens"] == max(tokens)
+    assert found["largest_position"] == watch.largest < max(tokens) - 1  # mRoPE: fewer positions than tokens
+    assert found["context"] == 48 and found["beyond_context"] > 0
+    assert found["needed_factor"] == needed_factor(watch.largest, trained=48) > 1.0
