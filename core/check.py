@@ -1,89 +1,54 @@
-"""`weft check`: one batch through the unsharded model and through the recipe's plan; compare.
+"""`weft check`: one step through the recipe's plan on N ranks and through the unsharded
+model on the same micro-batches; compare.
 
-(a) one process, no parallelism: the model as transformers ships it;
-(b) the recipe's plan on N ranks (FSDP, sequence parallelism, the user's plugins).
-Both see the same samples (several images of different sizes): data-parallel rank d
-takes samples d, d + dp, ...; both apply the same grad_sync (clipping) to the
-gradients. Reported: each loss, their relative difference, and the largest
-relative gradient difference per parameter group (vision, projector, text,
-embedding, head). Users adding a plugin run it to prove their change.
+(a) the recipe's plan on N ranks: FSDP, sequence parallelism, the user's plugins, the
+    first step's micro-batches from the recipe's own batching strategy (``weft_batching``,
+    so third-party batching is checked too), cut by the core as in a run;
+(b) one process, the model as transformers ships it, on exactly those micro-batches
+    (every data-parallel rank's), same initial weights, same device kind.
+Compared: the losses; every gradient before ``weft_grad_sync`` (clipping would hide a
+uniform scale error); the global gradient norm the grad-sync strategy measured; and,
+for the built-in ``clip``, the gradients after clipping. Worst relative difference per
+parameter group (vision, projector, text, embedding, head). TF32 is off on both sides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
-import sys
 import tempfile
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from weft.core.errors import RunFailed
+from weft.core.errors import RunFailed, WeftError
 from weft.core.recipe import Recipe
 
 #: Float32 acceptance: what weft's own equivalence tests require.
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
-def check_batch(recipe: Recipe, *, dp: int, multiple: int) -> list[dict]:
-    """``dp`` micro-batches (one per data-parallel rank) of the recipe's first samples."""
-    from weft.plugins.models.build import model_config
-    from weft.strategies import datasets
-    from weft.strategies.conversation import collate, load_processor
-
-    _, processor = model_config(recipe)
-    tokenizer, image_processor = load_processor(processor)
-    per_rank = 2
-    if recipe.data.source == "synthetic":
-        source = datasets.synthetic_samples(
-            seed=recipe.train.seed, num_samples=per_rank * dp, min_side=recipe.data.min_side,
-            max_side=recipe.data.max_side, tokenizer=tokenizer, image_processor=image_processor,
-        )
-    else:
-        path = pathlib.Path(recipe.data.path)
-        path = path if path.is_absolute() else pathlib.Path(recipe.source).parent / path
-        source = datasets.jsonl_samples(path, processor=processor)
-    samples = []
-    for sample in source:
-        if not isinstance(sample, datasets.BadSample):
-            samples.append(sample)
-        if len(samples) == per_rank * dp:
-            break
-    batches = [collate(samples[d::dp], pad_id=tokenizer.pad_token_id, pad_to_multiple_of=multiple) for d in range(dp)]
-    text_only = recipe.model.preset is not None and "text" in recipe.model.preset
-    return [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask", "labels")} for b in batches] if text_only else batches
+def _exact_matmuls() -> None:
+    # cuDNN convolutions and CUDA matmuls may use TF32 in float32 by default: both
+    # sides compute in true float32, so a difference is the plan's, not the kernels'.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
-def _groups(model: torch.nn.Module) -> dict[str, str]:
-    from weft.plugins.models.inventory import modality_of
+def device_type_of(recipe: Recipe) -> str:
+    want = recipe.parallel.device
+    return "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
 
-    return {name: modality_of(name.rsplit(".", 1)[0]) for name, _ in model.named_parameters()}
 
-
-def reference(recipe: Recipe, *, dp: int, max_norm: float | None) -> dict:
-    """Loss and gradients of the unsharded model on every data-parallel part of the batch."""
-    from weft.core.loss import label_count, targets, token_loss_sum
-    from weft.plugins.models.build import build_model
-    from weft.strategies.grad_norm import clip_global_norm
-
-    model = build_model(recipe, device="cpu", seed=recipe.train.seed)
-    batches = check_batch(recipe, dp=dp, multiple=1)
-    count = sum(label_count(targets(b)) for b in batches)
-    loss = torch.zeros(())
-    for batch in batches:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        part = token_loss_sum(model(**inputs, use_cache=False).logits, targets(batch)) / count
-        part.backward()
-        loss += part.detach()
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm is not None:
-        clip_global_norm(params, max_norm=max_norm)
-    return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, "groups": _groups(model)}
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().float().cpu()
 
 
 def worker(recipe: Recipe, *, out: pathlib.Path) -> None:
-    """One rank of (b); rank 0 writes the loss and the full gradients to ``out``."""
-    from weft.core.loop import close_process_group, init_process_group
+    """One rank of (a); rank 0 writes the loss and the full gradients to ``out``, the first
+    SP rank of each data-parallel group its whole micro-batches beside it."""
+    from weft.core.prepare import close_process_group, init_process_group
 
     rank, world_size, local_rank, device_type = init_process_group(recipe)
     try:
@@ -96,49 +61,88 @@ def worker(recipe: Recipe, *, out: pathlib.Path) -> None:
 
 
 def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, local_rank: int, device_type: str) -> None:
-    from weft.core.cli import plugin_manager_from_env
-    from weft.core.context import RunContext
+    from weft.core.context import RunContext, StepState
     from weft.core.logging import run_logger
-    from weft.core.loop import StepState, forward_backward, prepare_model
     from weft.core.mesh import device_for
-    from weft.plugins.batching import install_sequence_split, shard_batch
-    from weft.plugins.models.sp_hooks import vision_tower
-    from weft.plugins.models.vision_sync import FLAG, VisionKeepAlive
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.prepare import prepare_model
+    from weft.core.step import finish_step, run_micro_batches
 
+    _exact_matmuls()
     pm = plugin_manager_from_env()
     log = run_logger(run_dir=None, rank=rank, console=False)  # the parent prints the comparison
     ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size, log=log)
-    model, plan, mesh = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
-    split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
-    parts = check_batch(recipe, dp=plan.mesh.dp, multiple=split.multiple if split else 1)
-    batch = parts[mesh.dp_rank()]
-    if plan.mesh.dp > 1 and vision_tower(model) is not None:
-        VisionKeepAlive(model)  # as the batching does: all ranks run the tower if any has images
-        if "pixel_values" not in batch and any("pixel_values" in p for p in parts):
-            batch = dict(batch, **{FLAG: torch.ones((), dtype=torch.bool)})
-    state = StepState(step=1)
-    forward_backward(model=model, micro_batches=[shard_batch(batch, split) if split else batch], state=state,
-                     autocast=torch.autocast("cpu", enabled=False), pm=pm, plan=plan, mesh=mesh, ctx=ctx)
-    grads = {}
-    for name, p in model.named_parameters():
+    run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
+    decision = run.plan.decision("batching")
+    steps = pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
+                          model=run.model, ctx=ctx)
+    micro_batches = next(iter(steps))
+    if run.mesh.sp.get_local_rank() == 0:
+        torch.save(micro_batches, out.with_name(f"batches-dp{run.mesh.dp_rank()}.pt"))
+    loss_sum, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
+                                         keep_vision=run.keep_vision, autocast=contextlib.nullcontext(), ctx=ctx)
+    before = {}
+    for name, p in run.model.named_parameters():
         if p.grad is not None:
-            g = p.grad
-            grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu()
+            grad = p.grad
+            if not hasattr(grad, "full_tensor") and world_size > 1:
+                # A parameter no FSDP unit owns: its rank-local gradients are averaged by grad sync.
+                grad = grad.detach().clone()
+                dist.all_reduce(grad)
+                grad /= world_size
+            before[name] = _full(grad)
+    state = StepState(step=1)
+    finish_step(pm=pm, model=run.model, plan=run.plan, mesh=run.mesh, ctx=ctx, state=state, loss_sum=loss_sum,
+                totals=totals)
+    after = {name: _full(p.grad) for name, p in run.model.named_parameters() if p.grad is not None}
     if rank == 0:
-        torch.save({"loss": state.loss, "grads": grads, "mesh": list(plan.mesh.shape)}, out)
+        torch.save({"loss": state.loss, "grad_norm": state.grad_norm, "grads": before, "clipped": after}, out)
+
+
+def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: float | None, device: str) -> dict:
+    """Loss and gradients of the unsharded model on every rank's micro-batches."""
+    from weft.core.loss import label_count, targets, token_loss_sum
+
+    _exact_matmuls()
+    model = adapter.build(recipe, device=device, seed=recipe.train.seed)
+    count = sum(label_count(targets(b)) for b in batches)
+    loss = torch.zeros((), device=device)
+    for batch in batches:
+        inputs = {k: v.to(device) for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        part = token_loss_sum(model(**inputs, use_cache=False).logits, targets(batch).to(device)) / count
+        part.backward()
+        loss += part.detach()
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    norm = torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt().item()
+    scale = min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0  # as strategies/grad_norm.py clips
+    groups = {name: adapter.modality_of(name.rsplit(".", 1)[0]) for name in grads}
+    return {"loss": loss.item(), "grads": grads, "clipped": {n: g * scale for n, g in grads.items()},
+            "grad_norm": norm, "groups": groups}
+
+
+def _worst(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], groups: dict[str, str]) -> tuple[dict, str, float]:
+    by_group: dict[str, float] = {}
+    worst_param, worst = "", 0.0
+    for name, g_ref in ref.items():
+        g = got[_fsdp_name(name, got)]
+        rel = ((g - g_ref).abs().max() / g_ref.abs().max().clamp(min=1e-30)).item()
+        by_group[groups[name]] = max(by_group.get(groups[name], 0.0), rel)
+        if rel >= worst:
+            worst_param, worst = name, rel
+    return by_group, worst_param, worst
 
 
 def compare(ref: dict, got: dict) -> dict:
     loss_rel = abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
-    by_group: dict[str, float] = {}
-    worst_param, worst = "", 0.0
-    for name, g_ref in ref["grads"].items():
-        g = got["grads"][_fsdp_name(name, got["grads"])]
-        rel = ((g - g_ref).abs().max() / g_ref.abs().max().clamp(min=1e-30)).item()
-        group = ref["groups"][name]
-        by_group[group] = max(by_group.get(group, 0.0), rel)
-        if rel >= worst:
-            worst_param, worst = name, rel
+    by_group, worst_param, worst = _worst(ref["grads"], got["grads"], ref["groups"])
+    norm_rel = None
+    if got.get("grad_norm") is not None:
+        norm_rel = abs(got["grad_norm"] - ref["grad_norm"]) / max(abs(ref["grad_norm"]), 1e-30)
+    clipped = None
+    if ref.get("compare_clipped"):
+        clipped = _worst(ref["clipped"], got["clipped"], ref["groups"])[2]
+    ok = loss_rel <= LOSS_TOL and worst <= GRAD_TOL and (norm_rel is None or norm_rel <= GRAD_TOL)
+    ok = ok and (clipped is None or clipped <= GRAD_TOL)
     return {
         "loss_ref": ref["loss"],
         "loss": got["loss"],
@@ -146,7 +150,11 @@ def compare(ref: dict, got: dict) -> dict:
         "grad_max_rel_diff": worst,
         "grad_max_rel_diff_param": worst_param,
         "grad_max_rel_diff_by_group": by_group,
-        "ok": loss_rel <= LOSS_TOL and worst <= GRAD_TOL,
+        "grad_norm_ref": ref["grad_norm"],
+        "grad_norm": got.get("grad_norm"),
+        "grad_norm_rel_diff": norm_rel,
+        "clipped_grad_max_rel_diff": clipped,
+        "ok": ok,
         "tolerances": {"loss": LOSS_TOL, "grad": GRAD_TOL},
     }
 
@@ -158,12 +166,17 @@ def _fsdp_name(name: str, names: dict) -> str:
     return next(n for n in names if n.endswith(name) or name.endswith(n))
 
 
-def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_arg: str, registry: Any) -> dict:
+def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_arg: str, pm: Any) -> dict:
     from weft.core.launch import launch_local
+    from weft.core.mesh_spec import MESH_ORDER
     from weft.core.planner import plan_recipe
 
-    plan, _ = plan_recipe(recipe, registry=registry, world_size=world_size)
-    clip = next((d.params.max_norm for d in plan.decisions_of("grad_sync") if d.strategy == "clip"), None)
+    plan, _ = plan_recipe(recipe, pm=pm, world_size=world_size)
+    if plan.packed():
+        raise WeftError("weft check compares unpacked micro-batches; set pack = false in the batching rule to check "
+                        "this plan's parallelism (packed attention has its own tests)", where=f"{recipe.source} (pack)")
+    sync = plan.decisions_of("grad_sync")
+    clip = next((d.params.max_norm for d in sync if d.strategy == "clip"), None)
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "sharded.pt"
         args = ["-m", "weft", "_check-worker", recipe_arg, "--out", str(out)]
@@ -171,37 +184,20 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
             args += ["--set", override]
         code = launch_local(nproc=world_size, args=args)
         if code != 0 or not out.is_file():
-            raise RunFailed(f"the {world_size}-rank run of `weft check` failed (exit code {code}); its ranks' output above says why", where="weft check")
+            raise RunFailed(f"the {world_size}-rank run of `weft check` failed (exit code {code}); "
+                            "its ranks' output above says why", where="weft check")
         got = torch.load(out, weights_only=False)
-    ref = reference(recipe, dp=plan.mesh.dp, max_norm=clip)
+        batches = [mb for d in range(plan.mesh.dp) for mb in torch.load(out.with_name(f"batches-dp{d}.pt"), weights_only=False)]
+    ref = reference(recipe, adapter=pm.models.for_recipe(recipe), batches=batches, max_norm=clip,
+                    device=device_type_of(recipe))
+    # After grad sync the built-in clip's result is known; a third-party grad sync's is not.
+    ref["compare_clipped"] = bool(sync) and all(d.strategy == "clip" for d in sync)
     result = compare(ref, got)
     # Lower-precision parameters in a rule make a float32 comparison meaningless for that group.
     result["reduced_precision_units"] = sorted(
-        m.info.path for m in plan.modules_for("shard") if getattr(m.get("shard").params, "param_dtype", None) not in (None, "float32")
+        m.info.path for m in plan.modules_for("shard")
+        if getattr(m.get("shard").params, "param_dtype", None) not in (None, "float32")
     )
-    result.update({"world_size": world_size, "mesh": dict(zip(("dp_replicate", "dp_shard", "ring", "ulysses"), (plan.mesh.dp_replicate, plan.mesh.dp_shard, plan.mesh.ring, plan.mesh.ulysses)))})
+    result.update({"world_size": world_size, "mesh": dict(zip(MESH_ORDER, plan.mesh.shape)),
+                   "micro_batches": len(batches)})
     return result
-
-
-def render(result: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=None if sys.stdout.isatty() else 200)
-    console.print(f"mesh {result['mesh']}  world_size={result['world_size']}")
-    table = Table(title="unsharded (1 process) vs the recipe's plan")
-    table.add_column("quantity")
-    table.add_column("value")
-    table.add_row("loss (unsharded)", f"{result['loss_ref']:.8f}")
-    table.add_row("loss (plan)", f"{result['loss']:.8f}")
-    table.add_row("loss relative difference", f"{result['loss_rel_diff']:.2e}")
-    table.add_row("largest gradient relative difference", f"{result['grad_max_rel_diff']:.2e} ({result['grad_max_rel_diff_param']})")
-    for group, value in sorted(result["grad_max_rel_diff_by_group"].items()):
-        table.add_row(f"  {group}", f"{value:.2e}")
-    console.print(table)
-    console.print(("[green]OK[/green]" if result["ok"] else "[red]DIFFERENT[/red]") + f" (tolerances: loss {LOSS_TOL:g}, gradients {GRAD_TOL:g}, float32)")
-    if result["reduced_precision_units"]:
-        console.print(f"note: {len(result['reduced_precision_units'])} units compute in a lower param_dtype by rule "
-                      f"(e.g. {result['reduced_precision_units'][0]}); their differences are precision, not parallelism")
-
-

@@ -10,9 +10,9 @@ import pathlib
 import sys
 from typing import Sequence
 
-from weft.core.errors import WeftError
+from weft.core.errors import EXIT_OK, EXIT_RUNTIME, WeftError
+from weft.core.plugin_manager import plugin_manager_from_env
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USER = 0, 1, 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,21 +84,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def plugin_manager_from_env():
-    """The run's plugin manager; the WEFT_* variables are read here and only here."""
-    from weft.core.plugin_manager import build_plugin_manager
-
-    def names(var: str) -> list[str] | None:
-        value = os.environ.get(var)
-        return [n.strip() for n in value.split(",") if n.strip()] if value is not None else None
-
-    return build_plugin_manager(
-        allow=names("WEFT_PLUGINS"),
-        block=names("WEFT_DISABLE_PLUGINS") or (),
-        trace=os.environ.get("WEFT_TRACE_HOOKS", "") not in ("", "0"),
-    )
-
-
 def _load(args) -> "object":
     from weft.core.recipe import Recipe
 
@@ -116,23 +101,22 @@ def _cmd_plan(args) -> int:
     recipe = _load(args)
     pm = plugin_manager_from_env()
     world_size = args.world_size or recipe.parallel.nproc
-    plan, model = plan_recipe(recipe, registry=pm.registry, world_size=world_size)
-    # Sequence parallelism on a model with a vision tower: show the first step's images per rank.
-    images = []
-    if plan.mesh.sp > 1 and hasattr(model.config, "vision_config"):
-        from weft.plugins.batching import describe_vision_split
-
-        images = describe_vision_split(recipe, plan)
-    from weft.plugins.models.build import rope_summary
-
-    rope = rope_summary(model.config, recipe=recipe)
-    positions = None
-    if args.positions:
-        from weft.plugins.batching import describe_positions
-
-        positions = describe_positions(recipe, plan, model)
+    plan, model = plan_recipe(recipe, pm=pm, world_size=world_size)
+    adapter = pm.models.for_recipe(recipe)
+    rope = adapter.rope_summary(model.config, recipe=recipe)
+    # What the batching strategy can tell of its data: the first step's images per SP
+    # rank, and with --positions the largest position id of every sample.
+    decision = plan.decision("batching")
+    describe = pm.registry.get("batching", decision.strategy).describe
+    report = describe(decision.params, recipe=recipe, plan=plan, model=model, adapter=adapter,
+                      positions=args.positions) if describe else {}
+    images, positions = report.get("vision_split", []), report.get("positions")
+    if args.positions and positions is None:
+        raise WeftError(f"batching strategy {decision.strategy!r} cannot describe its data's positions",
+                        where="--positions")
     if args.json:
-        print(json.dumps(dict(plan.to_json(), vision_split=images, rope=rope, **({"positions": positions} if positions else {})), indent=1))
+        extra = {"positions": positions} if positions else {}
+        print(json.dumps(dict(plan.to_json(), model=adapter.name, vision_split=images, rope=rope, **extra), indent=1))
         return EXIT_OK
     from weft.core.plan_view import render_plan, render_positions, render_vision_split
 
@@ -150,18 +134,19 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_check(args) -> int:
-    from weft.core.check import render, run_check
+    from weft.core.check import run_check
+    from weft.core.plan_view import render_check
 
     recipe = _load(args)
     pm = plugin_manager_from_env()
     world_size = args.world_size or recipe.parallel.nproc
     if recipe.train.precision != "fp32":
         raise WeftError("weft check compares in float32; use --set train.precision=fp32", where=f"{recipe.source} (train.precision)")
-    result = run_check(recipe, world_size=world_size, overrides=args.overrides, recipe_arg=args.recipe, registry=pm.registry)
+    result = run_check(recipe, world_size=world_size, overrides=args.overrides, recipe_arg=args.recipe, pm=pm)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        render(result)
+        render_check(result)
     return EXIT_OK if result["ok"] else EXIT_RUNTIME
 
 
@@ -180,7 +165,7 @@ def _cmd_check_worker(args) -> int:
 def _cmd_export(args) -> int:
     from weft.core.export import export
 
-    checkpoint = export(args.run_dir, args.out_dir, step=args.step)
+    checkpoint = export(args.run_dir, args.out_dir, step=args.step, pm=plugin_manager_from_env())
     print(f"weft: exported {checkpoint} to {args.out_dir}", file=sys.stderr)
     return EXIT_OK
 
@@ -223,7 +208,7 @@ def _cmd_run(args) -> int:
         return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
     nproc = args.nproc or recipe.parallel.nproc
     # Everything a user can get wrong is checked here, before any process starts.
-    plan_recipe(recipe, registry=pm.registry, world_size=nproc)
+    plan_recipe(recipe, pm=pm, world_size=nproc)
     _check_inputs(recipe)
     run_dir = _run_dir(args, recipe)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -243,8 +228,7 @@ def _cmd_run(args) -> int:
 
 def _check_inputs(recipe) -> None:
     if recipe.data.source == "jsonl":
-        path = pathlib.Path(recipe.data.path)
-        path = path if path.is_absolute() else pathlib.Path(recipe.source).parent / path
+        path = recipe.data_file()
         if not path.is_file():
             raise WeftError(f"data.path {str(path)!r} does not exist (paths are relative to the recipe)", where=f"{recipe.source} (data.path)")
 

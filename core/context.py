@@ -1,26 +1,48 @@
-"""What every hook call can see of the run, besides the Plan: device, ranks, recipe, log."""
+"""What every hook call can see of the run besides the Plan, and what guards see of a step."""
 
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+    from weft.core.models import ModelAdapter, PositionWatch
+    from weft.core.recipe import Recipe
 
 
 @attrs.define(kw_only=True)
 class RunContext:
     """Per-run state handed to hooks. Only ``counters`` is written by plugins."""
 
-    recipe: Any
-    device: Any  # torch.device
+    recipe: Recipe
+    device: torch.device
     rank: int = 0
     world_size: int = 1
     run_dir: pathlib.Path | None = None
     log: Any = None  # a structlog logger bound with rank
     counters: dict[str, int] = attrs.field(factory=dict)
     start_step: int = 0  # first step to yield: > 0 when resuming
-    positions: Any = None  # the model's PositionWatch: largest position id seen, vs its rotary context
+    adapter: ModelAdapter | None = None  # the model family's adapter (weft_models)
+    positions: PositionWatch | None = None  # largest position id seen, vs the rotary context
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
+
+
+@attrs.define(kw_only=True)
+class StepState:
+    """What guards see at the end of a step: global values, already reduced."""
+
+    step: int
+    loss: float | None = None
+    grad_norm: float | None = None
+    tokens: int = 0
+    consecutive_skips: int = 0
+    error: BaseException | None = None
+    # Per-run state a guard keeps between steps (a running mean, a counter), keyed
+    # by the guard's strategy name; the loop hands the same dict to every step.
+    memory: dict[str, Any] = attrs.field(factory=dict)

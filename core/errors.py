@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+#: Exit codes of every weft command: success, a failure at run time, a user error.
+EXIT_OK, EXIT_RUNTIME, EXIT_USER = 0, 1, 2
+
 
 class WeftError(Exception):
     """A problem the user can fix: bad recipe, bad flag, bad rule.
@@ -11,7 +14,7 @@ class WeftError(Exception):
     message starts with it.
     """
 
-    exit_code = 2
+    exit_code = EXIT_USER
 
     def __init__(self, message: str, *, where: str | None = None) -> None:
         self.message = message
@@ -30,10 +33,10 @@ class PlanError(WeftError):
 class HookError(WeftError):
     """A hook was called that no registered plugin answers."""
 
-    exit_code = 1
+    exit_code = EXIT_RUNTIME
 
 
 class RunFailed(WeftError):
     """A launched run or check failed at run time (the ranks' own output says why)."""
 
-    exit_code = 1
+    exit_code = EXIT_RUNTIME

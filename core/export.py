@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,12 +20,6 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from weft.core.checkpoint import checkpoint_dirs
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
-
-#: Files of a processor folder that travel with an exported model (not weights).
-PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json", "chat_template.jinja",
-                   "processor_config.json", "generation_config.json", "added_tokens.json")
-
 
 def run_recipe(run_dir: pathlib.Path) -> Recipe:
     saved = run_dir / "recipe.json"
@@ -42,11 +36,9 @@ def load_checkpoint_into(model: torch.nn.Module, path: pathlib.Path) -> None:
     set_model_state_dict(model, state["model"])
 
 
-def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, step: int | None = None) -> pathlib.Path:
-    from weft.plugins.models.build import build_model, model_config
-    from weft.strategies.conversation import processor_dir
-
+def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int | None = None) -> pathlib.Path:
     recipe = run_recipe(run_dir)
+    adapter = pm.models.for_recipe(recipe)
     found = checkpoint_dirs(run_dir)
     if step is not None:
         found = [p for p in found if p.name == f"step-{step}"]
@@ -58,18 +50,12 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, step: int | None = N
         # DCP's loader wants a process group; one rank is enough to reshard any save.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = build_model(recipe, device="cpu", seed=recipe.train.seed)
+        model = adapter.build(recipe, device="cpu", seed=recipe.train.seed)
         load_checkpoint_into(model, checkpoint)
     finally:
         if started:
             dist.destroy_process_group()
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    _, processor = model_config(recipe)
-    if processor is not None:
-        source = processor_dir(processor)
-        for name in PROCESSOR_FILES:
-            if (source / name).is_file() and not (out_dir / name).exists():
-                shutil.copy2(source / name, out_dir / name)
+    adapter.export(model, recipe, out_dir)
     (out_dir / "weft_export.json").write_text(json.dumps({"run_dir": str(run_dir), "checkpoint": checkpoint.name}, indent=1))
     return checkpoint

@@ -2,7 +2,8 @@
 
 The core calls these hooks in this order, once per run unless said otherwise:
 
-1. ``weft_strategies``   when the plugin manager is built: collect named strategies.
+1. ``weft_strategies``   when the plugin manager is built: collect named strategies;
+   ``weft_models``       likewise: collect model-family adapters.
 2. ``weft_shard``        once, after the model is built and the mesh exists.
 3. ``weft_attention``    once per (strategy, module) pair the Plan names.
 4. ``weft_batching``     once: returns this rank's iterator of optimizer steps.
@@ -19,9 +20,20 @@ registered plugins when nobody answers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Iterable
 
 import pluggy
+
+if TYPE_CHECKING:  # the contract's types, as pytest's hookspec.py does: no import cost at run time
+    import torch
+    from transformers import Cache
+
+    from weft.core.context import RunContext, StepState
+    from weft.core.mesh import WeftMesh
+    from weft.core.models import ModelAdapter
+    from weft.core.recipe import Recipe
+    from weft.core.registry import AttentionBinding, Strategy, Verdict
+    from weft.core.rules import Decision, Plan
 
 PROJECT = "weft"
 
@@ -38,7 +50,7 @@ HOOK_POINTS: tuple[str, ...] = ("shard", "attention", "kv_cache", "batching", "g
 
 
 @hookspec
-def weft_strategies() -> list[Any]:
+def weft_strategies() -> list[Strategy]:
     """Declare the named strategies this plugin provides.
 
     When: once, while the plugin manager is built (before any recipe is read).
@@ -51,13 +63,29 @@ def weft_strategies() -> list[Any]:
     """
 
 
+@hookspec
+def weft_models() -> list[ModelAdapter]:
+    """Declare the model families this plugin adapts.
+
+    When: once, while the plugin manager is built.
+    Kind: collect-all; every plugin returns a list of adapters, objects that meet
+    :class:`weft.core.models.ModelAdapter` (most subclass
+    ``weft.plugins.models.base.TransformersAdapter``). Each names the
+    ``config.model_type`` values it handles; two plugins claiming one type is an error.
+    The core picks the adapter from the recipe's model and asks it to build the
+    model, describe its modules for the rules, and cut its inputs for sequence
+    parallelism; an unknown ``model_type`` is an exit-2 message listing the adapters.
+    Collectives: none.
+    """
+
+
 # ---------------------------------------------------------------------------
 # model preparation
 # ---------------------------------------------------------------------------
 
 
 @hookspec
-def weft_shard(model: Any, plan: Any, mesh: Any, ctx: Any) -> None:
+def weft_shard(model: torch.nn.Module, plan: Plan, mesh: WeftMesh, ctx: RunContext) -> None:
     """Wrap or shard the model's modules: FSDP2 groups, HSDP, activation checkpointing.
 
     When: once per run, after the model is built and before the optimizer exists.
@@ -70,7 +98,7 @@ def weft_shard(model: Any, plan: Any, mesh: Any, ctx: Any) -> None:
 
 
 @hookspec(firstresult=True)
-def weft_attention(decision: Any, module_path: str, plan: Any, mesh: Any, ctx: Any) -> Any:
+def weft_attention(decision: Decision, module_path: str, plan: Plan, mesh: WeftMesh, ctx: RunContext) -> AttentionBinding | None:
     """Give one attention module its attention function.
 
     When: once per attention module the Plan lists, after ``weft_shard``.
@@ -85,7 +113,7 @@ def weft_attention(decision: Any, module_path: str, plan: Any, mesh: Any, ctx: A
 
 
 @hookspec(firstresult=True)
-def weft_kv_cache(decision: Any, model: Any, plan: Any, ctx: Any) -> Any:
+def weft_kv_cache(decision: Decision, model: torch.nn.Module, plan: Plan, ctx: RunContext) -> Cache | None:
     """Build the key/value cache used for generation and evaluation.
 
     When: once per generation or evaluation call, never during training steps.
@@ -97,16 +125,24 @@ def weft_kv_cache(decision: Any, model: Any, plan: Any, ctx: Any) -> Any:
 
 
 @hookspec(firstresult=True)
-def weft_batching(decision: Any, recipe: Any, plan: Any, mesh: Any, model: Any, ctx: Any) -> Any:
+def weft_batching(
+    decision: Decision, recipe: Recipe, plan: Plan, mesh: WeftMesh, model: torch.nn.Module, ctx: RunContext
+) -> Iterable[list[dict[str, torch.Tensor]]] | None:
     """Turn the recipe's data into this rank's optimizer steps.
 
-    When: once per run, after the model is ready (and again on resume).
-    Under sequence parallelism the split happens after the vision merge, inside
-    the model's forward: an implementation may install module forward hooks on
-    ``model`` (never patch it) that cut the decoder's inputs to this rank's part.
+    When: once per run, after the model is ready (and again on resume, from
+    ``ctx.start_step``); `weft check` takes the first step.
     Kind: firstresult on ``decision.strategy``; return an iterable of steps,
-    each a list of micro-batches (dicts of tensors, already this rank's shard),
-    or ``None`` when the strategy is not yours. Every rank must yield the same
+    each a list of micro-batches, or ``None`` when the strategy is not yours. A
+    micro-batch is a dict of whole-sequence tensors: ``input_ids``,
+    ``attention_mask`` and ``labels`` (B, S), plus the model's image inputs
+    (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) when it has
+    images. Batching never sees sequence parallelism: the core pads each
+    micro-batch to the split's multiple, shifts the labels on the whole
+    sequence and cuts them like the model's inputs; the model adapter's hooks
+    cut the rest after the vision merge. Data-parallel ranks (``mesh.dp_rank()``
+    of ``plan.mesh.dp``) take disjoint data; the ranks of one sequence-parallel
+    group must yield the same micro-batches. Every rank must yield the same
     number of steps and of micro-batches per step, since each micro-batch
     issues collectives. Bad samples are skipped and counted in
     ``ctx.counters["skipped_samples"]``.
@@ -115,7 +151,7 @@ def weft_batching(decision: Any, recipe: Any, plan: Any, mesh: Any, model: Any, 
 
 
 @hookspec
-def weft_grad_sync(model: Any, plan: Any, mesh: Any, ctx: Any) -> list[Any] | None:
+def weft_grad_sync(model: torch.nn.Module, plan: Plan, mesh: WeftMesh, ctx: RunContext) -> list[tuple[str, torch.Tensor]] | None:
     """Finish gradients after backward and before the optimizer step.
 
     When: once per optimizer step, after the last micro-batch's backward.
@@ -130,7 +166,7 @@ def weft_grad_sync(model: Any, plan: Any, mesh: Any, ctx: Any) -> list[Any] | No
 
 
 @hookspec
-def weft_guard(event: str, state: Any, plan: Any, ctx: Any) -> list[Any] | None:
+def weft_guard(event: str, state: StepState, plan: Plan, ctx: RunContext) -> Verdict | None:
     """Watch each step and each error; answer with verdicts.
 
     When: ``event="step_start"`` before a step's first micro-batch,

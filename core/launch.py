@@ -6,7 +6,7 @@ import os
 import sys
 import uuid
 
-from weft.core.cli import EXIT_RUNTIME, EXIT_USER
+from weft.core.errors import EXIT_RUNTIME, EXIT_USER
 
 
 def launch_local(*, nproc: int, args: list[str]) -> int:

@@ -6,7 +6,7 @@ import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from weft.core.mesh_spec import MeshSpec
+from weft.core.mesh_spec import MESH_ORDER, MeshSpec
 
 
 @attrs.frozen(kw_only=True)
@@ -38,11 +38,6 @@ class WeftMesh:
     def dp_rank(self) -> int:
         """This rank's index among data-parallel replicas (SP ranks of one group share it)."""
         return self.dp.get_local_rank()
-
-
-#: Mesh dims outermost first. Ulysses is innermost so its all-to-all runs between
-#: neighbouring ranks (one host); the ring's point-to-point steps span hosts.
-MESH_ORDER: tuple[str, ...] = ("dp_replicate", "dp_shard", "ring", "ulysses")
 
 
 def build_device_mesh(spec: MeshSpec, *, device_type: str) -> WeftMesh:

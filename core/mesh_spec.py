@@ -1,7 +1,9 @@
 """The device-mesh shape of a run, resolved and checked before any process group starts.
 
-Pure: imports no torch. Dimension order (outermost first): dp_replicate, dp_shard,
-ulysses, ring, so the Ulysses ranks of one ring step are contiguous (one host).
+Pure: imports no torch. One dimension order for the spec and the live mesh
+(``MESH_ORDER``, outermost first): dp_replicate, dp_shard, ring, ulysses. Ulysses is
+innermost so its all-to-all runs between neighbouring ranks (one host); the ring's
+point-to-point steps may span hosts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import attrs
 from weft.core.errors import PlanError
 from weft.core.recipe import ParallelSection
 
-DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ulysses", "ring")
+MESH_ORDER: tuple[str, ...] = ("dp_replicate", "dp_shard", "ring", "ulysses")
 
 
 @attrs.frozen(kw_only=True)
@@ -25,7 +27,8 @@ class MeshSpec:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, d) for d in DIMS)
+        """Degrees in ``MESH_ORDER``."""
+        return tuple(getattr(self, d) for d in MESH_ORDER)
 
     @property
     def world_size(self) -> int:
@@ -68,6 +71,6 @@ def resolve_mesh(parallel: ParallelSection, *, world_size: int, heads: int | Non
         dp_shard = world_size // rest
     spec = MeshSpec(dp_replicate=parallel.dp_replicate, dp_shard=dp_shard, ulysses=ulysses, ring=parallel.ring)
     if spec.world_size != world_size:
-        factors = " * ".join(f"{d}({getattr(spec, d)})" for d in DIMS)
+        factors = " * ".join(f"{d}({getattr(spec, d)})" for d in MESH_ORDER)
         raise PlanError(f"{factors} = {spec.world_size} != world_size({world_size})", where=where)
     return spec

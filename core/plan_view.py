@@ -110,7 +110,7 @@ def _num(value: int | None) -> str:
 
 def plugins_table(pm: Any) -> dict:
     points = []
-    for point in ("strategies", *HOOK_POINTS):
+    for point in ("strategies", "models", *HOOK_POINTS):
         name = f"weft_{point}"
         spec = getattr(hookspecs, name)
         opts = getattr(spec, "weft_spec", None) or getattr(spec, f"{hookspecs.PROJECT}_spec", {})
@@ -130,7 +130,9 @@ def plugins_table(pm: Any) -> dict:
         }
         for s in pm.registry.all()
     ]
-    return {"hook_points": points, "plugins": plugins, "strategies": strategies}
+    models = [{"name": a.name, "model_types": list(a.model_types), "plugin": plugin, "summary": a.summary}
+              for plugin, a in pm.models.all()]
+    return {"hook_points": points, "plugins": plugins, "strategies": strategies, "models": models}
 
 
 def render_plugins(table: dict) -> None:
@@ -156,3 +158,39 @@ def render_plugins(table: dict) -> None:
         params = "; ".join(f"{p['name']}: {p['accepts']} = {p['default']!r}" for p in s["params"]) or "-"
         strategies.add_row(s["point"], s["name"], s["plugin"], params, s["summary"])
     console.print(strategies)
+    models = Table(title="model families")
+    for column in ("adapter", "model_type", "plugin", "summary"):
+        models.add_column(column)
+    for m in table["models"]:
+        models.add_row(m["name"], ", ".join(m["model_types"]), m["plugin"], m["summary"])
+    console.print(models)
+
+
+def render_check(result: dict) -> None:
+    """`weft check`'s table: both losses, gradient and gradient-norm differences."""
+    from rich.table import Table
+
+    console = _console()
+    console.print(f"mesh {result['mesh']}  world_size={result['world_size']}  micro-batches={result['micro_batches']}")
+    table = Table(title="unsharded (1 process) vs the recipe's plan, same micro-batches")
+    table.add_column("quantity")
+    table.add_column("value")
+    table.add_row("loss (unsharded)", f"{result['loss_ref']:.8f}")
+    table.add_row("loss (plan)", f"{result['loss']:.8f}")
+    table.add_row("loss relative difference", f"{result['loss_rel_diff']:.2e}")
+    table.add_row("largest gradient relative difference (before grad sync)",
+                  f"{result['grad_max_rel_diff']:.2e} ({result['grad_max_rel_diff_param']})")
+    for group, value in sorted(result["grad_max_rel_diff_by_group"].items()):
+        table.add_row(f"  {group}", f"{value:.2e}")
+    if result["grad_norm_rel_diff"] is not None:
+        table.add_row("global gradient norm (unsharded / plan)", f"{result['grad_norm_ref']:.6g} / {result['grad_norm']:.6g}")
+        table.add_row("gradient norm relative difference", f"{result['grad_norm_rel_diff']:.2e}")
+    if result["clipped_grad_max_rel_diff"] is not None:
+        table.add_row("largest gradient relative difference (after clipping)", f"{result['clipped_grad_max_rel_diff']:.2e}")
+    console.print(table)
+    tolerances = result["tolerances"]
+    console.print(("[green]OK[/green]" if result["ok"] else "[red]DIFFERENT[/red]")
+                  + f" (tolerances: loss {tolerances['loss']:g}, gradients {tolerances['grad']:g}, float32)")
+    if result["reduced_precision_units"]:
+        console.print(f"note: {len(result['reduced_precision_units'])} units compute in a lower param_dtype by rule "
+                      f"(e.g. {result['reduced_precision_units'][0]}); their differences are precision, not parallelism")

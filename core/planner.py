@@ -10,23 +10,44 @@ from weft.core.recipe import Recipe
 from weft.core.rules import ModuleInfo, Plan, build_plan
 
 
-def plan_recipe(recipe: Recipe, *, registry: Any, world_size: int, model: Any = None) -> tuple[Plan, Any]:
+def plan_recipe(recipe: Recipe, *, pm: Any, world_size: int, model: Any = None) -> tuple[Plan, Any]:
     """The Plan for ``world_size`` ranks; ``model`` defaults to a meta-device build.
 
-    Returns (plan, model). Raises RecipeError/PlanError before any process group exists.
+    ``pm``: the run's plugin manager (its strategies and model adapters). Returns
+    (plan, model). Raises RecipeError/PlanError before any process group exists.
     """
-    from weft.plugins.models.build import build_model
-    from weft.plugins.models.inventory import describe_modules, text_heads
-
+    adapter = pm.models.for_recipe(recipe)
     if model is None:
-        model = build_model(recipe, device="meta", seed=recipe.train.seed)
-    modules = describe_modules(model)
-    mesh = resolve_mesh(recipe.parallel, world_size=world_size, heads=text_heads(modules), where=f"{recipe.source} [parallel]")
-    check_heads(modules, mesh, where=f"{recipe.source} [parallel]")
-    plan = build_plan(recipe=recipe, modules=modules, registry=registry, mesh=mesh, world_size=world_size)
-    check_sequence_parallel(plan, registry, where=f"{recipe.source} [parallel]")
-    check_strategy_params(plan, registry, recipe)
+        model = adapter.build(recipe, device="meta", seed=recipe.train.seed)
+    modules = adapter.describe(model)
+    where = f"{recipe.source} [parallel]"
+    mesh = resolve_mesh(recipe.parallel, world_size=world_size, heads=text_heads(modules), where=where)
+    check_heads(modules, mesh, where=where)
+    plan = build_plan(recipe=recipe, modules=modules, registry=pm.registry, mesh=mesh, world_size=world_size)
+    check_sequence_parallel(plan, pm.registry, where=where)
+    check_vision_sharing(plan, adapter, where=recipe.source)
+    check_strategy_params(plan, pm.registry, recipe)
     return plan, model
+
+
+def text_heads(infos: list[ModuleInfo]) -> int | None:
+    """Query heads of the text model's attention (what ulysses='auto' divides)."""
+    return next((i.heads for i in infos if i.kind == "attention" and i.modality == "text"), None)
+
+
+def check_vision_sharing(plan: Plan, adapter: Any, *, where: str) -> None:
+    """A vision strategy that shares one image over the SP ranks needs a tower that allows it."""
+    threshold = plan.vision_share_threshold()
+    if threshold is None or plan.mesh.sp == 1 or getattr(adapter, "shares_vision", True):
+        return
+    module = next(m for m in plan.modules_for("attention") if m.info.modality == "vision")
+    decision = module.get("attention")
+    raise PlanError(
+        f"{module.info.path}: attention strategy {decision.strategy!r} (rule at {decision.source}) shares one image's "
+        f"patches over the SP ranks, which model family {adapter.name!r} does not support; images are still spread "
+        "over the ranks with the default vision rule (strategy 'sdpa')",
+        where=where,
+    )
 
 
 def check_strategy_params(plan: Plan, registry: Any, recipe: Recipe) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import sys
 import time
 from typing import Any, Iterable
@@ -14,11 +15,14 @@ import structlog
 
 from weft.core import hookspecs
 from weft.core.errors import HookError
+from weft.core.models import ModelAdapter, ModelRegistry
 from weft.core.registry import Strategy, StrategyRegistry
 
 
-#: Built-in plugins, one module per hook point; registered under these names.
+#: Built-in plugins, one module per hook point plus the model families; registered
+#: under these names. The only place the core names modules of weft.plugins.
 BUILTIN_PLUGINS: tuple[str, ...] = (
+    "weft.plugins.models",
     "weft.plugins.shard",
     "weft.plugins.attention",
     "weft.plugins.kv_cache",
@@ -37,12 +41,23 @@ class WeftPluginManager(pluggy.PluginManager):
         super().__init__(hookspecs.PROJECT)
         self.add_hookspecs(hookspecs)
         self._registry: StrategyRegistry | None = None
+        self._models: ModelRegistry | None = None
 
     @property
     def registry(self) -> StrategyRegistry:
         if self._registry is None:
             self._registry = self._collect_strategies()
         return self._registry
+
+    @property
+    def models(self) -> ModelRegistry:
+        """Model-family adapters by model_type, from every plugin's ``weft_models``."""
+        if self._models is None:
+            declared: list[tuple[str, ModelAdapter]] = []
+            for impl in self.hook.weft_models.get_hookimpls():
+                declared.extend((impl.plugin_name, adapter) for adapter in impl.function() or [])
+            self._models = ModelRegistry(declared)
+        return self._models
 
     def _collect_strategies(self) -> StrategyRegistry:
         declared: list[Strategy] = []
@@ -75,6 +90,22 @@ class WeftPluginManager(pluggy.PluginManager):
             if loaded is plugin:
                 return f"{dist.project_name} {dist.version}"
         return "weft (built-in)" if plugin_name in BUILTIN_PLUGINS else "(registered in-process)"
+
+
+def _names(var: str) -> list[str] | None:
+    value = os.environ.get(var)
+    return [n.strip() for n in value.split(",") if n.strip()] if value is not None else None
+
+
+def plugin_manager_from_env() -> WeftPluginManager:
+    """The run's plugin manager; the WEFT_* variables are read here and only here:
+    WEFT_PLUGINS (entry-point plugins to allow), WEFT_DISABLE_PLUGINS (plugins never
+    registered, built-ins included), WEFT_TRACE_HOOKS (log every hook call)."""
+    return build_plugin_manager(
+        allow=_names("WEFT_PLUGINS"),
+        block=_names("WEFT_DISABLE_PLUGINS") or (),
+        trace=os.environ.get("WEFT_TRACE_HOOKS", "") not in ("", "0"),
+    )
 
 
 def build_plugin_manager(

@@ -17,6 +17,7 @@ import attrs
 
 from weft.core.errors import RecipeError
 from weft.core.hookspecs import HOOK_POINTS
+from weft.core.presets import preset_names
 from weft.core.schema import Where, build, did_you_mean, in_range
 
 if sys.version_info >= (3, 11):
@@ -214,6 +215,27 @@ class Recipe:
             raise RecipeError(f"{error.message} (in a file included by {source})", where=error.where) from None
         return cls(model=model, rules=tuple(rules), source=source, raw=copy.deepcopy(data), **sections)
 
+    def relative(self, path: str) -> pathlib.Path:
+        """A path of the recipe (``model.path``, ``data.path``): absolute as given, else
+        relative to the recipe's folder (the current folder for an in-memory recipe)."""
+        given = pathlib.Path(path)
+        if given.is_absolute():
+            return given
+        base = pathlib.Path(self.source).parent if self.source != "<memory>" else pathlib.Path.cwd()
+        return base / given
+
+    def model_dir(self) -> pathlib.Path:
+        """``model.path`` resolved; only for recipes that give one."""
+        if self.model.path is None:
+            raise ValueError("this recipe builds a preset; it has no model.path")
+        return self.relative(self.model.path)
+
+    def data_file(self) -> pathlib.Path:
+        """``data.path`` resolved: the one place a recipe's data path is resolved."""
+        if self.data.path is None:
+            raise RecipeError("data.source = 'jsonl' needs data.path", where=f"{self.source} (data.path)")
+        return self.relative(self.data.path)
+
 
 def _check_preset(model: ModelSection, *, where: Where) -> None:
     """A bare preset name must be a bundled preset (a path-like one is read at build time)."""
@@ -226,12 +248,6 @@ def _check_preset(model: ModelSection, *, where: Where) -> None:
             f"unknown model.preset {name!r}{did_you_mean(name, names)} Bundled presets: {', '.join(names) or '(none)'}",
             where=where.at("model.preset"),
         )
-
-
-def preset_names() -> list[str]:
-    """Names of the presets bundled in weft/recipes/presets."""
-    root = pathlib.Path(str(importlib.resources.files("weft.recipes"))) / "presets"
-    return sorted(p.stem for p in root.glob("*.toml"))
 
 
 def parse_rules(items: Any, *, where: Where, prefix: str) -> list[Rule]:

@@ -39,6 +39,11 @@ class Strategy:
     #: ``check(params, recipe=recipe, plan=plan) -> str | None``, a message saying why
     #: this choice cannot run, or None. Runs before any process starts.
     check: Callable[..., str | None] | None = None
+    #: Batching strategies: what `weft plan` shows of the data the strategy will feed,
+    #: ``describe(params, *, recipe, plan, model, adapter, positions) -> dict`` with the
+    #: optional keys ``vision_split`` (the first step's images per SP rank) and, when
+    #: ``positions`` is true, ``positions`` (largest position ids; `weft plan --positions`).
+    describe: Callable[..., dict] | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -87,6 +87,24 @@ class Plan:
     def decisions_of(self, point: str) -> tuple[Decision, ...]:
         return tuple(d for d in self.root().decisions if d.point == point)
 
+    def packed(self) -> bool:
+        """Batching packs several documents into one row (its ``pack`` parameter)."""
+        return bool(getattr(self.decision("batching").params, "pack", False))
+
+    def sequence_layout(self) -> str:
+        """How the text sequence is split over the ring ranks: the ``layout`` parameter of
+        the text attention's strategy when the ring has more than one rank, else contiguous."""
+        if self.mesh.ring == 1:
+            return "contiguous"
+        module = next((m for m in self.modules_for("attention") if m.info.modality == "text"), None)
+        return getattr(module.get("attention").params, "layout", "contiguous") if module else "contiguous"
+
+    def vision_share_threshold(self) -> int | None:
+        """Patches from which one image is shared by every SP rank (the vision attention's
+        ``min_patches`` parameter, as ``vision_ulysses`` has); None: images are only spread."""
+        module = next((m for m in self.modules_for("attention") if m.info.modality == "vision"), None)
+        return getattr(module.get("attention").params, "min_patches", None) if module else None
+
     def modules_for(self, point: str, strategy: str | None = None) -> list[ModulePlan]:
         return [
             m

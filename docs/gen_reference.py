@@ -79,7 +79,12 @@ def section_table(name: str) -> Callable[[], str]:
     def render() -> str:
         from weft.core import recipe
 
-        classes = {"model": recipe.ModelSection, "data": recipe.DataSection, "train": recipe.TrainSection, "parallel": recipe.ParallelSection}
+        classes = {
+            "model": recipe.ModelSection,
+            "data": recipe.DataSection,
+            "train": recipe.TrainSection,
+            "parallel": recipe.ParallelSection,
+        }
         return params_table(classes[name])
 
     return render
@@ -101,7 +106,11 @@ def selectors_table() -> str:
     ops = ", ".join(f"`{op}`" for op in COMPARISONS)
     rows = ["| selector | matches | value |", "| --- | --- | --- |"]
     for key in SELECTOR_KEYS:
-        value = f"an integer (equality) or a table of comparisons ({ops})" if key in NUMERIC_SELECTORS else "a string or a list of strings (any matches)"
+        value = (
+            f"an integer (equality) or a table of comparisons ({ops})"
+            if key in NUMERIC_SELECTORS
+            else "a string or a list of strings (any matches)"
+        )
         rows.append(f"| `{key}` | {meaning.get(key, '')} | {value} |")
     return "\n".join(rows) + "\n"
 
@@ -121,7 +130,7 @@ def points_table() -> str:
 
 
 def presets_list() -> str:
-    from weft.strategies.presets import preset_names
+    from weft.core.presets import preset_names
 
     return ", ".join(f"`{name}`" for name in preset_names()) + "\n"
 
@@ -134,7 +143,11 @@ def defaults_table() -> str:
     for rule in default_rules():
         when = _when(rule.when) or "every module"
         chooses = "; ".join(
-            f"`{point}` = " + " + ".join(f"`{a.strategy}`" + (f" ({', '.join(f'{k}={v!r}' for k, v in a.params)})" if a.params else "") for a in actions)
+            f"`{point}` = "
+            + " + ".join(
+                f"`{a.strategy}`" + (f" ({', '.join(f'{k}={v!r}' for k, v in a.params)})" if a.params else "")
+                for a in actions
+            )
             for point, actions in rule.actions
         )
         rows.append(f"| {_escape(rule.name)} | {when} | {chooses} |")
@@ -142,8 +155,14 @@ def defaults_table() -> str:
 
 
 def _when(selector: Any) -> str:
-    parts = [f"{key} {' or '.join(values)}" for key, values in (("path", selector.paths), ("class", selector.classes), ("modality", selector.modalities)) if values]
-    parts += [f"{key} " + " and ".join(f"{c.op} {c.value}" for c in comparisons) for key, comparisons in selector.numbers]
+    parts = [
+        f"{key} {' or '.join(values)}"
+        for key, values in (("path", selector.paths), ("class", selector.classes), ("modality", selector.modalities))
+        if values
+    ]
+    parts += [
+        f"{key} " + " and ".join(f"{c.op} {c.value}" for c in comparisons) for key, comparisons in selector.numbers
+    ]
     return ", ".join(parts)
 
 
@@ -154,7 +173,11 @@ def strategies_section() -> str:
     pm = build_plugin_manager(entry_points=False)  # built-ins only: installed plugins must not change the docs
     out = []
     for strategy in pm.registry.all():
-        out.append(f"#### `{strategy.point}` / `{strategy.name}`\n\n{strategy.summary} (plugin `{strategy.plugin}`)\n\n{params_table(strategy.params)}")
+        out.append(
+            f"#### `{strategy.point}` / `{strategy.name}`\n\n"
+            f"{strategy.summary} (plugin `{strategy.plugin}`)\n\n"
+            f"{params_table(strategy.params)}"
+        )
     return "\n".join(out)
 
 
@@ -175,7 +198,11 @@ def render(text: str) -> str:
     """``text`` with every generated block replaced by a fresh rendering."""
     missing = set(GENERATORS) - {m.group("name") for m in _BLOCK.finditer(text)}
     if missing:
-        raise SystemExit(f"docs/rules.md lacks the generated blocks {sorted(missing)}; add '<!-- generated: NAME -->' ... '<!-- /generated -->'")
+        raise SystemExit(
+            f"docs/rules.md lacks the generated blocks {sorted(missing)}; "
+            "add '<!-- generated: NAME -->' ... '<!-- /generated -->'"
+        )
+
 
     def fill(match: re.Match) -> str:
         name = match.group("name")

@@ -43,7 +43,7 @@ def check_backend(params, *, recipe, plan) -> str | None:
     CPU or float32 run, a kernel without document masks under packing) is refused
     here, with the keys to change, rather than failing inside the first forward."""
     backend = getattr(params, "backend", "auto")
-    if packed(plan) and backend not in _MASK_BACKENDS:
+    if plan.packed() and backend not in _MASK_BACKENDS:
         return (f"backend = {backend!r} takes no document mask, and batching packs documents (pack = true); "
                 f"backends for packed sequences: {', '.join(_MASK_BACKENDS)}")
     if backend not in _GPU_BACKENDS:
@@ -82,36 +82,11 @@ def resolve_auto(strategy: str, *, ulysses: int, ring: int, packed: bool = False
     return "ulysses" if ulysses > 1 else "ring" if ring > 1 or packed else "sdpa"
 
 
-def packed(plan) -> bool:
-    return bool(getattr(plan.decision("batching").params, "pack", False))
-
-
-def vision_share_threshold(plan) -> int | None:
-    """Patches from which an image is shared by all SP ranks; None: images are only spread."""
-    for module in plan.modules_for("attention"):
-        if module.info.modality == "vision":
-            decision = module.get("attention")
-            return decision.params.min_patches if decision.strategy == "vision_ulysses" else None
-    return None
-
-
-def sequence_layout(plan) -> str:
-    """How the text sequence is split over the ring ranks: the text attention's layout."""
-    for module in plan.modules_for("attention"):
-        if module.info.modality == "text":
-            decision = module.get("attention")
-            strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=packed(plan))
-            if strategy in ("ring", "usp") and isinstance(decision.params, RingParams):
-                return decision.params.layout
-            return "contiguous"
-    return "contiguous"
-
-
 @hookimpl
 def weft_attention(decision, module_path, plan, mesh, ctx):
-    strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=packed(plan))
+    strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=plan.packed())
     if strategy in ("sdpa", "eager"):
-        if packed(plan) and module_path and "visual" not in module_path:
+        if plan.packed() and module_path and "visual" not in module_path:
             from weft.core.errors import PlanError
 
             raise PlanError(f"{module_path}: packed documents need attention that keeps to each document; "

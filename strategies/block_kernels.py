@@ -99,11 +99,17 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, *, causal, scale):
 
 def _bias(mask, dtype):
     # cuDNN takes an additive bias: 0 where allowed, -inf where not.
-    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return (
+        None
+        if mask is None
+        else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    )
 
 
 def _cudnn_forward(q, k, v, *, causal, scale, mask=None):
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, _bias(mask, q.dtype), True, 0.0, causal and mask is None, False, scale=scale)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, _bias(mask, q.dtype), True, 0.0, causal and mask is None, False, scale=scale
+    )[:2]
     return out, _lse3(lse)
 
 
@@ -111,7 +117,8 @@ def _cudnn_backward(dout, q, k, v, out, lse, *, causal, scale, mask=None):
     # Without dropout or varlen, the RNG state and cumulative lengths are undefined
     # tensors (None), exactly what the forward returns for them.
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse.float().unsqueeze(-1).contiguous(),  # cuDNN keeps (B, H, S, 1)
+        dout.contiguous(), q, k, v, out.contiguous(),
+        lse.float().unsqueeze(-1).contiguous(),  # cuDNN keeps (B, H, S, 1)
         None, None, _bias(mask, q.dtype), None, None, q.shape[2], k.shape[2], 0.0, causal and mask is None, scale=scale,
     )
 
@@ -123,7 +130,8 @@ def _flash_forward(q, k, v, *, causal, scale):
 
 def _flash_backward(dout, q, k, v, out, lse, *, causal, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, None, None, scale=scale,
+        dout.contiguous(), q, k, v, out.contiguous(), lse.float().contiguous(),
+        None, None, q.shape[2], k.shape[2], 0.0, causal, None, None, scale=scale,
     )
 
 
@@ -135,7 +143,9 @@ def _lse3(lse: torch.Tensor) -> torch.Tensor:
 def _flash_attn_forward(q, k, v, *, causal, scale):
     from flash_attn.flash_attn_interface import _flash_attn_forward as fwd  # optional extra
 
-    out, lse, *_ = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, causal, -1, -1, 0.0, None, False)
+    out, lse, *_ = fwd(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, causal, -1, -1, 0.0, None, False
+    )
     return out.transpose(1, 2), lse
 
 
@@ -153,7 +163,9 @@ def _triton_forward(q, k, v, *, causal, scale, mask=None):
     if q.shape[-1] <= 128:
         return _cudnn_forward(q, k, v, causal=causal, scale=scale, mask=mask)
     if mask is not None:
-        raise ValueError(f"attention backend 'triton' takes document masks up to head_dim 128 (cuDNN forward), got {q.shape[-1]}")
+        raise ValueError(
+            f"attention backend 'triton' takes document masks up to head_dim 128 (cuDNN forward), got {q.shape[-1]}"
+        )
     return _flash_forward(q, k, v, causal=causal, scale=scale)
 
 
@@ -175,14 +187,18 @@ KERNELS: dict[str, BlockKernel] = {
     "cudnn": BlockKernel("cudnn", _cudnn_forward, _cudnn_backward, gqa=True, strided=True, masks=True),
     "flash": BlockKernel("flash", _flash_forward, _flash_backward, gqa=True, strided=True),
     "flash_attn": BlockKernel("flash_attn", _flash_attn_forward, _flash_attn_backward),
-    "triton": BlockKernel("triton", _triton_forward, _triton_backward, gqa=True, strided=True, masks=True, accumulate=_triton_accumulate),
+    "triton": BlockKernel(
+        "triton", _triton_forward, _triton_backward, gqa=True, strided=True, masks=True, accumulate=_triton_accumulate
+    ),
 }
 #: Kernels that run only on CUDA with bf16/fp16 inputs.
 _CUDA_HALF = ("cudnn", "flash", "flash_attn", "triton")
 BACKENDS: tuple[str, ...] = ("auto", *KERNELS)
 
 
-def select_kernel(backend: str, *, device: torch.device, dtype: torch.dtype, head_dim: int, masked: bool = False) -> BlockKernel:
+def select_kernel(
+    backend: str, *, device: torch.device, dtype: torch.dtype, head_dim: int, masked: bool = False
+) -> BlockKernel:
     """``auto``: cuDNN on CUDA for bf16/fp16 (head_dim <= 128), else torch's flash op;
     torch's fused CPU op on CPU; the math kernel for float64 on CUDA. With ``masked``
     (packed documents) only kernels that take a mask: cuDNN on CUDA, math elsewhere."""
@@ -190,14 +206,18 @@ def select_kernel(backend: str, *, device: torch.device, dtype: torch.dtype, hea
         if backend not in KERNELS:
             raise ValueError(f"unknown attention backend {backend!r}; accepted: {', '.join(BACKENDS)}")
         if backend in _CUDA_HALF and (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)):
-            raise ValueError(f"attention backend {backend!r} runs on CUDA with bf16/fp16 inputs, got {device.type} {dtype}; "
-                             "use auto, math or cpu_flash here")
+            raise ValueError(f"attention backend {backend!r} runs on CUDA with bf16/fp16 inputs, "
+                             f"got {device.type} {dtype}; use auto, math or cpu_flash here")
         if masked and not KERNELS[backend].masks:
             raise ValueError(f"attention backend {backend!r} takes no document mask; packed sequences need one of "
                              + ", ".join(k.name for k in KERNELS.values() if k.masks) + " or auto")
         return KERNELS[backend]
     if masked:
-        return KERNELS["cudnn"] if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else KERNELS["math"]
+        return (
+            KERNELS["cudnn"] if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else KERNELS["math"]
+        )
+
+
     if device.type == "cuda":
         if dtype in (torch.bfloat16, torch.float16):
             return KERNELS["cudnn"] if head_dim <= 128 else KERNELS["flash"]

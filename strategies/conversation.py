@@ -59,7 +59,9 @@ class Sample:
 
     def __attrs_post_init__(self) -> None:
         if self.input_ids.ndim != 1 or self.labels.shape != self.input_ids.shape:
-            raise ValueError(f"input_ids {tuple(self.input_ids.shape)} / labels {tuple(self.labels.shape)} must be equal 1-D")
+            raise ValueError(
+                f"input_ids {tuple(self.input_ids.shape)} / labels {tuple(self.labels.shape)} must be equal 1-D"
+            )
         if self.mm_token_type_ids.shape != self.input_ids.shape:
             raise ValueError("mm_token_type_ids must have the shape of input_ids")
         if (self.pixel_values is None) != (self.image_grid_thw is None):
@@ -182,7 +184,9 @@ def encode_conversation(
     )
 
 
-def _validate(input_ids: torch.Tensor, labels: torch.Tensor, *, special: "_SpecialIds", pads_per_image: list[int]) -> None:
+def _validate(
+    input_ids: torch.Tensor, labels: torch.Tensor, *, special: "_SpecialIds", pads_per_image: list[int]
+) -> None:
     """Refuse a sample the model would fail on mid-run, or learn nothing from.
 
     A literal special token in the text (``<|image_pad|>``, ``<|vision_start|>``) would
@@ -191,7 +195,11 @@ def _validate(input_ids: torch.Tensor, labels: torch.Tensor, *, special: "_Speci
     """
     pads = int((input_ids == special.image_pad).sum())
     if pads != sum(pads_per_image):
-        raise ValueError(f"image-token count {pads} does not match the images' {sum(pads_per_image)} features (a special token in the text?)")
+        raise ValueError(
+            f"image-token count {pads} does not match the images' {sum(pads_per_image)} features "
+            "(a special token in the text?)"
+        )
+
     starts = int((input_ids == special.vision_start).sum())
     if starts != len(pads_per_image):
         raise ValueError(f"{starts} <|vision_start|> tokens for {len(pads_per_image)} images")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Callable, Iterator
 
-
 from weft.strategies.conversation import Sample, encode_conversation
 
 
@@ -18,14 +17,20 @@ class BadSample(Exception):
         self.reason = reason
 
 
-def synthetic_samples(*, seed: int, num_samples: int, min_side: int, max_side: int, tokenizer: Any, image_processor: Any) -> Iterator[Sample | BadSample]:
+def synthetic_samples(
+    *, seed: int, num_samples: int, min_side: int, max_side: int, tokenizer: Any, image_processor: Any
+) -> Iterator[Sample | BadSample]:
     from weft.strategies.synthetic_vl import synthetic_conversations
 
-    for conversation in synthetic_conversations(seed=seed, num_samples=num_samples, min_side=min_side, max_side=max_side):
+    for conversation in synthetic_conversations(
+        seed=seed, num_samples=num_samples, min_side=min_side, max_side=max_side
+    ):
         yield encode_conversation(conversation.messages, tokenizer=tokenizer, image_processor=image_processor)
 
 
-def jsonl_samples(path: pathlib.Path, *, processor: str, workers: int = 1, cache_dir: pathlib.Path | None = None) -> Iterator[Sample | BadSample]:
+def jsonl_samples(
+    path: pathlib.Path, *, processor: str, workers: int = 1, cache_dir: pathlib.Path | None = None
+) -> Iterator[Sample | BadSample]:
     """JSONL in the chat or sharegpt-style format (``data_formats``), one record per line,
     encoded in ``workers`` processes (``preprocess``), tokenized samples cached in ``cache_dir``.
 
@@ -41,8 +46,9 @@ def jsonl_samples(path: pathlib.Path, *, processor: str, workers: int = 1, cache
                 if line.strip():
                     yield f"{path}:{number}", line
 
-    for where, result in encode_lines(lines(), processor=processor, processor_folder=processor_dir(processor), base=path.parent,
-                                      workers=workers, cache_dir=cache_dir):
+    for where, result in encode_lines(lines(), processor=processor, processor_folder=processor_dir(processor),
+                                      base=path.parent, workers=workers, cache_dir=cache_dir):
+
         yield result if isinstance(result, Sample) else BadSample(where, result)
 
 

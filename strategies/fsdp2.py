@@ -23,7 +23,10 @@ class ShardGroup:
     offload: bool = False
 
 
-def apply_fsdp2(*, groups: Iterable[ShardGroup], root: torch.nn.Module, root_group: ShardGroup | None, mesh: DeviceMesh) -> None:
+def apply_fsdp2(
+    *, groups: Iterable[ShardGroup], root: torch.nn.Module, root_group: ShardGroup | None, mesh: DeviceMesh
+) -> None:
+
     """Shard each group's modules, then the root, over ``mesh`` (1-D FSDP or 2-D HSDP).
 
     Order matters: children are wrapped before their parents so each parameter

@@ -56,5 +56,8 @@ def clip_global_norm(params: list[torch.Tensor], *, max_norm: float) -> torch.Te
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(scale.to(g.dtype if not isinstance(g, DTensor) else g.to_local().dtype))
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(
+                scale.to(g.dtype if not isinstance(g, DTensor) else g.to_local().dtype)
+            )
+
     return norm

@@ -34,23 +34,61 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
-def make_attention_function(*, strategy: str, layout: str, backend: str, ulysses_group: Any, ring_group: Any) -> Callable:
-    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+def make_attention_function(
+    *, strategy: str, layout: str, backend: str, ulysses_group: Any, ring_group: Any
+) -> Callable:
+    def attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs,
+    ):
         if dropout:
-            raise ValueError(f"{strategy} attention does not implement attention dropout (module {type(module).__name__}, dropout={dropout})")
+            raise ValueError(
+                f"{strategy} attention does not implement attention dropout "
+                f"(module {type(module).__name__}, dropout={dropout})"
+            )
         if kwargs.get("sliding_window"):
-            raise ValueError(f"{strategy} attention does not implement sliding-window attention (module {type(module).__name__})")
+            raise ValueError(
+                f"{strategy} attention does not implement sliding-window attention (module {type(module).__name__})"
+            )
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         # Packed documents: weft's batching passes the whole sequence's document ids as a
         # model input, which transformers hands on to every attention call.
         docs = kwargs.get("weft_doc_ids")
         query, key, value = autocast_inputs(query, key, value)
         if strategy == "ring":
-            out = ring_attention(query, key, value, group=ring_group, causal=causal, scale=scaling, layout=layout, backend=backend, doc_ids=docs)
+            out = ring_attention(
+                query,
+                key,
+                value,
+                group=ring_group,
+                causal=causal,
+                scale=scaling,
+                layout=layout,
+                backend=backend,
+                doc_ids=docs,
+            )
         elif strategy == "ulysses":
             out = ulysses_attention(query, key, value, group=ulysses_group, causal=causal, scale=scaling, doc_ids=docs)
         else:
-            out = usp_attention(query, key, value, ulysses_group=ulysses_group, ring_group=ring_group, causal=causal, scale=scaling, layout=layout, backend=backend, doc_ids=docs)
+            out = usp_attention(
+                query,
+                key,
+                value,
+                ulysses_group=ulysses_group,
+                ring_group=ring_group,
+                causal=causal,
+                scale=scaling,
+                layout=layout,
+                backend=backend,
+                doc_ids=docs,
+            )
         return out.transpose(1, 2).contiguous(), None  # (B, S_local, H, D)
 
     return attention
@@ -64,12 +102,25 @@ def make_vision_attention_function(*, group: Any, rank: int, world: int) -> Call
     the SP ranks (fewer local patches than ``cu_seq_lens_q`` covers), the ranks attend
     together with Ulysses; otherwise this rank attends its own images alone."""
 
-    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    def attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs,
+    ):
         cu_seqlens = kwargs["cu_seq_lens_q"]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         query, key, value = autocast_inputs(query, key, value)
         if query.shape[2] < int(cu_seqlens[-1]):
-            out = vision_ulysses_attention(query, key, value, cu_seqlens=cu_seqlens, group=group, rank=rank, world=world, scale=scale)
+            out = vision_ulysses_attention(
+                query, key, value, cu_seqlens=cu_seqlens, group=group, rank=rank, world=world, scale=scale
+            )
+
         else:
             out = segment_attention(query, key, value, cu_seqlens=cu_seqlens, scale=scale)
         return out.transpose(1, 2).contiguous(), None  # (1, S_part, H, D)

@@ -37,7 +37,9 @@ def pack_documents(lengths: list[int], *, budget: int, seed: int, epoch: int) ->
     return rows
 
 
-def collate_packed(samples: Sequence, *, pad_id: int, pad_to_multiple_of: int = 1, positions: Callable) -> dict[str, torch.Tensor]:
+def collate_packed(
+    samples: Sequence, *, pad_id: int, pad_to_multiple_of: int = 1, positions: Callable
+) -> dict[str, torch.Tensor]:
     """One packed row. ``positions(sample) -> (..., L)`` position ids of one document."""
     ids, targets, docs, types, pos = [], [], [], [], []
     for doc, sample in enumerate(samples):
@@ -70,7 +72,10 @@ def collate_packed(samples: Sequence, *, pad_id: int, pad_to_multiple_of: int = 
     return out
 
 
-def document_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, idx_q: torch.Tensor, idx_k: torch.Tensor, *, causal: bool) -> torch.Tensor:
+def document_mask(
+    doc_q: torch.Tensor, doc_k: torch.Tensor, idx_q: torch.Tensor, idx_k: torch.Tensor, *, causal: bool
+) -> torch.Tensor:
+
     """(B, 1, Sq, Sk) True where query i may attend key j: same document, and j <= i if causal.
 
     doc_*: (B, S*) document ids of the rows; idx_*: (S*,) their global positions.

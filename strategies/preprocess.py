@@ -85,7 +85,9 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
             pass
     try:
         messages = record_to_messages(record, base=_WORKER["base"])
-        sample = encode_conversation(messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"])
+        sample = encode_conversation(
+            messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"]
+        )
     except (ValueError, KeyError, TypeError, OSError) as error:
         return where, f"{type(error).__name__}: {error}"
     if key:
@@ -95,8 +97,9 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
     return where, sample
 
 
-def encode_lines(lines: Iterable[tuple[str, str]], *, processor: str, processor_folder: pathlib.Path, base: pathlib.Path,
-                 workers: int, cache_dir: pathlib.Path | None) -> Iterator[tuple[str, Any]]:
+def encode_lines(lines: Iterable[tuple[str, str]], *, processor: str, processor_folder: pathlib.Path,
+                 base: pathlib.Path, workers: int, cache_dir: pathlib.Path | None) -> Iterator[tuple[str, Any]]:
+
     """Encode (where, JSON line) jobs in order; yields (where, Sample) or (where, reason)."""
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)

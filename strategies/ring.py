@@ -122,7 +122,9 @@ def _operands(kernel: BlockKernel, *tensors: torch.Tensor) -> list[torch.Tensor]
     return [t if kernel.strided else t.contiguous() for t in tensors]
 
 
-def attend_block(q, kv, *, block: Block, groups: int, scale: float, kernel: BlockKernel, out, lse, first: bool = False, mask=None) -> None:
+def attend_block(
+    q, kv, *, block: Block, groups: int, scale: float, kernel: BlockKernel, out, lse, first: bool = False, mask=None
+) -> None:
     """One ring step's forward for one rank: attend, then merge into (out, lse).
 
     ``first``: nothing merged yet for these rows, so the block's result is copied
@@ -130,7 +132,9 @@ def attend_block(q, kv, *, block: Block, groups: int, scale: float, kernel: Bloc
     document mask (B, 1, Sq, Sk), which replaces its causal flag.
     """
     expand = 1 if kernel.gqa else groups
-    qb, kb, vb = _operands(kernel, q[:, :, block.q], _expand(kv[0][:, :, block.kv], expand), _expand(kv[1][:, :, block.kv], expand))
+    qb, kb, vb = _operands(
+        kernel, q[:, :, block.q], _expand(kv[0][:, :, block.kv], expand), _expand(kv[1][:, :, block.kv], expand)
+    )
     extra = {} if mask is None else {"mask": mask}
     block_out, block_lse = kernel.forward(qb, kb, vb, causal=block.causal and mask is None, scale=scale, **extra)
     if first and mask is None:
@@ -140,14 +144,18 @@ def attend_block(q, kv, *, block: Block, groups: int, scale: float, kernel: Bloc
         merge_block(out[:, :, block.q], lse[:, :, block.q], block_out, block_lse)
 
 
-def attend_block_backward(dout, q, kv, out, lse, *, block: Block, groups: int, scale: float, kernel: BlockKernel, dq, dkv, mask=None) -> None:
+def attend_block_backward(
+    dout, q, kv, out, lse, *, block: Block, groups: int, scale: float, kernel: BlockKernel, dq, dkv, mask=None
+) -> None:
     """One ring step's backward for one rank: add this block's dQ and dK/dV in place."""
     if kernel.accumulate is not None:
         # The kernel adds into the float32 buffers itself: no per-block rounding.
         extra = {} if mask is None else {"mask": mask}
         kernel.accumulate(
-            dout[:, :, block.q], q[:, :, block.q], kv[0][:, :, block.kv], kv[1][:, :, block.kv], out[:, :, block.q], lse[:, :, block.q],
-            causal=block.causal and mask is None, scale=scale, dq=dq[:, :, block.q], dk=dkv[0][:, :, block.kv], dv=dkv[1][:, :, block.kv], **extra,
+            dout[:, :, block.q], q[:, :, block.q], kv[0][:, :, block.kv], kv[1][:, :, block.kv],
+            out[:, :, block.q], lse[:, :, block.q],
+            causal=block.causal and mask is None, scale=scale,
+            dq=dq[:, :, block.q], dk=dkv[0][:, :, block.kv], dv=dkv[1][:, :, block.kv], **extra,
         )
         return
     expand = 1 if kernel.gqa else groups
@@ -156,7 +164,9 @@ def attend_block_backward(dout, q, kv, out, lse, *, block: Block, groups: int, s
         _expand(kv[0][:, :, block.kv], expand), _expand(kv[1][:, :, block.kv], expand), out[:, :, block.q],
     )
     extra = {} if mask is None else {"mask": mask}
-    dq_b, dk_b, dv_b = kernel.backward(*operands, lse[:, :, block.q].contiguous(), causal=block.causal and mask is None, scale=scale, **extra)
+    dq_b, dk_b, dv_b = kernel.backward(
+        *operands, lse[:, :, block.q].contiguous(), causal=block.causal and mask is None, scale=scale, **extra
+    )
     dq[:, :, block.q] += dq_b
     dkv[0][:, :, block.kv] += _reduce(dk_b, expand)
     dkv[1][:, :, block.kv] += _reduce(dv_b, expand)
@@ -198,7 +208,19 @@ def _accumulators(q, v):
     return out, lse
 
 
-def _forward(q, k, v, *, ring: _Ring, causal: bool, scale: float, layout: str, kernel: BlockKernel, docs: _Documents | None = None):
+def _forward(
+    q,
+    k,
+    v,
+    *,
+    ring: _Ring,
+    causal: bool,
+    scale: float,
+    layout: str,
+    kernel: BlockKernel,
+    docs: _Documents | None = None,
+):
+
     s = q.shape[2]  # (B, H, S_local, D)
     groups = q.shape[1] // k.shape[1]
     out, lse = _accumulators(q, v)
@@ -206,17 +228,50 @@ def _forward(q, k, v, *, ring: _Ring, causal: bool, scale: float, layout: str, k
     for step in range(ring.world):
         if step + 1 < ring.world:
             incoming, works = ring.exchange(kv)
-        work = _step_work(rank=ring.rank, src=(ring.rank - step) % ring.world, world=ring.world, layout=layout, causal=causal, local_len=s, docs=docs)
+        work = _step_work(
+            rank=ring.rank,
+            src=(ring.rank - step) % ring.world,
+            world=ring.world,
+            layout=layout,
+            causal=causal,
+            local_len=s,
+            docs=docs,
+        )
         if work is not None:
             block, mask = work
-            attend_block(q, kv, block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse, first=step == 0, mask=mask)
+            attend_block(
+                q,
+                kv,
+                block=block,
+                groups=groups,
+                scale=scale,
+                kernel=kernel,
+                out=out,
+                lse=lse,
+                first=step == 0,
+                mask=mask,
+            )
         if step + 1 < ring.world:
             _wait(works)
             kv = incoming
     return out.to(q.dtype), lse
 
 
-def _backward(dout, q, k, v, out, lse, *, ring: _Ring, causal: bool, scale: float, layout: str, kernel: BlockKernel, docs: _Documents | None = None):
+def _backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    ring: _Ring,
+    causal: bool,
+    scale: float,
+    layout: str,
+    kernel: BlockKernel,
+    docs: _Documents | None = None,
+):
     s = q.shape[2]
     groups = q.shape[1] // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -226,11 +281,32 @@ def _backward(dout, q, k, v, out, lse, *, ring: _Ring, causal: bool, scale: floa
     for step in range(ring.world):
         if step + 1 < ring.world:
             incoming, works = ring.exchange(kv)
-        work = _step_work(rank=ring.rank, src=(ring.rank - step) % ring.world, world=ring.world, layout=layout, causal=causal, local_len=s, docs=docs)
+        work = _step_work(
+            rank=ring.rank,
+            src=(ring.rank - step) % ring.world,
+            world=ring.world,
+            layout=layout,
+            causal=causal,
+            local_len=s,
+            docs=docs,
+        )
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this block's gradient, (2, B, KV, S, D)
         if work is not None:
             block, mask = work
-            attend_block_backward(dout, q, kv, out, lse, block=block, groups=groups, scale=scale, kernel=kernel, dq=dq, dkv=dkv, mask=mask)
+            attend_block_backward(
+                dout,
+                q,
+                kv,
+                out,
+                lse,
+                block=block,
+                groups=groups,
+                scale=scale,
+                kernel=kernel,
+                dq=dq,
+                dkv=dkv,
+                mask=mask,
+            )
         if travelling is not None:
             _wait(travelling[1])
             dkv += travelling[0]
@@ -244,7 +320,9 @@ def _backward(dout, q, k, v, out, lse, *, ring: _Ring, causal: bool, scale: floa
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-def emulate_ring(q_parts, k_parts, v_parts, dout_parts=None, *, causal: bool, scale: float, layout: str, kernel: BlockKernel):
+def emulate_ring(
+    q_parts, k_parts, v_parts, dout_parts=None, *, causal: bool, scale: float, layout: str, kernel: BlockKernel
+):
     """Every rank's block schedule run in turn in one process, without communication.
 
     ``*_parts[r]`` is rank r's local tensor. Returns per-rank outs and, when
@@ -264,7 +342,17 @@ def emulate_ring(q_parts, k_parts, v_parts, dout_parts=None, *, causal: bool, sc
             src = (rank - step) % world
             block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
             if block is not None:
-                attend_block(q_parts[rank], kvs[src], block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse, first=step == 0)
+                attend_block(
+                    q_parts[rank],
+                    kvs[src],
+                    block=block,
+                    groups=groups,
+                    scale=scale,
+                    kernel=kernel,
+                    out=out,
+                    lse=lse,
+                    first=step == 0,
+                )
         outs.append(out.to(q_parts[rank].dtype))
         lses.append(lse)
     if dout_parts is None:
@@ -289,7 +377,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, layout, backend, doc_ids):
         ring = _Ring(group)
-        kernel = select_kernel(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1], masked=doc_ids is not None)
+        kernel = select_kernel(
+            backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1], masked=doc_ids is not None
+        )
         docs = None if doc_ids is None else _Documents(doc_ids, world=ring.world, layout=layout, causal=causal)
         out, lse = _forward(q, k, v, ring=ring, causal=causal, scale=scale, layout=layout, kernel=kernel, docs=docs)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -300,7 +390,9 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, causal, scale, layout, kernel, docs = ctx.config
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, ring=ring, causal=causal, scale=scale, layout=layout, kernel=kernel, docs=docs)
+        dq, dk, dv = _backward(
+            dout, q, k, v, out, lse, ring=ring, causal=causal, scale=scale, layout=layout, kernel=kernel, docs=docs
+        )
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -327,14 +419,24 @@ def ring_attention(
     if layout not in LAYOUTS:
         raise ValueError(f"unknown ring layout {layout!r}; accepted: {', '.join(LAYOUTS)}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"ring_attention takes (batch, heads, seq, head_dim) tensors, got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
+        raise ValueError(
+            "ring_attention takes (batch, heads, seq, head_dim) tensors, "
+            f"got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
+        )
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}, {v.shape[1]})")
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}, {v.shape[1]})"
+        )
     if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
-        raise ValueError(f"q, k, v must hold the same local sequence length, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
+        raise ValueError(
+            f"q, k, v must hold the same local sequence length, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}"
+        )
     if dist.get_world_size(group if group is not None else dist.group.WORLD) == 1:
         layout = "contiguous"  # one rank holds the whole sequence: no halves to balance
     if causal and layout == "zigzag" and q.shape[2] % 2:
-        raise ValueError(f"zigzag layout: the local sequence holds two equal chunks, so its length must be even; got {q.shape[2]}")
+        raise ValueError(
+            f"zigzag layout: the local sequence holds two equal chunks, so its length must be even; got {q.shape[2]}"
+        )
+
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _RingAttention.apply(q, k, v, group, causal, scale, layout, backend, doc_ids)

@@ -64,7 +64,10 @@ def sequence_index(seq_len: int, *, rank: int, world: int, layout: str) -> torch
     return shard_sequence(torch.arange(seq_len), dim=0, rank=rank, world=world, layout=layout)
 
 
-def usp_shard(x: torch.Tensor, *, dim: int, ring_rank: int, ring: int, ulysses_rank: int, ulysses: int, layout: str) -> torch.Tensor:
+def usp_shard(
+    x: torch.Tensor, *, dim: int, ring_rank: int, ring: int, ulysses_rank: int, ulysses: int, layout: str
+) -> torch.Tensor:
+
     """USP split: ``layout`` over the ring ranks, then contiguous over the Ulysses ranks."""
     part = shard_sequence(x, dim=dim, rank=ring_rank, world=ring, layout=layout)
     check_divisible(part.shape[dim], world=ulysses, layout="contiguous", what="per-ring-rank sequence")

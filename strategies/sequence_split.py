@@ -36,7 +36,16 @@ class TextSplit:
         return usp_multiple(ring=self.ring, ulysses=self.ulysses, layout=self.layout)
 
     def shard(self, x: torch.Tensor, *, dim: int) -> torch.Tensor:
-        return usp_shard(x, dim=dim, ring_rank=self.ring_rank, ring=self.ring, ulysses_rank=self.ulysses_rank, ulysses=self.ulysses, layout=self.layout)
+        return usp_shard(
+            x,
+            dim=dim,
+            ring_rank=self.ring_rank,
+            ring=self.ring,
+            ulysses_rank=self.ulysses_rank,
+            ulysses=self.ulysses,
+            layout=self.layout,
+        )
+
 
     def split_decoder_inputs(self, kwargs: dict) -> dict:
         """The decoder's keyword inputs with every sequence-long tensor cut to this rank's part.

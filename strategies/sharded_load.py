@@ -68,7 +68,9 @@ def load_sharded(model: torch.nn.Module, path: pathlib.Path, *, tied: dict[str, 
         with torch.no_grad():
             if isinstance(tensor, DTensor):
                 local = tensor.to_local()
-                shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+                shape, offset = compute_local_shape_and_global_offset(
+                    tensor.shape, tensor.device_mesh, tensor.placements
+                )
                 if local.numel():
                     rows = handle.get_slice(source)[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
                     local.copy_(rows.to(local.dtype))
@@ -77,7 +79,10 @@ def load_sharded(model: torch.nn.Module, path: pathlib.Path, *, tied: dict[str, 
         loaded += 1
     if missing:
         example = ", ".join(sorted(available)[:3])
-        raise KeyError(f"{len(missing)} tensors of the model are not in {path}: {', '.join(missing[:5])}...; the checkpoint holds e.g. {example}")
+        raise KeyError(
+            f"{len(missing)} tensors of the model are not in {path}: {', '.join(missing[:5])}...; "
+            f"the checkpoint holds e.g. {example}"
+        )
     return loaded
 
 
@@ -102,5 +107,8 @@ def reset_non_persistent_buffers(model: torch.nn.Module) -> int:
             count += 1
     for name, buffer in model.named_buffers():
         if buffer.is_floating_point() and not torch.isfinite(buffer).all():
-            raise RuntimeError(f"buffer {name} is not initialised after loading; this transformers version does not recompute it")
+            raise RuntimeError(
+                f"buffer {name} is not initialised after loading; this transformers version does not recompute it"
+            )
+
     return count

@@ -9,7 +9,9 @@ from __future__ import annotations
 import random
 
 
-def pack_micro_batches(lengths: list[int], *, budget: int, seed: int, epoch: int, bucket_size: int = 256) -> list[list[int]]:
+def pack_micro_batches(
+    lengths: list[int], *, budget: int, seed: int, epoch: int, bucket_size: int = 256
+) -> list[list[int]]:
     """Group sample indices into micro-batches whose padded size (count x longest) fits ``budget``.
 
     Samples are shuffled, then sorted by length inside buckets of ``bucket_size``
@@ -38,7 +40,10 @@ def pack_micro_batches(lengths: list[int], *, budget: int, seed: int, epoch: int
     return batches
 
 
-def schedule_steps(batches: list[list[int]], lengths: list[int], *, dp_size: int, step_tokens: int, packed: bool = False) -> list[list[list[list[int]]]]:
+def schedule_steps(
+    batches: list[list[int]], lengths: list[int], *, dp_size: int, step_tokens: int, packed: bool = False
+) -> list[list[list[list[int]]]]:
+
     """Arrange micro-batches into optimizer steps: step -> round -> dp rank -> sample indices.
 
     A round gives each data-parallel rank one micro-batch; a step takes rounds

@@ -57,7 +57,9 @@ def _kernels():
         n_ok = offs_n < seq_k
         d_ok = offs_d < head_dim
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + b * skb + kvh * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)  # (N, D)
+        k = tl.load(
+            K + b * skb + kvh * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0
+        )  # (N, D)
         v = tl.load(V + b * svb + kvh * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
         dk = tl.zeros((BLOCK_N, D), dtype=tl.float32)
         dv = tl.zeros((BLOCK_N, D), dtype=tl.float32)
@@ -83,7 +85,9 @@ def _kernels():
                 if CAUSAL:
                     keep = keep & (offs_m[None, :] >= offs_n[:, None])
                 if MASKED:
-                    allowed = tl.load(MASK + b * smb + offs_m[None, :] * smq + offs_n[:, None] * smk, mask=keep, other=0)
+                    allowed = tl.load(
+                        MASK + b * smb + offs_m[None, :] * smq + offs_n[:, None] * smk, mask=keep, other=0
+                    )
                     keep = keep & (allowed != 0)
                 pt = tl.where(keep, pt, 0.0)
                 dv += tl.dot(pt.to(do.dtype), do)
@@ -183,7 +187,10 @@ def backward_accumulate(
     groups = heads // kv_heads
     for name, acc in (("dq", dq), ("dk", dk), ("dv", dv)):
         if acc.dtype != torch.float32 or acc.stride(-1) != 1:
-            raise ValueError(f"{name} must be a float32 buffer with unit stride along head_dim, got {acc.dtype} strides {acc.stride()}")
+            raise ValueError(
+                f"{name} must be a float32 buffer with unit stride along head_dim, "
+                f"got {acc.dtype} strides {acc.stride()}"
+            )
     if mask is not None:
         causal = False
         allowed = mask.view(torch.uint8) if mask.dtype == torch.bool else mask  # (B, 1, Sq, Sk)
@@ -202,12 +209,15 @@ def backward_accumulate(
         q, k, v, dout, lse, delta, dk, dv, allowed, *common,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         kv_heads, groups, seq_q, seq_k, head_dim, qk_scale2, scale,
-        CAUSAL=causal, MASKED=mask is not None, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], D=width, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        CAUSAL=causal, MASKED=mask is not None, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], D=width,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     c = config["dq"]
     dq_kernel[(triton.cdiv(seq_q, c["BLOCK_M"]), b * heads)](
         q, k, v, dout, lse, delta, dq, allowed, *common,
         dq.stride(0), dq.stride(1), dq.stride(2),
         heads, groups, seq_q, seq_k, head_dim, qk_scale2, scale,
-        CAUSAL=causal, MASKED=mask is not None, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], D=width, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        CAUSAL=causal, MASKED=mask is not None, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], D=width,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+
     )

@@ -60,7 +60,17 @@ def check_heads(*, heads: int, kv_heads: int, degree: int) -> None:
         raise ValueError(f"Ulysses degree {degree} and the {kv_heads} key/value heads: one must divide the other")
 
 
-def local_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def local_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+
+
     """Plain SDPA on whole sequences, GQA included; inside each document when packed."""
     gqa = k.shape[1] != q.shape[1]
     if doc_ids is None:

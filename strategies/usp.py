@@ -39,4 +39,7 @@ def usp_attention(
 
 
 def _ring_inner(q, k, v, *, causal, scale, group, layout, backend, doc_ids=None):
-    return ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout, backend=backend, doc_ids=doc_ids)
+    return ring_attention(
+        q, k, v, group=group, causal=causal, scale=scale, layout=layout, backend=backend, doc_ids=doc_ids
+    )
+

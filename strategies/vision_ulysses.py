@@ -22,7 +22,9 @@ def part_sizes(total: int, world: int) -> list[int]:
     return [total // world + (1 if r < total % world else 0) for r in range(world)]
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Non-causal attention inside each [cu_seqlens[i], cu_seqlens[i+1]) segment. (B, H, S, D)."""
     bounds = cu_seqlens.tolist()
     outs = [
@@ -33,7 +35,18 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_s
     return torch.cat(outs, dim=2)
 
 
-def vision_ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor, group, rank: int, world: int, scale: float) -> torch.Tensor:
+def vision_ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    group,
+    rank: int,
+    world: int,
+    scale: float,
+) -> torch.Tensor:
+
     """q, k, v: (1, H, S_part, D), this rank's part of the patch sequence. Returns the same shape.
 
     ``cu_seqlens`` covers the whole patch sequence (all parts).

@@ -33,13 +33,28 @@ BROKEN = {
     "truncated PNG": json.dumps(chat("images/truncated.png")),
     "text file named .png": json.dumps(chat("images/not-an-image.png")),
     "zero-byte image": json.dumps(chat("images/empty.png")),
-    "unknown content part": json.dumps({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}, {"role": "assistant", "content": "hm"}]}),
-    "unknown role": json.dumps({"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "ok"}]}),
+    "unknown content part": json.dumps({
+        "messages": [
+            {"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]},
+            {"role": "assistant", "content": "hm"},
+        ]
+    }),
+    "unknown role": json.dumps({
+        "messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "ok"}]
+    }),
     "no assistant turn": json.dumps({"messages": [{"role": "user", "content": "hello?"}]}),
     "image token in text": json.dumps(chat("images/red.png", question="Look: <|image_pad|><|image_pad|>")),
-    "placeholders vs images": json.dumps({"messages": [{"role": "user", "content": "<image><image>Two?"}, {"role": "assistant", "content": "One."}], "images": ["images/red.png"]}),
+    "placeholders vs images": json.dumps({
+        "messages": [
+            {"role": "user", "content": "<image><image>Two?"},
+            {"role": "assistant", "content": "One."},
+        ],
+        "images": ["images/red.png"],
+    }),
     "JSON array line": "[1, 2, 3]",
-    "content is a number": json.dumps({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "seven"}]}),
+    "content is a number": json.dumps({
+        "messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "seven"}]
+    }),
 }
 
 
@@ -56,8 +71,14 @@ def make_dataset(folder: pathlib.Path) -> tuple[pathlib.Path, dict[int, str]]:
         json.dumps(chat("images/red.png")),
         json.dumps(chat("images/rgba.png", answer="It is red and half transparent.")),
         json.dumps(chat("images/cmyk.jpg", answer="It is cyan.")),
-        json.dumps({"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}], "images": ["images/red.png"]}),
-        json.dumps({"conversations": [{"from": "human", "value": "<image>Colour?"}, {"from": "gpt", "value": "Red."}], "images": ["images/rgba.png"]}),
+        json.dumps({
+            "messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}],
+            "images": ["images/red.png"],
+        }),
+        json.dumps({
+            "conversations": [{"from": "human", "value": "<image>Colour?"}, {"from": "gpt", "value": "Red."}],
+            "images": ["images/rgba.png"],
+        }),
     ]
     lines, bad_lines = [], {}
     for i, (kind, line) in enumerate(BROKEN.items()):
@@ -84,8 +105,10 @@ def test_broken_dataset_runs_to_the_end_and_reports_each_line(dataset, tmp_path)
     path, bad_lines = dataset
     assert len(bad_lines) >= 10
     run_dir = tmp_path / "run"
-    done = weft("run", str(ROOT / "recipes" / "tiny-vl.toml"), "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
-                "--set", "train.max_steps=3", "--set", "train.micro_batch_tokens=256", "--run-dir", str(run_dir), cwd=tmp_path)
+    done = weft("run", str(ROOT / "recipes" / "tiny-vl.toml"),
+                "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
+                "--set", "train.max_steps=3", "--set", "train.micro_batch_tokens=256",
+                "--run-dir", str(run_dir), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["skipped_samples"] == len(bad_lines) and summary["steps"] == 3
@@ -99,7 +122,9 @@ def test_broken_dataset_runs_to_the_end_and_reports_each_line(dataset, tmp_path)
 
 def test_strict_data_stops_at_the_first_bad_line(dataset, tmp_path):
     path, bad_lines = dataset
-    done = weft("run", str(ROOT / "recipes" / "tiny-vl.toml"), "--nproc", "1", "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
+    done = weft("run", str(ROOT / "recipes" / "tiny-vl.toml"), "--nproc", "1",
+                "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
                 "--set", "data.strict=true", "--run-dir", str(tmp_path / "strict"), cwd=tmp_path)
+
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert f"{path}:{min(bad_lines)}" in done.stderr and "data.strict" in done.stderr

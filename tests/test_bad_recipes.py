@@ -82,13 +82,24 @@ def test_bad_recipe_subprocess(name):
         ("train.max_steps", "--set takes KEY=VALUE (e.g. train.max_steps=10), got 'train.max_steps'"),
         ("max_steps=10", "the key 'max_steps' must be SECTION.KEY"),
         ("train.lr.peak=1", "the key 'train.lr.peak' must be SECTION.KEY"),
-        ("train.max_steps=ten", "(--set train.max_steps=ten): 'ten' (string) is not accepted for 'max_steps'; expected an integer"),
-        ("train.max_steps=1.5", "(--set train.max_steps=1.5): 1.5 (number) is not accepted for 'max_steps'; expected an integer"),
+        (
+            "train.max_steps=ten",
+            "(--set train.max_steps=ten): 'ten' (string) is not accepted for 'max_steps'; expected an integer",
+        ),
+        (
+            "train.max_steps=1.5",
+            "(--set train.max_steps=1.5): 1.5 (number) is not accepted for 'max_steps'; expected an integer",
+        ),
         ("train.max_steps=0", "(--set train.max_steps=0): max_steps = 0 is out of range; accepted: >= 1"),
         ("data.strict=yes", "'yes' (string) is not accepted for 'strict'; expected true or false"),
         ("train.precision=bfloat16", "expected one of 'fp32', 'bf16'; did you mean 'bf16'?"),
         ("parallel.ulysses=3", "parallel.ulysses = 3 does not divide the heads"),  # with --world-size 3 below
-        ("model.preset=qwen2_5_vl_tiyn", "(--set model.preset=qwen2_5_vl_tiyn): unknown model.preset 'qwen2_5_vl_tiyn'; did you mean 'qwen2_5_vl_tiny'?"),
+        (
+            "model.preset=qwen2_5_vl_tiyn",
+            "(--set model.preset=qwen2_5_vl_tiyn): unknown model.preset 'qwen2_5_vl_tiyn'; "
+            "did you mean 'qwen2_5_vl_tiny'?",
+        ),
+
         ("data.source=jsonl", "data.source = 'jsonl' needs data.path"),
     ],
 )

@@ -24,7 +24,8 @@ def read_metrics(run_dir: pathlib.Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> pathlib.Path:
     run_dir = tmp_path_factory.mktemp("run") / "tiny"
-    done = weft("run", str(TINY), "--set", "train.max_steps=12", "--set", "train.checkpoint_every=6", "--run-dir", str(run_dir), cwd=run_dir.parent)
+    done = weft("run", str(TINY), "--set", "train.max_steps=12", "--set", "train.checkpoint_every=6",
+                "--run-dir", str(run_dir), cwd=run_dir.parent)
     assert done.returncode == 0, done.stderr[-4000:]
     return run_dir
 
@@ -74,7 +75,8 @@ def test_resume_without_checkpoint_is_a_user_error(tmp_path):
 
 
 def test_missing_data_file_fails_before_launch(tmp_path):
-    done = weft("run", str(TINY), "--set", "data.source='jsonl'", "--set", "data.path='nope.jsonl'", "--run-dir", str(tmp_path / "r"), cwd=tmp_path)
+    done = weft("run", str(TINY), "--set", "data.source='jsonl'", "--set", "data.path='nope.jsonl'",
+                "--run-dir", str(tmp_path / "r"), cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "data.path" in done.stderr and "nope.jsonl" in done.stderr and "Traceback" not in done.stderr
 
@@ -83,7 +85,13 @@ def test_plan_lists_every_attention_module_of_both_towers(tmp_path):
     done = weft("plan", str(TINY), "--world-size", "4", "--explain", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    for path in ("model.visual.blocks.0.attn", "model.visual.blocks.1.attn", "model.language_model.layers.0.self_attn", "model.language_model.layers.1.self_attn"):
+    for path in (
+        "model.visual.blocks.0.attn",
+        "model.visual.blocks.1.attn",
+        "model.language_model.layers.0.self_attn",
+        "model.language_model.layers.1.self_attn",
+    ):
+
         rows = [line for line in lines if path + " " in line and "attention" in line]
         assert rows, path
         # Vision: whole images, local SDPA; text: chosen from the mesh ("auto").

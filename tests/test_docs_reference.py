@@ -20,7 +20,9 @@ def test_rules_md_is_up_to_date():
     gen = load_generator()
     current = gen.RULES_MD.read_text(encoding="utf-8")
     fresh = gen.render(current)
-    diff = "".join(difflib.unified_diff(current.splitlines(True), fresh.splitlines(True), "docs/rules.md", "generated", n=1))
+    diff = "".join(
+        difflib.unified_diff(current.splitlines(True), fresh.splitlines(True), "docs/rules.md", "generated", n=1)
+    )
     assert fresh == current, f"docs/rules.md is out of date; run: python docs/gen_reference.py\n{diff}"
 
 
@@ -33,7 +35,10 @@ def test_every_recipe_key_is_in_a_table():
     text = (ROOT / "docs" / "rules.md").read_text(encoding="utf-8")
     for cls in (ModelSection, DataSection, TrainSection, ParallelSection):
         for field in attrs.fields(cls):
-            assert f"| `{field.alias or field.name}` |" in text, f"{cls.__name__}.{field.name} missing from docs/rules.md"
+            assert f"| `{field.alias or field.name}` |" in text, (
+                f"{cls.__name__}.{field.name} missing from docs/rules.md"
+            )
+
 
 
 def test_check_mode_reports_drift(tmp_path, monkeypatch, capsys):

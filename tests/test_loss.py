@@ -25,7 +25,11 @@ def _case(dtype, *, seed=0, b=2, s=37, v=53):
 
 # bf16 gradients: both forms round a float32 gradient to bf16 once; the two float32
 # values may differ in their last bits, so an element may land one bf16 step apart.
-@pytest.mark.parametrize("dtype, tol, grad_tol", [(torch.float64, 1e-12, 1e-12), (torch.float32, 1e-6, 1e-6), (torch.bfloat16, 1e-6, 2**-8)])
+@pytest.mark.parametrize(
+    "dtype, tol, grad_tol",
+    [(torch.float64, 1e-12, 1e-12), (torch.float32, 1e-6, 1e-6), (torch.bfloat16, 1e-6, 2**-8)],
+)
+
 @pytest.mark.parametrize("rows", [1, 7, 74, 1000])  # one row per chunk, ragged last chunk, exact split, one chunk
 def test_equals_torch_cross_entropy(dtype, tol, grad_tol, rows):
     logits, target = _case(dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from weft.core.errors import PlanError, RecipeError
-from weft.core.mesh_spec import DIMS, MeshSpec, resolve_mesh
+from weft.core.mesh_spec import MESH_ORDER, MeshSpec, resolve_mesh
 from weft.core.recipe import ParallelSection, Recipe
 
 WHERE = "recipe.toml [parallel]"
@@ -16,9 +16,9 @@ def resolve(world_size: int, heads: int | None = 28, **parallel) -> MeshSpec:
 
 
 def test_dims_are_outermost_first():
-    assert DIMS == ("dp_replicate", "dp_shard", "ulysses", "ring")
+    assert MESH_ORDER == ("dp_replicate", "dp_shard", "ring", "ulysses")  # the live mesh's order too
     spec = MeshSpec(dp_replicate=2, dp_shard=3, ulysses=4, ring=5)
-    assert spec.shape == (2, 3, 4, 5)
+    assert spec.shape == (2, 3, 5, 4)
     assert spec.world_size == 120 and spec.sp == 20 and spec.dp == 6
 
 
@@ -28,9 +28,9 @@ def test_dims_are_outermost_first():
         (1, {}, (1, 1, 1, 1)),
         (8, {}, (1, 8, 1, 1)),
         (8, {"dp_replicate": 2}, (2, 4, 1, 1)),
-        (8, {"ring": 2}, (1, 4, 1, 2)),
+        (8, {"ring": 2}, (1, 4, 2, 1)),
         (16, {"dp_replicate": 2, "ulysses": 2, "ring": 2}, (2, 2, 2, 2)),
-        (8, {"dp_replicate": 2, "ulysses": 4}, (2, 1, 4, 1)),
+        (8, {"dp_replicate": 2, "ulysses": 4}, (2, 1, 1, 4)),
         (8, {"dp_shard": 8}, (1, 8, 1, 1)),  # explicit and matching
     ],
 )

@@ -54,7 +54,10 @@ def test_defaults():
     assert (recipe.data.source, recipe.data.num_samples, recipe.data.strict) == ("synthetic", 256, False)
     assert (recipe.train.max_steps, recipe.train.seed, recipe.train.precision, recipe.train.lr) == (20, 0, "fp32", 1e-3)
     assert (recipe.parallel.nproc, recipe.parallel.dp_replicate, recipe.parallel.dp_shard) == (1, 1, -1)
-    assert (recipe.parallel.ulysses, recipe.parallel.ring, recipe.parallel.backend, recipe.parallel.device) == (1, 1, "auto", "auto")
+    assert (
+        recipe.parallel.ulysses, recipe.parallel.ring, recipe.parallel.backend, recipe.parallel.device
+    ) == (1, 1, "auto", "auto")
+
 
 
 def test_seq_len_property():
@@ -129,7 +132,9 @@ def test_set_overrides(tmp_path, override, section, key, value):
 
 def test_several_overrides_apply_in_order(tmp_path):
     path = write(tmp_path, '[model]\npreset = "qwen2_5_vl_tiny"\n')
-    recipe = Recipe.from_toml(path, overrides=("train.max_steps=5", "train.max_steps=6", "data.source=jsonl", "data.path=chat.jsonl"))
+    recipe = Recipe.from_toml(
+        path, overrides=("train.max_steps=5", "train.max_steps=6", "data.source=jsonl", "data.path=chat.jsonl")
+    )
     assert recipe.train.max_steps == 6
     assert (recipe.data.source, recipe.data.path) == ("jsonl", "chat.jsonl")
 
@@ -184,7 +189,10 @@ def test_raw_is_the_merged_data(tmp_path):
         "model": {"preset": "qwen2_5_vl_tiny"},
         "train": {"max_steps": 3},
         "parallel": {"ring": 2},
-        "rules": [{"name": "eager text", "when": {"modality": "text", "heads": {"ge": 2}}, "attention": {"strategy": "eager"}}],
+        "rules": [
+            {"name": "eager text", "when": {"modality": "text", "heads": {"ge": 2}}, "attention": {"strategy": "eager"}}
+        ],
+
     }
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from weft.core.errors import WeftError
 from weft.core.hookspecs import HOOK_POINTS
 from weft.core.mesh_spec import MeshSpec
+from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import (
     COMPARISONS,
     MODALITIES,
@@ -25,12 +26,13 @@ from weft.core.recipe import (
     TrainSection,
     apply_override,
 )
-from weft.core.plugin_manager import build_plugin_manager
 from weft.core.rules import ModuleInfo, build_plan
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "parallel": ParallelSection}
 FIELDS = sorted({f.name for cls in SECTIONS.values() for f in attrs.fields(cls)})
-REAL_KEYS = sorted({*SECTIONS, "include", "rules", "name", "when", "strategy", *HOOK_POINTS, *SELECTOR_KEYS, *COMPARISONS, *FIELDS})
+REAL_KEYS = sorted(
+    {*SECTIONS, "include", "rules", "name", "when", "strategy", *HOOK_POINTS, *SELECTOR_KEYS, *COMPARISONS, *FIELDS}
+)
 WORDS = [
     "qwen2_5_vl_tiny", "auto", "fsdp2", "sdpa", "eager", "finite", "clip", "dynamic", "token_budget", "none",
     "synthetic", "jsonl", "bf16", "fp32", "gloo", "cpu", "float32", "rules/modality-groups.toml", "nope.toml",
@@ -71,7 +73,9 @@ selectors = st.one_of(
             values,
             st.sampled_from(MODALITIES),
             st.lists(st.sampled_from(MODALITIES), max_size=3),
-            st.dictionaries(st.one_of(st.sampled_from(COMPARISONS), keys), st.one_of(st.integers(-2, 100), values), max_size=3),
+            st.dictionaries(
+                st.one_of(st.sampled_from(COMPARISONS), keys), st.one_of(st.integers(-2, 100), values), max_size=3
+            ),
         ),
         max_size=3,
     ),
@@ -79,8 +83,13 @@ selectors = st.one_of(
 )
 actions = st.one_of(
     st.sampled_from(WORDS),
-    st.fixed_dictionaries({"strategy": st.one_of(st.sampled_from(WORDS), values)}, optional={"group": values, "max_norm": values, "junk": values}),
-    st.lists(st.one_of(st.sampled_from(WORDS), st.fixed_dictionaries({"strategy": st.sampled_from(WORDS)})), max_size=3),
+    st.fixed_dictionaries(
+        {"strategy": st.one_of(st.sampled_from(WORDS), values)},
+        optional={"group": values, "max_norm": values, "junk": values},
+    ),
+    st.lists(
+        st.one_of(st.sampled_from(WORDS), st.fixed_dictionaries({"strategy": st.sampled_from(WORDS)})), max_size=3
+    ),
     values,
 )
 rules = st.dictionaries(
@@ -117,16 +126,29 @@ plausible_rules = st.lists(
             "when": st.fixed_dictionaries(
                 {},
                 optional={
-                    "modality": st.one_of(st.sampled_from(MODALITIES), st.lists(st.sampled_from(MODALITIES), max_size=2)),
+                    "modality": st.one_of(
+                        st.sampled_from(MODALITIES), st.lists(st.sampled_from(MODALITIES), max_size=2)
+                    ),
                     "path": st.sampled_from(["*", "model.*", "*attn", ["lm_head", "*layers*"]]),
-                    "heads": st.one_of(st.integers(0, 8), st.dictionaries(st.sampled_from(COMPARISONS), st.integers(0, 8), min_size=1, max_size=2)),
-                    "seq_len": st.dictionaries(st.sampled_from(COMPARISONS), st.integers(0, 5000), min_size=1, max_size=2),
+                    "heads": st.one_of(
+                        st.integers(0, 8),
+                        st.dictionaries(st.sampled_from(COMPARISONS), st.integers(0, 8), min_size=1, max_size=2),
+                    ),
+                    "seq_len": st.dictionaries(
+                        st.sampled_from(COMPARISONS), st.integers(0, 5000), min_size=1, max_size=2
+                    ),
                 },
             ),
             **{
                 point: st.one_of(
                     st.sampled_from(names),
-                    st.fixed_dictionaries({"strategy": st.sampled_from(names)}, optional={"group": st.sampled_from(["v", 1]), "max_norm": st.sampled_from([0.5, 2, "x", -1.0, float("nan")])}),
+                    st.fixed_dictionaries(
+                        {"strategy": st.sampled_from(names)},
+                        optional={
+                            "group": st.sampled_from(["v", 1]),
+                            "max_norm": st.sampled_from([0.5, 2, "x", -1.0, float("nan")]),
+                        },
+                    ),
                 )
                 for point, names in NAMES.items()
             },
@@ -150,14 +172,20 @@ recipes = st.one_of(
         {},
         optional={
             "model": st.one_of(
-                st.fixed_dictionaries({"preset": st.one_of(st.just("qwen2_5_vl_tiny"), values)}, optional={"path": values, "processor": values}),
+                st.fixed_dictionaries(
+                    {"preset": st.one_of(st.just("qwen2_5_vl_tiny"), values)},
+                    optional={"path": values, "processor": values},
+                ),
                 section("model"),
             ),
             "data": section("data"),
             "train": section("train"),
             "parallel": section("parallel"),
             "rules": st.one_of(st.lists(st.one_of(rules, values), max_size=3), values),
-            "include": st.one_of(st.lists(st.sampled_from(["rules/modality-groups.toml", "modality-groups", "nope.toml"]), max_size=2), values),
+            "include": st.one_of(
+                st.lists(st.sampled_from(["rules/modality-groups.toml", "modality-groups", "nope.toml"]), max_size=2),
+                values,
+            ),
             "junk": values,
         },
     ),
@@ -168,11 +196,21 @@ MODULES = [
     ModuleInfo(path="", class_name="Model", kind="root"),
     ModuleInfo(path="model.visual.blocks.0", class_name="Block", kind="unit", modality="vision"),
     ModuleInfo(path="model.layers.0", class_name="Layer", kind="unit", modality="text"),
-    ModuleInfo(path="model.layers.0.self_attn", class_name="Attention", kind="attention", modality="text", heads=4, kv_heads=2, head_dim=16),
+    ModuleInfo(
+        path="model.layers.0.self_attn",
+        class_name="Attention",
+        kind="attention",
+        modality="text",
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+    ),
 ]
 
 
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 @FUZZ
@@ -190,14 +228,24 @@ def test_from_dict_raises_only_weft_errors(data):
 
 @FUZZ
 @given(
-    data=st.dictionaries(st.sampled_from([*SECTIONS, "rules"]), st.one_of(st.dictionaries(keys, values, max_size=3), values), max_size=3),
+    data=st.dictionaries(
+        st.sampled_from([*SECTIONS, "rules"]), st.one_of(st.dictionaries(keys, values, max_size=3), values), max_size=3
+    ),
     key=st.one_of(
-        st.builds(lambda s, k: f"{s}.{k}", st.sampled_from([*SECTIONS, "trian"]), st.one_of(st.sampled_from(FIELDS), st.text(max_size=8))),
+        st.builds(
+            lambda s, k: f"{s}.{k}",
+            st.sampled_from([*SECTIONS, "trian"]),
+            st.one_of(st.sampled_from(FIELDS), st.text(max_size=8)),
+        ),
         st.text(max_size=20),
     ),
     sep=st.sampled_from(["=", " = ", "", "=="]),
     value=st.one_of(
-        st.sampled_from(["10", "1e-3", "true", "auto", "bf16", '"x"', "[1, 2]", "{ a = 1 }", "", "[[[", "nan", "inf", "99999999999999999999999"]),
+        st.sampled_from([
+            "10", "1e-3", "true", "auto", "bf16", '"x"', "[1, 2]", "{ a = 1 }", "", "[[[", "nan", "inf",
+            "99999999999999999999999",
+        ]),
+
         st.text(max_size=20),
     ),
 )

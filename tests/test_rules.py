@@ -31,14 +31,18 @@ from weft.core.schema import in_range
 # ---------------------------------------------------------------------------
 
 ROOT = ModuleInfo(path="", class_name="Qwen2_5_VLForConditionalGeneration", kind="root")
-VISION_BLOCK = ModuleInfo(path="model.visual.blocks.0", class_name="Qwen2_5_VLVisionBlock", kind="unit", modality="vision")
+VISION_BLOCK = ModuleInfo(
+    path="model.visual.blocks.0", class_name="Qwen2_5_VLVisionBlock", kind="unit", modality="vision"
+)
 VISION_ATTN = ModuleInfo(
     path="model.visual.blocks.0.attn", class_name="Qwen2_5_VLVisionAttention", kind="attention",
     modality="vision", heads=16, kv_heads=16, head_dim=80,
 )
 MERGER = ModuleInfo(path="model.visual.merger", class_name="Qwen2_5_VLPatchMerger", kind="unit", modality="projector")
 EMBED = ModuleInfo(path="model.language_model.embed_tokens", class_name="Embedding", kind="unit", modality="embedding")
-TEXT_LAYER = ModuleInfo(path="model.language_model.layers.0", class_name="Qwen2_5_VLDecoderLayer", kind="unit", modality="text")
+TEXT_LAYER = ModuleInfo(
+    path="model.language_model.layers.0", class_name="Qwen2_5_VLDecoderLayer", kind="unit", modality="text"
+)
 TEXT_ATTN = ModuleInfo(
     path="model.language_model.layers.0.self_attn", class_name="Qwen2_5_VLAttention", kind="attention",
     modality="text", heads=28, kv_heads=4, head_dim=128,
@@ -85,7 +89,10 @@ def write(directory: pathlib.Path, name: str, text: str) -> pathlib.Path:
 
 
 def plan_of(recipe: Recipe, *, modules=MODULES, registry=REGISTRY, world_size: int = 8) -> Plan:
-    return build_plan(recipe=recipe, modules=list(modules), registry=registry, mesh=MeshSpec(dp_shard=world_size), world_size=world_size)
+    return build_plan(
+        recipe=recipe, modules=list(modules), registry=registry, mesh=MeshSpec(dp_shard=world_size),
+        world_size=world_size,
+    )
 
 
 def decision(plan: Plan, path: str, point: str):
@@ -142,7 +149,9 @@ def test_recipe_rules_before_includes_before_defaults(tmp_path):
     extra = tmp_path / "extra.toml"
 
     text_attn = decision(plan, TEXT_ATTN.path, "attention")
-    assert (text_attn.strategy, text_attn.rule, text_attn.source) == ("test_ulysses", "text ulysses", f"{recipe_path}:6")
+    assert (text_attn.strategy, text_attn.rule, text_attn.source) == (
+        "test_ulysses", "text ulysses", f"{recipe_path}:6",
+    )
     assert text_attn.params == UlyssesParams(chunks=2)
 
     vision_attn = decision(plan, VISION_ATTN.path, "attention")
@@ -176,7 +185,10 @@ def test_first_matching_rule_wins_per_point(tmp_path):
 def test_recipe_rule_beats_an_earlier_listed_include(tmp_path):
     """Precedence is by origin (recipe, includes, defaults), not by where `include` sits."""
     write(tmp_path, "inc.toml", '[[rules]]\nname = "included"\nattention = { strategy = "eager" }\n')
-    path = write(tmp_path, "recipe.toml", 'include = ["inc.toml"]\n' + MODEL + '\n[[rules]]\nname = "own"\nattention = { strategy = "sdpa" }\n')
+    path = write(
+        tmp_path, "recipe.toml",
+        'include = ["inc.toml"]\n' + MODEL + '\n[[rules]]\nname = "own"\nattention = { strategy = "sdpa" }\n',
+    )
     recipe = Recipe.from_toml(path)
     assert [r.name for r in recipe.rules] == ["own", "included"]
     assert decision(plan_of(recipe), TEXT_ATTN.path, "attention").rule == "own"
@@ -206,7 +218,10 @@ def test_rule_setting_only_attention_does_not_stop_later_shard_rule(tmp_path):
 
 
 def test_points_only_apply_to_their_module_kinds(tmp_path):
-    path = write(tmp_path, "recipe.toml", MODEL + '[[rules]]\nattention = { strategy = "eager" }\nshard = { strategy = "none" }\n')
+    path = write(
+        tmp_path, "recipe.toml",
+        MODEL + '[[rules]]\nattention = { strategy = "eager" }\nshard = { strategy = "none" }\n',
+    )
     plan = plan_of(Recipe.from_toml(path))
     by_path = {m.info.path: {d.point for d in m.decisions} for m in plan.modules}
     assert by_path[""] == {"shard", "batching", "grad_sync", "guard"}
@@ -245,11 +260,20 @@ def test_nested_includes_relative_to_the_including_file(tmp_path):
     write(tmp_path, "shared/c.toml", '[[rules]]\nname = "c"\nkv_cache = "dynamic"\n')
     # A decoy b.toml next to the recipe must not be picked up.
     write(tmp_path, "recipes/b.toml", '[[rules]]\nname = "decoy"\nattention = "eager"\n')
-    path = write(tmp_path, "recipes/recipe.toml", 'include = ["sub/a.toml"]\n' + MODEL + '\n[[rules]]\nname = "own"\nguard = "finite"\n')
+    path = write(
+        tmp_path, "recipes/recipe.toml",
+        'include = ["sub/a.toml"]\n' + MODEL + '\n[[rules]]\nname = "own"\nguard = "finite"\n',
+    )
 
     recipe = Recipe.from_toml(path)
     names = [r.name for r in recipe.rules]
-    groups = [r.name for r in Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "include": ["rules/modality-groups.toml"]}).rules]
+    groups = [
+        r.name
+        for r in Recipe.from_dict(
+            {"model": {"preset": "qwen2_5_vl_tiny"}, "include": ["rules/modality-groups.toml"]}
+        ).rules
+    ]
+
     assert names == ["own", "a", "b", "c", *groups]
     sources = [r.source for r in recipe.rules]
     assert sources[:4] == [
@@ -398,7 +422,9 @@ def test_default_rules_provenance():
 
 
 def test_rules_from_dict_without_text_get_index_sources():
-    recipe = Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [{"shard": "none"}, {"guard": "finite"}]})
+    recipe = Recipe.from_dict(
+        {"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [{"shard": "none"}, {"guard": "finite"}]}
+    )
     assert [r.source for r in recipe.rules] == ["<memory>#rule1", "<memory>#rule2"]
     assert [r.name for r in recipe.rules] == ["rule 1", "rule 2"]
 
@@ -495,16 +521,23 @@ def test_numeric_comparisons(key, op, value, expected):
 def test_seq_len_selector_reads_train_seq_len():
     rules = [{"when": {"modality": "text", "seq_len": {"gt": 65536}}, "attention": {"strategy": "test_ulysses"}}]
     long = Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"max_seq_len": 131072}, "rules": rules})
-    short = Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"micro_batch_tokens": 65536}, "rules": rules})
+    short = Recipe.from_dict(
+        {"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"micro_batch_tokens": 65536}, "rules": rules}
+    )
     assert decision(plan_of(long), TEXT_ATTN.path, "attention").strategy == "test_ulysses"
     assert plan_of(long).seq_len == 131072
     # max_seq_len = 0: the seq_len selector sees micro_batch_tokens, and the rule does not match.
-    assert decision(plan_of(short), TEXT_ATTN.path, "attention").source == default_source("attention", TEXT_ATTN, seq_len=65536)
+    assert decision(plan_of(short), TEXT_ATTN.path, "attention").source == default_source(
+        "attention", TEXT_ATTN, seq_len=65536
+    )
     assert plan_of(short).seq_len == 65536
 
 
 def test_world_size_selector_reads_the_planned_world_size():
-    recipe = Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [{"when": {"world_size": {"ge": 4}}, "shard": "fsdp2"}, {"shard": "none"}]})
+    recipe = Recipe.from_dict({
+        "model": {"preset": "qwen2_5_vl_tiny"},
+        "rules": [{"when": {"world_size": {"ge": 4}}, "shard": "fsdp2"}, {"shard": "none"}],
+    })
     assert decision(plan_of(recipe, world_size=4), TEXT_LAYER.path, "shard").strategy == "fsdp2"
     assert decision(plan_of(recipe, world_size=2), TEXT_LAYER.path, "shard").strategy == "none"
     assert plan_of(recipe, world_size=2).world_size == 2
@@ -548,13 +581,16 @@ def recipe_with(rule_text: str, tmp_path: pathlib.Path) -> tuple[Recipe, pathlib
 
 
 def test_unknown_strategy_lists_the_available_ones(tmp_path):
-    recipe, path = recipe_with('[[rules]]\nwhen = { modality = "text" }\nattention = { strategy = "test_ulyses" }\n', tmp_path)
+    recipe, path = recipe_with(
+        '[[rules]]\nwhen = { modality = "text" }\nattention = { strategy = "test_ulyses" }\n', tmp_path
+    )
     with pytest.raises(RecipeError) as info:
         plan_of(recipe)
     available = ", ".join(REGISTRY.names("attention"))
     assert "test_ulysses" in available and "sdpa" in available
     assert str(info.value) == (
-        f"{path}:4 (attention.strategy): unknown attention strategy 'test_ulyses'; did you mean 'test_ulysses'? Available: {available}"
+        f"{path}:4 (attention.strategy): unknown attention strategy 'test_ulyses'; did you mean 'test_ulysses'? "
+        f"Available: {available}"
     )
 
 
@@ -562,7 +598,9 @@ def test_unknown_strategy_without_close_match(tmp_path):
     recipe, _ = recipe_with('[[rules]]\nkv_cache = "zzzz"\n', tmp_path)
     with pytest.raises(RecipeError) as info:
         plan_of(recipe)
-    assert str(info.value).endswith(f"unknown kv_cache strategy 'zzzz'. Available: {', '.join(REGISTRY.names('kv_cache'))}")
+    assert str(info.value).endswith(
+        f"unknown kv_cache strategy 'zzzz'. Available: {', '.join(REGISTRY.names('kv_cache'))}"
+    )
 
 
 def test_strategy_of_another_point_is_unknown(tmp_path):
@@ -583,7 +621,9 @@ def test_unknown_param_key(tmp_path):
 
 def test_param_for_a_strategy_without_params(tmp_path):
     recipe, _ = recipe_with('[[rules]]\ngrad_sync = { strategy = "test_log_norm", backend = "flash" }\n', tmp_path)
-    with pytest.raises(RecipeError, match=r"\(grad_sync.backend\): unknown key 'backend'\. Accepted keys here: \(no keys\)"):
+    with pytest.raises(
+        RecipeError, match=r"\(grad_sync.backend\): unknown key 'backend'\. Accepted keys here: \(no keys\)"
+    ):
         plan_of(recipe)
 
 
@@ -607,7 +647,9 @@ def test_param_wrong_type_or_value(tmp_path, params, message):
 
 
 def test_params_are_checked_even_when_no_module_matches(tmp_path):
-    recipe, _ = recipe_with('[[rules]]\nwhen = { path = "no.such.module" }\nshard = { strategy = "fsdp2", grop = "x" }\n', tmp_path)
+    recipe, _ = recipe_with(
+        '[[rules]]\nwhen = { path = "no.such.module" }\nshard = { strategy = "fsdp2", grop = "x" }\n', tmp_path
+    )
     with pytest.raises(RecipeError, match="unknown key 'grop'; did you mean 'group'?"):
         plan_of(recipe)
     with pytest.raises(RecipeError, match="unknown key 'grop'"):
@@ -629,13 +671,17 @@ def test_guard_and_grad_sync_accept_lists(tmp_path):
     """, tmp_path)
     plan = plan_of(recipe)
     clip, log_norm = plan.decisions_of("grad_sync")
-    assert (clip.strategy, clip.params.max_norm, log_norm.strategy, log_norm.params) == ("clip", 0.5, "test_log_norm", NoParams())
+    assert (clip.strategy, clip.params.max_norm, log_norm.strategy, log_norm.params) == (
+        "clip", 0.5, "test_log_norm", NoParams(),
+    )
     finite, spike = plan.decisions_of("guard")
     assert (finite.strategy, spike.strategy, spike.params) == ("finite", "test_loss_spike", SpikeParams(factor=3.0))
     # The whole list comes from the first matching rule: the default's guard is not added.
     assert {d.source for d in plan.decisions_of("guard")} == {f"{path}:4"}
     decisions = plan.to_json()["modules"][0]["decisions"]
-    assert set(decisions) == {"shard", "batching", "grad_sync.clip", "grad_sync.test_log_norm", "guard.finite", "guard.test_loss_spike"}
+    assert set(decisions) == {
+        "shard", "batching", "grad_sync.clip", "grad_sync.test_log_norm", "guard.finite", "guard.test_loss_spike",
+    }
     assert decisions["guard.test_loss_spike"]["params"] == {"factor": 3.0}
 
 
@@ -664,7 +710,9 @@ def test_unknown_hook_point_did_you_mean():
 
 def test_rule_choosing_nothing():
     with pytest.raises(RecipeError, match="a rule must choose a strategy for at least one hook point"):
-        Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [{"name": "empty", "when": {"modality": "text"}}]})
+        Recipe.from_dict(
+            {"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [{"name": "empty", "when": {"modality": "text"}}]}
+        )
 
 
 def test_duplicate_strategy_declaration_is_refused():
@@ -701,7 +749,11 @@ def test_builtin_registry_plans_with_defaults(tmp_path):
 
 
 def test_plan_to_json_round_trip_shape(tmp_path):
-    path = write(tmp_path, "recipe.toml", MODEL + '\n[[rules]]\nname = "text"\nwhen = { modality = "text" }\nattention = { strategy = "test_ulysses", chunks = 2 }\n')
+    path = write(
+        tmp_path, "recipe.toml",
+        MODEL + '\n[[rules]]\nname = "text"\nwhen = { modality = "text" }\n'
+        'attention = { strategy = "test_ulysses", chunks = 2 }\n',
+    )
     plan = build_plan(
         recipe=Recipe.from_toml(path), modules=MODULES, registry=REGISTRY,
         mesh=MeshSpec(dp_replicate=2, dp_shard=2, ulysses=2, ring=1), world_size=8,
@@ -714,14 +766,17 @@ def test_plan_to_json_round_trip_shape(tmp_path):
     assert [m["path"] for m in data["modules"]] == [m.path for m in MODULES]
     for module, info in zip(data["modules"], MODULES):
         assert set(module) == {"path", "class", "kind", "modality", "heads", "kv_heads", "head_dim", "decisions"}
-        assert (module["class"], module["kind"], module["modality"], module["heads"], module["kv_heads"], module["head_dim"]) == (
-            info.class_name, info.kind, info.modality, info.heads, info.kv_heads, info.head_dim,
-        )
+        assert (
+            module["class"], module["kind"], module["modality"], module["heads"], module["kv_heads"], module["head_dim"]
+        ) == (info.class_name, info.kind, info.modality, info.heads, info.kv_heads, info.head_dim)
         for d in module["decisions"].values():
             assert set(d) == {"strategy", "params", "rule", "source"}
             assert isinstance(d["params"], dict)
     text = data["modules"][MODULES.index(TEXT_ATTN)]["decisions"]
-    assert text["attention"] == {"strategy": "test_ulysses", "params": {"backend": "auto", "chunks": 2}, "rule": "text", "source": f"{path}:4"}
+    assert text["attention"] == {
+        "strategy": "test_ulysses", "params": {"backend": "auto", "chunks": 2}, "rule": "text", "source": f"{path}:4",
+    }
+
     assert text["kv_cache"]["source"] == default_source("kv_cache", TEXT_ATTN)
     root = data["modules"][0]["decisions"]
     # Collect-all points are keyed "point.strategy", the others by the point alone.

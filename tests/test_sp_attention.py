@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from distributed import run_ranks
+
 from weft.strategies.ring import ring_attention
 from weft.strategies.sequence_shard import sequence_index, shard_sequence, unshard_sequence, usp_shard, usp_unshard
 from weft.strategies.ulysses import ulysses_attention
@@ -38,7 +38,9 @@ def reference(q, k, v, dout, *, causal):
 def check_case(case: dict, *, shard, run) -> None:
     """Shard inputs with ``shard``, attend with ``run``, compare to the full reference on this rank's part."""
     dtype = case["dtype"]
-    q, k, v, dout = make_inputs(**{k: case[k] for k in ("batch", "heads", "kv_heads", "seq", "head_dim", "dtype")}, seed=case.get("seed", 0))
+    q, k, v, dout = make_inputs(
+        **{k: case[k] for k in ("batch", "heads", "kv_heads", "seq", "head_dim", "dtype")}, seed=case.get("seed", 0)
+    )
     want = reference(q, k, v, dout, causal=case["causal"])
     local = [shard(t).clone().requires_grad_() for t in (q, k, v)]
     out = run(*local)
@@ -46,7 +48,9 @@ def check_case(case: dict, *, shard, run) -> None:
     got = (out.detach(), local[0].grad, local[1].grad, local[2].grad)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         err = rel_err(g, shard(w))
-        assert err <= TOLERANCE[dtype], f"{case['name']}: {name} relative error {err:.3g} > {TOLERANCE[dtype]:g} ({dtype})"
+        assert err <= TOLERANCE[dtype], (
+            f"{case['name']}: {name} relative error {err:.3g} > {TOLERANCE[dtype]:g} ({dtype})"
+        )
 
 
 def _cases(world: int) -> list[dict]:
@@ -60,7 +64,10 @@ def _cases(world: int) -> list[dict]:
             # GQA: 8 query heads, 2 KV heads: replicated when the degree exceeds them.
             cases.append(dict(base, kv_heads=2, name=f"ulysses-gqa-{dtype}-causal{causal}", kind="ulysses"))
             cases.append(dict(base, kv_heads=2, name=f"ring-gqa-{dtype}-causal{causal}", kind="ring", layout="zigzag"))
-    cases.append(dict(batch=2, heads=8, kv_heads=8, seq=16 * world, head_dim=80, dtype=torch.float64, causal=True, name="ring-math-backend", kind="ring", layout="zigzag", backend="math"))
+    cases.append(dict(
+        batch=2, heads=8, kv_heads=8, seq=16 * world, head_dim=80, dtype=torch.float64, causal=True,
+        name="ring-math-backend", kind="ring", layout="zigzag", backend="math",
+    ))
     return cases
 
 
@@ -73,7 +80,9 @@ def _worker_1d(rank: int, world: int) -> None:
                 return shard_sequence(t, dim=2, rank=rank, world=world, layout=layout)
 
             def run(q, k, v, case=case):
-                return ring_attention(q, k, v, causal=case["causal"], layout=case["layout"], backend=case.get("backend", "auto"))
+                return ring_attention(
+                    q, k, v, causal=case["causal"], layout=case["layout"], backend=case.get("backend", "auto")
+                )
         else:
 
             def shard(t):
@@ -93,13 +102,22 @@ def _worker_usp(rank: int, world: int, ulysses: int, ring: int) -> None:
     for dtype in (torch.float32, torch.float64):
         for causal in (True, False):
             for kv_heads in (8, 2):
-                case = dict(batch=2, heads=8, kv_heads=kv_heads, seq=32, head_dim=80, dtype=dtype, causal=causal, name=f"usp-u{ulysses}r{ring}-{dtype}-causal{causal}-kv{kv_heads}")
+                case = dict(
+                    batch=2, heads=8, kv_heads=kv_heads, seq=32, head_dim=80, dtype=dtype, causal=causal,
+                    name=f"usp-u{ulysses}r{ring}-{dtype}-causal{causal}-kv{kv_heads}",
+                )
 
                 def shard(t):
-                    return usp_shard(t, dim=2, ring_rank=ring_rank, ring=ring, ulysses_rank=ulysses_rank, ulysses=ulysses, layout="zigzag")
+                    return usp_shard(
+                        t, dim=2, ring_rank=ring_rank, ring=ring, ulysses_rank=ulysses_rank, ulysses=ulysses,
+                        layout="zigzag",
+                    )
 
                 def run(q, k, v, causal=causal):
-                    return usp_attention(q, k, v, ulysses_group=mesh["ulysses"].get_group(), ring_group=mesh["ring"].get_group(), causal=causal)
+                    return usp_attention(
+                        q, k, v, ulysses_group=mesh["ulysses"].get_group(), ring_group=mesh["ring"].get_group(),
+                        causal=causal,
+                    )
 
                 check_case(case, shard=shard, run=run)
 
@@ -150,7 +168,10 @@ def test_zigzag_gives_each_rank_a_head_and_a_tail_chunk():
 
 def test_usp_shard_round_trip():
     x = torch.randn(1, 2, 32, 4)
-    parts = [[usp_shard(x, dim=2, ring_rank=r, ring=2, ulysses_rank=u, ulysses=2, layout="zigzag") for u in range(2)] for r in range(2)]
+    parts = [
+        [usp_shard(x, dim=2, ring_rank=r, ring=2, ulysses_rank=u, ulysses=2, layout="zigzag") for u in range(2)]
+        for r in range(2)
+    ]
     assert torch.equal(usp_unshard(parts, dim=2, layout="zigzag"), x)
 
 
@@ -168,8 +189,13 @@ def test_emulated_ring_equals_full_attention(layout, causal):
     def parts(t):
         return [shard_sequence(t, dim=2, rank=r, world=world, layout=layout) for r in range(world)]
 
-    outs, grads = emulate_ring(parts(q), parts(k), parts(v), parts(dout), causal=causal, scale=80**-0.5, layout=layout, kernel=KERNELS["cpu_flash"])
-    got = [unshard_sequence(outs, dim=2, layout=layout)] + [unshard_sequence([g[i] for g in grads], dim=2, layout=layout) for i in range(3)]
+    outs, grads = emulate_ring(
+        parts(q), parts(k), parts(v), parts(dout), causal=causal, scale=80**-0.5, layout=layout,
+        kernel=KERNELS["cpu_flash"],
+    )
+    got = [unshard_sequence(outs, dim=2, layout=layout)] + [
+        unshard_sequence([g[i] for g in grads], dim=2, layout=layout) for i in range(3)
+    ]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert rel_err(g, w) <= 1e-10, name
 
@@ -191,7 +217,10 @@ def _worker_autocast(rank: int, world: int) -> None:
     # cast like SDPA would, so the ring runs bf16 kernels (and Ulysses sends bf16).
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = fn(Module(), q, k, v, None, scaling=0.25)
-    want = ring_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), group=group, causal=True, scale=0.25, layout="zigzag")
+    want = ring_attention(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), group=group, causal=True, scale=0.25, layout="zigzag"
+    )
+
     assert out.dtype == torch.bfloat16, out.dtype
     assert torch.equal(out, want.transpose(1, 2)), (out.float() - want.transpose(1, 2).float()).abs().max()
     out32, _ = fn(Module(), q, k, v, None, scaling=0.25)  # outside autocast: untouched float32

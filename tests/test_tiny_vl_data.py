@@ -18,7 +18,7 @@ from weft.strategies.conversation import (
     encode_conversation,
     load_processor,
 )
-from weft.strategies.presets import build_config, load_preset, preset_names
+from weft.core.presets import build_config, load_preset, preset_names
 from weft.strategies.synthetic_vl import SHAPE_COLOURS, synthetic_conversations
 
 

@@ -25,12 +25,17 @@ HERE = pathlib.Path(__file__).parent
 def test_kernels_under_the_interpreter():
     pytest.importorskip("triton", reason="Triton is a test dependency on Linux x86-64 (pyproject [test])")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(HERE / "triton_interpreted.py")], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "triton_interpreted.py")], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count(" ok ") == 12, done.stdout
 
 
 @pytest.mark.parametrize("backend", ["triton", "cudnn", "flash"])
 def test_gpu_backends_refuse_cpu_with_a_message(backend):
-    with pytest.raises(ValueError, match=f"attention backend '{backend}' runs on CUDA with bf16/fp16 inputs, got cpu torch.float32"):
+    with pytest.raises(
+        ValueError, match=f"attention backend '{backend}' runs on CUDA with bf16/fp16 inputs, got cpu torch.float32"
+    ):
+
         select_kernel(backend, device=torch.device("cpu"), dtype=torch.float32, head_dim=64)

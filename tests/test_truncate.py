@@ -17,8 +17,10 @@ def processor():
 def two_image_sample(processor):
     tokenizer, image_processor = processor
     messages = [
-        {"role": "user", "content": [{"type": "text", "text": "First:"}, {"type": "image", "image": Image.new("RGB", (56, 56), "red")},
-                                     {"type": "text", "text": "second:"}, {"type": "image", "image": Image.new("RGB", (84, 56), "blue")}]},
+        {"role": "user", "content": [{"type": "text", "text": "First:"},
+                                     {"type": "image", "image": Image.new("RGB", (56, 56), "red")},
+                                     {"type": "text", "text": "second:"},
+                                     {"type": "image", "image": Image.new("RGB", (84, 56), "blue")}]},
         {"role": "assistant", "content": "Red, then blue."},
     ]
     return encode_conversation(messages, tokenizer=tokenizer, image_processor=image_processor)
@@ -36,7 +38,9 @@ def test_truncation_keeps_whole_images_and_their_patches(processor):
     tokenizer, image_processor = processor
     # Put the reply first, so a cut in the second image still leaves something to learn.
     messages = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": [
-        {"type": "image", "image": Image.new("RGB", (56, 56), "red")}, {"type": "image", "image": Image.new("RGB", (84, 56), "blue")}]}]
+        {"type": "image", "image": Image.new("RGB", (56, 56), "red")},
+        {"type": "image", "image": Image.new("RGB", (84, 56), "blue")}]}]
+
     sample = encode_conversation(messages, tokenizer=tokenizer, image_processor=image_processor)
     start = tokenizer.convert_tokens_to_ids("<|vision_start|>")
     starts = (sample.input_ids == start).nonzero().flatten().tolist()

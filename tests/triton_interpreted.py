@@ -11,7 +11,14 @@ import torch
 
 from weft.strategies.block_kernels import KERNELS, BlockKernel, _triton_accumulate
 from weft.strategies.packing import document_mask
-from weft.strategies.ring import _accumulators, _Documents, _step_work, attend_block, attend_block_backward, emulate_ring
+from weft.strategies.ring import (
+    _accumulators,
+    _Documents,
+    _step_work,
+    attend_block,
+    attend_block_backward,
+    emulate_ring,
+)
 from weft.strategies.sequence_shard import shard_sequence, unshard_sequence
 from weft.strategies.triton_backward import backward_accumulate
 
@@ -50,7 +57,10 @@ def check_block(*, batch, heads, kv_heads, sq, sk, head_dim, causal, config, str
     out, lse, dq_r, dk_r, dv_r = reference(dout, q, k, v, causal=causal, scale=scale, mask=mask)
     # Prefilled accumulators: the kernels must add, not overwrite.
     dq, dk, dv = torch.full(q.shape, 3.0), torch.full(k.shape, 3.0), torch.full(v.shape, 3.0)
-    backward_accumulate(dout, q, k, v, out.float(), lse.float(), causal=causal, scale=scale, dq=dq, dk=dk, dv=dv, mask=mask, config=config)
+    backward_accumulate(
+        dout, q, k, v, out.float(), lse.float(), causal=causal, scale=scale, dq=dq, dk=dk, dv=dv, mask=mask,
+        config=config,
+    )
     errors = [rel(a - 3.0, b) for a, b in ((dq, dq_r), (dk, dk_r), (dv, dv_r))]
     case = f"block B{batch} H{heads}/{kv_heads} {sq}x{sk} D{head_dim} causal={causal} strided={strided} masked={masked}"
     assert max(errors) <= 1e-5, f"{case}: relative errors dq/dk/dv {errors}"
@@ -62,7 +72,9 @@ def _forward(q, k, v, **kw):  # the math kernel takes equal heads; the Triton ba
     return MATH.forward(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **kw)
 
 
-KERNEL = BlockKernel("triton-interpreted", _forward, MATH.backward, gqa=True, strided=True, masks=True, accumulate=_triton_accumulate)
+KERNEL = BlockKernel(
+    "triton-interpreted", _forward, MATH.backward, gqa=True, strided=True, masks=True, accumulate=_triton_accumulate
+)
 
 
 def check_ring(*, world, layout, causal, heads, kv_heads, seq, head_dim) -> None:
@@ -77,8 +89,12 @@ def check_ring(*, world, layout, causal, heads, kv_heads, seq, head_dim) -> None
     def parts(t):
         return [shard_sequence(t, dim=2, rank=r, world=world, layout=layout) for r in range(world)]
 
-    outs, grads = emulate_ring(parts(q), parts(k), parts(v), parts(dout), causal=causal, scale=scale, layout=layout, kernel=kernel)
-    got = [unshard_sequence(outs, dim=2, layout=layout)] + [unshard_sequence([gr[i] for gr in grads], dim=2, layout=layout) for i in range(3)]
+    outs, grads = emulate_ring(
+        parts(q), parts(k), parts(v), parts(dout), causal=causal, scale=scale, layout=layout, kernel=kernel
+    )
+    got = [unshard_sequence(outs, dim=2, layout=layout)] + [
+        unshard_sequence([gr[i] for gr in grads], dim=2, layout=layout) for i in range(3)
+    ]
     out, _, dq_r, dk_r, dv_r = reference(dout, q, k, v, causal=causal, scale=scale)
     errors = [rel(a, b) for a, b in zip(got, (out, dq_r, dk_r, dv_r))]
     case = f"ring {world} {layout} causal={causal} H{heads}/{kv_heads} S{seq} D{head_dim}"
@@ -108,9 +124,12 @@ def check_packed_ring(*, world, layout, lengths, heads, kv_heads, head_dim) -> N
     for rank in range(world):
         out, lse = _accumulators(qs[rank], kvs[rank][1])
         for step in range(world):
-            work = _step_work(rank=rank, src=(rank - step) % world, world=world, layout=layout, causal=True, local_len=local, docs=docs)
+            work = _step_work(rank=rank, src=(rank - step) % world, world=world, layout=layout, causal=True,
+                              local_len=local, docs=docs)
+
             if work is not None:
-                attend_block(qs[rank], kvs[(rank - step) % world], block=work[0], groups=heads // kv_heads, scale=scale, kernel=KERNEL, out=out, lse=lse, mask=work[1])
+                attend_block(qs[rank], kvs[(rank - step) % world], block=work[0], groups=heads // kv_heads,
+                             scale=scale, kernel=KERNEL, out=out, lse=lse, mask=work[1])
         outs.append(out)
         lses.append(lse)
     dqs = [torch.zeros(t.shape) for t in qs]
@@ -120,10 +139,12 @@ def check_packed_ring(*, world, layout, lengths, heads, kv_heads, head_dim) -> N
             src = (rank - step) % world
             work = _step_work(rank=rank, src=src, world=world, layout=layout, causal=True, local_len=local, docs=docs)
             if work is not None:
-                attend_block_backward(dos[rank], qs[rank], kvs[src], outs[rank], lses[rank], block=work[0], groups=heads // kv_heads,
-                                      scale=scale, kernel=KERNEL, dq=dqs[rank], dkv=dkvs[src], mask=work[1])
+                attend_block_backward(dos[rank], qs[rank], kvs[src], outs[rank], lses[rank], block=work[0],
+                                      groups=heads // kv_heads, scale=scale, kernel=KERNEL, dq=dqs[rank],
+                                      dkv=dkvs[src], mask=work[1])
     got = [unshard_sequence(outs, dim=2, layout=layout), unshard_sequence(dqs, dim=2, layout=layout),
-           unshard_sequence([d[0] for d in dkvs], dim=2, layout=layout), unshard_sequence([d[1] for d in dkvs], dim=2, layout=layout)]
+           unshard_sequence([d[0] for d in dkvs], dim=2, layout=layout),
+           unshard_sequence([d[1] for d in dkvs], dim=2, layout=layout)]
     idx = torch.arange(seq)
     mask = document_mask(doc_ids, doc_ids, idx, idx, causal=True)
     out, _, dq_r, dk_r, dv_r = reference(dout, q, k, v, causal=False, scale=scale, mask=mask)
@@ -136,12 +157,17 @@ def check_packed_ring(*, world, layout, lengths, heads, kv_heads, head_dim) -> N
 def main() -> None:
     torch.manual_seed(0)
     check_block(batch=1, heads=2, kv_heads=2, sq=64, sk=64, head_dim=16, causal=True, config=SMALL)
-    check_block(batch=2, heads=4, kv_heads=2, sq=80, sk=80, head_dim=24, causal=True, config=SMALL)  # ragged tiles, padded head_dim
-    check_block(batch=1, heads=4, kv_heads=1, sq=48, sk=96, head_dim=80, causal=False, config=SMALL)  # GQA 4:1, head_dim 80
+    # ragged tiles, padded head_dim
+    check_block(batch=2, heads=4, kv_heads=2, sq=80, sk=80, head_dim=24, causal=True, config=SMALL)
+    # GQA 4:1, head_dim 80
+    check_block(batch=1, heads=4, kv_heads=1, sq=48, sk=96, head_dim=80, causal=False, config=SMALL)
     check_block(batch=1, heads=2, kv_heads=2, sq=40, sk=24, head_dim=32, causal=False, config=SMALL, strided=True)
     check_block(batch=1, heads=2, kv_heads=1, sq=96, sk=96, head_dim=32, causal=True, config=None)  # the GPU tile sizes
     check_block(batch=2, heads=4, kv_heads=2, sq=48, sk=80, head_dim=16, causal=False, config=SMALL, masked=True)
-    for world, layout, causal in ((2, "zigzag", True), (4, "zigzag", True), (4, "contiguous", True), (2, "zigzag", False)):
+    for world, layout, causal in (
+        (2, "zigzag", True), (4, "zigzag", True), (4, "contiguous", True), (2, "zigzag", False),
+    ):
+
         check_ring(world=world, layout=layout, causal=causal, heads=4, kv_heads=2, seq=64, head_dim=16)
     check_packed_ring(world=2, layout="zigzag", lengths=(20, 30, 14), heads=4, kv_heads=2, head_dim=16)
     check_packed_ring(world=4, layout="zigzag", lengths=(9, 40, 15), heads=2, kv_heads=1, head_dim=8)

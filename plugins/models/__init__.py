@@ -1,1 +1,14 @@
-"""Model adapters: build a model from a recipe and describe its modules for the rules."""
+"""Built-in model families, declared through ``weft_models``: Qwen2.5-VL, Qwen2-VL,
+Qwen3-VL and text-only Qwen2/Llama. Each is a :class:`TransformersAdapter`; the core
+finds them by ``config.model_type`` and never names them."""
+
+from __future__ import annotations
+
+from weft.core.hookspecs import hookimpl
+
+
+@hookimpl
+def weft_models():
+    from weft.plugins.models.families import FAMILIES
+
+    return list(FAMILIES)

@@ -1,4 +1,5 @@
-"""Build the recipe's model: a named preset (random init) or a local HF directory."""
+"""Build the recipe's model (a named preset at random, or a local HF directory), load and
+export its weights: the shared part of every built-in model adapter."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import torch
 import transformers
 
 from weft.core.errors import RecipeError
+from weft.core.presets import build_config, load_preset
 from weft.core.recipe import Recipe
-from weft.strategies.presets import build_config, load_preset
 from weft.strategies.yarn import trained_positions, yarn_parameters
 
-#: model_type -> the transformers auto class that trains it.
-VISION_LANGUAGE = ("qwen2_5_vl", "qwen2_vl")
+#: Files of a processor folder that travel with an exported model (not weights).
+PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json", "chat_template.jinja",
+                   "processor_config.json", "generation_config.json", "added_tokens.json")
 
 
 def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | None]:
@@ -23,10 +26,13 @@ def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | N
         model_type, kwargs, processor = load_preset(recipe.model.preset)
         config = build_config(model_type, kwargs)
     else:
-        path = model_dir(recipe)
+        path = recipe.model_dir()
         if not (path / "config.json").is_file():
             raise RecipeError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json)", where=recipe.source)
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        try:
+            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        except (ValueError, KeyError, OSError) as error:
+            raise RecipeError(f"{path / 'config.json'}: transformers cannot read it: {error}", where=f"{recipe.source} (model.path)") from None
         processor = str(path)
     if recipe.model.rope_scaling == "yarn":
         apply_yarn(config, factor=recipe.model.rope_factor, original=recipe.model.rope_original_max)
@@ -59,23 +65,47 @@ def apply_yarn(config: transformers.PretrainedConfig, *, factor: float, original
     text.max_position_embeddings = int(original * factor)
 
 
-def model_dir(recipe: Recipe) -> pathlib.Path:
-    path = pathlib.Path(recipe.model.path)  # type: ignore[arg-type]
-    return path if path.is_absolute() else pathlib.Path(recipe.source).parent / path
-
-
-def build_model(recipe: Recipe, *, device: torch.device | str, seed: int) -> torch.nn.Module:
-    """Random init from the preset (seeded, identical on every rank) or load local weights.
+def build_model(recipe: Recipe, *, auto_class: str, config: Any, device: torch.device | str, seed: int) -> torch.nn.Module:
+    """Random init from the preset or local weights, through transformers' ``auto_class``.
 
     On the meta device only the structure is built (weights come later, per shard).
+    A preset's random weights are drawn on the CPU from ``seed`` and then moved, so they
+    are the same whatever the device and the world size (CUDA's generator differs).
     """
-    config, _ = model_config(recipe)
-    auto = transformers.AutoModelForImageTextToText if config.model_type in VISION_LANGUAGE else transformers.AutoModelForCausalLM
+    auto = getattr(transformers, auto_class)
     if recipe.model.path is not None and str(device) != "meta":
-        return auto.from_pretrained(model_dir(recipe), config=config, local_files_only=True, dtype=torch.float32).to(device)
+        return auto.from_pretrained(recipe.model_dir(), config=config, local_files_only=True, dtype=torch.float32).to(device)
     torch.manual_seed(seed)
-    with torch.device(device):
-        return auto.from_config(config, dtype=torch.float32)
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return auto.from_config(config, dtype=torch.float32)
+    return auto.from_config(config, dtype=torch.float32).to(device)
+
+
+def text_split(*, plan: Any, mesh: Any) -> Any:
+    """This rank's place in the sequence-parallel group, in the layout the text attention uses."""
+    from weft.strategies.sequence_split import TextSplit
+
+    return TextSplit(
+        ring=plan.mesh.ring, ring_rank=mesh["ring"].get_local_rank(),
+        ulysses=plan.mesh.ulysses, ulysses_rank=mesh["ulysses"].get_local_rank(),
+        layout=plan.sequence_layout(),
+    )
+
+
+def export(model: torch.nn.Module, *, processor: str | None, out_dir: pathlib.Path) -> None:
+    """save_pretrained plus the processor folder's files, so from_pretrained(out_dir) loads it."""
+    import shutil
+
+    from weft.strategies.conversation import processor_dir
+
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if processor is None:
+        return
+    source = processor_dir(processor)
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file() and not (out_dir / name).exists():
+            shutil.copy2(source / name, out_dir / name)
 
 
 def load_weights(model: torch.nn.Module, recipe: Recipe, *, device: torch.device, log) -> None:
@@ -86,17 +116,9 @@ def load_weights(model: torch.nn.Module, recipe: Recipe, *, device: torch.device
     tied = {"lm_head.weight": "model.language_model.embed_tokens.weight"} if getattr(model.config, "tie_word_embeddings", False) else None
     if tied and not any(n == "model.language_model.embed_tokens.weight" for n, _ in model.named_parameters()):
         tied = {"lm_head.weight": "model.embed_tokens.weight"}
-    tensors = load_sharded(model, model_dir(recipe), tied=tied)
+    tensors = load_sharded(model, recipe.model_dir(), tied=tied)
     rotary = reset_non_persistent_buffers(model)
-    log.info("weights.loaded", path=str(model_dir(recipe)), tensors=tensors, rotary_tables=rotary)
-
-
-def watch_positions(model: torch.nn.Module, *, recipe: Recipe, log) -> Any:
-    """Warn once when the text decoder is fed positions past its rotary context."""
-    from weft.plugins.models.positions import PositionWatch
-
-    context, trained = trained_context(model.config, original=recipe.model.rope_original_max)
-    return PositionWatch(model=model, context=context, original=trained, scaling=recipe.model.rope_scaling, log=log)
+    log.info("weights.loaded", path=str(recipe.model_dir()), tensors=tensors, rotary_tables=rotary)
 
 
 def rope_summary(config: transformers.PretrainedConfig, *, recipe: Recipe) -> dict:

@@ -1,13 +1,14 @@
 """Describe a transformers model's modules for the rule engine: modality, kind, heads.
 
-One table of path patterns covers Qwen2.5-VL, Qwen2-VL and text-only Qwen2/Llama:
-their module names follow transformers' shared layout (``visual.blocks.N``,
-``visual.merger``, ``language_model.layers.N``, ``embed_tokens``, ``lm_head``).
+The default tables cover Qwen2.5-VL, Qwen2-VL and text-only Qwen2/Llama: their module
+names follow transformers' shared layout (``visual.blocks.N``, ``visual.merger``,
+``language_model.layers.N``, ``embed_tokens``, ``lm_head``). An adapter passes its own.
 """
 
 from __future__ import annotations
 
 import fnmatch
+from typing import Callable
 
 import torch
 
@@ -25,14 +26,16 @@ MODALITY_PATTERNS: tuple[tuple[str, str], ...] = (
 UNIT_PATTERNS: tuple[str, ...] = ("*visual.merger", "*embed_tokens", "lm_head")
 
 
-def modality_of(path: str) -> str:
-    for pattern, modality in MODALITY_PATTERNS:
+def modality_of(path: str, *, patterns: tuple[tuple[str, str], ...] = MODALITY_PATTERNS) -> str:
+    for pattern, modality in patterns:
         if fnmatch.fnmatchcase(path, pattern):
             return modality
     return "text"
 
 
-def describe_modules(model: torch.nn.Module) -> list[ModuleInfo]:
+def describe_modules(
+    model: torch.nn.Module, *, modality_of: Callable[[str], str] = modality_of, unit_patterns: tuple[str, ...] = UNIT_PATTERNS
+) -> list[ModuleInfo]:
     """Root first, then attention modules and shard units in module order."""
     infos = [ModuleInfo(path="", class_name=type(model).__name__, kind="root")]
     block_lists = {name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("blocks", "layers")}
@@ -40,23 +43,14 @@ def describe_modules(model: torch.nn.Module) -> list[ModuleInfo]:
         if not path:
             continue
         parent = path.rsplit(".", 1)[0] if "." in path else ""
-        if parent in block_lists or any(fnmatch.fnmatchcase(path, p) for p in UNIT_PATTERNS):
+        if parent in block_lists or any(fnmatch.fnmatchcase(path, p) for p in unit_patterns):
             infos.append(ModuleInfo(path=path, class_name=type(module).__name__, kind="unit", modality=modality_of(path)))
         elif _is_attention(module):
             heads = int(module.num_heads if hasattr(module, "num_heads") else module.config.num_attention_heads)
             groups = int(getattr(module, "num_key_value_groups", 1) or 1)
             kv_heads = int(getattr(module, "num_key_value_heads", heads // groups))
-            infos.append(
-                ModuleInfo(
-                    path=path,
-                    class_name=type(module).__name__,
-                    kind="attention",
-                    modality=modality_of(path),
-                    heads=heads,
-                    kv_heads=kv_heads,
-                    head_dim=int(module.head_dim),
-                )
-            )
+            infos.append(ModuleInfo(path=path, class_name=type(module).__name__, kind="attention", modality=modality_of(path),
+                                    heads=heads, kv_heads=kv_heads, head_dim=int(module.head_dim)))
     return infos
 
 
@@ -64,7 +58,3 @@ def _is_attention(module: torch.nn.Module) -> bool:
     name = type(module).__name__
     return name.endswith("Attention") and hasattr(module, "head_dim")
 
-
-def text_heads(infos: list[ModuleInfo]) -> int | None:
-    """Query heads of the text model's attention (what ulysses='auto' divides)."""
-    return next((i.heads for i in infos if i.kind == "attention" and i.modality == "text"), None)

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from weft.plugins.models.sp_hooks import text_decoder
 from weft.strategies.yarn import needed_factor
 
 
@@ -25,12 +24,12 @@ class PositionWatch:
     host sync inside the step); ``largest`` reads it, and the loop calls ``poll()``
     once per step, after the step's own syncs, to warn."""
 
-    def __init__(self, *, model: torch.nn.Module, context: int, original: int, scaling: str, log: Any) -> None:
+    def __init__(self, *, decoder: torch.nn.Module, context: int, original: int, scaling: str, log: Any) -> None:
         self.context, self.original, self.scaling, self.log = context, original, scaling, log
         self._counted = -1  # from token counts (decoders that number tokens themselves)
         self._seen: torch.Tensor | None = None  # () running max of position ids, on their device
         self.warned = False
-        self.handle = text_decoder(model).register_forward_pre_hook(self._see, with_kwargs=True, prepend=True)
+        self.handle = decoder.register_forward_pre_hook(self._see, with_kwargs=True, prepend=True)
 
     @property
     def largest(self) -> int:

@@ -46,14 +46,14 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
 class SequenceParallelHooks:
     """Installs and owns the hooks of one model; ``remove()`` takes them off."""
 
-    def __init__(self, *, model: torch.nn.Module, split: TextSplit, sp_group: Any, sp_rank: int, sp_world: int, share_threshold: int | None = None) -> None:
+    def __init__(self, *, model: torch.nn.Module, split: TextSplit, text: torch.nn.Module, visual: torch.nn.Module | None,
+                 sp_group: Any, sp_rank: int, sp_world: int, share_threshold: int | None = None) -> None:
         self.split = split
         self.sp_group, self.sp_rank, self.sp_world = sp_group, sp_rank, sp_world
         self.share_threshold = share_threshold
         self._pending: list[dict] = []  # vision calls between pre-hook and hook
         self._shared: list[int] | None = None  # patch rows per rank while the ranks share the tower
-        self.handles = [text_decoder(model).register_forward_pre_hook(self._split_text, with_kwargs=True)]
-        visual = vision_tower(model)
+        self.handles = [text.register_forward_pre_hook(self._split_text, with_kwargs=True)]
         if visual is not None and sp_world > 1:
             self.merge = visual.spatial_merge_size
             self.handles.append(visual.register_forward_pre_hook(self._local_images, with_kwargs=True))
@@ -62,6 +62,14 @@ class SequenceParallelHooks:
                 for block in visual.blocks:
                     self.handles.append(block.register_forward_pre_hook(self._block_part, with_kwargs=True))
                 self.handles.append(visual.blocks[-1].register_forward_hook(self._block_gather))
+
+    @property
+    def multiple(self) -> int:
+        """Sequence lengths must be a multiple of this (the core pads to it)."""
+        return self.split.multiple
+
+    def shard(self, x: torch.Tensor, *, dim: int) -> torch.Tensor:
+        return self.split.shard(x, dim=dim)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -108,6 +116,17 @@ class SequenceParallelHooks:
             self._shared = None  # the last block already gathered the patches
             return output
         merged = output.pooler_output if hasattr(output, "pooler_output") else output  # (N_local, H)
+        full = self._gather_merged(merged, call=call)
+        if hasattr(output, "pooler_output"):
+            output.pooler_output = full
+            return output
+        return full
+
+    def _gather_merged(self, merged: torch.Tensor, *, call: dict) -> torch.Tensor:
+        """(N_local, H) rows of this rank's images -> (N, H) rows of every image, in image order.
+
+        One tensor of the tower's output per call; a subclass whose tower returns more
+        per-token features (Qwen3-VL's DeepStack) gathers each of them with it."""
         owned, tokens = call["owned"], call["tokens"]
         sizes = [sum(tokens[i] for i in images) for images in owned]
         local = merged[:0] if call["dummy"] else merged
@@ -121,9 +140,6 @@ class SequenceParallelHooks:
         full = torch.cat([gathered[offsets[i] : offsets[i] + tokens[i]] for i in range(len(tokens))])
         if call["dummy"]:
             full = full + 0.0 * merged.sum()  # keeps the dummy's backward (FSDP) in the graph
-        if hasattr(output, "pooler_output"):
-            output.pooler_output = full
-            return output
         return full
 
     # -- vision, shared by the ranks (large images) ------------------------------

@@ -3,9 +3,9 @@
 FSDP2 gathers a unit's parameters in its forward and reduces its gradients in its
 backward, on every rank together and in the same order. A micro-batch without images
 skips the vision tower, so its rank would call the next unit's collectives while the
-others are still in the tower's: a crash or a hang. When the batching knows that some
-rank of the round has images and this one has none, it marks the micro-batch
-(``weft_needs_vision``). A forward pre-hook on the model takes the mark; a forward hook
+others are still in the tower's: a crash or a hang. When the core learns (from the
+step's one count all-reduce) that some rank of the round has images and this one has
+none, it marks the micro-batch (``weft.core.models.VISION_FLAG``). A forward pre-hook on the model takes the mark; a forward hook
 on the text embedding, which the model runs just before its vision tower, runs the
 tower on one blank image and adds its output to the embeddings with weight zero. The
 tower then runs where it runs on the other ranks, forward and backward, and nothing
@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from weft.plugins.models.sp_hooks import text_decoder, vision_tower
-
-FLAG = "weft_needs_vision"
+from weft.core.models import VISION_FLAG as FLAG
 
 
 class VisionKeepAlive:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.visual = vision_tower(model)
+    """``visual``: the tower; ``embed``: the text embedding the model runs just before it."""
+
+    def __init__(self, *, visual: torch.nn.Module, embed: torch.nn.Module, model: torch.nn.Module) -> None:
+        self.visual = visual
         self._armed = False
-        embed = text_decoder(model).embed_tokens
         self.handles = [
             model.register_forward_pre_hook(self._take_flag, with_kwargs=True),
             embed.register_forward_hook(self._blank_image),

@@ -1,0 +1,184 @@
+"""The model-family contract: what the core asks of a model, and how it finds who answers.
+
+A model family (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Qwen2/Llama text...) is an *adapter*
+that a plugin declares through the ``weft_models`` hook. The core never names a
+family: it reads the ``model_type`` the recipe's model has (a preset's, or the
+``config.json`` of ``model.path``) and asks the plugin manager for the adapter that
+handles it. An unknown ``model_type`` is a user error listing the adapters installed.
+
+``ModelAdapter`` below is the whole contract, as a Protocol: any object with these
+attributes and methods will do. weft's built-in adapters share one base class,
+``weft.plugins.models.base.TransformersAdapter``, that a third-party family can
+subclass too (docs/architecture.md, "Adding a model family").
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+from weft.core.errors import RecipeError
+
+if TYPE_CHECKING:  # the contract's types; importing them at run time would pull torch
+    import torch
+    import transformers
+
+    from weft.core.context import RunContext
+    from weft.core.mesh import WeftMesh
+    from weft.core.recipe import Recipe
+    from weft.core.rules import ModuleInfo, Plan
+
+
+@runtime_checkable
+class SequenceSplit(Protocol):
+    """What ``ModelAdapter.sequence_parallel`` returns: hooks installed on the model that
+    cut its sequence (after the vision merge) to this rank's part, and the same cut
+    for the tensors the core shards itself (the shifted labels)."""
+
+    #: Sequence lengths must be a multiple of this; the core pads micro-batches to it.
+    multiple: int
+
+    def shard(self, x: torch.Tensor, *, dim: int) -> torch.Tensor:
+        """This rank's part of a whole-sequence tensor along ``dim``."""
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+
+
+@runtime_checkable
+class PositionWatch(Protocol):
+    """What ``ModelAdapter.watch_positions`` returns: the largest position id the text
+    decoder was fed (without host syncs in the step), against its rotary context."""
+
+    context: int
+
+    @property
+    def largest(self) -> int: ...
+
+    def poll(self) -> None:
+        """Once per step, after the step's own syncs: warn once past the context."""
+
+
+@runtime_checkable
+class ModelAdapter(Protocol):
+    """One model family. Every method takes keyword arguments after the first."""
+
+    #: Short name shown by `weft plugins` and in errors ("qwen2_5_vl").
+    name: str
+    #: The ``config.model_type`` values this adapter handles.
+    model_types: tuple[str, ...]
+    #: One line for `weft plugins`.
+    summary: str
+
+    def config(self, recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | None]:
+        """The transformers config (YaRN applied from ``[model]``) and the processor folder."""
+
+    def build(self, recipe: Recipe, *, device: torch.device | str, seed: int) -> torch.nn.Module:
+        """The model through its transformers auto class: random init (seeded) from a
+        preset, weights from ``model.path``; on ``meta`` only the structure."""
+
+    def load_weights(self, model: torch.nn.Module, recipe: Recipe, *, device: torch.device, log: Any) -> None:
+        """Materialise a meta-device (sharded) model and fill it from ``model.path``."""
+
+    def describe(self, model: torch.nn.Module) -> list[ModuleInfo]:
+        """Root first, then shard units and attention modules with modality and heads."""
+
+    def modality_of(self, path: str) -> str:
+        """vision, projector, text, embedding or head, for a module path."""
+
+    def text_decoder(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module whose forward takes the merged sequence (embeddings, position ids)."""
+
+    def vision_tower(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """The vision encoder, or None for a text-only model."""
+
+    def positions(self, model: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
+        """``fn(sample) -> (..., L)``: one document's position ids through the model's own
+        rope index (3-D mRoPE for vision-language models); ``model`` may be on meta."""
+
+    def sequence_parallel(self, model: torch.nn.Module, *, plan: Plan, mesh: WeftMesh) -> SequenceSplit:
+        """Install the hooks that cut the model's inputs for sequence parallelism."""
+
+    def keep_vision_alive(self, model: torch.nn.Module) -> Any:
+        """Hooks that run the vision tower on a blank image when a micro-batch carries
+        ``VISION_FLAG`` and no images, so FSDP's collectives stay in step across DP ranks."""
+
+    def watch_positions(self, model: torch.nn.Module, *, recipe: Recipe, log: Any) -> PositionWatch:
+        """Track the position ids the text decoder receives."""
+
+    def rope_summary(self, config: transformers.PretrainedConfig, *, recipe: Recipe) -> dict:
+        """The text decoder's rotary context, for `weft plan`."""
+
+    def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path) -> None:
+        """Write a Hugging Face directory: weights, config and the processor's files."""
+
+
+#: Key the core adds to a micro-batch without images when another data-parallel rank
+#: has some: the adapter's ``keep_vision_alive`` hooks run the tower on a blank image.
+VISION_FLAG = "weft_needs_vision"
+
+
+def model_type_of(recipe: Recipe) -> str:
+    """The ``model_type`` of the recipe's model, read without transformers: the preset's
+    key, or ``config.json`` of ``model.path``. Raises RecipeError naming the file."""
+    if recipe.model.preset is not None:
+        from weft.core.presets import load_preset
+
+        try:
+            return load_preset(recipe.model.preset)[0]
+        except (OSError, ValueError) as error:
+            raise RecipeError(f"model.preset {recipe.model.preset!r}: {error}", where=f"{recipe.source} (model.preset)") from None
+    path = recipe.model_dir()
+    config = path / "config.json"
+    if not config.is_file():
+        raise RecipeError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json)",
+                          where=f"{recipe.source} (model.path)")
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as error:
+        raise RecipeError(f"{config} is not a JSON object: {error}", where=f"{recipe.source} (model.path)") from None
+    if not isinstance(model_type, str):
+        raise RecipeError(f"{config} has no string 'model_type'", where=f"{recipe.source} (model.path)")
+    return model_type
+
+
+class ModelRegistry:
+    """Every adapter the loaded plugins declared, by ``model_type``. Read-only after build."""
+
+    def __init__(self, adapters: list[tuple[str, ModelAdapter]]) -> None:
+        self._by_type: dict[str, tuple[str, ModelAdapter]] = {}
+        for plugin, adapter in adapters:
+            for model_type in adapter.model_types:
+                if model_type in self._by_type:
+                    other = self._by_type[model_type][0]
+                    raise RecipeError(
+                        f"model_type {model_type!r} is handled twice: by plugin {other!r} and by plugin {plugin!r}; "
+                        "disable one with WEFT_DISABLE_PLUGINS"
+                    )
+                self._by_type[model_type] = (plugin, adapter)
+
+    def get(self, model_type: str) -> ModelAdapter | None:
+        found = self._by_type.get(model_type)
+        return found[1] if found else None
+
+    def all(self) -> list[tuple[str, ModelAdapter]]:
+        """(plugin, adapter) pairs, one per adapter, in name order."""
+        unique = {id(a): (p, a) for p, a in self._by_type.values()}
+        return sorted(unique.values(), key=lambda pa: pa[1].name)
+
+    def installed(self) -> str:
+        return "; ".join(f"{a.name} ({', '.join(a.model_types)})" for _, a in self.all()) or "(none)"
+
+    def for_recipe(self, recipe: Recipe) -> ModelAdapter:
+        """The adapter of the recipe's model; a RecipeError listing the installed ones if none."""
+        model_type = model_type_of(recipe)
+        adapter = self.get(model_type)
+        if adapter is None:
+            key = "model.preset" if recipe.model.preset is not None else "model.path"
+            raise RecipeError(
+                f"no installed model adapter handles model_type {model_type!r}; adapters installed: {self.installed()}. "
+                "A plugin adds one through the weft_models hook (docs/architecture.md)",
+                where=f"{recipe.source} ({key})",
+            )
+        return adapter

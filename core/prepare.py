@@ -1,0 +1,102 @@
+"""From a recipe to a model ready to train, in the order torchtitan's parallelize steps
+keep: adapter -> model -> Plan -> mesh -> weft_shard -> weights -> weft_attention ->
+sequence split -> vision keep-alive -> position watch. Also the process group's life."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from weft.core.attention_install import install_attention
+from weft.core.context import RunContext
+from weft.core.mesh import WeftMesh, build_device_mesh
+from weft.core.mesh_spec import MESH_ORDER
+from weft.core.models import SequenceSplit
+from weft.core.planner import plan_recipe
+from weft.core.recipe import Recipe
+from weft.core.rules import Plan
+
+
+@attrs.frozen(kw_only=True)
+class Prepared:
+    """A model ready for its first step, with what the step needs beside it."""
+
+    model: torch.nn.Module
+    plan: Plan
+    mesh: WeftMesh
+    split: SequenceSplit | None  # None without sequence parallelism
+    keep_vision: bool  # data-parallel ranks run the vision tower together (see core.step)
+
+
+def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
+    adapter = ctx.adapter = pm.models.for_recipe(recipe)
+    # Weights from a directory: built on the meta device, sharded, then each rank loads
+    # only its shards (no process ever holds the whole model). Presets are random-init:
+    # drawn from the run's seed, so every rank starts identical.
+    from_disk = recipe.model.path is not None
+    model = adapter.build(recipe, device="meta" if from_disk else ctx.device, seed=recipe.train.seed)
+    plan, _ = plan_recipe(recipe, pm=pm, world_size=ctx.world_size, model=model)
+    mesh = build_device_mesh(plan.mesh, device_type=ctx.device.type)
+    ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(MESH_ORDER, plan.mesh.shape)), model=adapter.name,
+                 params=sum(p.numel() for p in model.parameters()), device=str(ctx.device))
+    pm.hook.weft_shard(model=model, plan=plan, mesh=mesh, ctx=ctx)
+    if from_disk:
+        adapter.load_weights(model, recipe, device=ctx.device, log=ctx.log)
+    install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
+    # The position watch goes first on the text decoder, so it sees whole-sequence ids.
+    ctx.positions = adapter.watch_positions(model, recipe=recipe, log=ctx.log)
+    split = adapter.sequence_parallel(model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
+    keep_vision = plan.mesh.dp > 1 and adapter.vision_tower(model) is not None
+    if keep_vision:
+        adapter.keep_vision_alive(model)
+    model.train()
+    return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision)
+
+
+def init_process_group(recipe: Recipe) -> tuple[int, int, int, str]:
+    """(rank, world_size, local_rank, device_type); a single process gets a one-rank group."""
+    want = recipe.parallel.device
+    device_type = "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
+    backend = recipe.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if "RANK" in os.environ:  # started by torchrun / the elastic launcher
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return dist.get_rank(), dist.get_world_size(), local_rank, device_type
+
+
+def close_process_group(*, clean: bool) -> None:
+    """Tear every process group down while the interpreter is still whole.
+
+    ``clean``: this rank finished without an error, so every rank reaches this point;
+    a barrier first keeps a fast rank from closing connections a slower peer's last
+    collective still uses. After an error a one-rank group is still destroyed (a
+    library caller may start another run); a multi-rank one is left alone, since the
+    peers may never arrive and the launcher stops them.
+
+    Models wrapped by FSDP and device meshes sit in reference cycles that hold
+    sub-groups (and their Gloo work threads); left to the collector at interpreter
+    exit, they are destroyed while modules are being cleared, which aborts the
+    process now and then ("terminate called without an active exception"; seen once
+    in about a hundred two-rank `weft check` runs on two busy cores). Collecting them
+    here, before destroying the groups, avoids that.
+    """
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        if not clean:
+            return
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()

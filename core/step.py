@@ -1,0 +1,129 @@
+"""One optimizer step's forward and backward: what the core does to every micro-batch.
+
+Batching yields whole-sequence micro-batches. Here each one is padded to the sequence
+split's multiple, its labels are shifted on the whole sequence and cut like the
+model's inputs (the adapter's hooks cut those after the vision merge), and a rank
+without images is told to run the vision tower anyway when another rank has some.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from weft.core.errors import WeftError
+from weft.core.loss import IGNORE as IGNORE_INDEX
+from weft.core.loss import label_count, targets, token_loss_sum
+from weft.core.models import VISION_FLAG
+
+if TYPE_CHECKING:
+    from weft.core.context import RunContext, StepState
+    from weft.core.models import SequenceSplit
+
+#: Fill values for the sequence-long keys the core pads; other sequence-long keys are
+#: the batching's to pad (an error names them). Pads sit at the right end, where
+#: causal attention keeps real tokens from seeing them and the loss ignores them.
+PAD_VALUES: dict[str, int] = {
+    "input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX,
+    "mm_token_type_ids": 0, "position_ids": 0,
+}
+#: Packed documents' ids: padding becomes one more document that attends only to itself.
+DOC_IDS = "weft_doc_ids"
+
+
+def pad_to_multiple(batch: dict[str, torch.Tensor], *, multiple: int) -> dict[str, torch.Tensor]:
+    """Right-pad every sequence-long tensor so the length divides by ``multiple``."""
+    seq = batch["input_ids"].shape[1]
+    pad = -seq % multiple
+    if pad == 0:
+        return batch
+    out = dict(batch)
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-1] != seq or key == "pixel_values":
+            continue
+        if key == DOC_IDS:
+            fill = int(value.max()) + 1
+        elif key in PAD_VALUES:
+            fill = PAD_VALUES[key]
+        else:
+            raise WeftError(f"micro-batch key {key!r} is {seq} long, which sequence parallelism needs padded to a "
+                            f"multiple of {multiple}, and weft does not know its padding value; pad it in the "
+                            f"batching strategy or leave it out. Keys weft pads: {', '.join(PAD_VALUES)}, {DOC_IDS}",
+                            where="batching")
+        out[key] = torch.nn.functional.pad(value, (0, pad), value=fill)  # (..., S + pad)
+    return out
+
+
+def shard_micro_batch(batch: dict[str, torch.Tensor], split: SequenceSplit | None) -> dict[str, torch.Tensor]:
+    """Pad to the split's multiple, shift the labels on the whole sequence, keep this
+    rank's part of them. The model's own inputs stay whole: the adapter's hooks cut them
+    after the vision merge (the images and the 3-D position ids need the whole sequence)."""
+    if split is None:
+        return batch
+    out = pad_to_multiple(batch, multiple=split.multiple)
+    out["shift_labels"] = split.shard(targets(out), dim=1)  # (B, S_local)
+    out.pop("labels", None)
+    return out
+
+
+def _has_images(batch: dict) -> bool:
+    return batch.get("pixel_values") is not None
+
+
+def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], split: SequenceSplit | None,
+                      keep_vision: bool, autocast: Any, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every micro-batch's forward and backward. Returns (this rank's loss sum, the
+    global counts (label tokens, tokens)), both on the device, without a host sync
+    unless ``keep_vision`` (then one, at the start, to learn which rounds have images)."""
+    local = [shard_micro_batch(mb, split) for mb in micro_batches]
+    # One collective for the step's divisor: label tokens over every rank, so the loss
+    # equals the unsharded model's mean over the global batch. Tokens are this rank's
+    # positions (its part of the sequence under SP). With keep_vision, one count per
+    # micro-batch of the ranks with images rides along.
+    counts = [sum(label_count(targets(mb)) for mb in local), torch.tensor(sum(targets(mb).numel() for mb in local))]
+    if keep_vision:
+        counts += [torch.tensor(float(_has_images(mb))) for mb in local]
+    totals = torch.stack([torch.as_tensor(c, dtype=torch.float64) for c in counts]).to(ctx.device)
+    dist.all_reduce(totals)
+    if keep_vision:
+        with_images = totals[2:].tolist()  # host sync: which rounds need the tower on every rank
+        local = [dict(mb, **{VISION_FLAG: torch.ones((), dtype=torch.bool)}) if n and not _has_images(mb) else mb
+                 for mb, n in zip(local, with_images)]
+    global_labels = totals[0].clamp(min=1)
+    loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float32)
+    # FSDP2: reduce-scatter gradients once, after the last micro-batch; earlier ones
+    # accumulate unsharded gradients locally (less communication, more memory).
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    for index, mb in enumerate(local):
+        if sync is not None:
+            sync(index == len(local) - 1)
+        batch = {k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()}
+        target = targets(batch)
+        batch.pop("labels", None)
+        batch.pop("shift_labels", None)
+        with autocast, warnings.catch_warnings():
+            # FSDP2 warns that the root returned a view (transformers slices
+            # logits); the loss only reads it, never updates it in place.
+            warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+            logits = model(**batch, use_cache=False).logits  # (B, S_local, V)
+        part = token_loss_sum(logits, target)
+        # Gradient reductions average over all world_size ranks (FSDP and
+        # grad_sync alike); scaling by world_size turns that mean into the
+        # sum of every rank's share of (global loss sum / global label count).
+        (part * (ctx.world_size / global_labels)).backward()
+        loss_sum += part.detach()
+    return loss_sum, totals[:2]
+
+
+def finish_step(*, pm: Any, model: torch.nn.Module, plan: Any, mesh: Any, ctx: RunContext, state: StepState,
+                loss_sum: torch.Tensor, totals: torch.Tensor) -> None:
+    """weft_grad_sync, then the step's global loss: fills state.loss/grad_norm/tokens."""
+    grad_results = pm.hook.weft_grad_sync(model=model, plan=plan, mesh=mesh, ctx=ctx)
+    grad_norm = dict(item for result in grad_results if result for item in result).get("grad_norm")
+    dist.all_reduce(loss_sum)
+    state.loss = float(loss_sum / totals[0].clamp(min=1))  # the step's one host sync
+    state.grad_norm = float(grad_norm) if grad_norm is not None else None
+    state.tokens = int(totals[1])

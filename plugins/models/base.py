@@ -1,0 +1,98 @@
+"""``TransformersAdapter``: the model-family contract for models that follow transformers'
+shared layout (``visual.blocks.N``, ``visual.merger``, ``language_model.layers.N``,
+``embed_tokens``, ``lm_head``). Built-in families are instances or small subclasses;
+a third-party family subclasses it and overrides what differs (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from weft.core.recipe import Recipe
+from weft.core.rules import ModuleInfo
+from weft.plugins.models import build, inventory
+
+
+@attrs.frozen(kw_only=True)
+class TransformersAdapter:
+    """One model family; see :class:`weft.core.models.ModelAdapter` for the contract."""
+
+    name: str
+    model_types: tuple[str, ...]
+    summary: str = ""
+    #: transformers auto class that builds and loads the model.
+    auto_class: str = "AutoModelForCausalLM"
+    #: (glob on the module path, modality), first match wins; unmatched paths are "text".
+    modality_patterns: tuple[tuple[str, str], ...] = inventory.MODALITY_PATTERNS
+    #: Shard units besides the children of ``blocks`` / ``layers`` lists.
+    unit_patterns: tuple[str, ...] = inventory.UNIT_PATTERNS
+    #: Whether the vision tower may be shared by the SP ranks (Ulysses over one image's
+    #: patches, strategy ``vision_ulysses``): the tower's blocks must only pass the patch
+    #: sequence from one block to the next.
+    shares_vision: bool = True
+
+    # -- building ------------------------------------------------------------
+
+    def config(self, recipe: Recipe) -> tuple[Any, str | None]:
+        return build.model_config(recipe)
+
+    def build(self, recipe: Recipe, *, device: torch.device | str, seed: int) -> torch.nn.Module:
+        return build.build_model(recipe, auto_class=self.auto_class, config=self.config(recipe)[0], device=device, seed=seed)
+
+    def load_weights(self, model: torch.nn.Module, recipe: Recipe, *, device: torch.device, log: Any) -> None:
+        build.load_weights(model, recipe, device=device, log=log)
+
+    def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path) -> None:
+        build.export(model, processor=self.config(recipe)[1], out_dir=out_dir)
+
+    # -- describing ----------------------------------------------------------
+
+    def modality_of(self, path: str) -> str:
+        return inventory.modality_of(path, patterns=self.modality_patterns)
+
+    def describe(self, model: torch.nn.Module) -> list[ModuleInfo]:
+        return inventory.describe_modules(model, modality_of=self.modality_of, unit_patterns=self.unit_patterns)
+
+    def text_decoder(self, model: torch.nn.Module) -> torch.nn.Module:
+        from weft.plugins.models.sp_hooks import text_decoder
+
+        return text_decoder(model)
+
+    def vision_tower(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        from weft.plugins.models.sp_hooks import vision_tower
+
+        return vision_tower(model)
+
+    def positions(self, model: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
+        from weft.plugins.models.rope_index import document_positions
+
+        return document_positions(model)
+
+    def rope_summary(self, config: Any, *, recipe: Recipe) -> dict:
+        return build.rope_summary(config, recipe=recipe)
+
+    # -- running -------------------------------------------------------------
+
+    def sequence_parallel(self, model: torch.nn.Module, *, plan: Any, mesh: Any) -> Any:
+        from weft.plugins.models.sp_hooks import SequenceParallelHooks
+
+        return SequenceParallelHooks(model=model, split=build.text_split(plan=plan, mesh=mesh), text=self.text_decoder(model),
+                                     visual=self.vision_tower(model), sp_group=mesh.sp.get_group(),
+                                     sp_rank=mesh.sp.get_local_rank(), sp_world=plan.mesh.sp,
+                                     share_threshold=plan.vision_share_threshold())
+
+    def keep_vision_alive(self, model: torch.nn.Module) -> Any:
+        from weft.plugins.models.vision_sync import VisionKeepAlive
+
+        return VisionKeepAlive(visual=self.vision_tower(model), embed=self.text_decoder(model).embed_tokens, model=model)
+
+    def watch_positions(self, model: torch.nn.Module, *, recipe: Recipe, log: Any) -> Any:
+        from weft.plugins.models.positions import PositionWatch
+
+        context, trained = build.trained_context(model.config, original=recipe.model.rope_original_max)
+        return PositionWatch(decoder=self.text_decoder(model), context=context, original=trained,
+                             scaling=recipe.model.rope_scaling, log=log)
