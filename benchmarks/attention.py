@@ -66,12 +66,17 @@ def full_sdpa_time(q, k, v, dout, *, causal: bool, iters: int) -> float:
     return start.elapsed_time(end) / 1000 / iters
 
 
-def emulated_ring_time(q, k, v, dout, *, world: int, layout: str, causal: bool, iters: int, kernel_name: str = "auto") -> dict:
+def emulated_ring_time(
+    q, k, v, dout, *, world: int, layout: str, causal: bool, iters: int, kernel_name: str = "auto"
+) -> dict:
     """Per-(rank, step) timed emulation; returns parallel (critical-path) and serial seconds."""
     kernel = select_kernel(kernel_name, device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
     scale = q.shape[-1] ** -0.5
     groups = q.shape[1] // k.shape[1]
-    parts = {name: [shard_sequence(t, dim=2, rank=r, world=world, layout=layout) for r in range(world)] for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout))}
+    parts = {
+        name: [shard_sequence(t, dim=2, rank=r, world=world, layout=layout) for r in range(world)]
+        for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout))
+    }
     kvs = [torch.stack([kk, vv]) for kk, vv in zip(parts["k"], parts["v"])]
     s = parts["q"][0].shape[2]
     acc = torch.float32
@@ -85,7 +90,17 @@ def emulated_ring_time(q, k, v, dout, *, world: int, layout: str, causal: bool, 
                 block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
                 events[("fwd", rank, step)][0].record()
                 if block is not None:
-                    attend_block(parts["q"][rank], kvs[src], block=block, groups=groups, scale=scale, kernel=kernel, out=out, lse=lse, first=step == 0)
+                    attend_block(
+                        parts["q"][rank],
+                        kvs[src],
+                        block=block,
+                        groups=groups,
+                        scale=scale,
+                        kernel=kernel,
+                        out=out,
+                        lse=lse,
+                        first=step == 0,
+                    )
                 events[("fwd", rank, step)][1].record()
             outs.append(out.to(q.dtype))
             lses.append(lse)
@@ -97,7 +112,19 @@ def emulated_ring_time(q, k, v, dout, *, world: int, layout: str, causal: bool, 
                 block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
                 events[("bwd", rank, step)][0].record()
                 if block is not None:
-                    attend_block_backward(parts["dout"][rank], parts["q"][rank], kvs[src], outs[rank], lses[rank], block=block, groups=groups, scale=scale, kernel=kernel, dq=dq, dkv=dkvs[src])
+                    attend_block_backward(
+                        parts["dout"][rank],
+                        parts["q"][rank],
+                        kvs[src],
+                        outs[rank],
+                        lses[rank],
+                        block=block,
+                        groups=groups,
+                        scale=scale,
+                        kernel=kernel,
+                        dq=dq,
+                        dkv=dkvs[src],
+                    )
                 events[("bwd", rank, step)][1].record()
 
     keys = [(phase, r, st) for phase in ("fwd", "bwd") for r in range(world) for st in range(world)]
@@ -121,7 +148,17 @@ def tolerance_ratio(got: torch.Tensor, ref: torch.Tensor, *, world: int) -> floa
     return float(ratio) if bool(torch.isfinite(got).all()) else float("inf")
 
 
-def check_bf16(*, seq: int, heads: int, kv_heads: int, head_dim: int, inputs: str, batch: int = 1, worlds: tuple[int, ...] = (2, 4, 8), kernels: tuple[str, ...] = ("auto",)) -> list[dict]:
+def check_bf16(
+    *,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    inputs: str,
+    batch: int = 1,
+    worlds: tuple[int, ...] = (2, 4, 8),
+    kernels: tuple[str, ...] = ("auto",),
+) -> list[dict]:
     """Emulated ring (bf16) vs one full SDPA call, with torch's CP tolerances atol 8e-3*W, rtol 1e-3*W.
 
     Two references: torch's own bf16 SDPA (what torch's CP tests compare against) and
@@ -140,18 +177,33 @@ def check_bf16(*, seq: int, heads: int, kv_heads: int, head_dim: int, inputs: st
     q = draw(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
     k = draw(batch, kv_heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
     v = draw(batch, kv_heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-    dout = torch.ones_like(q) if inputs == "rand" else torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    dout = (
+        torch.ones_like(q)
+        if inputs == "rand"
+        else torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    )
 
     def sdpa(dtype, causal):
         qr, kr, vr = (t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, enable_gqa=kv_heads != heads)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qr, kr, vr, is_causal=causal, enable_gqa=kv_heads != heads
+        )
         out.backward(dout.to(dtype))
         return [t.float() for t in (out.detach(), qr.grad, kr.grad, vr.grad)]
 
     for causal in (True, False):
         ref_bf16, truth = sdpa(torch.bfloat16, causal), sdpa(torch.float32, causal)
         rounded = [t.to(torch.bfloat16).float() for t in truth]
-        for world, layout, kernel_name in [(w, lay, kn) for w in worlds for lay in (("zigzag", "contiguous") if causal else ("zigzag",)) for kn in kernels] + [(w, "-", None) for w in worlds] + [(w, "-", "sdpa") for w in worlds]:
+        for world, layout, kernel_name in (
+            [
+                (w, lay, kn)
+                for w in worlds
+                for lay in (("zigzag", "contiguous") if causal else ("zigzag",))
+                for kn in kernels
+            ]
+            + [(w, "-", None) for w in worlds]
+            + [(w, "-", "sdpa") for w in worlds]
+        ):
             if kernel_name is None:
                 got, name = rounded, "float32 truth rounded to bf16"
             elif kernel_name == "sdpa":
@@ -162,10 +214,29 @@ def check_bf16(*, seq: int, heads: int, kv_heads: int, head_dim: int, inputs: st
                 def parts(t):
                     return [shard_sequence(t, dim=2, rank=r, world=world, layout=layout) for r in range(world)]
 
-                outs, grads = emulate_ring(parts(q), parts(k), parts(v), parts(dout), causal=causal, scale=head_dim**-0.5, layout=layout, kernel=kernel)
-                got = [unshard_sequence(outs, dim=2, layout=layout).float()] + [unshard_sequence([gr[i] for gr in grads], dim=2, layout=layout).float() for i in range(3)]
+                outs, grads = emulate_ring(
+                    parts(q),
+                    parts(k),
+                    parts(v),
+                    parts(dout),
+                    causal=causal,
+                    scale=head_dim**-0.5,
+                    layout=layout,
+                    kernel=kernel,
+                )
+                got = [unshard_sequence(outs, dim=2, layout=layout).float()] + [
+                    unshard_sequence([gr[i] for gr in grads], dim=2, layout=layout).float() for i in range(3)
+                ]
                 name = kernel.name
-            row = {"inputs": inputs, "causal": causal, "world": world, "layout": layout, "kernel": name, "heads": heads, "kv_heads": kv_heads}
+            row = {
+                "inputs": inputs,
+                "causal": causal,
+                "world": world,
+                "layout": layout,
+                "kernel": name,
+                "heads": heads,
+                "kv_heads": kv_heads,
+            }
             for ref_name, ref in (("vs_sdpa_bf16", ref_bf16), ("vs_fp32", truth)):
                 # torch.testing.assert_close's rule, |got - ref| <= atol + rtol |ref|, as a ratio.
                 worst = max(tolerance_ratio(x, y, world=world) for x, y in zip(got, ref))
@@ -204,14 +275,31 @@ def main() -> None:
     kernels = tuple(args.kernels.split(","))
     # MHA (torch CP's own test setting) and this benchmark's GQA shape.
     checks = []
-    # torch's own CP test: batch 8, 8 heads, head_dim 32, 1024 tokens per rank, uniform inputs, out.sum() gradient.
+    # torch's own CP test: batch 8, 8 heads, head_dim 32, 1024 tokens per rank, uniform inputs,
+    # out.sum() gradient.
     for world in (2, 4, 8):
-        for row in check_bf16(seq=1024 * world, batch=8, heads=8, kv_heads=8, head_dim=32, inputs="rand", worlds=(world,), kernels=kernels):
+        for row in check_bf16(
+            seq=1024 * world,
+            batch=8,
+            heads=8,
+            kv_heads=8,
+            head_dim=32,
+            inputs="rand",
+            worlds=(world,),
+            kernels=kernels,
+        ):
             checks.append({"seq": 1024 * world, "setting": "torch CP test (B8 H8 D32)", **row})
     for check_seq in (int(x) for x in args.check_seqs.split(",")):
         for inputs in ("rand", "randn"):
             for kv_heads in (args.heads, args.kv_heads):
-                for row in check_bf16(seq=check_seq, heads=args.heads, kv_heads=kv_heads, head_dim=args.head_dim, inputs=inputs, kernels=kernels):
+                for row in check_bf16(
+                    seq=check_seq,
+                    heads=args.heads,
+                    kv_heads=kv_heads,
+                    head_dim=args.head_dim,
+                    inputs=inputs,
+                    kernels=kernels,
+                ):
                     checks.append({"seq": check_seq, "setting": f"B1 H{args.heads} D{args.head_dim}", **row})
     for row in checks:
         print("check", row, flush=True)
@@ -229,11 +317,26 @@ def main() -> None:
         for causal in (True, False):
             flops = attention_flops(batch=1, heads=args.heads, seq=seq, head_dim=args.head_dim, causal=causal)
             t_full = full_sdpa_time(q, k, v, dout, causal=causal, iters=args.iters)
-            rows.append({"seq": seq, "causal": causal, "schedule": "full cuDNN SDPA (1 GPU)", "world": 1, "tflops_per_gpu": flops / t_full / 1e12, "efficiency": 1.0, "ms": t_full * 1e3})
+            rows.append({
+                "seq": seq, "causal": causal, "schedule": "full cuDNN SDPA (1 GPU)", "world": 1,
+                "tflops_per_gpu": flops / t_full / 1e12, "efficiency": 1.0, "ms": t_full * 1e3,
+            })
             print(rows[-1], flush=True)
             for world in (int(x) for x in args.ring_sizes.split(",")):
-                for layout, kernel_name in [(lay, kn) for lay in (("zigzag", "contiguous") if causal else ("zigzag",)) for kn in kernels]:
-                    timing = emulated_ring_time(q, k, v, dout, world=world, layout=layout, causal=causal, iters=args.iters, kernel_name=kernel_name)
+                for layout, kernel_name in [
+                    (lay, kn) for lay in (("zigzag", "contiguous") if causal else ("zigzag",)) for kn in kernels
+                ]:
+                    timing = emulated_ring_time(
+                        q,
+                        k,
+                        v,
+                        dout,
+                        world=world,
+                        layout=layout,
+                        causal=causal,
+                        iters=args.iters,
+                        kernel_name=kernel_name,
+                    )
                     rows.append({
                         "seq": seq, "causal": causal, "schedule": f"ring {layout}, {kernel_name}", "world": world,
                         "tflops_per_gpu": flops / world / timing["parallel"] / 1e12,
@@ -244,19 +347,36 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     lines = [
-        f"Device: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; bf16; batch 1, {args.heads} query heads, {args.kv_heads} KV heads, head_dim {args.head_dim}.",
+        f"Device: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; bf16; "
+        f"batch 1, {args.heads} query heads, {args.kv_heads} KV heads, head_dim {args.head_dim}.",
         "",
-        "| total length | causal | schedule | ring size | TFLOP/s per GPU | fraction of full cuDNN | parallel ms (fwd+bwd) |",
+        "| total length | causal | schedule | ring size | TFLOP/s per GPU | fraction of full cuDNN "
+        "| parallel ms (fwd+bwd) |",
+
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        lines.append(f"| {r['seq'] // 1024}K | {r['causal']} | {r['schedule']} | {r['world']} | {r['tflops_per_gpu']:.0f} | {r['efficiency']:.3f} | {r['ms']:.1f} |")
-    lines += ["", "bf16 exactness: emulated ring vs one SDPA call over the whole sequence, torch CP tolerances atol 8e-3·W, rtol 1e-3·W; "
-              "Errors: largest absolute error against float32 SDPA on the same bf16 inputs, ring / bf16 SDPA, per tensor.", "",
-              "| setting | seq | inputs | heads / KV heads | causal | layout | ring size | kernel | within tolerance of bf16 SDPA (worst err/tol) | within tolerance of fp32 SDPA (worst err/tol) | out | dq | dk | dv | ratio (max) | max error / max magnitude, ring / bf16 SDPA |",
+        lines.append(
+            f"| {r['seq'] // 1024}K | {r['causal']} | {r['schedule']} | {r['world']} | {r['tflops_per_gpu']:.0f} "
+            f"| {r['efficiency']:.3f} | {r['ms']:.1f} |"
+        )
+    lines += ["", "bf16 exactness: emulated ring vs one SDPA call over the whole sequence, "
+              "torch CP tolerances atol 8e-3·W, rtol 1e-3·W; "
+              "Errors: largest absolute error against float32 SDPA on the same bf16 inputs, "
+              "ring / bf16 SDPA, per tensor.", "",
+              "| setting | seq | inputs | heads / KV heads | causal | layout | ring size | kernel "
+              "| within tolerance of bf16 SDPA (worst err/tol) | within tolerance of fp32 SDPA (worst err/tol) "
+              "| out | dq | dk | dv | ratio (max) | max error / max magnitude, ring / bf16 SDPA |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in checks:
-        lines.append(f"| {c['setting']} | {c['seq']} | {c['inputs']} | {c['heads']}/{c['kv_heads']} | {c['causal']} | {c['layout']} | {c['world']} | {c['kernel']} | {c['pass_vs_sdpa_bf16']} ({c['worst_vs_sdpa_bf16']}) | {c['pass_vs_fp32']} ({c['worst_vs_fp32']}) | {c['err_out']} | {c['err_dq']} | {c['err_dk']} | {c['err_dv']} | {c['ratio']} | {c['rel_err']:.1e} / {c['sdpa_rel_err']:.1e} |")
+        lines.append(
+            f"| {c['setting']} | {c['seq']} | {c['inputs']} | {c['heads']}/{c['kv_heads']} | {c['causal']} "
+            f"| {c['layout']} | {c['world']} | {c['kernel']} "
+            f"| {c['pass_vs_sdpa_bf16']} ({c['worst_vs_sdpa_bf16']}) | {c['pass_vs_fp32']} ({c['worst_vs_fp32']}) "
+            f"| {c['err_out']} | {c['err_dq']} | {c['err_dk']} | {c['err_dv']} | {c['ratio']} "
+            f"| {c['rel_err']:.1e} / {c['sdpa_rel_err']:.1e} |"
+        )
+
     (args.out / "attention.md").write_text("\n".join(lines) + "\n")
     (args.out / "attention.json").write_text(json.dumps({"rows": rows, "checks": checks}, indent=1))
     print("\n".join(lines))

@@ -33,7 +33,9 @@ from PIL import Image, ImageDraw  # noqa: E402
 
 H200_7B_32K_TOKENS_PER_S = 6008  # shared/anchors.md, plain transformers on one H200
 
-WORDS = "the a image shows colour shape left right above below large small red blue green square circle line text".split()
+WORDS = (
+    "the a image shows colour shape left right above below large small red blue green square circle line text"
+).split()
 
 
 def processor_folder(root: pathlib.Path) -> pathlib.Path:
@@ -60,12 +62,17 @@ def make_dataset(root: pathlib.Path, *, samples: int, seed: int = 0) -> pathlib.
         draw = ImageDraw.Draw(image)
         for _ in range(20):
             x, y = rng.randint(0, size[0] - 40), rng.randint(0, size[1] - 40)
-            draw.rectangle([x, y, x + rng.randint(5, 40), y + rng.randint(5, 40)], fill=tuple(rng.randint(0, 255) for _ in range(3)))
+            draw.rectangle(
+                [x, y, x + rng.randint(5, 40), y + rng.randint(5, 40)],
+                fill=tuple(rng.randint(0, 255) for _ in range(3)),
+            )
         image.save(images / f"{i}.png")
         question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(100, 300)))
         answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(50, 200)))
-        lines.append(json.dumps({"messages": [{"role": "user", "content": "<image>" + question}, {"role": "assistant", "content": answer}],
-                                 "images": [f"images/{i}.png"]}))
+        lines.append(json.dumps({
+            "messages": [{"role": "user", "content": "<image>" + question}, {"role": "assistant", "content": answer}],
+            "images": [f"images/{i}.png"],
+        }))
     path = root / "train.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -83,7 +90,14 @@ def measure(path: pathlib.Path, *, processor: pathlib.Path, workers: int, cache:
         samples += 1
         tokens += sample.num_tokens
     seconds = time.perf_counter() - start
-    return {"samples": samples, "bad": bad, "tokens": tokens, "seconds": seconds, "samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds}
+    return {
+        "samples": samples,
+        "bad": bad,
+        "tokens": tokens,
+        "seconds": seconds,
+        "samples_per_s": samples / seconds,
+        "tokens_per_s": tokens / seconds,
+    }
 
 
 def main() -> None:
@@ -109,14 +123,19 @@ def main() -> None:
             f"warm cache, {workers} workers": measure(path, processor=processor, workers=workers, cache=cache),
         }
     lines = [
-        f"Machine: {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; {args.samples} samples, one 336-560 px PNG each "
+        f"Machine: {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; {args.samples} samples, "
+        "one 336-560 px PNG each "
         f"(~{rows['cold, 1 process']['tokens'] // max(1, rows['cold, 1 process']['samples'])} tokens per sample).",
         "",
         "| pipeline | samples/s | tokens/s | x one H200's 7B@32K consumption (6,008 tok/s) |",
         "| --- | --- | --- | --- |",
     ]
     for name, row in rows.items():
-        lines.append(f"| {name} | {row['samples_per_s']:.1f} | {row['tokens_per_s']:,.0f} | {row['tokens_per_s'] / H200_7B_32K_TOKENS_PER_S:.1f}x |")
+        lines.append(
+            f"| {name} | {row['samples_per_s']:.1f} | {row['tokens_per_s']:,.0f} "
+            f"| {row['tokens_per_s'] / H200_7B_32K_TOKENS_PER_S:.1f}x |"
+        )
+
     text = "\n".join(lines)
     print(text)
     (args.out / "data.md").write_text(text + "\n")

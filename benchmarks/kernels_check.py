@@ -21,8 +21,8 @@ from weft.strategies.block_kernels import KERNELS  # noqa: E402
 def main() -> int:
     failures = 0
     reference = KERNELS["math"]
-    cases = ((True, 512, 512, 4, 128), (False, 512, 256, 4, 128), (False, 256, 512, 4, 128), (True, 512, 512, 2, 128), (False, 512, 256, 1, 128),
-             (True, 384, 384, 2, 80), (False, 200, 328, 4, 32), (True, 1000, 1000, 1, 64))
+    cases = ((True, 512, 512, 4, 128), (False, 512, 256, 4, 128), (False, 256, 512, 4, 128), (True, 512, 512, 2, 128),
+             (False, 512, 256, 1, 128), (True, 384, 384, 2, 80), (False, 200, 328, 4, 32), (True, 1000, 1000, 1, 64))
     for name in ("cudnn", "flash", "triton"):
         kernel = KERNELS[name]
         for causal, sq, sk, kv_heads, d in cases:
@@ -42,7 +42,11 @@ def main() -> int:
             f32 = [q.float(), k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)]
             ref_out, ref_lse = reference.forward(*f32, causal=causal, scale=d**-0.5)
             dq_r, dk_r, dv_r = reference.backward(dout.float(), *f32, ref_out, ref_lse, causal=causal, scale=d**-0.5)
-            ref_grads = (dq_r, dk_r.view(2, kv_heads, groups, sk, d).sum(2), dv_r.view(2, kv_heads, groups, sk, d).sum(2))
+            ref_grads = (
+                dq_r,
+                dk_r.view(2, kv_heads, groups, sk, d).sum(2),
+                dv_r.view(2, kv_heads, groups, sk, d).sum(2),
+            )
             errs = {
                 "out": (out.float() - ref_out).abs().max().item(),
                 "lse": (lse - ref_lse).abs().max().item(),
@@ -50,7 +54,11 @@ def main() -> int:
             }
             bad = any(e > 0.05 for e in errs.values()) or lse.shape != ref_lse.shape
             failures += bad
-            print(f"{name} causal={causal} {sq}x{sk} kv_heads={kv_heads} head_dim={d}: lse {tuple(lse.shape)} {'BAD' if bad else 'ok'} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+            print(
+                f"{name} causal={causal} {sq}x{sk} kv_heads={kv_heads} head_dim={d}: "
+                f"lse {tuple(lse.shape)} {'BAD' if bad else 'ok'} "
+                + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+            )
     failures += check_accumulate()
     failures += check_masked()
     return 1 if failures else 0
@@ -66,14 +74,21 @@ def check_masked() -> int:
     k, v = (torch.randn(1, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     doc_q = torch.randint(0, 3, (1, 768), device="cuda", generator=g)
     doc_k = torch.randint(0, 3, (1, 1024), device="cuda", generator=g)
-    idx_q, idx_k = torch.arange(1024, 1792, device="cuda"), torch.arange(1024, device="cuda")  # keys all before the queries
+    # keys all before the queries
+    idx_q, idx_k = torch.arange(1024, 1792, device="cuda"), torch.arange(1024, device="cuda")
     mask = document_mask(doc_q, doc_k, idx_q, idx_k, causal=True)
     f32 = [q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1)]
     ref = KERNELS["math"]
     out, lse = ref.forward(*f32, causal=False, scale=128**-0.5, mask=mask)
     dq_r, dk_r, dv_r = ref.backward(dout.float(), *f32, out, lse, causal=False, scale=128**-0.5, mask=mask)
-    dq, dk, dv = torch.zeros(q.shape, device="cuda"), torch.zeros(k.shape, device="cuda"), torch.zeros(k.shape, device="cuda")
-    backward_accumulate(dout, q, k, v, out.to(q.dtype), lse, causal=False, scale=128**-0.5, dq=dq, dk=dk, dv=dv, mask=mask)
+    dq, dk, dv = (
+        torch.zeros(q.shape, device="cuda"),
+        torch.zeros(k.shape, device="cuda"),
+        torch.zeros(k.shape, device="cuda"),
+    )
+    backward_accumulate(
+        dout, q, k, v, out.to(q.dtype), lse, causal=False, scale=128**-0.5, dq=dq, dk=dk, dv=dv, mask=mask
+    )
     errs = [(dq - dq_r).abs().max().item(), (dk - dk_r.view(1, 2, 4, 1024, 128).sum(2)).abs().max().item(),
             (dv - dv_r.view(1, 2, 4, 1024, 128).sum(2)).abs().max().item()]
     bad = max(errs) > 0.05
@@ -93,9 +108,34 @@ def check_accumulate() -> int:
     # Query tail half against the key head half (a zigzag off-diagonal block), on slices.
     qs, ks, vs, ds = q[:, :, 512:], k[:, :, :512], v[:, :, :512], dout[:, :, 512:]
     out, lse = ref.forward(f32[0][:, :, 512:], f32[1][:, :, :512], f32[2][:, :, :512], causal=False, scale=128**-0.5)
-    dq_r, dk_r, dv_r = ref.backward(ds.float(), f32[0][:, :, 512:], f32[1][:, :, :512], f32[2][:, :, :512], out, lse, causal=False, scale=128**-0.5)
-    dq, dk, dv = torch.full(q.shape, 2.0, device="cuda"), torch.full(k.shape, 2.0, device="cuda"), torch.full(k.shape, 2.0, device="cuda")
-    backward_accumulate(ds, qs, ks, vs, out.to(q.dtype), lse, causal=False, scale=128**-0.5, dq=dq[:, :, 512:], dk=dk[:, :, :512], dv=dv[:, :, :512])
+    dq_r, dk_r, dv_r = ref.backward(
+        ds.float(),
+        f32[0][:, :, 512:],
+        f32[1][:, :, :512],
+        f32[2][:, :, :512],
+        out,
+        lse,
+        causal=False,
+        scale=128**-0.5,
+    )
+    dq, dk, dv = (
+        torch.full(q.shape, 2.0, device="cuda"),
+        torch.full(k.shape, 2.0, device="cuda"),
+        torch.full(k.shape, 2.0, device="cuda"),
+    )
+    backward_accumulate(
+        ds,
+        qs,
+        ks,
+        vs,
+        out.to(q.dtype),
+        lse,
+        causal=False,
+        scale=128**-0.5,
+        dq=dq[:, :, 512:],
+        dk=dk[:, :, :512],
+        dv=dv[:, :, :512],
+    )
     errs = [
         (dq[:, :, 512:] - 2 - dq_r).abs().max().item(),
         (dk[:, :, :512] - 2 - dk_r.view(1, 2, 4, 512, 128).sum(2)).abs().max().item(),
@@ -103,7 +143,11 @@ def check_accumulate() -> int:
     ]
     untouched = bool((dq[:, :, :512] == 2).all() and (dk[:, :, 512:] == 2).all() and (dv[:, :, 512:] == 2).all())
     bad = max(errs) > 0.05 or not untouched
-    print(f"triton accumulate into strided, prefilled buffers: {'BAD' if bad else 'ok'} untouched={untouched} " + " ".join(f"{e:.2e}" for e in errs))
+    print(
+        f"triton accumulate into strided, prefilled buffers: {'BAD' if bad else 'ok'} untouched={untouched} "
+        + " ".join(f"{e:.2e}" for e in errs)
+    )
+
     return int(bad)
 
 

@@ -73,7 +73,10 @@ def main() -> None:
         del logits
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "loss_memory.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, indent=1))
+    (args.out / "loss_memory.json").write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, indent=1)
+    )
+
 
 
 if __name__ == "__main__":

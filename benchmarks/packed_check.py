@@ -21,8 +21,8 @@ ensure_weft()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from attention import tolerance_ratio  # noqa: E402
+
 from weft.strategies.ring import ring_attention  # noqa: E402
 
 LENGTHS = (1000, 2500, 596)
@@ -35,7 +35,11 @@ def per_document(q, k, v, dout, dtype):
     for n in LENGTHS:
         part = slice(start, start + n)
         start += n
-        outs.append(torch.nn.functional.scaled_dot_product_attention(qr[:, :, part], kr[:, :, part], vr[:, :, part], is_causal=True, enable_gqa=True))
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                qr[:, :, part], kr[:, :, part], vr[:, :, part], is_causal=True, enable_gqa=True
+            )
+        )
     out = torch.cat(outs, dim=2)
     out.backward(dout.to(dtype))
     return [t.detach().float() for t in (out, qr.grad, kr.grad, vr.grad)]
@@ -43,7 +47,8 @@ def per_document(q, k, v, dout, dtype):
 
 def report(name, got, ref_bf16, ref_fp32):
     errors = [round(float((a - b).abs().max()), 4) for a, b in zip(got, ref_fp32)]
-    print(f"{name}: vs bf16 per-document SDPA {max(tolerance_ratio(a, b, world=1) for a, b in zip(got, ref_bf16)):.3f}, "
+    print(f"{name}: vs bf16 per-document SDPA "
+          f"{max(tolerance_ratio(a, b, world=1) for a, b in zip(got, ref_bf16)):.3f}, "
           f"vs float32 {max(tolerance_ratio(a, b, world=1) for a, b in zip(got, ref_fp32)):.3f}, "
           f"max abs error vs float32 (out, dq, dk, dv) {errors}", flush=True)
 
@@ -61,7 +66,13 @@ def main() -> None:
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         out = ring_attention(qr, kr, vr, causal=True, backend=backend, doc_ids=doc_ids)
         out.backward(dout)
-        report(f"packed, backend {backend}", [t.detach().float() for t in (out, qr.grad, kr.grad, vr.grad)], ref_bf16, ref_fp32)
+        report(
+            f"packed, backend {backend}",
+            [t.detach().float() for t in (out, qr.grad, kr.grad, vr.grad)],
+            ref_bf16,
+            ref_fp32,
+        )
+
     report("baseline: bf16 per-document SDPA", ref_bf16, ref_bf16, ref_fp32)
     dist.destroy_process_group()
 

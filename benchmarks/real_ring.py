@@ -32,8 +32,8 @@ ensure_weft()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from attention import attention_flops, full_sdpa_time, tolerance_ratio  # noqa: E402
+
 from weft.strategies.ring import ring_attention  # noqa: E402
 from weft.strategies.sequence_shard import shard_sequence, unshard_sequence, usp_shard, usp_unshard  # noqa: E402
 from weft.strategies.ulysses import ulysses_attention  # noqa: E402
@@ -70,7 +70,9 @@ def run_sp(strategy, backend, q, k, v, dout, *, rank, world, causal):
         mesh = MESH[0]
 
         def split(t):
-            return usp_shard(t, dim=2, ring_rank=mesh.ring_rank, ring=2, ulysses_rank=mesh.ulysses_rank, ulysses=2, layout="zigzag")
+            return usp_shard(
+                t, dim=2, ring_rank=mesh.ring_rank, ring=2, ulysses_rank=mesh.ulysses_rank, ulysses=2, layout="zigzag"
+            )
 
         def join(parts):  # all_gather order is rank order: rank = 2 * ring_rank + ulysses_rank
             return usp_unshard([parts[0:2], parts[2:4]], dim=2, layout="zigzag")
@@ -87,7 +89,16 @@ def run_sp(strategy, backend, q, k, v, dout, *, rank, world, causal):
     if strategy == "ring":
         out = ring_attention(ql, kl, vl, causal=causal, layout="zigzag", backend=backend)
     elif strategy == "usp":
-        out = usp_attention(ql, kl, vl, ulysses_group=MESH[0].ulysses_group, ring_group=MESH[0].ring_group, causal=causal, layout="zigzag", backend=backend)
+        out = usp_attention(
+            ql,
+            kl,
+            vl,
+            ulysses_group=MESH[0].ulysses_group,
+            ring_group=MESH[0].ring_group,
+            causal=causal,
+            layout="zigzag",
+            backend=backend,
+        )
     else:
         out = ulysses_attention(ql, kl, vl, causal=causal)
     out.backward(part[3])
@@ -106,15 +117,23 @@ def strategies(world):
 
 
 def exactness(*, rank, world, lines):
-    cases = [("torch CP test (B8 H8 D32, rand)", dict(batch=8, heads=8, kv_heads=8, seq=1024 * world, head_dim=32, draw="rand")),
-             ("B1 H28/4 D128, randn", dict(batch=1, heads=28, kv_heads=4, seq=8192, head_dim=128, draw="randn"))]
+    cases = [
+        (
+            "torch CP test (B8 H8 D32, rand)",
+            dict(batch=8, heads=8, kv_heads=8, seq=1024 * world, head_dim=32, draw="rand"),
+        ),
+        ("B1 H28/4 D128, randn", dict(batch=1, heads=28, kv_heads=4, seq=8192, head_dim=128, draw="randn")),
+
+    ]
     for name, shape in cases:
         q, k, v, dout = inputs(**shape)
         for causal in (True, False):
             refs = {}
             for dtype in (torch.bfloat16, torch.float32):
                 qr, kr, vr = (t.to(dtype).clone().requires_grad_() for t in (q, k, v))
-                o = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, enable_gqa=kr.shape[1] != qr.shape[1])
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    qr, kr, vr, is_causal=causal, enable_gqa=kr.shape[1] != qr.shape[1]
+                )
                 o.backward(dout.to(dtype))
                 refs[dtype] = [t.detach().float() for t in (o, qr.grad, kr.grad, vr.grad)]
             for strategy, backend in strategies(world):
@@ -123,7 +142,10 @@ def exactness(*, rank, world, lines):
                 if rank == 0:
                     vs_bf16 = max(tolerance_ratio(a, b, world=world) for a, b in zip(full, refs[torch.bfloat16]))
                     vs_fp32 = max(tolerance_ratio(a, b, world=world) for a, b in zip(full, refs[torch.float32]))
-                    lines.append(f"| {name} | {shape['seq']} | {causal} | {strategy} | {backend} | {world} | {vs_bf16 <= 1} ({vs_bf16:.3f}) | {vs_fp32 <= 1} ({vs_fp32:.3f}) |")
+                    lines.append(
+                        f"| {name} | {shape['seq']} | {causal} | {strategy} | {backend} | {world} "
+                        f"| {vs_bf16 <= 1} ({vs_bf16:.3f}) | {vs_fp32 <= 1} ({vs_fp32:.3f}) |"
+                    )
                     print(lines[-1], flush=True)
 
 
@@ -144,7 +166,11 @@ def speed(*, rank, world, seq, iters, lines):
             dist.barrier()
             t_sp = (time.perf_counter() - start) / iters
             if rank == 0:
-                lines.append(f"| {seq // 1024}K | {causal} | {strategy} | {backend} | {world} | {flops / world / t_sp / 1e12:.0f} | {(t_full / world) / t_sp:.3f} | {t_sp * 1e3:.1f} | {t_full * 1e3:.1f} |")
+                lines.append(
+                    f"| {seq // 1024}K | {causal} | {strategy} | {backend} | {world} "
+                    f"| {flops / world / t_sp / 1e12:.0f} | {(t_full / world) / t_sp:.3f} "
+                    f"| {t_sp * 1e3:.1f} | {t_full * 1e3:.1f} |"
+                )
                 print(lines[-1], flush=True)
 
 
@@ -160,13 +186,18 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 4:
         MESH.append(Mesh2D(rank))
-    lines = [f"{torch.cuda.get_device_name()} x {world}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; NCCL, one rank per GPU.", "",
-             "| setting | seq | causal | strategy | kernel | ranks | within tolerance of bf16 SDPA (worst err/tol) | within tolerance of fp32 SDPA (worst err/tol) |",
+    lines = [f"{torch.cuda.get_device_name()} x {world}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; "
+             "NCCL, one rank per GPU.", "",
+             "| setting | seq | causal | strategy | kernel | ranks "
+             "| within tolerance of bf16 SDPA (worst err/tol) | within tolerance of fp32 SDPA (worst err/tol) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     exactness(rank=rank, world=world, lines=lines)
-    lines += ["", "Speed: batch 1, 28 query heads, 4 KV heads, head_dim 128, bf16, randn; forward + backward, wall time across ranks.", "",
-              "| total length | causal | strategy | kernel | ranks | TFLOP/s per GPU | fraction of full cuDNN | ms (fwd+bwd) | full cuDNN ms (1 GPU) |",
+    lines += ["", "Speed: batch 1, 28 query heads, 4 KV heads, head_dim 128, bf16, randn; "
+              "forward + backward, wall time across ranks.", "",
+              "| total length | causal | strategy | kernel | ranks | TFLOP/s per GPU | fraction of full cuDNN "
+              "| ms (fwd+bwd) | full cuDNN ms (1 GPU) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
     speed(rank=rank, world=world, seq=args.seq, iters=args.iters, lines=lines)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,8 @@ import attrs
 from weft.core.errors import PlanError, RecipeError
 from weft.core.hookspecs import HOOK_POINTS
 from weft.core.mesh_spec import MeshSpec
-from weft.core.recipe import Action, Recipe, Rule, Selector, default_rules
+from weft.core.recipe import Recipe
+from weft.core.rule_syntax import Action, Rule, Selector, default_rules
 from weft.core.registry import StrategyRegistry
 from weft.core.schema import build, did_you_mean
 

@@ -91,7 +91,7 @@ def section_table(name: str) -> Callable[[], str]:
 
 
 def selectors_table() -> str:
-    from weft.core.recipe import COMPARISONS, MODALITIES, NUMERIC_SELECTORS, SELECTOR_KEYS
+    from weft.core.rule_syntax import COMPARISONS, MODALITIES, NUMERIC_SELECTORS, SELECTOR_KEYS
 
     meaning = {
         "path": "glob on the module path (`\"\"` is the root)",
@@ -137,7 +137,7 @@ def presets_list() -> str:
 
 def defaults_table() -> str:
     """The rules of recipes/rules/defaults.toml, lowest precedence, in order."""
-    from weft.core.recipe import default_rules
+    from weft.core.rule_syntax import default_rules
 
     rows = ["| rule | when | chooses |", "| --- | --- | --- |"]
     for rule in default_rules():

@@ -18,7 +18,7 @@ def _entry(rank: int, world: int, store_path: str, fn: Callable[..., Any], args:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    from weft.core.loop import close_process_group
+    from weft.core.prepare import close_process_group
 
     try:
         fn(rank, world, *args)
@@ -51,16 +51,15 @@ def sp_model(recipe_data: dict, *, rank: int, world: int):
     from weft.core.planner import plan_recipe
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe import Recipe
-    from weft.plugins.batching import install_sequence_split
-    from weft.plugins.models.build import build_model
 
     recipe = Recipe.from_dict(recipe_data)
     pm = build_plugin_manager(entry_points=False)
-    model = build_model(recipe, device="cpu", seed=0)
+    adapter = pm.models.for_recipe(recipe)
+    model = adapter.build(recipe, device="cpu", seed=0)
     reference = copy.deepcopy(model)
-    plan, _ = plan_recipe(recipe, registry=pm.registry, world_size=world, model=model)
+    plan, _ = plan_recipe(recipe, pm=pm, world_size=world, model=model)
     mesh = build_device_mesh(plan.mesh, device_type="cpu")
     ctx = RunContext(recipe=recipe, device=torch.device("cpu"), rank=rank, world_size=world, log=structlog.get_logger())
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
-    split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
+    split = adapter.sequence_parallel(model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
     return model, reference, plan, mesh, split

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from model_helpers import build_model
 
 from weft.core.recipe import Recipe
-from weft.plugins.models.build import build_model
 from weft.strategies.activation_checkpoint import apply_checkpointing
 
 

@@ -101,7 +101,8 @@ def test_data_parallel_rank_without_images_keeps_the_tower_in_step(tmp_path):
     Image.new("RGB", (56, 84), "red").save(tmp_path / "red.png")
     text = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."}]}
     image = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}], "images": ["red.png"]}
-    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in (text, image, text, image)) + "\n")
+    # Two samples too long to share a micro-batch of 40 tokens: one per data-parallel rank.
+    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in (text, image)) + "\n")
     recipe = tmp_path / "mixed.toml"
     recipe.write_text(textwrap.dedent(f'''
         include = ["{ROOT / "recipes" / "rules" / "modality-groups.toml"}"]
@@ -110,8 +111,87 @@ def test_data_parallel_rank_without_images_keeps_the_tower_in_step(tmp_path):
         [data]
         source = "jsonl"
         path = "mixed.jsonl"
+        [train]
+        micro_batch_tokens = 40
     '''))
     done = check(str(recipe), "--world-size", "2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and "vision" in result["grad_max_rel_diff_by_group"], result
+    assert result["micro_batches"] == 2, result
+
+
+GRAD_DOUBLER = '''
+"""A buggy plugin: the loss's backward scaled x2 (every gradient doubled, uniformly)."""
+from weft.core.hookspecs import hookimpl
+
+
+def _double(module, args, output):
+    output.register_hook(lambda grad: 2 * grad)
+
+
+@hookimpl
+def weft_shard(model, ctx):
+    model.get_output_embeddings().register_forward_hook(_double)
+'''
+
+
+def _site_plugin(tmp_path, name: str, source: str) -> dict:
+    site = tmp_path / "site"
+    (site / name).mkdir(parents=True)
+    (site / name / "__init__.py").write_text(textwrap.dedent(source))
+    info = site / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[weft]\n{name} = {name}\n")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_check_catches_a_gradient_scale_error(tmp_path):
+    """A uniform x2 in the backward survives clipping (both sides clip to max_norm 1.0), so
+    weft check compares the gradients before grad sync and the global gradient norm."""
+    env = _site_plugin(tmp_path, "grad_doubler", GRAD_DOUBLER)
+    done = check(TINY, "--world-size", "2", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 1 and done.stdout.lstrip().startswith("{"), done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert not result["ok"] and result["loss_rel_diff"] <= 1e-5, result  # the loss itself is right
+    assert abs(result["grad_max_rel_diff"] - 1.0) < 1e-3, result  # every gradient twice the truth
+    assert abs(result["grad_norm"] / result["grad_norm_ref"] - 2.0) < 1e-3, result
+    # After clipping both sides have norm 1.0: that comparison alone would pass.
+    assert result["clipped_grad_max_rel_diff"] <= 1e-4, result
+
+
+def test_third_party_batching_under_ulysses2_x_ring2(tmp_path):
+    """A batching strategy that knows nothing of sequence parallelism (tests/weft_test_plugins.py,
+    whole-sequence micro-batches, two per rank) trains under ulysses 2 x ring 2 on 4 ranks and is
+    exact: the core pads, shifts and cuts its micro-batches, and weft check takes them from it."""
+    from plugin_site import plugin_env
+
+    env = plugin_env(tmp_path, module="weft_test_plugins", entry="weft-test")
+    recipe = tmp_path / "third_party.toml"
+    recipe.write_text(textwrap.dedent(f'''
+        include = ["{ROOT / "recipes" / "rules" / "modality-groups.toml"}"]
+        [model]
+        preset = "qwen2_5_vl_tiny"
+        [train]
+        max_steps = 3
+        warmup_steps = 1
+        [parallel]
+        nproc = 4
+        ulysses = 2
+        ring = 2
+        [[rules]]
+        batching = {{ strategy = "fixed_global", samples_per_step = 4, parts = 2 }}
+    '''))
+    done = check(str(recipe), "--world-size", "4", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "ring": 2, "ulysses": 2}
+    assert result["micro_batches"] == 2  # both of the strategy's micro-batches, accumulated
+    assert result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
+    assert {"vision", "projector", "text"} <= set(result["grad_max_rel_diff_by_group"])
+    run = subprocess.run([sys.executable, "-m", "weft", "run", str(recipe), "--run-dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 for r in rows)

@@ -17,7 +17,7 @@ import torch
 from weft.core import cli
 from weft.core.context import RunContext
 from weft.core.hookspecs import hookimpl
-from weft.core.loop import StepState
+from weft.core.context import StepState
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe

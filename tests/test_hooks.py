@@ -27,7 +27,7 @@ from weft.core import hookspecs
 from weft.core.context import RunContext
 from weft.core.errors import HookError, PlanError, RecipeError
 from weft.core.hookspecs import hookimpl
-from weft.core.loop import StepState
+from weft.core.context import StepState
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
@@ -133,6 +133,44 @@ def test_hook_weft_strategies():
     # Blocked without a replacement: the defaults name a strategy nobody declares.
     with pytest.raises(RecipeError, match="unknown guard strategy 'finite'"):
         make_plan(build_plugin_manager(block=["weft.plugins.guard"], entry_points=False), [])
+
+
+class ToyFamily:
+    """A third-party model family: the built-in base with its own model_type."""
+
+    def __init__(self) -> None:
+        from weft.plugins.models.base import TransformersAdapter
+
+        self.adapter = TransformersAdapter(name="toy_lm", model_types=("toy_lm",), summary="a toy family")
+
+    @hookimpl
+    def weft_models(self):
+        return [self.adapter]
+
+
+def test_hook_weft_models(tmp_path):
+    from weft.core.models import ModelAdapter
+
+    family = ToyFamily()
+    pm = make_pm(("toy", family))
+    # Collect-all: one list per implementing plugin (the built-in families and the toy).
+    lists = pm.hook.weft_models()
+    assert len(lists) == len(pm.hook.weft_models.get_hookimpls()) == 2
+    assert all(isinstance(a, ModelAdapter) for items in lists for a in items)
+    assert pm.models.get("toy_lm") is family.adapter
+    assert pm.models.get("qwen2_5_vl").name == "qwen2_5_vl" and pm.models.get("qwen2").name == "causal_lm"
+    assert ("toy", family.adapter) in pm.models.all()
+    # The core picks the adapter from the model directory's config.json.
+    (tmp_path / "config.json").write_text('{"model_type": "toy_lm"}')
+    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
+    assert pm.models.for_recipe(recipe) is family.adapter
+    # Without the plugin: a user error naming the model_type and the adapters installed.
+    with pytest.raises(RecipeError, match=r"no installed model adapter handles model_type 'toy_lm'; adapters installed: "
+                                          r"causal_lm \(qwen2, .*qwen2_5_vl \(qwen2_5_vl\)"):
+        make_pm().models.for_recipe(recipe)
+    # Two plugins claiming one model_type: an error naming both.
+    with pytest.raises(RecipeError, match=r"model_type 'toy_lm' is handled twice: by plugin 'toy' and by plugin 'again'"):
+        make_pm(("toy", family), ("again", ToyFamily())).models
 
 
 # ---------------------------------------------------------------------------
@@ -392,7 +430,7 @@ def test_trace_logs_every_hook_call():
 
 
 def test_weft_trace_hooks_env(monkeypatch, capsys):
-    from weft.core.cli import plugin_manager_from_env
+    from weft.core.plugin_manager import plugin_manager_from_env
 
     monkeypatch.setenv("WEFT_TRACE_HOOKS", "1")
     pm = plugin_manager_from_env()
@@ -417,7 +455,7 @@ def hookspec_signatures() -> dict[str, str]:
 
 def test_every_hookspec_is_tested_and_documented():
     specs = hookspec_signatures()
-    assert set(specs) == {f"weft_{p}" for p in ("strategies", *hookspecs.HOOK_POINTS)}
+    assert set(specs) == {f"weft_{p}" for p in ("strategies", "models", *hookspecs.HOOK_POINTS)}
     tests = set()
     for path in (ROOT / "tests").glob("test_*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))

@@ -209,3 +209,26 @@ def test_describe_and_positions():
                                              image_grid_thw=sample.image_grid_thw)
     assert torch.equal(positions, expected)
     assert not torch.equal(positions[1], positions[2]), "image tokens get 2-D (height, width) positions"
+
+
+def test_keep_vision_alive_runs_deepstack_mergers():
+    """A micro-batch without images but with the vision flag runs the whole tower, the
+    DeepStack mergers included (FSDP units whose backward every rank must join), and
+    changes nothing numerically."""
+    from weft.core.models import VISION_FLAG
+    from weft.core.plugin_manager import build_plugin_manager
+    from weft.core.recipe import Recipe
+
+    recipe = Recipe.from_dict({"model": {"preset": "qwen3_vl_tiny"}})
+    adapter = build_plugin_manager(entry_points=False).models.for_recipe(recipe)
+    model = adapter.build(recipe, device="cpu", seed=0)
+    ids = torch.tensor([[306, 10, 11, 12, 13, 308]])  # text only
+    plain = model(input_ids=ids).logits
+    adapter.keep_vision_alive(model)
+    logits = model(input_ids=ids, **{VISION_FLAG: True}).logits
+    assert torch.equal(logits, plain)
+    logits.sum().backward()
+    visual = adapter.vision_tower(model)
+    for name in ("merger", "deepstack_merger_list.0", "deepstack_merger_list.1", "blocks.2"):
+        grads = [p.grad for p in visual.get_submodule(name).parameters()]
+        assert all(g is not None for g in grads), f"visual.{name} is not in the graph"

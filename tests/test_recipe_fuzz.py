@@ -15,17 +15,8 @@ from weft.core.errors import WeftError
 from weft.core.hookspecs import HOOK_POINTS
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
-from weft.core.recipe import (
-    COMPARISONS,
-    MODALITIES,
-    SELECTOR_KEYS,
-    DataSection,
-    ModelSection,
-    ParallelSection,
-    Recipe,
-    TrainSection,
-    apply_override,
-)
+from weft.core.recipe import DataSection, ModelSection, ParallelSection, Recipe, TrainSection, apply_override
+from weft.core.rule_syntax import COMPARISONS, MODALITIES, SELECTOR_KEYS
 from weft.core.rules import ModuleInfo, build_plan
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "parallel": ParallelSection}

@@ -21,8 +21,9 @@ import pytest
 
 from weft.core.errors import PlanError, RecipeError, WeftError
 from weft.core.mesh_spec import MeshSpec
-from weft.core.recipe import Recipe, bundled_path, default_rules
+from weft.core.recipe import Recipe
 from weft.core.registry import NoParams, Strategy, StrategyRegistry
+from weft.core.rule_syntax import bundled_path, default_rules
 from weft.core.rules import ModuleInfo, Plan, build_plan, matches, validate_rules
 from weft.core.schema import in_range
 

@@ -23,7 +23,6 @@ def _worker(rank: int, world: int, ulysses: int, ring: int, strategy: str) -> No
     from weft.core.planner import plan_recipe
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe import Recipe
-    from weft.plugins.models.build import build_model
     from weft.strategies.sequence_shard import usp_shard
 
     recipe = Recipe.from_dict({
@@ -32,9 +31,9 @@ def _worker(rank: int, world: int, ulysses: int, ring: int, strategy: str) -> No
         "rules": [{"when": {"modality": "text"}, "attention": {"strategy": strategy}}],
     })
     pm = build_plugin_manager(entry_points=False)
-    model = build_model(recipe, device="cpu", seed=0)
+    model = pm.models.for_recipe(recipe).build(recipe, device="cpu", seed=0)
     reference = copy.deepcopy(model)  # keeps transformers' own sdpa
-    plan, _ = plan_recipe(recipe, registry=pm.registry, world_size=world, model=model)
+    plan, _ = plan_recipe(recipe, pm=pm, world_size=world, model=model)
     mesh = build_device_mesh(plan.mesh, device_type="cpu")
     ctx = RunContext(recipe=recipe, device=torch.device("cpu"), rank=rank, world_size=world, log=structlog.get_logger())
     installed = install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)

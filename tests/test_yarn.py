@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from weft.core.recipe import Recipe
-from weft.plugins.models.build import build_model, model_config, rope_summary, trained_context
+from weft.plugins.models.build import model_config, rope_summary, trained_context
+from model_helpers import adapter_of, build_model
 from weft.strategies.yarn import needed_factor, yarn_parameters
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -108,7 +109,7 @@ def test_the_watch_reads_mrope_positions_and_names_the_factor():
 
     log = ListLog()
     context = largest  # one short: the batch reaches position `largest`, the context holds 0..largest-1
-    watch = PositionWatch(model=model, context=context, original=context // 2, scaling="none", log=log)
+    watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=context, original=context // 2, scaling="none", log=log)
     with torch.no_grad():
         model(**inputs, use_cache=False)
         watch.poll()
@@ -121,7 +122,7 @@ def test_the_watch_reads_mrope_positions_and_names_the_factor():
     assert warned[0]["needed_factor"] == needed_factor(watch.largest, trained=context // 2) > 2.0
 
     quiet = ListLog()
-    quiet_watch = PositionWatch(model=model, context=watch.largest + 1, original=watch.largest + 1, scaling="none", log=quiet)
+    quiet_watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=watch.largest + 1, original=watch.largest + 1, scaling="none", log=quiet)
     with torch.no_grad():
         model(**inputs, use_cache=False)
     quiet_watch.poll()
@@ -144,7 +145,7 @@ def test_plan_positions_reads_the_data_like_the_model(capsys):
     """`weft plan --positions`: the largest position id over the recipe's samples equals
     what the model's own forward computes for them, one sample at a time."""
     from weft.core.cli import main
-    from weft.plugins.batching import sample_source
+    from weft.plugins.data import sample_source
     from weft.plugins.models.positions import PositionWatch
     from weft.strategies.conversation import collate
 
@@ -154,9 +155,9 @@ def test_plan_positions_reads_the_data_like_the_model(capsys):
     found = json.loads(capsys.readouterr().out)["positions"]
 
     recipe = Recipe.from_toml(tiny, overrides=tuple(s for s in sets if s != "--set"))
-    tokenizer, source = sample_source(recipe)
+    tokenizer, source = sample_source(recipe, adapter_of(recipe))
     model = build_model(recipe, device="cpu", seed=0)
-    watch = PositionWatch(model=model, context=48, original=48, scaling="none", log=ListLog())
+    watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=48, original=48, scaling="none", log=ListLog())
     tokens = []
     with torch.no_grad():
         for sample in source:

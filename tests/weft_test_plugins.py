@@ -40,13 +40,11 @@ def weft_strategies():
 def weft_batching(decision, recipe, plan, mesh, model, ctx):
     if decision.strategy != "fixed_global":
         return None
-    from weft.plugins.batching import install_sequence_split, shard_batch
-    from weft.plugins.models.build import model_config
     from weft.strategies.conversation import collate, encode_conversation, load_processor
     from weft.strategies.synthetic_vl import synthetic_conversations
 
-    split = install_sequence_split(model=model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
-    tokenizer, image_processor = load_processor(model_config(recipe)[1])
+    # Whole sequences only: under sequence parallelism the core pads and cuts them.
+    tokenizer, image_processor = load_processor(ctx.adapter.config(recipe)[1])
     # At least one part per data-parallel rank: the same samples, grouped differently.
     k, dp, me = decision.params.samples_per_step, plan.mesh.dp, mesh.dp_rank()
     parts = max(decision.params.parts, dp)
@@ -58,8 +56,7 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
             chunk = samples[step * k : (step + 1) * k]
             micro = []
             for part in range(me, parts, dp):
-                batch = collate(chunk[part::parts], pad_id=tokenizer.pad_token_id, pad_to_multiple_of=split.multiple if split else 1)
-                micro.append(shard_batch(batch, split) if split else batch)
+                micro.append(collate(chunk[part::parts], pad_id=tokenizer.pad_token_id))
             yield micro
 
     return steps()

@@ -27,8 +27,16 @@ NAME = "loss_spike"
 class LossSpikeParams:
     """The rule parameters of ``loss_spike``; a rule's table is checked against these fields."""
 
-    factor: float = attrs.field(default=4.0, validator=in_range(low=1.0), metadata={"doc": "skip a step whose loss exceeds factor x the running mean"})
-    max_consecutive_skips: int = attrs.field(default=5, validator=in_range(low=1), metadata={"doc": "abort after this many skipped steps in a row"})
+    factor: float = attrs.field(
+        default=4.0,
+        validator=in_range(low=1.0),
+        metadata={"doc": "skip a step whose loss exceeds factor x the running mean"},
+    )
+    max_consecutive_skips: int = attrs.field(
+        default=5,
+        validator=in_range(low=1),
+        metadata={"doc": "abort after this many skipped steps in a row"},
+    )
 
 
 @attrs.define(kw_only=True)
@@ -49,7 +57,14 @@ class RunningMean:
 
 @hookimpl
 def weft_strategies():
-    return [Strategy(point="guard", name=NAME, params=LossSpikeParams, summary="skip a step whose loss exceeds factor x the running mean of accepted steps")]
+    return [
+        Strategy(
+            point="guard",
+            name=NAME,
+            params=LossSpikeParams,
+            summary="skip a step whose loss exceeds factor x the running mean of accepted steps",
+        )
+    ]
 
 
 @hookimpl
@@ -68,7 +83,10 @@ def weft_guard(event, state, plan):
     if mean is not None and mean > 0 and state.loss > params.factor * mean:
         reason = f"loss {state.loss:.4g} > {params.factor:g} x running mean {mean:.4g}"
         if state.consecutive_skips + 1 >= params.max_consecutive_skips:
-            return Verdict(action="abort", guard=NAME, reason=f"{reason} for {state.consecutive_skips + 1} steps in a row")
+            return Verdict(
+                action="abort", guard=NAME, reason=f"{reason} for {state.consecutive_skips + 1} steps in a row"
+            )
+
         return Verdict(action="skip", guard=NAME, reason=reason)
     running.add(state.loss)  # a skipped spike never enters the mean
     return Verdict(action="continue", guard=NAME)

@@ -1,0 +1,121 @@
+"""House rules as tests: the import graph of the folders, file sizes, the linter.
+
+- core/ imports no module of weft.plugins or weft.strategies: it knows hook names,
+  and names the built-in plugins only as strings (core/plugin_manager.py).
+- strategies/ imports neither weft.core nor weft.plugins nor pluggy: plain torch.
+- the rule engine and recipe parsing import no torch (checked statically and in a
+  fresh interpreter), so `weft plan` validates a recipe before any heavy import.
+- files in core/ and plugins/ stay under 300 lines.
+- ruff (pyproject.toml) passes.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+#: (folder, module prefixes its files must never import).
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "core": ("weft.plugins", "weft.strategies"),
+    "strategies": ("weft.core", "weft.plugins", "pluggy"),
+}
+#: Pure modules: no torch, at import time or inside their functions.
+TORCH_FREE: tuple[str, ...] = (
+    "core/rules.py", "core/rule_syntax.py", "core/recipe.py", "core/schema.py", "core/presets.py",
+    "core/mesh_spec.py", "core/errors.py", "core/hookspecs.py", "core/registry.py", "core/models.py",
+)
+MAX_LINES = 300
+
+
+def imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``source``, at any depth, except those under
+    ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    tree = ast.parse(source)
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(inner) for stmt in node.body for inner in ast.walk(stmt)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return found
+
+
+def violations(source: str, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted({f"line {line}: {module}" for line, module in imports(source)
+                   if any(module == f or module.startswith(f + ".") for f in forbidden)})
+
+
+def test_the_checker_catches_a_forbidden_import():
+    """The rule can fail: a core module that reaches into plugins or strategies is caught,
+    at module level and inside a function; annotation-only imports are not."""
+    bad = (
+        "from weft.core.errors import WeftError\n"
+        "def build():\n"
+        "    from weft.plugins.models.build import build_model\n"
+        "    import weft.strategies.ring\n"
+    )
+    assert violations(bad, FORBIDDEN["core"]) == ["line 3: weft.plugins.models.build",
+                                                  "line 3: weft.plugins.models.build.build_model",
+                                                  "line 4: weft.strategies.ring"]
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weft.plugins.models.base import TransformersAdapter\n"
+    assert violations(typed, FORBIDDEN["core"]) == []
+    assert violations("from weft import strategies\n", ("weft.strategies",)) == ["line 1: weft.strategies"]
+    assert violations("import torch.nn as nn\n", ("torch",)) == ["line 1: torch.nn"]
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_import_graph(folder):
+    found = {}
+    for path in sorted((ROOT / folder).glob("*.py")):
+        bad = violations(path.read_text(encoding="utf-8"), FORBIDDEN[folder])
+        if bad:
+            found[str(path.relative_to(ROOT))] = bad
+    assert not found, f"{folder}/ must not import {FORBIDDEN[folder]}: {found}"
+
+
+def test_core_names_builtin_plugins_only_in_the_plugin_manager():
+    for path in sorted((ROOT / "core").glob("*.py")):
+        if path.name == "plugin_manager.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        assert "weft.plugins." not in text.replace("weft.plugins.models.base.TransformersAdapter", ""), path
+
+
+def test_rule_engine_and_recipes_import_no_torch():
+    found = {name: violations((ROOT / name).read_text(encoding="utf-8"), ("torch", "transformers"))
+             for name in TORCH_FREE}
+    # presets.build_config imports transformers inside the function that needs it.
+    found["core/presets.py"] = [v for v in found["core/presets.py"] if "transformers" not in v]
+    assert not any(found.values()), found
+    code = ("import sys\nfrom weft.core.recipe import Recipe\nfrom weft.core.rules import build_plan\n"
+            "import weft.core.models, weft.core.hookspecs\n"
+            "Recipe.from_toml('tiny-vl')\nassert 'torch' not in sys.modules, 'torch imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+
+
+def test_core_and_plugins_files_stay_small():
+    long = {str(p.relative_to(ROOT)): n for folder in ("core", "plugins", "plugins/models")
+            for p in sorted((ROOT / folder).glob("*.py")) if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines (split them by what they do): {long}"
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff") or (pathlib.Path(sys.executable).parent / "ruff")
+    if not pathlib.Path(ruff).exists():
+        pytest.fail("ruff is not installed: pip install -e '.[test]' installs it")
+    done = subprocess.run([str(ruff), "check", "."], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
