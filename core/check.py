@@ -60,7 +60,8 @@ def worker(recipe: Recipe, *, out: pathlib.Path) -> None:
     close_process_group(clean=True)
 
 
-def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, local_rank: int, device_type: str) -> None:
+def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, local_rank: int,
+              device_type: str) -> None:
     from weft.core.context import RunContext, StepState
     from weft.core.logging import run_logger
     from weft.core.mesh import device_for
@@ -71,7 +72,8 @@ def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, 
     _exact_matmuls()
     pm = plugin_manager_from_env()
     log = run_logger(run_dir=None, rank=rank, console=False)  # the parent prints the comparison
-    ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size, log=log)
+    ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size,
+                     log=log)
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     decision = run.plan.decision("batching")
     steps = pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
@@ -120,7 +122,8 @@ def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: fl
             "grad_norm": norm, "groups": groups}
 
 
-def _worst(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], groups: dict[str, str]) -> tuple[dict, str, float]:
+def _worst(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
+           groups: dict[str, str]) -> tuple[dict, str, float]:
     by_group: dict[str, float] = {}
     worst_param, worst = "", 0.0
     for name, g_ref in ref.items():
@@ -187,7 +190,8 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
             raise RunFailed(f"the {world_size}-rank run of `weft check` failed (exit code {code}); "
                             "its ranks' output above says why", where="weft check")
         got = torch.load(out, weights_only=False)
-        batches = [mb for d in range(plan.mesh.dp) for mb in torch.load(out.with_name(f"batches-dp{d}.pt"), weights_only=False)]
+        batches = [mb for d in range(plan.mesh.dp)
+                   for mb in torch.load(out.with_name(f"batches-dp{d}.pt"), weights_only=False)]
     ref = reference(recipe, adapter=pm.models.for_recipe(recipe), batches=batches, max_norm=clip,
                     device=device_type_of(recipe))
     # After grad sync the built-in clip's result is known; a third-party grad sync's is not.

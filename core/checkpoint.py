@@ -22,7 +22,8 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 def checkpoint_dirs(run_dir: pathlib.Path) -> list[pathlib.Path]:
     root = run_dir / "checkpoints"
-    found = [(int(m.group(1)), p) for p in root.glob("step-*") if (m := _STEP.match(p.name)) and (p / "meta.pt").is_file()]
+    found = [(int(m.group(1)), p) for p in root.glob("step-*")
+             if (m := _STEP.match(p.name)) and (p / "meta.pt").is_file()]
     return [p for _, p in sorted(found)]
 
 
@@ -40,7 +41,8 @@ def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank:
     dist.barrier()
     if rank == 0:
         # meta.pt is written last: a folder without it is not a checkpoint.
-        torch.save({"step": step, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()}, tmp / "meta.pt")
+        torch.save({"step": step, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()},
+                   tmp / "meta.pt")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         for old in checkpoint_dirs(run_dir)[:-keep]:

@@ -14,7 +14,6 @@ from weft.core.errors import EXIT_OK, EXIT_RUNTIME, WeftError
 from weft.core.plugin_manager import plugin_manager_from_env
 
 
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -29,15 +28,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weft", description="Plugin-based parallelism for long-sequence VLM training.")
+    parser = argparse.ArgumentParser(prog="weft",
+                                     description="Plugin-based parallelism for long-sequence VLM training.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="train a recipe on N local ranks (or under torchrun)")
     run.add_argument("recipe", help="recipe TOML file")
-    run.add_argument("--nproc", type=_positive, default=None, help="local ranks to start (default: parallel.nproc of the recipe)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key, e.g. train.max_steps=10")
-    run.add_argument("--run-dir", type=pathlib.Path, default=None, help="run directory (default runs/<recipe>-<timestamp>)")
-    run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of --run-dir (default: the newest run of this recipe)")
+    run.add_argument("--nproc", type=_positive, default=None,
+                     help="local ranks to start (default: parallel.nproc of the recipe)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a recipe key, e.g. train.max_steps=10")
+    run.add_argument("--run-dir", type=pathlib.Path, default=None,
+                     help="run directory (default runs/<recipe>-<timestamp>)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the newest checkpoint of --run-dir (default: the newest run of this recipe)")
     run.set_defaults(func=_cmd_run)
 
     plan = sub.add_parser("plan", help="show which strategy each module gets, without weights or processes")
@@ -46,12 +50,15 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--explain", action="store_true", help="add the deciding rule's file:line")
     plan.add_argument("--json", action="store_true", help="print the Plan as JSON")
-    plan.add_argument("--positions", action="store_true", help="read the recipe's data: the largest position id per sample (mRoPE-aware) and the YaRN factor it needs")
+    plan.add_argument("--positions", action="store_true",
+                      help="read the recipe's data: the largest position id per sample (mRoPE-aware) "
+                           "and the YaRN factor it needs")
     plan.set_defaults(func=_cmd_plan)
 
     check = sub.add_parser("check", help="one batch: unsharded model vs the recipe's plan on N ranks (loss, gradients)")
     check.add_argument("recipe")
-    check.add_argument("--world-size", type=_positive, default=None, help="ranks for the plan (default: parallel.nproc)")
+    check.add_argument("--world-size", type=_positive, default=None,
+                       help="ranks for the plan (default: parallel.nproc)")
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     check.add_argument("--json", action="store_true", help="print the comparison as JSON")
     check.set_defaults(func=_cmd_check)
@@ -65,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a run's newest checkpoint as a Hugging Face model directory")
     export.add_argument("run_dir", type=pathlib.Path)
     export.add_argument("out_dir", type=pathlib.Path)
-    export.add_argument("--step", type=_positive, default=None, help="export this step's checkpoint instead of the newest")
+    export.add_argument("--step", type=_positive, default=None,
+                        help="export this step's checkpoint instead of the newest")
     export.set_defaults(func=_cmd_export)
 
     plugins = sub.add_parser("plugins", help="hook points, plugins and their strategies")
@@ -141,7 +149,8 @@ def _cmd_check(args) -> int:
     pm = plugin_manager_from_env()
     world_size = args.world_size or recipe.parallel.nproc
     if recipe.train.precision != "fp32":
-        raise WeftError("weft check compares in float32; use --set train.precision=fp32", where=f"{recipe.source} (train.precision)")
+        raise WeftError("weft check compares in float32; use --set train.precision=fp32",
+                        where=f"{recipe.source} (train.precision)")
     result = run_check(recipe, world_size=world_size, overrides=args.overrides, recipe_arg=args.recipe, pm=pm)
     if args.json:
         print(json.dumps(result, indent=1))
@@ -204,7 +213,8 @@ def _cmd_run(args) -> int:
     recipe = _load(args)
     pm = plugin_manager_from_env()
     if _under_launcher():
-        run_dir = args.run_dir or pathlib.Path("runs") / f"{pathlib.Path(args.recipe).stem}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}"
+        run_dir = args.run_dir or pathlib.Path("runs") / (
+            f"{pathlib.Path(args.recipe).stem}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}")
         return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
     nproc = args.nproc or recipe.parallel.nproc
     # Everything a user can get wrong is checked here, before any process starts.
@@ -212,7 +222,8 @@ def _cmd_run(args) -> int:
     _check_inputs(recipe)
     run_dir = _run_dir(args, recipe)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recipe.json").write_text(json.dumps({"source": recipe.source, "overrides": args.overrides, "recipe": recipe.raw}, indent=1, default=str))
+    (run_dir / "recipe.json").write_text(
+        json.dumps({"source": recipe.source, "overrides": args.overrides, "recipe": recipe.raw}, indent=1, default=str))
     print(f"weft: run directory {run_dir}", file=sys.stderr)
     if nproc == 1:
         return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
@@ -230,7 +241,8 @@ def _check_inputs(recipe) -> None:
     if recipe.data.source == "jsonl":
         path = recipe.data_file()
         if not path.is_file():
-            raise WeftError(f"data.path {str(path)!r} does not exist (paths are relative to the recipe)", where=f"{recipe.source} (data.path)")
+            raise WeftError(f"data.path {str(path)!r} does not exist (paths are relative to the recipe)",
+                            where=f"{recipe.source} (data.path)")
 
 
 def _run_dir(args, recipe) -> pathlib.Path:

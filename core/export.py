@@ -21,6 +21,7 @@ from weft.core.checkpoint import checkpoint_dirs
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
+
 def run_recipe(run_dir: pathlib.Path) -> Recipe:
     saved = run_dir / "recipe.json"
     if not saved.is_file():
@@ -43,7 +44,8 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int |
     if step is not None:
         found = [p for p in found if p.name == f"step-{step}"]
     if not found:
-        raise WeftError(f"no checkpoint{f' for step {step}' if step is not None else ''} under {run_dir / 'checkpoints'}", where=str(run_dir))
+        raise WeftError(f"no checkpoint{f' for step {step}' if step is not None else ''} "
+                        f"under {run_dir / 'checkpoints'}", where=str(run_dir))
     checkpoint = found[-1]
     started = not dist.is_initialized()
     if started:
@@ -57,5 +59,6 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int |
             dist.destroy_process_group()
     out_dir.mkdir(parents=True, exist_ok=True)
     adapter.export(model, recipe, out_dir)
-    (out_dir / "weft_export.json").write_text(json.dumps({"run_dir": str(run_dir), "checkpoint": checkpoint.name}, indent=1))
+    (out_dir / "weft_export.json").write_text(
+        json.dumps({"run_dir": str(run_dir), "checkpoint": checkpoint.name}, indent=1))
     return checkpoint

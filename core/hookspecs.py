@@ -98,7 +98,8 @@ def weft_shard(model: torch.nn.Module, plan: Plan, mesh: WeftMesh, ctx: RunConte
 
 
 @hookspec(firstresult=True)
-def weft_attention(decision: Decision, module_path: str, plan: Plan, mesh: WeftMesh, ctx: RunContext) -> AttentionBinding | None:
+def weft_attention(decision: Decision, module_path: str, plan: Plan, mesh: WeftMesh,
+                   ctx: RunContext) -> AttentionBinding | None:
     """Give one attention module its attention function.
 
     When: once per attention module the Plan lists, after ``weft_shard``.
@@ -151,7 +152,8 @@ def weft_batching(
 
 
 @hookspec
-def weft_grad_sync(model: torch.nn.Module, plan: Plan, mesh: WeftMesh, ctx: RunContext) -> list[tuple[str, torch.Tensor]] | None:
+def weft_grad_sync(model: torch.nn.Module, plan: Plan, mesh: WeftMesh,
+                   ctx: RunContext) -> list[tuple[str, torch.Tensor]] | None:
     """Finish gradients after backward and before the optimizer step.
 
     When: once per optimizer step, after the last micro-batch's backward.

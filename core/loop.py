@@ -62,7 +62,8 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
     state = StepState(step=ctx.start_step)
     metrics = (ctx.run_dir / "metrics.jsonl").open("a") if ctx.rank == 0 else None
     bar_on = console and ctx.rank == 0 and sys.stderr.isatty()
-    with progress_bar(bar_on, total=recipe.train.max_steps, start=ctx.start_step) as bar, metrics or contextlib.nullcontext():
+    with (progress_bar(bar_on, total=recipe.train.max_steps, start=ctx.start_step) as bar,
+          metrics or contextlib.nullcontext()):
         for step in range(ctx.start_step + 1, recipe.train.max_steps + 1):
             state = StepState(step=step, consecutive_skips=state.consecutive_skips, memory=state.memory)
             row, verdict = _one_step(run=run, steps=steps, state=state, optimizer=optimizer, scheduler=scheduler,
@@ -92,8 +93,9 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
     micro_batches = next(steps)
     if not micro_batches:
         raise WeftError(
-            f"batching strategy {run.plan.decision('batching').strategy!r} gave rank {ctx.rank} no micro-batch for step "
-            f"{state.step}; every rank needs at least one (and the same number) per step", where="batching",
+            f"batching strategy {run.plan.decision('batching').strategy!r} gave rank {ctx.rank} no micro-batch "
+            f"for step {state.step}; every rank needs at least one (and the same number) per step",
+            where="batching",
         )
     _verdict(pm, "step_start", state, run.plan, ctx)
     try:
@@ -111,7 +113,8 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
     ctx.positions.poll()  # after the step's own syncs: warns once if positions passed the rotary context
     verdict = _verdict(pm, "step_end", state, run.plan, ctx)
     if verdict.action == "abort":
-        raise WeftError(f"guard {verdict.guard!r} stopped the run at step {state.step}: {verdict.reason}", where="guard")
+        raise WeftError(f"guard {verdict.guard!r} stopped the run at step {state.step}: {verdict.reason}",
+                        where="guard")
     if verdict.action == "skip":
         state.consecutive_skips += 1
         totals["skipped_steps"] += 1

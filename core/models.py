@@ -24,7 +24,6 @@ if TYPE_CHECKING:  # the contract's types; importing them at run time would pull
     import torch
     import transformers
 
-    from weft.core.context import RunContext
     from weft.core.mesh import WeftMesh
     from weft.core.recipe import Recipe
     from weft.core.rules import ModuleInfo, Plan
@@ -128,7 +127,8 @@ def model_type_of(recipe: Recipe) -> str:
         try:
             return load_preset(recipe.model.preset)[0]
         except (OSError, ValueError) as error:
-            raise RecipeError(f"model.preset {recipe.model.preset!r}: {error}", where=f"{recipe.source} (model.preset)") from None
+            raise RecipeError(f"model.preset {recipe.model.preset!r}: {error}",
+                              where=f"{recipe.source} (model.preset)") from None
     path = recipe.model_dir()
     config = path / "config.json"
     if not config.is_file():
@@ -177,7 +177,8 @@ class ModelRegistry:
         if adapter is None:
             key = "model.preset" if recipe.model.preset is not None else "model.path"
             raise RecipeError(
-                f"no installed model adapter handles model_type {model_type!r}; adapters installed: {self.installed()}. "
+                f"no installed model adapter handles model_type {model_type!r}; "
+                f"adapters installed: {self.installed()}. "
                 "A plugin adds one through the weft_models hook (docs/architecture.md)",
                 where=f"{recipe.source} ({key})",
             )

@@ -58,7 +58,8 @@ def render_plan(plan: Any, *, explain: bool, recipe: Any, rope: dict | None = No
             continue
         for decision in module.decisions:
             row = [
-                info.path, info.class_name, info.modality or "", _num(info.heads), _num(info.kv_heads), _num(info.head_dim),
+                info.path, info.class_name, info.modality or "",
+                _num(info.heads), _num(info.kv_heads), _num(info.head_dim),
                 decision.point, _params(decision),
             ]
             if explain:
@@ -81,13 +82,17 @@ def _rope_line(rope: dict, *, seq_len: int) -> str:
 def render_positions(found: dict) -> None:
     console = _console()
     console.print(
-        f"positions: {found['samples']} samples (max {found['max_tokens']} tokens; {found['dropped_over_long']} over-long left out, "
-        f"{found['bad']} bad); largest position id {found['largest_position']} (median per sample {found['p50_position']}), "
+        f"positions: {found['samples']} samples (max {found['max_tokens']} tokens; "
+        f"{found['dropped_over_long']} over-long left out, "
+        f"{found['bad']} bad); largest position id {found['largest_position']} "
+        f"(median per sample {found['p50_position']}), "
         f"rotary context {found['context']}"
     )
     if found["beyond_context"]:
-        console.print(f"[yellow]{found['beyond_context']} samples pass the context[/yellow]: set model.rope_scaling = 'yarn' and "
-                      f"model.rope_factor = {found['needed_factor']:g} (over {found['trained_positions']} trained positions)")
+        console.print(f"[yellow]{found['beyond_context']} samples pass the context[/yellow]: "
+                      "set model.rope_scaling = 'yarn' and "
+                      f"model.rope_factor = {found['needed_factor']:g} "
+                      f"(over {found['trained_positions']} trained positions)")
     else:
         console.print("every sample stays inside the rotary context: no scaling needed")
 
@@ -99,7 +104,8 @@ def render_vision_split(rows: list[dict]) -> None:
     for column in ("dp rank", "sp rank", "images (index: t x h x w patches)", "vision strategy"):
         table.add_column(column)
     for row in rows:
-        images = ", ".join(f"{i['index']}: {'x'.join(map(str, i['grid_thw']))} ({i['patches']})" for i in row["images"]) or "none (dummy image)"
+        images = ", ".join(f"{i['index']}: {'x'.join(map(str, i['grid_thw']))} ({i['patches']})"
+                           for i in row["images"]) or "none (dummy image)"
         table.add_row(str(row["dp_rank"]), str(row["sp_rank"]), images, row["vision"])
     _console().print(table)
 
@@ -143,7 +149,8 @@ def render_plugins(table: dict) -> None:
     for column in ("hook", "kind", "implemented by"):
         hooks.add_column(column)
     for point in table["hook_points"]:
-        hooks.add_row(point["hook"], "firstresult" if point["firstresult"] else "collect-all", ", ".join(point["implemented_by"]))
+        hooks.add_row(point["hook"], "firstresult" if point["firstresult"] else "collect-all",
+                      ", ".join(point["implemented_by"]))
     console.print(hooks)
     plugins = Table(title="plugins")
     plugins.add_column("plugin")
@@ -183,14 +190,17 @@ def render_check(result: dict) -> None:
     for group, value in sorted(result["grad_max_rel_diff_by_group"].items()):
         table.add_row(f"  {group}", f"{value:.2e}")
     if result["grad_norm_rel_diff"] is not None:
-        table.add_row("global gradient norm (unsharded / plan)", f"{result['grad_norm_ref']:.6g} / {result['grad_norm']:.6g}")
+        table.add_row("global gradient norm (unsharded / plan)",
+                      f"{result['grad_norm_ref']:.6g} / {result['grad_norm']:.6g}")
         table.add_row("gradient norm relative difference", f"{result['grad_norm_rel_diff']:.2e}")
     if result["clipped_grad_max_rel_diff"] is not None:
-        table.add_row("largest gradient relative difference (after clipping)", f"{result['clipped_grad_max_rel_diff']:.2e}")
+        table.add_row("largest gradient relative difference (after clipping)",
+                      f"{result['clipped_grad_max_rel_diff']:.2e}")
     console.print(table)
     tolerances = result["tolerances"]
     console.print(("[green]OK[/green]" if result["ok"] else "[red]DIFFERENT[/red]")
                   + f" (tolerances: loss {tolerances['loss']:g}, gradients {tolerances['grad']:g}, float32)")
     if result["reduced_precision_units"]:
         console.print(f"note: {len(result['reduced_precision_units'])} units compute in a lower param_dtype by rule "
-                      f"(e.g. {result['reduced_precision_units'][0]}); their differences are precision, not parallelism")
+                      f"(e.g. {result['reduced_precision_units'][0]}); "
+                      "their differences are precision, not parallelism")

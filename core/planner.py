@@ -96,7 +96,8 @@ def check_sequence_parallel(plan: Plan, registry: Any, *, where: str) -> None:
             fitting = [s.name for s in registry.all() if s.point == "attention" and split <= set(s.sp_dims)]
             raise PlanError(
                 f"the sequence is split over {degrees}, but {module.info.path} gets attention strategy "
-                f"{decision.strategy!r} (rule at {decision.source}), which spans {sorted(spans) or 'no sequence-parallel dims'}; "
+                f"{decision.strategy!r} (rule at {decision.source}), "
+                f"which spans {sorted(spans) or 'no sequence-parallel dims'}; "
                 f"strategies that fit: {', '.join(fitting)}",
                 where=where,
             )

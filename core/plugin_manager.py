@@ -18,7 +18,6 @@ from weft.core.errors import HookError
 from weft.core.models import ModelAdapter, ModelRegistry
 from weft.core.registry import Strategy, StrategyRegistry
 
-
 #: Built-in plugins, one module per hook point plus the model families; registered
 #: under these names. The only place the core names modules of weft.plugins.
 BUILTIN_PLUGINS: tuple[str, ...] = (

@@ -43,8 +43,8 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     model = adapter.build(recipe, device="meta" if from_disk else ctx.device, seed=recipe.train.seed)
     plan, _ = plan_recipe(recipe, pm=pm, world_size=ctx.world_size, model=model)
     mesh = build_device_mesh(plan.mesh, device_type=ctx.device.type)
-    ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(MESH_ORDER, plan.mesh.shape)), model=adapter.name,
-                 params=sum(p.numel() for p in model.parameters()), device=str(ctx.device))
+    ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(MESH_ORDER, plan.mesh.shape)),
+                 model=adapter.name, params=sum(p.numel() for p in model.parameters()), device=str(ctx.device))
     pm.hook.weft_shard(model=model, plan=plan, mesh=mesh, ctx=ctx)
     if from_disk:
         adapter.load_weights(model, recipe, device=ctx.device, log=ctx.log)

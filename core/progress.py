@@ -20,7 +20,8 @@ class _RichProgress(_NoProgress):
     def __init__(self, total: int, start: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+        self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
         self.task = self.progress.add_task("train", total=total, completed=start, info="")
 
     def __enter__(self):
@@ -33,7 +34,8 @@ class _RichProgress(_NoProgress):
 
     def advance(self, step: int, row: dict) -> None:
         memory = f" mem {row['max_memory_gib']:.1f} GiB" if "max_memory_gib" in row else ""
-        self.progress.update(self.task, completed=step, info=f"loss {row['loss']:.4f}  {row['tokens_per_s']:.0f} tok/s{memory}")
+        self.progress.update(self.task, completed=step,
+                             info=f"loss {row['loss']:.4f}  {row['tokens_per_s']:.0f} tok/s{memory}")
 
 
 def progress_bar(enabled: bool, *, total: int, start: int):

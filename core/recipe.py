@@ -32,10 +32,15 @@ def _doc(text: str) -> dict[str, str]:
 class ModelSection:
     path: str | None = attrs.field(default=None, metadata=_doc("local Hugging Face model directory"))
     preset: str | None = attrs.field(default=None, metadata=_doc("random init of a named shape (recipes/presets)"))
-    processor: str | None = attrs.field(default=None, metadata=_doc("processor folder or bundled name; default: the model's"))
-    rope_scaling: Literal["none", "yarn"] = attrs.field(default="none", metadata=_doc("text decoder's rotary scaling: none (as the model ships) or yarn"))
-    rope_factor: float = attrs.field(default=1.0, validator=in_range(low=1.0, high=64.0), metadata=_doc("YaRN factor: the context grows to rope_original_max x this"))
-    rope_original_max: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc("positions the model was trained on; 0 = from its config"))
+    processor: str | None = attrs.field(default=None,
+                                        metadata=_doc("processor folder or bundled name; default: the model's"))
+    rope_scaling: Literal["none", "yarn"] = attrs.field(default="none",
+                                                        metadata=_doc("text decoder's rotary scaling: "
+                                                                      "none (as the model ships) or yarn"))
+    rope_factor: float = attrs.field(default=1.0, validator=in_range(low=1.0, high=64.0),
+                                     metadata=_doc("YaRN factor: the context grows to rope_original_max x this"))
+    rope_original_max: int = attrs.field(default=0, validator=in_range(low=0),
+                                         metadata=_doc("positions the model was trained on; 0 = from its config"))
 
     def __attrs_post_init__(self) -> None:
         if (self.path is None) == (self.preset is None):
@@ -44,19 +49,25 @@ class ModelSection:
             raise ValueError(f"model.rope_scaling = 'yarn' needs model.rope_factor above 1 (got {self.rope_factor:g}); "
                              "a run's warning 'positions.beyond_trained' names the factor its data needs")
         if self.rope_scaling == "none" and self.rope_factor != 1.0:
-            raise ValueError(f"model.rope_factor = {self.rope_factor:g} does nothing without model.rope_scaling = 'yarn'")
+            raise ValueError(f"model.rope_factor = {self.rope_factor:g} does nothing "
+                             "without model.rope_scaling = 'yarn'")
 
 
 @attrs.frozen(kw_only=True)
 class DataSection:
-    source: Literal["synthetic", "jsonl"] = attrs.field(default="synthetic", metadata=_doc("synthetic conversations or a JSONL chat file"))
+    source: Literal["synthetic", "jsonl"] = attrs.field(default="synthetic",
+                                                        metadata=_doc("synthetic conversations or a JSONL chat file"))
     path: str | None = attrs.field(default=None, metadata=_doc("JSONL file (chat format), relative to the recipe"))
     num_samples: int = attrs.field(default=256, validator=in_range(low=1), metadata=_doc("synthetic samples"))
-    min_side: int = attrs.field(default=28, validator=in_range(low=28), metadata=_doc("smallest synthetic image side, px"))
-    max_side: int = attrs.field(default=112, validator=in_range(low=28), metadata=_doc("largest synthetic image side, px"))
+    min_side: int = attrs.field(default=28, validator=in_range(low=28),
+                                metadata=_doc("smallest synthetic image side, px"))
+    max_side: int = attrs.field(default=112, validator=in_range(low=28),
+                                metadata=_doc("largest synthetic image side, px"))
     strict: bool = attrs.field(default=False, metadata=_doc("a bad sample stops the run instead of being skipped"))
-    workers: int = attrs.field(default=-1, validator=in_range(low=-1), metadata=_doc("preprocessing processes; -1 = min(8, cores - 1), 0/1 = in-process"))
-    cache: bool = attrs.field(default=True, metadata=_doc("cache tokenized samples next to the dataset (<file>.weft-cache/)"))
+    workers: int = attrs.field(default=-1, validator=in_range(low=-1),
+                               metadata=_doc("preprocessing processes; -1 = min(8, cores - 1), 0/1 = in-process"))
+    cache: bool = attrs.field(default=True,
+                              metadata=_doc("cache tokenized samples next to the dataset (<file>.weft-cache/)"))
 
     def __attrs_post_init__(self) -> None:
         if self.source == "jsonl" and self.path is None:
@@ -68,14 +79,21 @@ class DataSection:
 @attrs.frozen(kw_only=True)
 class TrainSection:
     max_steps: int = attrs.field(default=20, validator=in_range(low=1), metadata=_doc("optimizer steps"))
-    seed: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc("seeds model init, data order, dropout"))
-    checkpoint_every: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc("steps between checkpoints; 0 = only at the end"))
+    seed: int = attrs.field(default=0, validator=in_range(low=0),
+                            metadata=_doc("seeds model init, data order, dropout"))
+    checkpoint_every: int = attrs.field(default=0, validator=in_range(low=0),
+                                        metadata=_doc("steps between checkpoints; 0 = only at the end"))
     keep_checkpoints: int = attrs.field(default=2, validator=in_range(low=1), metadata=_doc("newest checkpoints kept"))
-    micro_batch_tokens: int = attrs.field(default=2048, validator=in_range(low=16), metadata=_doc("padded tokens per micro-batch per rank"))
-    step_tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc("accumulate micro-batches until this many tokens (all ranks); 0 = one round"))
-    max_seq_len: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc("longest sample; 0 = micro_batch_tokens; the seq_len rule selector"))
+    micro_batch_tokens: int = attrs.field(default=2048, validator=in_range(low=16),
+                                          metadata=_doc("padded tokens per micro-batch per rank"))
+    step_tokens: int = attrs.field(default=0, validator=in_range(low=0),
+                                   metadata=_doc("accumulate micro-batches until this many tokens (all ranks); "
+                                                 "0 = one round"))
+    max_seq_len: int = attrs.field(default=0, validator=in_range(low=0),
+                                   metadata=_doc("longest sample; 0 = micro_batch_tokens; the seq_len rule selector"))
     lr: float = attrs.field(default=1e-3, validator=in_range(low=0.0), metadata=_doc("peak learning rate"))
-    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(low=0.0, high=1.0), metadata=_doc("cosine floor as a fraction of lr"))
+    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(low=0.0, high=1.0),
+                                      metadata=_doc("cosine floor as a fraction of lr"))
     warmup_steps: int = attrs.field(default=2, validator=in_range(low=0), metadata=_doc("linear warmup steps"))
     weight_decay: float = attrs.field(default=0.0, validator=in_range(low=0.0), metadata=_doc("AdamW weight decay"))
     beta1: float = attrs.field(default=0.9, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta1"))
@@ -90,13 +108,18 @@ class TrainSection:
 
 @attrs.frozen(kw_only=True)
 class ParallelSection:
-    nproc: int = attrs.field(default=1, validator=in_range(low=1), metadata=_doc("local processes `weft run` starts (not under torchrun); --nproc overrides"))
+    nproc: int = attrs.field(default=1, validator=in_range(low=1),
+                             metadata=_doc("local processes `weft run` starts (not under torchrun); --nproc overrides"))
     dp_replicate: int = attrs.field(default=1, validator=in_range(low=1), metadata=_doc("HSDP replicas"))
-    dp_shard: int = attrs.field(default=-1, validator=in_range(low=-1), metadata=_doc("FSDP shard degree; -1 = what is left"))
-    ulysses: int | Literal["auto"] = attrs.field(default=1, metadata=_doc("Ulysses (head all-to-all) degree, or 'auto'"))
+    dp_shard: int = attrs.field(default=-1, validator=in_range(low=-1),
+                                metadata=_doc("FSDP shard degree; -1 = what is left"))
+    ulysses: int | Literal["auto"] = attrs.field(default=1,
+                                                 metadata=_doc("Ulysses (head all-to-all) degree, or 'auto'"))
     ring: int = attrs.field(default=1, validator=in_range(low=1), metadata=_doc("ring attention degree"))
-    backend: Literal["auto", "gloo", "nccl"] = attrs.field(default="auto", metadata=_doc("process-group backend; auto = nccl on GPU"))
-    device: Literal["auto", "cpu", "cuda"] = attrs.field(default="auto", metadata=_doc("where to train; auto = cuda if present"))
+    backend: Literal["auto", "gloo", "nccl"] = attrs.field(default="auto",
+                                                           metadata=_doc("process-group backend; auto = nccl on GPU"))
+    device: Literal["auto", "cpu", "cuda"] = attrs.field(default="auto",
+                                                         metadata=_doc("where to train; auto = cuda if present"))
 
     def __attrs_post_init__(self) -> None:
         if self.dp_shard == 0:
@@ -214,7 +237,8 @@ def apply_override(data: dict, override: str) -> None:
     section, name = parts
     sections = {"model": ModelSection, "data": DataSection, "train": TrainSection, "parallel": ParallelSection}
     if section not in sections:
-        raise RecipeError(f"unknown section {section!r}{did_you_mean(section, sections)} Accepted: {', '.join(sections)}", where=flag)
+        raise RecipeError(f"unknown section {section!r}{did_you_mean(section, sections)} "
+                          f"Accepted: {', '.join(sections)}", where=flag)
     fields = [f.name for f in attrs.fields(sections[section])]
     if name not in fields:
         raise RecipeError(f"unknown key {name!r}{did_you_mean(name, fields)} Accepted: {', '.join(fields)}", where=flag)

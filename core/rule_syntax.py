@@ -117,7 +117,8 @@ def _parse_actions(value: Any, *, where: Where, prefix: str, point: str) -> tupl
     tables = value if isinstance(value, list) and point in ("guard", "grad_sync") else [value]
     if not tables:
         # An empty list would silently drop the point (e.g. no gradient all-reduce at all).
-        raise RecipeError(f"{point} = [] chooses no strategy; give at least one (e.g. {point} = [\"...\"])", where=where.at(prefix))
+        raise RecipeError(f"{point} = [] chooses no strategy; give at least one (e.g. {point} = [\"...\"])",
+                          where=where.at(prefix))
     actions = []
     for i, table in enumerate(tables):
         here = f"{prefix}[{i}]" if len(tables) > 1 or isinstance(value, list) else prefix
@@ -126,7 +127,8 @@ def _parse_actions(value: Any, *, where: Where, prefix: str, point: str) -> tupl
         if not isinstance(table, dict) or not isinstance(table.get("strategy"), str):
             listing = " or a list of them" if point in ("guard", "grad_sync") else ""
             raise RecipeError(
-                f"{point} must be a table with a 'strategy' string (e.g. {point} = {{ strategy = \"...\" }}){listing}; got {value!r}",
+                f"{point} must be a table with a 'strategy' string "
+                f"(e.g. {point} = {{ strategy = \"...\" }}){listing}; got {value!r}",
                 where=where.at(here),
             )
         params = tuple((k, v) for k, v in table.items() if k != "strategy")
@@ -148,7 +150,8 @@ def _parse_selector(when: Any, *, where: Where, prefix: str) -> Selector:
         value = when.get(key, [])
         value = [value] if isinstance(value, str) else value
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise RecipeError(f"selector {key!r} must be a string or a list of strings, got {value!r}", where=where.at(f"{prefix}.{key}"))
+            raise RecipeError(f"selector {key!r} must be a string or a list of strings, got {value!r}",
+                              where=where.at(f"{prefix}.{key}"))
         return tuple(value)
 
     modalities = strings("modality")
@@ -176,8 +179,10 @@ def _parse_comparisons(value: Any, *, where: Where, prefix: str) -> tuple[Compar
     out = []
     for op, number in value.items():
         if op not in COMPARISONS:
-            hint = f"; did you mean {_COMPARISON_ALIASES[op]!r}?" if op in _COMPARISON_ALIASES else did_you_mean(op, COMPARISONS)
-            raise RecipeError(f"unknown comparison {op!r}{hint} Accepted: {', '.join(COMPARISONS)}", where=where.at(f"{prefix}.{op}"))
+            hint = (f"; did you mean {_COMPARISON_ALIASES[op]!r}?" if op in _COMPARISON_ALIASES
+                    else did_you_mean(op, COMPARISONS))
+            raise RecipeError(f"unknown comparison {op!r}{hint} Accepted: {', '.join(COMPARISONS)}",
+                              where=where.at(f"{prefix}.{op}"))
         if not isinstance(number, int) or isinstance(number, bool):
             raise RecipeError(f"comparison {op} needs an integer, got {number!r}", where=where.at(f"{prefix}.{op}"))
         out.append(Comparison(op=op, value=number))

@@ -17,8 +17,8 @@ from weft.core.errors import PlanError, RecipeError
 from weft.core.hookspecs import HOOK_POINTS
 from weft.core.mesh_spec import MeshSpec
 from weft.core.recipe import Recipe
-from weft.core.rule_syntax import Action, Rule, Selector, default_rules
 from weft.core.registry import StrategyRegistry
+from weft.core.rule_syntax import Action, Rule, Selector, default_rules
 from weft.core.schema import build, did_you_mean
 
 #: Which kind of module each hook point decides for.
@@ -33,7 +33,8 @@ POINT_KINDS: dict[str, tuple[str, ...]] = {
 #: Points whose implementations are collect-all and may take several strategies.
 MULTI_POINTS: tuple[str, ...] = ("grad_sync", "guard")
 
-_OPS = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
+_OPS = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "ge": operator.ge, "lt": operator.lt,
+        "le": operator.le}
 
 
 @attrs.frozen(kw_only=True)
@@ -58,7 +59,8 @@ class Decision:
     rule: str
 
     def to_json(self) -> dict:
-        return {"strategy": self.strategy, "params": attrs.asdict(self.params), "rule": self.rule, "source": self.source}
+        return {"strategy": self.strategy, "params": attrs.asdict(self.params), "rule": self.rule,
+                "source": self.source}
 
 
 @attrs.frozen(kw_only=True)
@@ -127,7 +129,8 @@ class Plan:
                     "heads": m.info.heads,
                     "kv_heads": m.info.kv_heads,
                     "head_dim": m.info.head_dim,
-                    "decisions": {d.point if d.point not in MULTI_POINTS else f"{d.point}.{d.strategy}": d.to_json() for d in m.decisions},
+                    "decisions": {d.point if d.point not in MULTI_POINTS else f"{d.point}.{d.strategy}": d.to_json()
+                                  for d in m.decisions},
                 }
                 for m in self.modules
             ],
@@ -171,7 +174,8 @@ def matches(selector: Selector, info: ModuleInfo, *, seq_len: int, world_size: i
         return False
     if selector.modalities and info.modality not in selector.modalities:
         return False
-    values = {"heads": info.heads, "kv_heads": info.kv_heads, "head_dim": info.head_dim, "seq_len": seq_len, "world_size": world_size}
+    values = {"heads": info.heads, "kv_heads": info.kv_heads, "head_dim": info.head_dim, "seq_len": seq_len,
+              "world_size": world_size}
     for key, comparisons in selector.numbers:
         value = values[key]
         if value is None or not all(_OPS[c.op](value, c.value) for c in comparisons):
@@ -209,10 +213,12 @@ def build_plan(
                     continue
                 for i, action in enumerate(actions):
                     decisions.append(
-                        Decision(point=point, strategy=action.strategy, params=params[(r, point, i)], source=rule.source, rule=rule.name)
+                        Decision(point=point, strategy=action.strategy, params=params[(r, point, i)],
+                                 source=rule.source, rule=rule.name)
                     )
                 break
             else:
-                raise PlanError(f"no rule decides hook point {point!r} for module {info.path or '(root)'}; the defaults should")
+                raise PlanError(f"no rule decides hook point {point!r} for module {info.path or '(root)'}; "
+                                "the defaults should")
         plans.append(ModulePlan(info=info, decisions=tuple(decisions)))
     return Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size)

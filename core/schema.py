@@ -187,7 +187,9 @@ def build(cls: type, data: Any, *, where: Where, prefix: str) -> Any:
         return cls(**kwargs)
     except FieldValueError as error:  # one field's validator: point at that key
         dotted = f"{prefix}.{error.field}" if prefix else error.field
-        raise RecipeError(str(error), where=where.at(dotted) if dotted in _dotted_keys(data, prefix) else where.at(prefix)) from None
+        raise RecipeError(
+            str(error), where=where.at(dotted) if dotted in _dotted_keys(data, prefix) else where.at(prefix),
+        ) from None
     except (ValueError, TypeError) as error:
         raise RecipeError(str(error), where=where.at(prefix)) from None
 
@@ -229,7 +231,8 @@ def _literal_strings(annotation: Any) -> list[str]:
 def _show(value: Any) -> str:
     text = repr(value)
     kind = type(value).__name__
-    kind = {"dict": "table", "list": "list", "str": "string", "int": "integer", "float": "number", "bool": "boolean"}.get(kind, kind)
+    kind = {"dict": "table", "list": "list", "str": "string", "int": "integer", "float": "number",
+            "bool": "boolean"}.get(kind, kind)
     return f"{text[:60]} ({kind})"
 
 
@@ -242,6 +245,7 @@ def in_range(*, low: float | None = None, high: float | None = None):
             bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"between {low} and {high}"
             if not finite:
                 bounds = f"a finite number {bounds}"
-            raise FieldValueError(f"{attribute.name} = {value!r} is out of range; accepted: {bounds}", field=attribute.name)
+            raise FieldValueError(f"{attribute.name} = {value!r} is out of range; accepted: {bounds}",
+                                  field=attribute.name)
 
     return check

@@ -21,13 +21,17 @@ Backend = Literal["auto", "math", "cpu_flash", "cudnn", "flash", "flash_attn", "
 
 @attrs.frozen(kw_only=True)
 class VisionUlyssesParams:
-    min_patches: int = attrs.field(default=0, metadata={"doc": "an image with at least this many patches makes all SP ranks share the tower (Ulysses over patches); 0 = always; smaller images are spread over the ranks"})
+    min_patches: int = attrs.field(default=0, metadata={
+        "doc": "an image with at least this many patches makes all SP ranks share the tower "
+               "(Ulysses over patches); 0 = always; smaller images are spread over the ranks"})
 
 
 @attrs.frozen(kw_only=True)
 class RingParams:
     layout: Layout = attrs.field(default="zigzag", metadata={"doc": "how the sequence is split over the ring ranks"})
-    backend: Backend = attrs.field(default="auto", metadata={"doc": "block kernel: auto = cuDNN on GPU, torch's fused op on CPU; triton = cuDNN forward + a backward that keeps gradients in float32 across ring steps (GPU)"})
+    backend: Backend = attrs.field(default="auto", metadata={
+        "doc": "block kernel: auto = cuDNN on GPU, torch's fused op on CPU; "
+               "triton = cuDNN forward + a backward that keeps gradients in float32 across ring steps (GPU)"})
 
 
 #: Block kernels that run only on CUDA with bf16 inputs (torch's CUDA SDPA ops, Triton).
@@ -62,13 +66,27 @@ def check_backend(params, *, recipe, plan) -> str | None:
 @hookimpl
 def weft_strategies():
     return [
-        Strategy(point="attention", name="sdpa", params=NoParams, summary="torch SDPA on the whole local sequence (no sequence parallelism)"),
-        Strategy(point="attention", name="eager", params=NoParams, summary="transformers' eager attention (reference; slow)"),
-        Strategy(point="attention", name="ring", params=RingParams, summary="ring attention over the ring ranks, async K/V rotation, exact backward", sp_dims=("ring",), check=check_backend),
-        Strategy(point="attention", name="ulysses", params=NoParams, summary="head/sequence all-to-all over the Ulysses ranks; KV heads replicated when fewer than the degree", sp_dims=("ulysses",), head_split=("ulysses",)),
-        Strategy(point="attention", name="usp", params=RingParams, summary="Ulysses inside, ring outside (2-D)", sp_dims=("ulysses", "ring"), head_split=("ulysses",), check=check_backend),
-        Strategy(point="attention", name="auto", params=RingParams, summary="sdpa, ring, ulysses or usp from the mesh's ulysses and ring degrees", sp_dims=("ulysses", "ring"), head_split=("ulysses",), check=check_backend),
-        Strategy(point="attention", name="vision_ulysses", params=VisionUlyssesParams, summary="vision tower: large images' patches split over all SP ranks, Ulysses in every block (window and full)", sp_dims=("ulysses", "ring"), head_split=("ring", "ulysses")),
+        Strategy(point="attention", name="sdpa", params=NoParams,
+                 summary="torch SDPA on the whole local sequence (no sequence parallelism)"),
+        Strategy(point="attention", name="eager", params=NoParams,
+                 summary="transformers' eager attention (reference; slow)"),
+        Strategy(point="attention", name="ring", params=RingParams,
+                 summary="ring attention over the ring ranks, async K/V rotation, exact backward",
+                 sp_dims=("ring",), check=check_backend),
+        Strategy(point="attention", name="ulysses", params=NoParams,
+                 summary="head/sequence all-to-all over the Ulysses ranks; "
+                         "KV heads replicated when fewer than the degree",
+                 sp_dims=("ulysses",), head_split=("ulysses",)),
+        Strategy(point="attention", name="usp", params=RingParams,
+                 summary="Ulysses inside, ring outside (2-D)",
+                 sp_dims=("ulysses", "ring"), head_split=("ulysses",), check=check_backend),
+        Strategy(point="attention", name="auto", params=RingParams,
+                 summary="sdpa, ring, ulysses or usp from the mesh's ulysses and ring degrees",
+                 sp_dims=("ulysses", "ring"), head_split=("ulysses",), check=check_backend),
+        Strategy(point="attention", name="vision_ulysses", params=VisionUlyssesParams,
+                 summary="vision tower: large images' patches split over all SP ranks, "
+                         "Ulysses in every block (window and full)",
+                 sp_dims=("ulysses", "ring"), head_split=("ring", "ulysses")),
     ]
 
 
@@ -96,7 +114,8 @@ def weft_attention(decision, module_path, plan, mesh, ctx):
     if strategy == "vision_ulysses":
         from weft.strategies.hf_attention import make_vision_attention_function
 
-        fn = make_vision_attention_function(group=mesh.sp.get_group(), rank=mesh.sp.get_local_rank(), world=plan.mesh.sp)
+        fn = make_vision_attention_function(group=mesh.sp.get_group(), rank=mesh.sp.get_local_rank(),
+                                            world=plan.mesh.sp)
         # "flash" in the name on purpose: transformers then hands the vision tower's whole
         # patch sequence and its cu_seqlens to one call instead of looping over windows.
         return AttentionBinding(name=f"weft_flash_vision_ulysses_{id(mesh):x}", fn=fn)

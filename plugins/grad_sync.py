@@ -11,12 +11,14 @@ from weft.core.schema import in_range
 
 @attrs.frozen(kw_only=True)
 class ClipParams:
-    max_norm: float = attrs.field(default=1.0, validator=in_range(low=0.0), metadata={"doc": "clip the global L2 norm to this; 0 = measure only"})
+    max_norm: float = attrs.field(default=1.0, validator=in_range(low=0.0),
+                                  metadata={"doc": "clip the global L2 norm to this; 0 = measure only"})
 
 
 @hookimpl
 def weft_strategies():
-    return [Strategy(point="grad_sync", name="clip", params=ClipParams, summary="all-reduce replicated grads, global L2 norm over the whole mesh, clip")]
+    return [Strategy(point="grad_sync", name="clip", params=ClipParams,
+                     summary="all-reduce replicated grads, global L2 norm over the whole mesh, clip")]
 
 
 @hookimpl

@@ -13,12 +13,14 @@ from weft.core.schema import in_range
 
 @attrs.frozen(kw_only=True)
 class FiniteParams:
-    max_consecutive_skips: int = attrs.field(default=5, validator=in_range(low=1), metadata={"doc": "abort after this many skipped steps in a row"})
+    max_consecutive_skips: int = attrs.field(default=5, validator=in_range(low=1),
+                                             metadata={"doc": "abort after this many skipped steps in a row"})
 
 
 @hookimpl
 def weft_strategies():
-    return [Strategy(point="guard", name="finite", params=FiniteParams, summary="skip a step whose loss or grad norm is NaN/inf; abort after N in a row")]
+    return [Strategy(point="guard", name="finite", params=FiniteParams,
+                     summary="skip a step whose loss or grad norm is NaN/inf; abort after N in a row")]
 
 
 @hookimpl
@@ -33,5 +35,6 @@ def weft_guard(event, state, plan, ctx):
     if not bad:
         return Verdict(action="continue", guard="finite")
     if state.consecutive_skips + 1 >= decision.params.max_consecutive_skips:
-        return Verdict(action="abort", guard="finite", reason=f"{' and '.join(bad)} not finite for {state.consecutive_skips + 1} steps in a row")
+        return Verdict(action="abort", guard="finite",
+                       reason=f"{' and '.join(bad)} not finite for {state.consecutive_skips + 1} steps in a row")
     return Verdict(action="skip", guard="finite", reason=f"{' and '.join(bad)} not finite")

@@ -8,7 +8,8 @@ from weft.core.registry import NoParams, Strategy
 
 @hookimpl
 def weft_strategies():
-    return [Strategy(point="kv_cache", name="dynamic", params=NoParams, summary="transformers' DynamicCache, whole sequence on each rank")]
+    return [Strategy(point="kv_cache", name="dynamic", params=NoParams,
+                     summary="transformers' DynamicCache, whole sequence on each rank")]
 
 
 @hookimpl

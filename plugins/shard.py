@@ -16,23 +16,28 @@ Checkpoint = Literal["off", "full", "attention", "mlp"]
 @attrs.frozen(kw_only=True)
 class Fsdp2Params:
     group: str = attrs.field(default="", metadata={"doc": "name of the modality group, shown in the plan"})
-    param_dtype: Dtype | None = attrs.field(default=None, metadata={"doc": "dtype of gathered parameters; unset = storage dtype"})
+    param_dtype: Dtype | None = attrs.field(default=None,
+                                            metadata={"doc": "dtype of gathered parameters; unset = storage dtype"})
     reduce_dtype: Dtype | None = attrs.field(default=None, metadata={"doc": "dtype of the gradient reduce-scatter"})
     reshard_after_forward: bool = attrs.field(default=True, metadata={"doc": "free gathered params after forward"})
     offload: bool = attrs.field(default=False, metadata={"doc": "keep shards and optimizer state on the CPU"})
-    checkpoint: Checkpoint = attrs.field(default="off", metadata={"doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
+    checkpoint: Checkpoint = attrs.field(default="off", metadata={
+        "doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
 
 
 @attrs.frozen(kw_only=True)
 class KeepParams:
-    checkpoint: Checkpoint = attrs.field(default="off", metadata={"doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
+    checkpoint: Checkpoint = attrs.field(default="off", metadata={
+        "doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
 
 
 @hookimpl
 def weft_strategies():
     return [
-        Strategy(point="shard", name="fsdp2", params=Fsdp2Params, summary="FSDP2 fully_shard per unit over dp_shard x SP ranks"),
-        Strategy(point="shard", name="none", params=KeepParams, summary="keep the module whole on every rank; grad_sync averages its gradients"),
+        Strategy(point="shard", name="fsdp2", params=Fsdp2Params,
+                 summary="FSDP2 fully_shard per unit over dp_shard x SP ranks"),
+        Strategy(point="shard", name="none", params=KeepParams,
+                 summary="keep the module whole on every rank; grad_sync averages its gradients"),
     ]
 
 
@@ -68,7 +73,8 @@ def weft_shard(model, plan, mesh, ctx):
             f"units {raise_mixed[:3]}... use fsdp2 but the root uses 'none'; FSDP2 needs the root sharded too "
             "(give the root module, path = \"\", shard = { strategy = \"fsdp2\" })"
         )
-    apply_fsdp2(groups=groups, root=model, root_group=ShardGroup(modules=(model,), **_policy(root.get("shard").params)), mesh=mesh.fsdp_mesh())
+    apply_fsdp2(groups=groups, root=model, root_group=ShardGroup(modules=(model,), **_policy(root.get("shard").params)),
+                mesh=mesh.fsdp_mesh())
     ctx.log.info("shard.fsdp2", units=len(groups), mesh=list(plan.mesh.shape))
     return None
 

@@ -31,7 +31,8 @@ def _entry(rank: int, world: int, store_path: str, fn: Callable[..., Any], args:
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> None:
     """``fn(rank, world, *args)`` on ``world`` processes; raises if any rank raised."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world, join=True,
+                           start_method="spawn")
 
 
 def sp_model(recipe_data: dict, *, rank: int, world: int):

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from model_helpers import build_model
 
+from model_helpers import build_model
 from weft.core.recipe import Recipe
 from weft.strategies.activation_checkpoint import apply_checkpointing
 

@@ -30,12 +30,14 @@ def steps(*, seed: int, start: int, count: int, dp_rank: int = 0, world: int = 1
     plan, _ = plan_recipe(recipe, pm=pm, world_size=world)
     ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger(), start_step=start,
                      adapter=pm.models.for_recipe(recipe))
-    iterator = iter(pm.call_first("weft_batching", decision=plan.decision("batching"), recipe=recipe, plan=plan, mesh=FakeMesh(dp_rank), model=None, ctx=ctx))
+    iterator = iter(pm.call_first("weft_batching", decision=plan.decision("batching"), recipe=recipe, plan=plan,
+                                  mesh=FakeMesh(dp_rank), model=None, ctx=ctx))
     return [[mb["input_ids"] for mb in next(iterator)] for _ in range(count)]
 
 
 def same(a, b) -> bool:
-    return len(a) == len(b) and all(len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y)) for x, y in zip(a, b))
+    return len(a) == len(b) and all(len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y))
+                                    for x, y in zip(a, b))
 
 
 def test_restart_mid_epoch_gives_the_same_order():

@@ -15,7 +15,8 @@ TINY_SP = str(ROOT / "recipes" / "tiny-vl-sp.toml")
 
 
 def check(*args: str, env: dict | None = None, cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weft", "check", *args], capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "weft", "check", *args], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=cwd)
 
 
 def test_dp2_x_ulysses2_ring1_and_text_model(tmp_path):
@@ -100,7 +101,8 @@ def test_data_parallel_rank_without_images_keeps_the_tower_in_step(tmp_path):
 
     Image.new("RGB", (56, 84), "red").save(tmp_path / "red.png")
     text = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."}]}
-    image = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}], "images": ["red.png"]}
+    image = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}],
+             "images": ["red.png"]}
     # Two samples too long to share a micro-batch of 40 tokens: one per data-parallel rank.
     (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in (text, image)) + "\n")
     recipe = tmp_path / "mixed.toml"

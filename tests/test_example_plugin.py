@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from weft.core import cli
-from weft.core.context import RunContext
+from weft.core.context import RunContext, StepState
 from weft.core.hookspecs import hookimpl
-from weft.core.context import StepState
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
@@ -83,7 +82,8 @@ def test_rule_selects_it_and_the_hook_calls_it(installed, tmp_path):
     pm = build_plugin_manager()
     recipe_path = spike_recipe(tmp_path)
     recipe = Recipe.from_toml(recipe_path)
-    modules = [ModuleInfo(path="", class_name="Qwen2ForCausalLM", kind="root"), ModuleInfo(path="model.layers.0", class_name="Qwen2DecoderLayer", kind="unit", modality="text")]
+    modules = [ModuleInfo(path="", class_name="Qwen2ForCausalLM", kind="root"),
+               ModuleInfo(path="model.layers.0", class_name="Qwen2DecoderLayer", kind="unit", modality="text")]
     plan = build_plan(recipe=recipe, modules=modules, registry=pm.registry, mesh=MeshSpec(), world_size=1)
     (chosen,) = plan.decisions_of("guard")  # the recipe's rule wins over the default "finite"
     assert chosen.strategy == "loss_spike" and chosen.params.factor == 2.0
@@ -95,7 +95,9 @@ def test_rule_selects_it_and_the_hook_calls_it(installed, tmp_path):
 
     def step(n: int, loss: float) -> Verdict:
         nonlocal skips
-        verdicts = [v for v in pm.hook.weft_guard(event="step_end", state=StepState(step=n, loss=loss, consecutive_skips=skips, memory=memory), plan=plan, ctx=ctx) if v]
+        verdicts = [v for v in pm.hook.weft_guard(
+            event="step_end", state=StepState(step=n, loss=loss, consecutive_skips=skips, memory=memory),
+            plan=plan, ctx=ctx) if v]
         verdict = Verdict.strongest(verdicts)
         skips = skips + 1 if verdict.action == "skip" else 0
         return verdict
@@ -111,7 +113,8 @@ def test_rule_selects_it_and_the_hook_calls_it(installed, tmp_path):
 
     # A second plan (another run) with fresh memory starts from no mean.
     other: dict = {}
-    verdicts = pm.hook.weft_guard(event="step_end", state=StepState(step=1, loss=50.0, memory=other), plan=plan, ctx=ctx)
+    verdicts = pm.hook.weft_guard(event="step_end", state=StepState(step=1, loss=50.0, memory=other), plan=plan,
+                                  ctx=ctx)
     assert [v.action for v in verdicts] == ["continue"] and memory["loss_spike"].count == 3
 
     # Persistent spikes abort after max_consecutive_skips.
@@ -140,10 +143,12 @@ def test_allow_and_block_lists(installed, capsys, monkeypatch):
     assert "example" not in build_plugin_manager(block=["example"]).plugin_names()
     assert "example" not in build_plugin_manager(allow=[]).plugin_names()
     allowed = build_plugin_manager(allow=["example"])
-    assert "example" in allowed.plugin_names() and "weft.plugins.guard" in allowed.plugin_names()  # built-ins always load
+    assert ("example" in allowed.plugin_names()
+            and "weft.plugins.guard" in allowed.plugin_names())  # built-ins always load
     # A blocked built-in is gone too, and so are its strategies.
     no_finite = build_plugin_manager(block=["weft.plugins.guard"])
-    assert no_finite.registry.get("guard", "finite") is None and no_finite.registry.get("guard", "loss_spike") is not None
+    assert (no_finite.registry.get("guard", "finite") is None
+            and no_finite.registry.get("guard", "loss_spike") is not None)
 
     # The same through the environment, as `weft plugins` reads it.
     for var, value in (("WEFT_DISABLE_PLUGINS", "example"), ("WEFT_PLUGINS", "")):

@@ -50,12 +50,14 @@ def recipes(tmp_path_factory) -> dict[str, pathlib.Path]:
     out = {}
     for name, kill in (("clean", ""), ("kill", ', {{ strategy = "kill", step = 4, rank = 1 }}')):
         out[name] = folder / f"{name}.toml"
-        out[name].write_text(textwrap.dedent(RECIPE.format(rules=rules, kill=kill.replace("{{", "{").replace("}}", "}"))))
+        out[name].write_text(
+            textwrap.dedent(RECIPE.format(rules=rules, kill=kill.replace("{{", "{").replace("}}", "}"))))
     return out
 
 
 def weft(*args: str, env: dict, cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=cwd)
 
 
 def train(recipe, run_dir, env, *extra) -> subprocess.CompletedProcess:
@@ -99,7 +101,8 @@ def assert_same_params(got: dict, want: dict, *, rel: float) -> None:
     for name, g, w in pairs:
         diff = (g - w).norm().item()
         if name.rstrip("]").endswith(NOISE_ONLY):
-            assert diff <= rel * scale, f"{name}: difference {diff:.2e} > {rel:g} x the model's largest weight norm {scale:.3f}"
+            assert diff <= rel * scale, (f"{name}: difference {diff:.2e} > {rel:g} "
+                                         f"x the model's largest weight norm {scale:.3f}")
         else:
             own = max(w.norm().item(), 1e-30)
             assert diff <= rel * own, f"{name}: relative difference {diff / own:.2e} > {rel:g}"
@@ -126,7 +129,8 @@ def single(recipes, env, tmp_path_factory) -> pathlib.Path:
 
 @pytest.mark.parametrize(
     "mesh",
-    [["--nproc", "2"], ["--nproc", "4", "--set", "parallel.ulysses=2"], ["--nproc", "4", "--set", "parallel.dp_replicate=2"]],
+    [["--nproc", "2"], ["--nproc", "4", "--set", "parallel.ulysses=2"],
+     ["--nproc", "4", "--set", "parallel.dp_replicate=2"]],
     ids=["fsdp-dp2", "fsdp-dp2-x-ulysses2", "hsdp-2x2"],
 )
 def test_n_steps_equal_one_process(mesh, recipes, env, single, tmp_path):
@@ -206,7 +210,6 @@ def test_export_loads_in_transformers_with_the_same_logits(single, env):
     import transformers
 
     from model_helpers import build_model
-
     from weft.core.checkpoint import checkpoint_dirs
     from weft.core.export import load_checkpoint_into, run_recipe
 
@@ -240,7 +243,8 @@ def test_model_directory_loads_shard_by_shard(single, env, tmp_path):
         [model]
         path = "{single.parent / f"{single.name}-export"}"
     '''))
-    done = weft("check", str(recipe), "--world-size", "4", "--set", "parallel.ulysses=2", "--json", env=env, cwd=tmp_path)
+    done = weft("check", str(recipe), "--world-size", "4", "--set", "parallel.ulysses=2", "--json", env=env,
+                cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["loss_ref"] < 5.0, result  # the trained weights, not a fresh init

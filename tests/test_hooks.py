@@ -24,10 +24,9 @@ import torch.distributed as dist
 from structlog.testing import capture_logs
 
 from weft.core import hookspecs
-from weft.core.context import RunContext
+from weft.core.context import RunContext, StepState
 from weft.core.errors import HookError, PlanError, RecipeError
 from weft.core.hookspecs import hookimpl
-from weft.core.context import StepState
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
@@ -37,7 +36,8 @@ from weft.core.rules import Decision, ModuleInfo, build_plan
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 ROOT_MODULE = ModuleInfo(path="", class_name="Toy", kind="root")
-TEXT_ATTN = ModuleInfo(path="layers.0.self_attn", class_name="Qwen2Attention", kind="attention", modality="text", heads=4, kv_heads=2, head_dim=16)
+TEXT_ATTN = ModuleInfo(path="layers.0.self_attn", class_name="Qwen2Attention", kind="attention", modality="text",
+                       heads=4, kv_heads=2, head_dim=16)
 
 
 class ListLog:
@@ -165,11 +165,12 @@ def test_hook_weft_models(tmp_path):
     recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
     assert pm.models.for_recipe(recipe) is family.adapter
     # Without the plugin: a user error naming the model_type and the adapters installed.
-    with pytest.raises(RecipeError, match=r"no installed model adapter handles model_type 'toy_lm'; adapters installed: "
-                                          r"causal_lm \(qwen2, .*qwen2_5_vl \(qwen2_5_vl\)"):
+    with pytest.raises(RecipeError, match=r"no installed model adapter handles model_type 'toy_lm'; "
+                                          r"adapters installed: causal_lm \(qwen2, .*qwen2_5_vl \(qwen2_5_vl\)"):
         make_pm().models.for_recipe(recipe)
     # Two plugins claiming one model_type: an error naming both.
-    with pytest.raises(RecipeError, match=r"model_type 'toy_lm' is handled twice: by plugin 'toy' and by plugin 'again'"):
+    with pytest.raises(RecipeError,
+                       match=r"model_type 'toy_lm' is handled twice: by plugin 'toy' and by plugin 'again'"):
         make_pm(("toy", family), ("again", ToyFamily())).models
 
 
@@ -198,8 +199,10 @@ class FreezePlugin:
 def test_hook_weft_shard():
     freeze = FreezePlugin()
     pm = make_pm(("freeze", freeze))
-    modules = [ROOT_MODULE, ModuleInfo(path="0", class_name="Linear", kind="unit", modality="text"), ModuleInfo(path="1", class_name="Linear", kind="unit", modality="text")]
-    rules = [{"when": {"path": "0"}, "shard": {"strategy": "freeze"}}, {"when": {"path": ["", "1"]}, "shard": {"strategy": "none"}}]
+    modules = [ROOT_MODULE, ModuleInfo(path="0", class_name="Linear", kind="unit", modality="text"),
+               ModuleInfo(path="1", class_name="Linear", kind="unit", modality="text")]
+    rules = [{"when": {"path": "0"}, "shard": {"strategy": "freeze"}},
+             {"when": {"path": ["", "1"]}, "shard": {"strategy": "none"}}]
     _, plan, ctx = make_plan(pm, rules, modules)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     # Collect-all: every implementation runs; both return None, so the result is empty.
@@ -239,7 +242,10 @@ def test_hook_weft_attention():
     echo = EchoAttention()
     pm = make_pm(("echo-plugin", echo))
     rules = [{"when": {"modality": "text", "seq_len": {"gt": 10**9}}, "attention": {"strategy": "echo"}}]
-    _, plan, ctx = make_plan(pm, rules + [{"when": {"class": "*Attention"}, "attention": {"strategy": "echo", "word": "yo"}}], [ROOT_MODULE, TEXT_ATTN])
+    _, plan, ctx = make_plan(
+        pm, rules + [{"when": {"class": "*Attention"}, "attention": {"strategy": "echo", "word": "yo"}}],
+        [ROOT_MODULE, TEXT_ATTN],
+    )
     mine = plan.modules_for("attention")[0].get("attention")
     assert mine.strategy == "echo" and mine.params.word == "yo"  # the seq_len rule did not match
     binding = pm.call_first("weft_attention", decision=mine, module_path=TEXT_ATTN.path, plan=plan, mesh=None, ctx=ctx)
@@ -249,12 +255,14 @@ def test_hook_weft_attention():
     # the built-in answers with a name transformers already knows.
     _, plan, ctx = make_plan(pm, [{"attention": "sdpa"}], [ROOT_MODULE, TEXT_ATTN])
     sdpa = plan.modules_for("attention")[0].get("attention")
-    assert pm.call_first("weft_attention", decision=sdpa, module_path=TEXT_ATTN.path, plan=plan, mesh=None, ctx=ctx) == AttentionBinding(name="sdpa")
+    assert pm.call_first("weft_attention", decision=sdpa, module_path=TEXT_ATTN.path, plan=plan, mesh=None,
+                         ctx=ctx) == AttentionBinding(name="sdpa")
     assert echo.asked[-1] == "sdpa"
     # The default rule, on a mesh without sequence parallelism, also comes down to sdpa.
     _, plan, ctx = make_plan(pm, [], [ROOT_MODULE, TEXT_ATTN])
     default = plan.modules_for("attention")[0].get("attention")
-    assert pm.call_first("weft_attention", decision=default, module_path=TEXT_ATTN.path, plan=plan, mesh=None, ctx=ctx) == AttentionBinding(name="sdpa")
+    assert pm.call_first("weft_attention", decision=default, module_path=TEXT_ATTN.path, plan=plan, mesh=None,
+                         ctx=ctx) == AttentionBinding(name="sdpa")
 
     # Nobody owns the strategy: the plain hook returns None, call_first names hook and plugins.
     nobody = decision("attention", "nobody")
@@ -266,7 +274,8 @@ def test_hook_weft_attention():
 def test_hook_weft_kv_cache():
     from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
     model = Qwen2ForCausalLM(config)
     pm = make_pm()
     _, plan, ctx = make_plan(pm, [], [ROOT_MODULE, TEXT_ATTN])
@@ -275,7 +284,8 @@ def test_hook_weft_kv_cache():
     cache = pm.call_first("weft_kv_cache", decision=chosen, model=model, plan=plan, ctx=ctx)
     assert isinstance(cache, DynamicCache)
     assert len(cache.layers) == config.num_hidden_layers
-    kv = torch.zeros(1, config.num_key_value_heads, 3, config.hidden_size // config.num_attention_heads)  # (B, H_kv, S, D)
+    kv = torch.zeros(1, config.num_key_value_heads, 3,
+                     config.hidden_size // config.num_attention_heads)  # (B, H_kv, S, D)
     cache.update(kv, kv, layer_idx=0)
     assert cache.get_seq_length() == 3
     # Building a cache changes nothing on the model.
@@ -314,15 +324,19 @@ def test_hook_weft_batching():
     assert (chosen.strategy, chosen.params) == ("fixed", FixedParams(steps=3))
     # The built-in declines a strategy it does not own.
     assert builtin.weft_batching(decision=chosen, recipe=recipe, plan=plan, mesh=None, model=None, ctx=ctx) is None
-    steps = list(pm.call_first("weft_batching", decision=chosen, recipe=recipe, plan=plan, mesh=None, model=None, ctx=ctx))
+    steps = list(pm.call_first("weft_batching", decision=chosen, recipe=recipe, plan=plan, mesh=None, model=None,
+                               ctx=ctx))
     assert len(steps) == 3 and all(len(step) == 1 for step in steps)
     assert steps[0][0]["input_ids"].shape == (1, 4)
     # And the fake declines the default.
     _, default_plan, _ = make_plan(pm, [])
     assert default_plan.decision("batching").strategy == "token_budget"
-    assert FixedBatches().weft_batching(decision=default_plan.decision("batching"), recipe=recipe, plan=plan, mesh=None, model=None, ctx=ctx) is None
-    with pytest.raises(HookError, match=r"no plugin answered hook weft_batching for strategy 'nobody'; registered plugins: .*weft\.plugins\.batching.*fixed"):
-        pm.call_first("weft_batching", decision=decision("batching", "nobody"), recipe=recipe, plan=plan, mesh=None, model=None, ctx=ctx)
+    assert FixedBatches().weft_batching(decision=default_plan.decision("batching"), recipe=recipe, plan=plan, mesh=None,
+                                        model=None, ctx=ctx) is None
+    with pytest.raises(HookError, match=r"no plugin answered hook weft_batching for strategy 'nobody'; "
+                                        r"registered plugins: .*weft\.plugins\.batching.*fixed"):
+        pm.call_first("weft_batching", decision=decision("batching", "nobody"), recipe=recipe, plan=plan, mesh=None,
+                      model=None, ctx=ctx)
 
 
 class NoteGradSync:
@@ -383,7 +397,8 @@ class CheckpointGuard:
 
 def test_hook_weft_guard():
     pm = make_pm(("ckpt", CheckpointGuard()))
-    _, plan, ctx = make_plan(pm, [{"guard": [{"strategy": "finite", "max_consecutive_skips": 3}, {"strategy": "every_step_checkpoint"}]}])
+    _, plan, ctx = make_plan(pm, [{"guard": [{"strategy": "finite", "max_consecutive_skips": 3},
+                                             {"strategy": "every_step_checkpoint"}]}])
 
     def verdicts(event: str, **state) -> list[Verdict]:
         # Collect-all: None answers are dropped by pluggy; the loop takes the strongest.
@@ -413,7 +428,8 @@ def test_trace_logs_every_hook_call():
     with capture_logs() as logs:
         pm = build_plugin_manager(trace=True, log=structlog.get_logger(), entry_points=False)
         _, plan, ctx = make_plan(pm, [], [ROOT_MODULE, TEXT_ATTN])
-        pm.hook.weft_attention(decision=plan.modules[1].get("attention"), module_path=TEXT_ATTN.path, plan=plan, mesh=None, ctx=ctx)
+        pm.hook.weft_attention(decision=plan.modules[1].get("attention"), module_path=TEXT_ATTN.path, plan=plan,
+                               mesh=None, ctx=ctx)
         pm.hook.weft_guard(event="step_start", state=StepState(step=1), plan=plan, ctx=ctx)
     calls = [entry for entry in logs if entry["event"] == "hook.call"]
     assert [c["hook"] for c in calls] == ["weft_attention", "weft_guard"]
@@ -459,12 +475,14 @@ def test_every_hookspec_is_tested_and_documented():
     tests = set()
     for path in (ROOT / "tests").glob("test_*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        tests |= {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name.startswith("test_hook_")}
+        tests |= {node.name for node in ast.walk(tree)
+                  if isinstance(node, ast.FunctionDef) and node.name.startswith("test_hook_")}
     untested = sorted(name for name in specs if f"test_hook_{name}" not in tests)
     docs = (ROOT / "docs" / "hooks.md").read_text(encoding="utf-8")
     headings = set(re.findall(r"^### `([^`]+)`\s*$", docs, flags=re.MULTILINE))
     undocumented = sorted(f"{name}: expected heading ### `{sig}`" for name, sig in specs.items() if sig not in headings)
-    assert not untested and not undocumented, f"hookspecs without a test_hook_<name> in tests/: {untested}; without a heading in docs/hooks.md: {undocumented}"
+    assert not untested and not undocumented, (f"hookspecs without a test_hook_<name> in tests/: {untested}; "
+                                               f"without a heading in docs/hooks.md: {undocumented}")
 
 
 def test_building_the_plugin_manager_imports_no_torch():
@@ -472,6 +490,7 @@ def test_building_the_plugin_manager_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys; from weft.core.plugin_manager import build_plugin_manager; build_plugin_manager(entry_points=False).registry; print('torch' in sys.modules)"
+    code = ("import sys; from weft.core.plugin_manager import build_plugin_manager; "
+            "build_plugin_manager(entry_points=False).registry; print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr

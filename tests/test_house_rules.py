@@ -70,7 +70,8 @@ def test_the_checker_catches_a_forbidden_import():
     assert violations(bad, FORBIDDEN["core"]) == ["line 3: weft.plugins.models.build",
                                                   "line 3: weft.plugins.models.build.build_model",
                                                   "line 4: weft.strategies.ring"]
-    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weft.plugins.models.base import TransformersAdapter\n"
+    typed = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+             "    from weft.plugins.models.base import TransformersAdapter\n")
     assert violations(typed, FORBIDDEN["core"]) == []
     assert violations("from weft import strategies\n", ("weft.strategies",)) == ["line 1: weft.strategies"]
     assert violations("import torch.nn as nn\n", ("torch",)) == ["line 1: torch.nn"]
@@ -109,7 +110,8 @@ def test_rule_engine_and_recipes_import_no_torch():
 
 def test_core_and_plugins_files_stay_small():
     long = {str(p.relative_to(ROOT)): n for folder in ("core", "plugins", "plugins/models")
-            for p in sorted((ROOT / folder).glob("*.py")) if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+            for p in sorted((ROOT / folder).glob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines (split them by what they do): {long}"
 
 

@@ -77,13 +77,15 @@ def test_product_mismatch_lists_every_factor():
 
 
 def test_product_mismatch_too_small():
-    with pytest.raises(PlanError, match=r"dp_replicate\(2\) \* dp_shard\(1\) \* ring\(1\) \* ulysses\(1\) = 2 != world_size\(8\)"):
+    with pytest.raises(PlanError, match=r"dp_replicate\(2\) \* dp_shard\(1\) \* ring\(1\) \* ulysses\(1\) "
+                                        r"= 2 != world_size\(8\)"):
         resolve(8, dp_replicate=2, dp_shard=1)
 
 
 def test_ulysses_auto_with_fixed_dims_not_dividing_world_size():
     # dp_replicate * ring * dp_shard = 3 does not divide 8: auto falls back to 1 and the product check speaks.
-    with pytest.raises(PlanError, match=r"dp_replicate\(1\) \* dp_shard\(3\) \* ring\(1\) \* ulysses\(1\) = 3 != world_size\(8\)"):
+    with pytest.raises(PlanError, match=r"dp_replicate\(1\) \* dp_shard\(3\) \* ring\(1\) \* ulysses\(1\) "
+                                        r"= 3 != world_size\(8\)"):
         resolve(8, dp_shard=3, ulysses="auto")
 
 
@@ -91,7 +93,8 @@ def test_fill_that_does_not_divide():
     with pytest.raises(PlanError) as info:
         resolve(4, ring=3)
     assert str(info.value) == (
-        f"{WHERE}: dp_replicate(1) * ulysses(1) * ring(3) = 3 does not divide world_size(4), so parallel.dp_shard = -1 cannot fill it"
+        f"{WHERE}: dp_replicate(1) * ulysses(1) * ring(3) = 3 does not divide world_size(4), "
+        "so parallel.dp_shard = -1 cannot fill it"
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from distributed import run_ranks, sp_model
@@ -49,7 +48,8 @@ def _worker(rank: int, world: int) -> None:
 
     tokenizer, image_processor = load_processor("tiny_vl")
     conversations = synthetic_conversations(seed=9, num_samples=3, min_side=28, max_side=84)
-    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor) for c in conversations]
+    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor)
+               for c in conversations]
     for preset in ("qwen2_5_vl_tiny", "qwen2_text_tiny"):
         for ulysses, ring, strategy in CONFIGS:
             sub = ulysses * ring
@@ -60,7 +60,8 @@ def _worker(rank: int, world: int) -> None:
                           {"batching": {"strategy": "token_budget", "pack": True}}],
             }, rank=rank, world=world)
 
-            docs = samples if preset == "qwen2_5_vl_tiny" else [type(s)(input_ids=s.input_ids, labels=s.labels) for s in samples]
+            docs = (samples if preset == "qwen2_5_vl_tiny"
+                    else [type(s)(input_ids=s.input_ids, labels=s.labels) for s in samples])
             keep = ("input_ids", "labels") if preset == "qwen2_text_tiny" else None
             # Reference: each document alone through the unsharded model.
             ref_sum, count = 0.0, 0
@@ -70,7 +71,8 @@ def _worker(rank: int, world: int) -> None:
                 inputs = {k: v for k, v in batch.items() if k != "labels"}
                 ref_sum += token_loss_sum(reference(**inputs).logits, targets(batch)).item()
                 count += int(label_count(targets(batch)))
-            packed = collate_packed(docs, pad_id=tokenizer.pad_token_id, pad_to_multiple_of=split.multiple if split else 1,
+            packed = collate_packed(docs, pad_id=tokenizer.pad_token_id,
+                                    pad_to_multiple_of=split.multiple if split else 1,
                                     positions=document_positions(model))
             assert packed["input_ids"].shape[0] == 1 and int(packed["weft_doc_ids"].max()) >= 2
             local = shard_batch(packed, split) if split else packed
@@ -79,7 +81,8 @@ def _worker(rank: int, world: int) -> None:
             if split is not None:
                 torch.distributed.all_reduce(loss, group=mesh.sp.get_group())
             rel = abs(loss.item() - ref_sum) / abs(ref_sum)
-            assert rel <= 1e-5, f"{preset} ulysses={ulysses} ring={ring} {strategy}: packed {loss.item()} vs one by one {ref_sum} (rel {rel:.2e})"
+            assert rel <= 1e-5, (f"{preset} ulysses={ulysses} ring={ring} {strategy}: "
+                                 f"packed {loss.item()} vs one by one {ref_sum} (rel {rel:.2e})")
 
 
 def test_packed_batch_through_each_strategy_equals_documents_one_by_one():

@@ -6,8 +6,8 @@ import os
 import time
 
 import torch
-from test_bad_data import make_dataset
 
+from test_bad_data import make_dataset
 from weft.strategies import datasets
 
 

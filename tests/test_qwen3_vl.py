@@ -72,7 +72,8 @@ def _batch(*, pad_multiple: int) -> dict:
 
     tokenizer, image_processor = load_processor("tiny_vl")
     conversations = synthetic_conversations(seed=5, num_samples=3, min_side=28, max_side=112)
-    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor) for c in conversations]
+    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor)
+               for c in conversations]
     return collate(samples, pad_id=tokenizer.pad_token_id, pad_to_multiple_of=pad_multiple)
 
 

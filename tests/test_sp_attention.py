@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_ranks
 
+from distributed import run_ranks
 from weft.strategies.ring import ring_attention
 from weft.strategies.sequence_shard import sequence_index, shard_sequence, unshard_sequence, usp_shard, usp_unshard
 from weft.strategies.ulysses import ulysses_attention

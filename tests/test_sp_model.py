@@ -47,17 +47,20 @@ def _worker(rank: int, world: int, ulysses: int, ring: int, strategy: str) -> No
     count = (labels != -100).sum()
 
     logits_ref = reference(input_ids=input_ids).logits
-    F.cross_entropy(logits_ref.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum").div(count).backward()
+    F.cross_entropy(logits_ref.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                    reduction="sum").div(count).backward()
 
     ring_rank, ulysses_rank = mesh["ring"].get_local_rank(), mesh["ulysses"].get_local_rank()
 
     def shard(t):
-        return usp_shard(t, dim=1, ring_rank=ring_rank, ring=ring, ulysses_rank=ulysses_rank, ulysses=ulysses, layout="zigzag")
+        return usp_shard(t, dim=1, ring_rank=ring_rank, ring=ring, ulysses_rank=ulysses_rank, ulysses=ulysses,
+                         layout="zigzag")
 
     positions = shard(torch.arange(seq).expand(batch, seq))
     logits = model(input_ids=shard(input_ids), position_ids=positions).logits
     local_labels = shard(labels)
-    F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), ignore_index=-100, reduction="sum").div(count).backward()
+    F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), ignore_index=-100,
+                    reduction="sum").div(count).backward()
 
     want = shard(logits_ref.detach())
     err = ((logits.detach() - want).abs().max() / want.abs().max()).item()

@@ -8,7 +8,6 @@ Loss relative difference <= 1e-5, every gradient <= 1e-4.
 
 from __future__ import annotations
 
-
 import torch
 
 from distributed import run_ranks, sp_model
@@ -22,14 +21,16 @@ def _batch(preset: str, *, pad_multiple: int):
 
     tokenizer, image_processor = load_processor("tiny_vl")
     conversations = synthetic_conversations(seed=5, num_samples=3, min_side=28, max_side=112)
-    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor) for c in conversations]
+    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor)
+               for c in conversations]
     batch = collate(samples, pad_id=tokenizer.pad_token_id, pad_to_multiple_of=pad_multiple)
     if preset == "qwen2_text_tiny":
         batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
     return batch
 
 
-def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strategy: str, layout: str, vision: dict | None = None) -> None:
+def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strategy: str, layout: str,
+           vision: dict | None = None) -> None:
 
     from weft.core.loss import label_count, targets, token_loss_sum
     from weft.core.step import shard_micro_batch as shard_batch
@@ -37,7 +38,8 @@ def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strat
     model, reference, plan, mesh, split = sp_model({
         "model": {"preset": preset},
         "parallel": {"ulysses": ulysses, "ring": ring},
-        "rules": [{"when": {"modality": "text"}, "attention": {"strategy": strategy, **({"layout": layout} if strategy != "ulysses" else {})}}]
+        "rules": [{"when": {"modality": "text"},
+                   "attention": {"strategy": strategy, **({"layout": layout} if strategy != "ulysses" else {})}}]
         + ([{"when": {"modality": "vision"}, "attention": vision}] if vision else []),
     }, rank=rank, world=world)
 

@@ -10,6 +10,7 @@ import torch
 import transformers
 from PIL import Image
 
+from weft.core.presets import build_config, load_preset, preset_names
 from weft.strategies.conversation import (
     IGNORE_INDEX,
     Sample,
@@ -18,7 +19,6 @@ from weft.strategies.conversation import (
     encode_conversation,
     load_processor,
 )
-from weft.core.presets import build_config, load_preset, preset_names
 from weft.strategies.synthetic_vl import SHAPE_COLOURS, synthetic_conversations
 
 

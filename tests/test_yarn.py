@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
+from model_helpers import adapter_of, build_model
 from weft.core.recipe import Recipe
 from weft.plugins.models.build import model_config, rope_summary, trained_context
-from model_helpers import adapter_of, build_model
 from weft.strategies.yarn import needed_factor, yarn_parameters
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -51,7 +51,8 @@ def test_needed_factor():
 def test_yarn_parameters_keep_theta_and_mrope_sections():
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
     out = yarn_parameters(rope, factor=4.0, original=32768)
-    assert out == {"rope_type": "yarn", "rope_theta": 1e6, "mrope_section": [16, 24, 24], "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert out == {"rope_type": "yarn", "rope_theta": 1e6, "mrope_section": [16, 24, 24], "factor": 4.0,
+                   "original_max_position_embeddings": 32768}
     with pytest.raises(ValueError, match="above 1"):
         yarn_parameters(rope, factor=1.0, original=32768)
 
@@ -67,10 +68,12 @@ def test_the_model_gets_transformers_yarn_tables(preset):
     rotary = _text_rotary(build_model(recipe, device="cpu", seed=0))
     plain = _text_rotary(build_model(_recipe(preset), device="cpu", seed=0))
     torch.testing.assert_close(rotary.inv_freq, want_freq, rtol=0, atol=0)
-    assert rotary.attention_scaling == pytest.approx(want_scale) and want_scale == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
+    assert (rotary.attention_scaling == pytest.approx(want_scale)
+            and want_scale == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1))
     assert (rotary.inv_freq - plain.inv_freq).abs().max() > 1e-3  # YaRN really changed the tables
     assert trained_context(config) == (2048, 512)
-    assert rope_summary(config, recipe=recipe) == {"scaling": "yarn", "factor": 4.0, "trained_positions": 512, "context": 2048}
+    assert rope_summary(config, recipe=recipe) == {"scaling": "yarn", "factor": 4.0, "trained_positions": 512,
+                                                   "context": 2048}
 
 
 def test_an_exported_config_keeps_yarn(tmp_path):
@@ -81,7 +84,8 @@ def test_an_exported_config_keeps_yarn(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = transformers.AutoConfig.from_pretrained(tmp_path)
     again = transformers.AutoModelForImageTextToText.from_config(loaded)
-    torch.testing.assert_close(_text_rotary(again).inv_freq, _text_rotary(build_model(recipe, device="cpu", seed=0)).inv_freq, rtol=0, atol=0)
+    torch.testing.assert_close(_text_rotary(again).inv_freq,
+                               _text_rotary(build_model(recipe, device="cpu", seed=0)).inv_freq, rtol=0, atol=0)
 
 
 def _vl_batch():
@@ -90,7 +94,8 @@ def _vl_batch():
 
     tokenizer, image_processor = load_processor("tiny_vl")
     conversations = synthetic_conversations(seed=5, num_samples=2, min_side=84, max_side=112)
-    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor) for c in conversations]
+    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor)
+               for c in conversations]
     return collate(samples, pad_id=tokenizer.pad_token_id)
 
 
@@ -109,7 +114,8 @@ def test_the_watch_reads_mrope_positions_and_names_the_factor():
 
     log = ListLog()
     context = largest  # one short: the batch reaches position `largest`, the context holds 0..largest-1
-    watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=context, original=context // 2, scaling="none", log=log)
+    watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=context,
+                          original=context // 2, scaling="none", log=log)
     with torch.no_grad():
         model(**inputs, use_cache=False)
         watch.poll()
@@ -122,7 +128,8 @@ def test_the_watch_reads_mrope_positions_and_names_the_factor():
     assert warned[0]["needed_factor"] == needed_factor(watch.largest, trained=context // 2) > 2.0
 
     quiet = ListLog()
-    quiet_watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=watch.largest + 1, original=watch.largest + 1, scaling="none", log=quiet)
+    quiet_watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model),
+                                context=watch.largest + 1, original=watch.largest + 1, scaling="none", log=quiet)
     with torch.no_grad():
         model(**inputs, use_cache=False)
     quiet_watch.poll()
@@ -157,7 +164,8 @@ def test_plan_positions_reads_the_data_like_the_model(capsys):
     recipe = Recipe.from_toml(tiny, overrides=tuple(s for s in sets if s != "--set"))
     tokenizer, source = sample_source(recipe, adapter_of(recipe))
     model = build_model(recipe, device="cpu", seed=0)
-    watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=48, original=48, scaling="none", log=ListLog())
+    watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=48, original=48,
+                          scaling="none", log=ListLog())
     tokens = []
     with torch.no_grad():
         for sample in source:

@@ -31,7 +31,8 @@ class KillParams:
 @hookimpl
 def weft_strategies():
     return [
-        Strategy(point="batching", name="fixed_global", params=FixedGlobalParams, summary="test: the same global batch at any world size"),
+        Strategy(point="batching", name="fixed_global", params=FixedGlobalParams,
+                 summary="test: the same global batch at any world size"),
         Strategy(point="guard", name="kill", params=KillParams, summary="test: SIGKILL one rank at one step"),
     ]
 
@@ -48,8 +49,10 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
     # At least one part per data-parallel rank: the same samples, grouped differently.
     k, dp, me = decision.params.samples_per_step, plan.mesh.dp, mesh.dp_rank()
     parts = max(decision.params.parts, dp)
-    conversations = synthetic_conversations(seed=recipe.train.seed, num_samples=k * recipe.train.max_steps, min_side=28, max_side=84)
-    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor) for c in conversations]
+    conversations = synthetic_conversations(seed=recipe.train.seed, num_samples=k * recipe.train.max_steps,
+                                            min_side=28, max_side=84)
+    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor)
+               for c in conversations]
 
     def steps():
         for step in range(ctx.start_step, recipe.train.max_steps):

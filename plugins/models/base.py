@@ -41,7 +41,8 @@ class TransformersAdapter:
         return build.model_config(recipe)
 
     def build(self, recipe: Recipe, *, device: torch.device | str, seed: int) -> torch.nn.Module:
-        return build.build_model(recipe, auto_class=self.auto_class, config=self.config(recipe)[0], device=device, seed=seed)
+        return build.build_model(recipe, auto_class=self.auto_class, config=self.config(recipe)[0], device=device,
+                                 seed=seed)
 
     def load_weights(self, model: torch.nn.Module, recipe: Recipe, *, device: torch.device, log: Any) -> None:
         build.load_weights(model, recipe, device=device, log=log)
@@ -80,7 +81,8 @@ class TransformersAdapter:
     def sequence_parallel(self, model: torch.nn.Module, *, plan: Any, mesh: Any) -> Any:
         from weft.plugins.models.sp_hooks import SequenceParallelHooks
 
-        return SequenceParallelHooks(model=model, split=build.text_split(plan=plan, mesh=mesh), text=self.text_decoder(model),
+        return SequenceParallelHooks(model=model, split=build.text_split(plan=plan, mesh=mesh),
+                                     text=self.text_decoder(model),
                                      visual=self.vision_tower(model), sp_group=mesh.sp.get_group(),
                                      sp_rank=mesh.sp.get_local_rank(), sp_world=plan.mesh.sp,
                                      share_threshold=plan.vision_share_threshold())
@@ -88,7 +90,8 @@ class TransformersAdapter:
     def keep_vision_alive(self, model: torch.nn.Module) -> Any:
         from weft.plugins.models.vision_sync import VisionKeepAlive
 
-        return VisionKeepAlive(visual=self.vision_tower(model), embed=self.text_decoder(model).embed_tokens, model=model)
+        return VisionKeepAlive(visual=self.vision_tower(model), embed=self.text_decoder(model).embed_tokens,
+                               model=model)
 
     def watch_positions(self, model: torch.nn.Module, *, recipe: Recipe, log: Any) -> Any:
         from weft.plugins.models.positions import PositionWatch

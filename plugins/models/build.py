@@ -16,8 +16,8 @@ from weft.strategies.yarn import trained_positions, yarn_parameters
 
 #: Files of a processor folder that travel with an exported model (not weights).
 PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json", "chat_template.jinja",
-                   "processor_config.json", "generation_config.json", "added_tokens.json")
+                   "preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json",
+                   "chat_template.jinja", "processor_config.json", "generation_config.json", "added_tokens.json")
 
 
 def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | None]:
@@ -28,11 +28,13 @@ def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | N
     else:
         path = recipe.model_dir()
         if not (path / "config.json").is_file():
-            raise RecipeError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json)", where=recipe.source)
+            raise RecipeError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json)",
+                              where=recipe.source)
         try:
             config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         except (ValueError, KeyError, OSError) as error:
-            raise RecipeError(f"{path / 'config.json'}: transformers cannot read it: {error}", where=f"{recipe.source} (model.path)") from None
+            raise RecipeError(f"{path / 'config.json'}: transformers cannot read it: {error}",
+                              where=f"{recipe.source} (model.path)") from None
         processor = str(path)
     if recipe.model.rope_scaling == "yarn":
         apply_yarn(config, factor=recipe.model.rope_factor, original=recipe.model.rope_original_max)
@@ -65,7 +67,8 @@ def apply_yarn(config: transformers.PretrainedConfig, *, factor: float, original
     text.max_position_embeddings = int(original * factor)
 
 
-def build_model(recipe: Recipe, *, auto_class: str, config: Any, device: torch.device | str, seed: int) -> torch.nn.Module:
+def build_model(recipe: Recipe, *, auto_class: str, config: Any, device: torch.device | str,
+                seed: int) -> torch.nn.Module:
     """Random init from the preset or local weights, through transformers' ``auto_class``.
 
     On the meta device only the structure is built (weights come later, per shard).
@@ -74,7 +77,8 @@ def build_model(recipe: Recipe, *, auto_class: str, config: Any, device: torch.d
     """
     auto = getattr(transformers, auto_class)
     if recipe.model.path is not None and str(device) != "meta":
-        return auto.from_pretrained(recipe.model_dir(), config=config, local_files_only=True, dtype=torch.float32).to(device)
+        return auto.from_pretrained(recipe.model_dir(), config=config, local_files_only=True,
+                                    dtype=torch.float32).to(device)
     torch.manual_seed(seed)
     if str(device) == "meta":
         with torch.device("meta"):
@@ -113,7 +117,8 @@ def load_weights(model: torch.nn.Module, recipe: Recipe, *, device: torch.device
     from weft.strategies.sharded_load import load_sharded, reset_non_persistent_buffers
 
     model.to_empty(device=device)
-    tied = {"lm_head.weight": "model.language_model.embed_tokens.weight"} if getattr(model.config, "tie_word_embeddings", False) else None
+    tied = ({"lm_head.weight": "model.language_model.embed_tokens.weight"}
+            if getattr(model.config, "tie_word_embeddings", False) else None)
     if tied and not any(n == "model.language_model.embed_tokens.weight" for n, _ in model.named_parameters()):
         tied = {"lm_head.weight": "model.embed_tokens.weight"}
     tensors = load_sharded(model, recipe.model_dir(), tied=tied)
@@ -124,4 +129,5 @@ def load_weights(model: torch.nn.Module, recipe: Recipe, *, device: torch.device
 def rope_summary(config: transformers.PretrainedConfig, *, recipe: Recipe) -> dict:
     """The text decoder's rotary context, for `weft plan`."""
     context, trained = trained_context(config, original=recipe.model.rope_original_max)
-    return {"scaling": recipe.model.rope_scaling, "factor": recipe.model.rope_factor, "trained_positions": trained, "context": context}
+    return {"scaling": recipe.model.rope_scaling, "factor": recipe.model.rope_factor, "trained_positions": trained,
+            "context": context}

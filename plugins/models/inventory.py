@@ -34,23 +34,27 @@ def modality_of(path: str, *, patterns: tuple[tuple[str, str], ...] = MODALITY_P
 
 
 def describe_modules(
-    model: torch.nn.Module, *, modality_of: Callable[[str], str] = modality_of, unit_patterns: tuple[str, ...] = UNIT_PATTERNS
+    model: torch.nn.Module, *, modality_of: Callable[[str], str] = modality_of,
+    unit_patterns: tuple[str, ...] = UNIT_PATTERNS,
 ) -> list[ModuleInfo]:
     """Root first, then attention modules and shard units in module order."""
     infos = [ModuleInfo(path="", class_name=type(model).__name__, kind="root")]
-    block_lists = {name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("blocks", "layers")}
+    block_lists = {name for name, m in model.named_modules()
+                   if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("blocks", "layers")}
     for path, module in model.named_modules():
         if not path:
             continue
         parent = path.rsplit(".", 1)[0] if "." in path else ""
         if parent in block_lists or any(fnmatch.fnmatchcase(path, p) for p in unit_patterns):
-            infos.append(ModuleInfo(path=path, class_name=type(module).__name__, kind="unit", modality=modality_of(path)))
+            infos.append(ModuleInfo(path=path, class_name=type(module).__name__, kind="unit",
+                                    modality=modality_of(path)))
         elif _is_attention(module):
             heads = int(module.num_heads if hasattr(module, "num_heads") else module.config.num_attention_heads)
             groups = int(getattr(module, "num_key_value_groups", 1) or 1)
             kv_heads = int(getattr(module, "num_key_value_heads", heads // groups))
-            infos.append(ModuleInfo(path=path, class_name=type(module).__name__, kind="attention", modality=modality_of(path),
-                                    heads=heads, kv_heads=kv_heads, head_dim=int(module.head_dim)))
+            infos.append(ModuleInfo(path=path, class_name=type(module).__name__, kind="attention",
+                                    modality=modality_of(path), heads=heads, kv_heads=kv_heads,
+                                    head_dim=int(module.head_dim)))
     return infos
 
 

@@ -50,7 +50,8 @@ class PositionWatch:
                 context=self.context,
                 rope_scaling=self.scaling,
                 needed_factor=factor,
-                hint=f"set model.rope_scaling = 'yarn' and model.rope_factor = {factor:g} (over {self.original} trained positions)",
+                hint=f"set model.rope_scaling = 'yarn' and model.rope_factor = {factor:g} "
+                     f"(over {self.original} trained positions)",
             )
 
     def _see(self, module, args, kwargs) -> None:

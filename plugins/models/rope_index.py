@@ -24,7 +24,8 @@ def document_positions(model):
             base = torch.arange(n)[None]  # (1, L)
             return base if finder is None else base.expand(3, 1, n)  # text-only document in a VL model
         kwargs = {"input_ids": sample.input_ids[None], "image_grid_thw": sample.image_grid_thw,
-                  "mm_token_type_ids": sample.mm_token_type_ids[None], "attention_mask": torch.ones_like(sample.input_ids)[None]}
+                  "mm_token_type_ids": sample.mm_token_type_ids[None],
+                  "attention_mask": torch.ones_like(sample.input_ids)[None]}
         position_ids, _ = finder.get_rope_index(**{k: v for k, v in kwargs.items() if k in params})
         return position_ids  # (3, 1, L)
 
