@@ -9,6 +9,11 @@ the SP ranks. Loss relative difference <= 1e-5, every gradient <= 1e-4.
 
 from __future__ import annotations
 
+import json
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -233,3 +238,38 @@ def test_keep_vision_alive_runs_deepstack_mergers():
     for name in ("merger", "deepstack_merger_list.0", "deepstack_merger_list.1", "blocks.2"):
         grads = [p.grad for p in visual.get_submodule(name).parameters()]
         assert all(g is not None for g in grads), f"visual.{name} is not in the graph"
+
+
+def test_qwen3_vl_through_the_cli(tmp_path):
+    """As a user would: `weft check` on 4 ranks (ulysses 2 x ring 2, images), `weft plan --explain`
+    with both towers' modules and their modalities, and `weft run` training it."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    tiny = str(root / "recipes" / "tiny-vl.toml")
+    preset = ["--set", "model.preset=qwen3_vl_tiny"]
+
+    def weft(*args):
+        return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600,
+                              cwd=tmp_path)
+
+    done = weft("check", tiny, "--world-size", "4", *preset, "--set", "parallel.ulysses=2", "--set", "parallel.ring=2",
+                "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
+    assert {"vision", "projector", "text", "embedding", "head"} <= set(result["grad_max_rel_diff_by_group"])
+
+    done = weft("plan", tiny, *preset, "--explain", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = json.loads(done.stdout)
+    assert plan["model"] == "qwen3_vl"
+    modality = {m["path"]: m["modality"] for m in plan["modules"]}
+    assert modality["model.visual.blocks.0"] == "vision" and modality["model.visual.merger"] == "projector"
+    assert modality["model.visual.deepstack_merger_list.0"] == "projector"
+    assert modality["model.language_model.layers.0"] == "text"
+    kinds = {(m["modality"], m["kind"]) for m in plan["modules"]}
+    assert {("vision", "attention"), ("text", "attention")} <= kinds
+
+    done = weft("run", tiny, *preset, "--set", "train.max_steps=4", "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"]

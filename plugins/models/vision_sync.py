@@ -5,12 +5,11 @@ backward, on every rank together and in the same order. A micro-batch without im
 skips the vision tower, so its rank would call the next unit's collectives while the
 others are still in the tower's: a crash or a hang. When the core learns (from the
 step's one count all-reduce) that some rank of the round has images and this one has
-none, it marks the micro-batch (``weft.core.models.VISION_FLAG``). A forward pre-hook on the model \
-takes the mark; a forward hook
-on the text embedding, which the model runs just before its vision tower, runs the
-tower on one blank image and adds its output to the embeddings with weight zero. The
-tower then runs where it runs on the other ranks, forward and backward, and nothing
-changes numerically.
+none, it marks the micro-batch (``weft.core.models.VISION_FLAG``). A forward pre-hook
+on the model takes the mark; a forward hook on the text embedding, which the model
+runs just before its vision tower, runs the tower on one blank image and adds its
+output to the embeddings with weight zero. The tower then runs where it runs on the
+other ranks, forward and backward, and nothing changes numerically.
 """
 
 from __future__ import annotations
