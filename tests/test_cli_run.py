@@ -106,3 +106,22 @@ def test_plan_json_is_parseable(tmp_path):
     assert plan["mesh"]["dp_shard"] == 2
     vision = [m for m in plan["modules"] if m["modality"] == "vision" and m["kind"] == "attention"]
     assert len(vision) == 2 and all(m["decisions"]["attention"]["strategy"] == "sdpa" for m in vision)
+
+
+def test_unknown_model_type_is_a_user_error_listing_the_adapters(tmp_path):
+    """A local model directory whose config.json names a model_type no installed adapter
+    handles: exit 2 before any process starts, naming the file's model_type, the key and
+    every adapter installed; no traceback."""
+    model_dir = tmp_path / "mystery-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "mystery_vl", "hidden_size": 8}))
+    recipe = tmp_path / "mystery.toml"
+    recipe.write_text('[model]\npath = "mystery-model"\n')
+    for command in (["run", str(recipe)], ["plan", str(recipe)], ["check", str(recipe)]):
+        done = weft(*command, cwd=tmp_path)
+        assert done.returncode == 2, (command, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
+        message = done.stderr
+        assert f"{recipe} (model.path)" in message and "model_type 'mystery_vl'" in message, message
+        for adapter in ("qwen2_5_vl (qwen2_5_vl)", "qwen2_vl (qwen2_vl)", "qwen3_vl (qwen3_vl)", "causal_lm (qwen2"):
+            assert adapter in message, message

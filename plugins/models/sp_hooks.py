@@ -46,8 +46,9 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
 class SequenceParallelHooks:
     """Installs and owns the hooks of one model; ``remove()`` takes them off."""
 
-    def __init__(self, *, model: torch.nn.Module, split: TextSplit, text: torch.nn.Module, visual: torch.nn.Module | None,
-                 sp_group: Any, sp_rank: int, sp_world: int, share_threshold: int | None = None) -> None:
+    def __init__(self, *, model: torch.nn.Module, split: TextSplit, text: torch.nn.Module,
+                 visual: torch.nn.Module | None, sp_group: Any, sp_rank: int, sp_world: int,
+                 share_threshold: int | None = None) -> None:
         self.split = split
         self.sp_group, self.sp_rank, self.sp_world = sp_group, sp_rank, sp_world
         self.share_threshold = share_threshold
@@ -79,7 +80,8 @@ class SequenceParallelHooks:
 
     def _split_text(self, module, args, kwargs):
         if args:
-            raise ValueError(f"{type(module).__name__} was called with positional inputs; weft's sequence split needs keywords")
+            raise ValueError(f"{type(module).__name__} was called with positional inputs; "
+                             "weft's sequence split needs keywords")
         return args, self.split.split_decoder_inputs(kwargs)
 
     # -- vision ----------------------------------------------------------------
