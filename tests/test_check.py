@@ -67,14 +67,19 @@ def weft_attention(decision, module_path, plan, mesh, ctx):
 '''
 
 
-def test_check_catches_a_wrong_plugin(tmp_path):
+def _site_plugin(tmp_path, name: str, source: str) -> dict:
     site = tmp_path / "site"
-    (site / "broken_ring_plugin").mkdir(parents=True)
-    (site / "broken_ring_plugin" / "__init__.py").write_text(textwrap.dedent(BROKEN_PLUGIN))
-    info = site / "broken_ring_plugin-0.1.dist-info"
+    (site / name).mkdir(parents=True)
+    (site / name / "__init__.py").write_text(textwrap.dedent(source))
+    info = site / f"{name}-0.1.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-ring-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[weft]\nbroken = broken_ring_plugin\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[weft]\n{name} = {name}\n")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_check_catches_a_wrong_plugin(tmp_path):
+    env = _site_plugin(tmp_path, "broken_ring_plugin", BROKEN_PLUGIN)
     recipe = tmp_path / "broken.toml"
     recipe.write_text(textwrap.dedent(f'''
         include = ["{ROOT / "recipes" / "rules" / "modality-groups.toml"}"]
@@ -86,7 +91,6 @@ def test_check_catches_a_wrong_plugin(tmp_path):
         when = {{ modality = "text" }}
         attention = {{ strategy = "broken_ring" }}
     '''))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     done = check(str(recipe), "--world-size", "2", "--json", env=env, cwd=tmp_path)
     # Exit code 1 is also what a crashed run gives: the JSON report tells the two apart.
     assert done.returncode == 1 and done.stdout.lstrip().startswith("{"), done.stderr[-3000:]
@@ -136,17 +140,6 @@ def _double(module, args, output):
 def weft_shard(model, ctx):
     model.get_output_embeddings().register_forward_hook(_double)
 '''
-
-
-def _site_plugin(tmp_path, name: str, source: str) -> dict:
-    site = tmp_path / "site"
-    (site / name).mkdir(parents=True)
-    (site / name / "__init__.py").write_text(textwrap.dedent(source))
-    info = site / f"{name}-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[weft]\n{name} = {name}\n")
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
 
 
 def test_check_catches_a_gradient_scale_error(tmp_path):

@@ -174,6 +174,27 @@ def test_hook_weft_models(tmp_path):
         make_pm(("toy", family), ("again", ToyFamily())).models
 
 
+def test_a_family_that_cannot_share_its_tower_refuses_vision_ulysses():
+    """An adapter with shares_vision = False (a tower whose blocks do more than pass the patch
+    sequence along): the planner refuses a vision rule that shares one image over the SP
+    ranks, naming the module, the rule and the family, before any process starts."""
+    from weft.core.planner import plan_recipe
+    from weft.plugins.models.families import QWEN2_5_VL
+
+    class Family:
+        @hookimpl
+        def weft_models(self):
+            return [attrs.evolve(QWEN2_5_VL, name="no_sharing", shares_vision=False)]
+
+    pm = build_plugin_manager(block=["weft.plugins.models"], extra=[("family", Family())], entry_points=False)
+    recipe = Recipe.from_toml("tiny-vl-sp")  # vision_ulysses with min_patches = 24
+    with pytest.raises(PlanError, match=r"model\.visual\.blocks\.0\.attn: attention strategy 'vision_ulysses' "
+                                        r"\(rule at .*tiny-vl-sp\.toml:\d+\).*family 'no_sharing' does not support"):
+        plan_recipe(recipe, pm=pm, world_size=4)
+    plan, _ = plan_recipe(Recipe.from_toml("tiny-vl"), pm=pm, world_size=4)  # images only spread: fine
+    assert plan.vision_share_threshold() is None
+
+
 # ---------------------------------------------------------------------------
 # model preparation
 # ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import run_ranks, sp_model
 
 #: (ulysses, ring, text strategy, layout, vision rule or None); 4 gloo ranks.
 CONFIGS = [
@@ -82,33 +82,6 @@ def _batch(*, pad_multiple: int) -> dict:
     return collate(samples, pad_id=tokenizer.pad_token_id, pad_to_multiple_of=pad_multiple)
 
 
-def _models(recipe_data: dict, *, rank: int, world: int):
-    """The preset model with weft's attention and DeepStack-aware split, and an untouched copy."""
-    import copy
-
-    import structlog
-
-    from weft.core.attention_install import install_attention
-    from weft.core.context import RunContext
-    from weft.core.mesh import build_device_mesh
-    from weft.core.planner import plan_recipe
-    from weft.core.plugin_manager import build_plugin_manager
-    from weft.core.recipe import Recipe
-
-    recipe = Recipe.from_dict(recipe_data)
-    pm = build_plugin_manager(entry_points=False)
-    adapter = pm.models.for_recipe(recipe)
-    assert adapter.name == "qwen3_vl"
-    model = adapter.build(recipe, device="cpu", seed=0)
-    reference = copy.deepcopy(model)
-    plan, _ = plan_recipe(recipe, pm=pm, world_size=world, model=model)
-    mesh = build_device_mesh(plan.mesh, device_type="cpu")
-    ctx = RunContext(recipe=recipe, device=torch.device("cpu"), rank=rank, world_size=world, log=structlog.get_logger())
-    install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
-    split = adapter.sequence_parallel(model, plan=plan, mesh=mesh)
-    return model, reference, plan, mesh, split
-
-
 def _decoder_inputs(model) -> list[dict]:
     """Records the text decoder's DeepStack inputs at each call (after the split hook)."""
     seen: list[dict] = []
@@ -125,7 +98,7 @@ def _check(rank: int, world: int, *, ulysses: int, ring: int, strategy: str, lay
 
     rules = [{"when": {"modality": "text"}, "attention": {"strategy": strategy, "layout": layout}}]
     rules += [{"when": {"modality": "vision"}, "attention": vision}] if vision else []
-    model, reference, plan, mesh, split = _models(
+    model, reference, plan, mesh, split = sp_model(
         {"model": {"preset": "qwen3_vl_tiny"}, "parallel": {"ulysses": ulysses, "ring": ring}, "rules": rules},
         rank=rank, world=world,
     )
