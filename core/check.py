@@ -200,7 +200,8 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
     # Lower-precision parameters in a rule make a float32 comparison meaningless for that group.
     result["reduced_precision_units"] = sorted(
         m.info.path for m in plan.modules_for("shard")
-        if getattr(m.get("shard").params, "param_dtype", None) not in (None, "float32")
+        if any(getattr(m.get("shard").params, key, None) not in (None, "float32")
+               for key in ("param_dtype", "storage_dtype"))
     )
     result.update({"world_size": world_size, "mesh": dict(zip(MESH_ORDER, plan.mesh.shape)),
                    "micro_batches": len(batches)})

@@ -31,7 +31,14 @@ def run_recipe(run_dir: pathlib.Path) -> Recipe:
 
 
 def load_checkpoint_into(model: torch.nn.Module, path: pathlib.Path) -> None:
-    """Fill a plain (unsharded) model with a checkpoint's weights, any saving world size."""
+    """Fill a plain (unsharded) model with a checkpoint's weights, any saving world size, in
+    the dtypes they were saved in (a bf16 rule stays bf16 in the export)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, param in model.named_parameters():
+        meta = saved.get(f"model.{name}")
+        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+        if dtype is not None and dtype != param.dtype:
+            param.data = param.data.to(dtype)
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])

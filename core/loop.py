@@ -74,8 +74,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
             if step % recipe.train.log_every == 0 or step == recipe.train.max_steps:
                 ctx.log.info("step.end", **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})
             bar.advance(step, row)
-            every = recipe.train.checkpoint_every
-            if (every and step % every == 0) or step == recipe.train.max_steps or verdict.action == "checkpoint":
+            if _checkpoint_due(recipe.train.checkpoint_every, step=step, last=recipe.train.max_steps, verdict=verdict):
                 path = checkpoint.save(run_dir=ctx.run_dir, step=step, model=run.model, optimizer=optimizer,
                                        scheduler=scheduler, rank=ctx.rank, keep=recipe.train.keep_checkpoints)
                 ctx.log.info("checkpoint.saved", step=step, path=str(path))
@@ -133,6 +132,14 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
     if ctx.device.type == "cuda":
         row["max_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
     return row, verdict
+
+
+def _checkpoint_due(every: int, *, step: int, last: int, verdict: Verdict) -> bool:
+    """Every ``every`` steps and at the end (0: only at the end); -1: never, not even when
+    a guard asks (a run that writes no checkpoint said so in its recipe)."""
+    if every == -1:
+        return False
+    return (every > 0 and step % every == 0) or step == last or verdict.action == "checkpoint"
 
 
 def make_optimizer(recipe: Recipe, model: torch.nn.Module) -> tuple[Any, Any]:

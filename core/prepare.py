@@ -63,6 +63,9 @@ def init_process_group(recipe: Recipe) -> tuple[int, int, int, str]:
     """(rank, world_size, local_rank, device_type); a single process gets a one-rank group."""
     want = recipe.parallel.device
     device_type = "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
+    if device_type == "cuda" and recipe.parallel.expandable_segments:
+        # Read by the caching allocator when it starts (the first CUDA allocation, below).
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     backend = recipe.parallel.backend
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"

@@ -81,8 +81,8 @@ class TrainSection:
     max_steps: int = attrs.field(default=20, validator=in_range(low=1), metadata=_doc("optimizer steps"))
     seed: int = attrs.field(default=0, validator=in_range(low=0),
                             metadata=_doc("seeds model init, data order, dropout"))
-    checkpoint_every: int = attrs.field(default=0, validator=in_range(low=0),
-                                        metadata=_doc("steps between checkpoints; 0 = only at the end"))
+    checkpoint_every: int = attrs.field(default=0, validator=in_range(low=-1), metadata=_doc(
+        "steps between checkpoints; 0 = only at the end; -1 = none at all (benchmarks, disks smaller than the model)"))
     keep_checkpoints: int = attrs.field(default=2, validator=in_range(low=1), metadata=_doc("newest checkpoints kept"))
     micro_batch_tokens: int = attrs.field(default=2048, validator=in_range(low=16),
                                           metadata=_doc("padded tokens per micro-batch per rank"))
@@ -120,6 +120,9 @@ class ParallelSection:
                                                            metadata=_doc("process-group backend; auto = nccl on GPU"))
     device: Literal["auto", "cpu", "cuda"] = attrs.field(default="auto",
                                                          metadata=_doc("where to train; auto = cuda if present"))
+    expandable_segments: bool = attrs.field(default=True, metadata=_doc(
+        "CUDA allocator grows its segments instead of fragmenting (torch's expandable_segments); "
+        "a PYTORCH_CUDA_ALLOC_CONF of your own wins"))
 
     def __attrs_post_init__(self) -> None:
         if self.dp_shard == 0:

@@ -30,5 +30,5 @@ def weft_grad_sync(model, plan, mesh, ctx):
 
     params = [p for p in model.parameters() if p.grad is not None]
     average_replicated_grads(params, world_size=ctx.world_size)
-    norm = clip_global_norm(params, max_norm=decision.params.max_norm)
+    norm = clip_global_norm(params, max_norm=decision.params.max_norm, device=ctx.device)
     return [("grad_norm", norm)]

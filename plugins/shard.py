@@ -21,6 +21,8 @@ class Fsdp2Params:
     reduce_dtype: Dtype | None = attrs.field(default=None, metadata={"doc": "dtype of the gradient reduce-scatter"})
     reshard_after_forward: bool = attrs.field(default=True, metadata={"doc": "free gathered params after forward"})
     offload: bool = attrs.field(default=False, metadata={"doc": "keep shards and optimizer state on the CPU"})
+    storage_dtype: Dtype | None = attrs.field(default=None, metadata={
+        "doc": "dtype the unit's weights, gradients and AdamW states are kept in; unset = float32"})
     checkpoint: Checkpoint = attrs.field(default="off", metadata={
         "doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
 
@@ -85,4 +87,5 @@ def _policy(params) -> dict:
         "reduce_dtype": params.reduce_dtype,
         "reshard_after_forward": params.reshard_after_forward,
         "offload": params.offload,
+        "storage_dtype": params.storage_dtype or "float32",
     }

@@ -21,6 +21,7 @@ class ShardGroup:
     reduce_dtype: str | None = None
     reshard_after_forward: bool = True
     offload: bool = False
+    storage_dtype: str | None = None  # the sharded weights' dtype (and so their gradients' and AdamW states')
 
 
 def apply_fsdp2(
@@ -32,12 +33,30 @@ def apply_fsdp2(
     Order matters: children are wrapped before their parents so each parameter
     belongs to the innermost unit; the root call gathers whatever is left.
     """
+    # Storage dtypes before any sharding, shallowest first, so a unit's own rule wins over
+    # its parent's (the root's covers whatever no unit owns).
+    groups = list(groups)
+    depth = {id(m): (n.count(".") + 1 if n else 0) for n, m in root.named_modules()}
+    for group in sorted([g for g in [root_group] if g] + groups, key=lambda g: min(depth[id(m)] for m in g.modules)):
+        if group.storage_dtype:
+            for module in group.modules:
+                cast_parameters(module, DTYPES[group.storage_dtype])
     # Pinned host memory needs an accelerator; on a CPU run offloading is a no-op anyway.
     pin = mesh.device_type == "cuda"
     for group in groups:
         modules = group.modules[0] if len(group.modules) == 1 else list(group.modules)
         fully_shard(modules, mesh=mesh, **_policy(group, pin=pin))
     fully_shard(root, mesh=mesh, **(_policy(root_group, pin=pin) if root_group else {}))
+
+
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Parameters (not buffers: rotary tables stay float32) to ``dtype``, in place."""
+    count = 0
+    for param in module.parameters():
+        if param.dtype != dtype and param.is_floating_point():
+            param.data = param.data.to(dtype)
+            count += 1
+    return count
 
 
 def _policy(group: ShardGroup, *, pin: bool) -> dict:

@@ -25,24 +25,28 @@ def average_replicated_grads(params: list[torch.Tensor], *, world_size: int) -> 
         offset += grad.numel()
 
 
-def clip_global_norm(params: list[torch.Tensor], *, max_norm: float) -> torch.Tensor:
+def clip_global_norm(params: list[torch.Tensor], *, max_norm: float,
+                     device: torch.device | None = None) -> torch.Tensor:
     """L2 norm over all gradients of all ranks; scale them down to ``max_norm`` if larger.
 
-    Returns the norm before clipping as a plain local tensor (no host sync).
-    Sharded (DTensor) gradients contribute their squared local shards, summed
-    over their mesh; replicated plain gradients count once.
+    Returns the norm before clipping as a plain local tensor on ``device`` (no host
+    sync). Sharded (DTensor) gradients contribute their squared local shards, summed
+    over their mesh; replicated plain gradients count once. ``device``: where the
+    norm is reduced, the process group's device (default: the first gradient's). It
+    matters under FSDP2 offload, where sharded gradients live on the CPU while NCCL
+    reduces only CUDA tensors.
     """
     grads = [p.grad for p in params]
     sharded = [g for g in grads if isinstance(g, DTensor)]
     plain = [g for g in grads if not isinstance(g, DTensor)]
-    device = grads[0].device if grads else torch.device("cpu")
+    device = device if device is not None else grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
     if sharded:
         by_mesh: dict[int, list[DTensor]] = {}
         for g in sharded:
             by_mesh.setdefault(id(g.device_mesh), []).append(g)
         for group in by_mesh.values():
-            local = torch.stack([g.to_local().float().pow(2).sum() for g in group]).sum()
+            local = torch.stack([g.to_local().float().pow(2).sum().to(device) for g in group]).sum()
             mesh = group[0].device_mesh
             # Shard placements: sum the squares over the mesh. HSDP's replicate
             # dimension holds copies, so sum only over the shard dimension.
@@ -51,13 +55,12 @@ def clip_global_norm(params: list[torch.Tensor], *, max_norm: float) -> torch.Te
                 dist.all_reduce(local, group=mesh.get_group(dim))
             total_sq = total_sq + local
     if plain:
-        total_sq = total_sq + torch.stack([g.float().pow(2).sum() for g in plain]).sum()
+        total_sq = total_sq + torch.stack([g.float().pow(2).sum().to(device) for g in plain]).sum()
     norm = total_sq.sqrt()
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(
-                scale.to(g.dtype if not isinstance(g, DTensor) else g.to_local().dtype)
-            )
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(scale.to(device=local.device, dtype=local.dtype))
 
     return norm

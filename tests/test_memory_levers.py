@@ -1,0 +1,111 @@
+"""Memory levers chosen by rule: storage dtype of weights and optimizer states, FSDP2 offload
+with global-norm clipping, and runs that write no checkpoint."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RULES = ROOT / "recipes" / "rules" / "modality-groups.toml"
+
+
+def weft(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+def test_bf16_storage_by_rule_trains_and_checkpoints_in_bf16(tmp_path):
+    """storage_dtype = "bfloat16" for the language model, float32 kept for the vision tower:
+    weights, gradients and AdamW states of each unit in its dtype; the checkpoint (and the
+    export) in the weights' own dtype."""
+    recipe = tmp_path / "bf16.toml"
+    recipe.write_text(textwrap.dedent(f'''
+        include = ["{RULES}"]
+        [model]
+        preset = "qwen2_5_vl_tiny"
+        [train]
+        max_steps = 3
+        [parallel]
+        nproc = 2
+        [[rules]]
+        when = {{ modality = ["text", "embedding", "head"] }}
+        shard = {{ strategy = "fsdp2", group = "language", storage_dtype = "bfloat16" }}
+        [[rules]]
+        name = "root: whatever no unit owns"
+        when = {{ path = "" }}
+        shard = {{ strategy = "fsdp2", storage_dtype = "bfloat16" }}
+    '''))
+    done = weft("run", str(recipe), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rows)
+    done = weft("export", str(tmp_path / "run"), str(tmp_path / "export"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "export" / "model.safetensors"), framework="pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes["lm_head.weight"] == "BF16" and dtypes["model.layers.0.mlp.up_proj.weight"] == "BF16"
+    assert dtypes["visual.blocks.0.mlp.up_proj.weight"] == "F32"  # the vision rule keeps float32
+
+
+def test_storage_dtype_reaches_the_optimizer_states():
+    """In-process, one rank: the unit's parameters are bf16 DTensors and AdamW keeps bf16 states."""
+    import structlog
+    import torch.distributed as dist
+
+    from weft.core.context import RunContext
+    from weft.core.loop import make_optimizer
+    from weft.core.plugin_manager import build_plugin_manager
+    from weft.core.prepare import prepare_model
+    from weft.core.recipe import Recipe
+
+    recipe = Recipe.from_dict({
+        "model": {"preset": "qwen2_text_tiny"},
+        "rules": [{"shard": {"strategy": "fsdp2", "storage_dtype": "bfloat16"}}],
+    })
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger())
+        run = prepare_model(recipe=recipe, pm=build_plugin_manager(entry_points=False), ctx=ctx)
+        assert {p.dtype for p in run.model.parameters()} == {torch.bfloat16}
+        optimizer, _ = make_optimizer(recipe, run.model)
+        ids = torch.randint(0, 300, (1, 16))
+        run.model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        states = [t for state in optimizer.state.values() for k, t in state.items() if k in ("exp_avg", "exp_avg_sq")]
+        assert states and {t.dtype for t in states} == {torch.bfloat16}
+        # Rotary tables are buffers: left in float32.
+        assert all(b.dtype == torch.float32 for n, b in run.model.named_buffers() if n.endswith("inv_freq"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_offload_with_clipping_equals_the_unsharded_model(tmp_path):
+    """FSDP2 offload (shards and optimizer state on the CPU) with global-norm clipping: weft check
+    on 2 ranks equals the unsharded model before and after clipping, norm included."""
+    recipe = tmp_path / "offload.toml"
+    recipe.write_text(textwrap.dedent(f'''
+        include = ["{RULES}"]
+        [model]
+        preset = "qwen2_5_vl_tiny"
+        [[rules]]
+        shard = {{ strategy = "fsdp2", offload = true }}
+    '''))
+    done = weft("check", str(recipe), "--world-size", "2", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and result["grad_norm_rel_diff"] <= 1e-5 and result["clipped_grad_max_rel_diff"] <= 1e-4, result
+
+
+def test_checkpoint_every_minus_one_writes_none(tmp_path):
+    done = weft("run", "tiny-vl", "--nproc", "1", "--set", "train.max_steps=2", "--set", "train.checkpoint_every=-1",
+                "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "run" / "summary.json").is_file()
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
