@@ -82,7 +82,8 @@ def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, 
     if run.mesh.sp.get_local_rank() == 0:
         torch.save(micro_batches, out.with_name(f"batches-dp{run.mesh.dp_rank()}.pt"))
     loss_sum, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
-                                         keep_vision=run.keep_vision, autocast=contextlib.nullcontext(), ctx=ctx)
+                                         keep_vision=run.keep_vision, autocast=contextlib.nullcontext(), ctx=ctx,
+                                         fused=run.fused)
     before = {}
     for name, p in run.model.named_parameters():
         if p.grad is not None:

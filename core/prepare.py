@@ -21,6 +21,7 @@ from weft.core.models import SequenceSplit
 from weft.core.planner import plan_recipe
 from weft.core.recipe import Recipe
 from weft.core.rules import Plan
+from weft.core.step import FusedHead
 
 
 @attrs.frozen(kw_only=True)
@@ -32,6 +33,7 @@ class Prepared:
     mesh: WeftMesh
     split: SequenceSplit | None  # None without sequence parallelism
     keep_vision: bool  # data-parallel ranks run the vision tower together (see core.step)
+    fused: FusedHead | None = None  # train.loss = "fused": the loss from the hidden states
 
 
 def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
@@ -55,8 +57,9 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     keep_vision = plan.mesh.dp > 1 and adapter.vision_tower(model) is not None
     if keep_vision:
         adapter.keep_vision_alive(model)
+    fused = FusedHead(model=model, decoder=adapter.text_decoder(model)) if recipe.train.loss == "fused" else None
     model.train()
-    return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision)
+    return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision, fused=fused)
 
 
 def init_process_group(recipe: Recipe) -> tuple[int, int, int, str]:

@@ -99,6 +99,9 @@ class TrainSection:
     beta1: float = attrs.field(default=0.9, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta1"))
     beta2: float = attrs.field(default=0.95, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta2"))
     precision: Literal["fp32", "bf16"] = attrs.field(default="fp32", metadata=_doc("fp32, or bf16 autocast"))
+    loss: Literal["logits", "fused"] = attrs.field(default="logits", metadata=_doc(
+        "logits: the model's logits, then a chunked float32 cross-entropy; fused: lm_head and the loss by chunks "
+        "from the hidden states, the logits never exist (the head's weights join the root FSDP unit)"))
     log_every: int = attrs.field(default=1, validator=in_range(low=1), metadata=_doc("steps between console lines"))
 
     @property

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from weft.core.errors import WeftError
+from weft.core.fused_loss import linear_cross_entropy_sum
 from weft.core.loss import IGNORE as IGNORE_INDEX
 from weft.core.loss import label_count, targets, token_loss_sum
 from weft.core.models import VISION_FLAG
@@ -69,12 +70,43 @@ def shard_micro_batch(batch: dict[str, torch.Tensor], split: SequenceSplit | Non
     return out
 
 
+class FusedHead:
+    """``train.loss = "fused"``: the loss straight from the text decoder's last hidden states
+    and the lm_head weight, by chunks (core/fused_loss.py); the model computes the logits of
+    one position only (``logits_to_keep=1``), so the (B, S, V) logits never exist.
+
+    A forward hook on the text decoder keeps its output (post-norm, this rank's part under
+    sequence parallelism). The head's weights sit in the root FSDP unit (plugins/shard.py),
+    which FSDP2 does not reshard after forward: after the model returns they are the
+    gathered tensors, and their gradient reaches FSDP's reduce-scatter like any other.
+    """
+
+    def __init__(self, *, model: torch.nn.Module, decoder: torch.nn.Module) -> None:
+        self.model = model
+        self.hidden: torch.Tensor | None = None
+        self.handle = decoder.register_forward_hook(self._keep)
+
+    def _keep(self, module, args, output) -> None:
+        self.hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    def loss_sum(self, batch: dict, target: torch.Tensor) -> torch.Tensor:
+        self.model(**batch, use_cache=False, logits_to_keep=1)
+        hidden, self.hidden = self.hidden, None  # (B, S_local, H)
+        head = self.model.get_output_embeddings()
+        if hasattr(head.weight, "device_mesh"):
+            raise WeftError("train.loss = 'fused' reads the lm_head weight after the forward, but it is sharded in an "
+                            "FSDP unit of its own; leave the head to the root unit (the built-in shard plugin does "
+                            "this when train.loss = 'fused')", where="train.loss")
+        return linear_cross_entropy_sum(hidden, head.weight, target, bias=head.bias)
+
+
 def _has_images(batch: dict) -> bool:
     return batch.get("pixel_values") is not None
 
 
 def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], split: SequenceSplit | None,
-                      keep_vision: bool, autocast: Any, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
+                      keep_vision: bool, autocast: Any, ctx: RunContext,
+                      fused: FusedHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every micro-batch's forward and backward. Returns (this rank's loss sum, the
     global counts (label tokens, tokens)), both on the device, without a host sync
     unless ``keep_vision`` (then one, at the start, to learn which rounds have images)."""
@@ -108,8 +140,10 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
             # FSDP2 warns that the root returned a view (transformers slices
             # logits); the loss only reads it, never updates it in place.
             warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-            logits = model(**batch, use_cache=False).logits  # (B, S_local, V)
-        part = token_loss_sum(logits, target)
+            if fused is not None:
+                part = fused.loss_sum(batch, target)
+            else:
+                part = token_loss_sum(model(**batch, use_cache=False).logits, target)  # logits (B, S_local, V)
         # Gradient reductions average over all world_size ranks (FSDP and
         # grad_sync alike); scaling by world_size turns that mean into the
         # sum of every rank's share of (global loss sum / global label count).

@@ -63,8 +63,14 @@ def weft_shard(model, plan, mesh, ctx):
         return None
     root_fsdp = root.get("shard").strategy == "fsdp2"
     groups = []
+    # The fused loss reads the head's weights after the model's forward: they join the root
+    # unit, which FSDP2 keeps gathered from forward to backward (core/step.py FusedHead).
+    fused = ctx.recipe.train.loss == "fused"
+    separate = [u for u in units if u.info.kind == "unit" and not (fused and u.info.modality == "head")]
+    if fused and len(separate) < sum(u.info.kind == "unit" for u in units):
+        ctx.log.info("shard.head_in_root", reason="train.loss = 'fused'")
     # Deepest first: a path with more dots is inside a shallower one.
-    for unit in sorted((u for u in units if u.info.kind == "unit"), key=lambda u: -u.info.path.count(".")):
+    for unit in sorted(separate, key=lambda u: -u.info.path.count(".")):
         params = unit.get("shard").params
         groups.append(ShardGroup(modules=(model.get_submodule(unit.info.path),), **_policy(params)))
     if not root_fsdp:
@@ -75,8 +81,10 @@ def weft_shard(model, plan, mesh, ctx):
             f"units {raise_mixed[:3]}... use fsdp2 but the root uses 'none'; FSDP2 needs the root sharded too "
             "(give the root module, path = \"\", shard = { strategy = \"fsdp2\" })"
         )
-    apply_fsdp2(groups=groups, root=model, root_group=ShardGroup(modules=(model,), **_policy(root.get("shard").params)),
-                mesh=mesh.fsdp_mesh())
+    root_policy = _policy(root.get("shard").params)
+    if fused:  # gathered from forward to backward, so the loss can read the head's weights
+        root_policy["reshard_after_forward"] = False
+    apply_fsdp2(groups=groups, root=model, root_group=ShardGroup(modules=(model,), **root_policy), mesh=mesh.fsdp_mesh())
     ctx.log.info("shard.fsdp2", units=len(groups), mesh=list(plan.mesh.shape))
     return None
 

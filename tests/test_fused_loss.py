@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.strategies.fused_loss import IGNORE, linear_cross_entropy_sum
+from weft.core.fused_loss import IGNORE, linear_cross_entropy_sum
 
 
 def plain(hidden, weight, target, bias=None):

@@ -109,3 +109,14 @@ def test_checkpoint_every_minus_one_writes_none(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "run" / "summary.json").is_file()
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_fused_loss_under_fsdp_and_sp_equals_the_unsharded_model(tmp_path):
+    """train.loss = "fused": the logits never exist (lm_head and the loss by chunks from the hidden
+    states, the head's weights in the root FSDP unit); ulysses 2 x ring 2 on 4 ranks equals the
+    unsharded model computing full logits, loss and every gradient."""
+    done = weft("check", "tiny-vl", "--world-size", "4", "--set", "train.loss=fused", "--set", "parallel.ring=2",
+                "--set", "parallel.ulysses=2", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and {"head", "text", "vision"} <= set(result["grad_max_rel_diff_by_group"]), result

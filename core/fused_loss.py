@@ -4,7 +4,8 @@ At 128K tokens x 152,064 vocabulary even bf16 logits are 37 GiB, so they never e
 here: forward computes one chunk of logits at a time and keeps one log-sum-exp per row;
 backward recomputes each chunk's logits and writes that chunk's share of every gradient.
 Same conventions as weft.core.loss.token_loss_sum (a sum over labelled positions, the
-caller divides by the global label count), but plain torch: strategies/ imports no weft.core.
+caller divides by the global label count). It lives in core/ beside that loss: the loss is
+part of the loop's contract (sum of token losses / global label count), not a strategy.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
-IGNORE = -100  # transformers' ignore index (weft.core.loss.IGNORE)
+from weft.core.loss import IGNORE  # transformers' ignore index
 
 
 def linear_cross_entropy_sum(
