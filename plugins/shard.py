@@ -84,7 +84,8 @@ def weft_shard(model, plan, mesh, ctx):
     root_policy = _policy(root.get("shard").params)
     if fused:  # gathered from forward to backward, so the loss can read the head's weights
         root_policy["reshard_after_forward"] = False
-    apply_fsdp2(groups=groups, root=model, root_group=ShardGroup(modules=(model,), **root_policy), mesh=mesh.fsdp_mesh())
+    apply_fsdp2(groups=groups, root=model, root_group=ShardGroup(modules=(model,), **root_policy),
+                mesh=mesh.fsdp_mesh())
     ctx.log.info("shard.fsdp2", units=len(groups), mesh=list(plan.mesh.shape))
     return None
 
