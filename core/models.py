@@ -74,11 +74,16 @@ class ModelAdapter(Protocol):
         """The transformers config (YaRN applied from ``[model]``) and the processor folder."""
 
     def build(self, recipe: Recipe, *, device: torch.device | str, seed: int) -> torch.nn.Module:
-        """The model through its transformers auto class: random init (seeded) from a
-        preset, weights from ``model.path``; on ``meta`` only the structure."""
+        """The whole model through its transformers auto class: on ``meta`` only the
+        structure; else weights from ``model.path``, or a preset's random init from ``seed``
+        (the same values ``materialize`` gives a sharded model: the unsharded reference)."""
 
-    def load_weights(self, model: torch.nn.Module, recipe: Recipe, *, device: torch.device, log: Any) -> None:
-        """Materialise a meta-device (sharded) model and fill it from ``model.path``."""
+    def materialize(self, model: torch.nn.Module, recipe: Recipe, *, device: torch.device, seed: int,
+                    log: Any) -> None:
+        """Give a meta-device model (sharded or not) its storage on ``device`` and its weights:
+        each rank reads only its shards of ``model.path``, or draws only its rows of a
+        preset's random init, which depends on the seed alone (not the world size, not the
+        device); no process ever holds the whole model."""
 
     def describe(self, model: torch.nn.Module) -> list[ModuleInfo]:
         """Root first, then shard units and attention modules with modality and heads."""

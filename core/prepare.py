@@ -38,18 +38,16 @@ class Prepared:
 
 def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     adapter = ctx.adapter = pm.models.for_recipe(recipe)
-    # Weights from a directory: built on the meta device, sharded, then each rank loads
-    # only its shards (no process ever holds the whole model). Presets are random-init:
-    # drawn from the run's seed, so every rank starts identical.
-    from_disk = recipe.model.path is not None
-    model = adapter.build(recipe, device="meta" if from_disk else ctx.device, seed=recipe.train.seed)
+    # Built on the meta device, sharded, then each rank materialises only its shards: read
+    # from model.path, or a preset's random init drawn from the seed (the same values on any
+    # world size and device). No process ever holds the whole model.
+    model = adapter.build(recipe, device="meta", seed=recipe.train.seed)
     plan, _ = plan_recipe(recipe, pm=pm, world_size=ctx.world_size, model=model)
     mesh = build_device_mesh(plan.mesh, device_type=ctx.device.type)
     ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(MESH_ORDER, plan.mesh.shape)),
                  model=adapter.name, params=sum(p.numel() for p in model.parameters()), device=str(ctx.device))
     pm.hook.weft_shard(model=model, plan=plan, mesh=mesh, ctx=ctx)
-    if from_disk:
-        adapter.load_weights(model, recipe, device=ctx.device, log=ctx.log)
+    adapter.materialize(model, recipe, device=ctx.device, seed=recipe.train.seed, log=ctx.log)
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
     # The position watch goes first on the text decoder, so it sees whole-sequence ids.
     ctx.positions = adapter.watch_positions(model, recipe=recipe, log=ctx.log)

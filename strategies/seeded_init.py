@@ -100,7 +100,7 @@ def _fill_normal(local: torch.Tensor, *, global_shape: tuple[int, ...], offset: 
     inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:]))
     for index in range(first // block_rows, (stop - 1) // block_rows + 1):
         start = index * block_rows
-        block = _block(seed=seed, key=key, index=index, shape=(min(block_rows, rows - start, stop - start), *global_shape[1:]),
+        block = _block(seed=seed, key=key, index=index, shape=(min(block_rows, rows - start), *global_shape[1:]),
                        std=std)  # (n, *global_shape[1:])
         if padding_row is not None and start <= padding_row < start + block.shape[0]:
             block[padding_row - start] = 0.0

@@ -41,11 +41,20 @@ class TransformersAdapter:
         return build.model_config(recipe)
 
     def build(self, recipe: Recipe, *, device: torch.device | str, seed: int) -> torch.nn.Module:
-        return build.build_model(recipe, auto_class=self.auto_class, config=self.config(recipe)[0], device=device,
-                                 seed=seed)
+        config = self.config(recipe)[0]
+        if recipe.model.path is not None and str(device) != "meta":
+            return build.from_pretrained(recipe, auto_class=self.auto_class, config=config, device=device)
+        model = build.on_meta(auto_class=self.auto_class, config=config)
+        if str(device) != "meta":
+            self.materialize(model, recipe, device=torch.device(device), seed=seed, log=None)
+        return model
 
-    def load_weights(self, model: torch.nn.Module, recipe: Recipe, *, device: torch.device, log: Any) -> None:
-        build.load_weights(model, recipe, device=device, log=log)
+    def materialize(self, model: torch.nn.Module, recipe: Recipe, *, device: torch.device, seed: int,
+                    log: Any) -> None:
+        if recipe.model.path is not None:
+            build.load_weights(model, recipe, device=device, log=log)
+        else:
+            build.init_weights(model, device=device, seed=seed, log=log)
 
     def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path) -> None:
         build.export(model, processor=self.config(recipe)[1], out_dir=out_dir)

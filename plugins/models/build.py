@@ -67,23 +67,34 @@ def apply_yarn(config: transformers.PretrainedConfig, *, factor: float, original
     text.max_position_embeddings = int(original * factor)
 
 
-def build_model(recipe: Recipe, *, auto_class: str, config: Any, device: torch.device | str,
-                seed: int) -> torch.nn.Module:
-    """Random init from the preset or local weights, through transformers' ``auto_class``.
-
-    On the meta device only the structure is built (weights come later, per shard).
-    A preset's random weights are drawn on the CPU from ``seed`` and then moved, so they
-    are the same whatever the device and the world size (CUDA's generator differs).
-    """
+def from_pretrained(recipe: Recipe, *, auto_class: str, config: Any, device: torch.device | str) -> torch.nn.Module:
+    """The whole model with ``model.path``'s weights (the unsharded reference of `weft check`)."""
     auto = getattr(transformers, auto_class)
-    if recipe.model.path is not None and str(device) != "meta":
-        return auto.from_pretrained(recipe.model_dir(), config=config, local_files_only=True,
-                                    dtype=torch.float32).to(device)
-    torch.manual_seed(seed)
-    if str(device) == "meta":
-        with torch.device("meta"):
-            return auto.from_config(config, dtype=torch.float32)
-    return auto.from_config(config, dtype=torch.float32).to(device)
+    model = auto.from_pretrained(recipe.model_dir(), config=config, local_files_only=True, dtype=torch.float32)
+    return model.to(device)
+
+
+def on_meta(*, auto_class: str, config: Any) -> torch.nn.Module:
+    """The structure only, through transformers' ``auto_class``: no storage, no init."""
+    with torch.device("meta"):
+        return getattr(transformers, auto_class).from_config(config, dtype=torch.float32)
+
+
+def init_weights(model: torch.nn.Module, *, device: torch.device, seed: int, log: Any) -> None:
+    """A preset's random init on a meta-device model, sharded or whole: storage on ``device``,
+    then each rank draws only its rows, from the seed and the parameter's name on the CPU's
+    generator, so the weights are the same whatever the world size and the device
+    (strategies/seeded_init.py); rotary tables and other non-persistent buffers recomputed."""
+    from weft.strategies.seeded_init import init_parameters
+    from weft.strategies.sharded_load import reset_non_persistent_buffers
+
+    model.to_empty(device=device)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    std = float(getattr(config, "initializer_range", None) or getattr(model.config, "initializer_range", 0.02))
+    filled = init_parameters(model, seed=seed, std=std)
+    rotary = reset_non_persistent_buffers(model)
+    if log is not None:
+        log.info("weights.initialised", seed=seed, std=std, parameters=filled, rotary_tables=rotary)
 
 
 def text_split(*, plan: Any, mesh: Any) -> Any:

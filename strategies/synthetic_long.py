@@ -1,0 +1,171 @@
+"""Long synthetic samples for any model shape, without a tokenizer: benchmarks at 32K-128K tokens.
+
+Each sample is ``[<|vision_start|> <|image_pad|> * n <|vision_end|>] * images + text``
+with exactly the requested number of tokens. Text ids are uniform over the vocabulary
+minus every special id, so no stray image token can break the image-feature count; the
+loss is on the text (plain next-token prediction), never on the image span. Pixel values
+come from the model's image processor when one is given, or else are made directly in
+its layout (CLIP-normalised patches of a rounded size), so no processor folder is needed
+for a real-size model such as Qwen2.5-VL-7B.
+
+Every sample is drawn from its own generator, seeded from (seed, sample index): sample i
+is the same whatever ``num_samples``, so data-parallel ranks can take samples by index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from PIL import Image
+
+from weft.strategies.conversation import IGNORE_INDEX, IMAGE_TYPE, TEXT_TYPE, Sample
+
+#: OpenAI CLIP's per-channel mean and std, which Qwen2-VL/2.5-VL/3-VL processors normalise with.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+#: Config attributes -> keys of ``special``; text ids come from the text config.
+_TOP_IDS = {"image": "image_token_id", "video": "video_token_id", "vision_start": "vision_start_token_id",
+            "vision_end": "vision_end_token_id"}
+_TEXT_IDS = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "pad_token_id"}
+
+
+def special_ids(config: Any) -> dict[str, int | list[int]]:
+    """The special ids of a transformers config, by the names ``long_samples`` reads
+    (image, video, vision_start, vision_end, bos, eos, pad); unset ones are left out."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = {key: getattr(config, attr, None) for key, attr in _TOP_IDS.items()}
+    found |= {key: getattr(text, attr, None) if getattr(text, attr, None) is not None else getattr(config, attr, None)
+              for key, attr in _TEXT_IDS.items()}
+    return {key: value for key, value in found.items() if value is not None}
+
+
+def long_samples(*, seed: int, num_samples: int, tokens: int | tuple[int, int], vocab_size: int,
+                 special: dict[str, int | Sequence[int]], images: list[tuple[int, int]] | None,
+                 image_processor: Any | None, patch_size: int, merge_size: int, temporal_patch_size: int,
+                 in_channels: int = 3) -> Iterator[Sample]:
+    """``num_samples`` Samples of exactly ``tokens`` tokens (or a length drawn uniformly
+    from the inclusive range), each starting with one image of every (height, width) in
+    ``images``. ``special``: name -> id (or ids) to keep out of the text, e.g.
+    ``special_ids(config)``; "image", "vision_start" and "vision_end" are needed with images.
+    Arguments are checked at the call, not at the first sample."""
+    lo, hi = (tokens, tokens) if isinstance(tokens, int) else tokens
+    if not 1 <= lo <= hi:
+        raise ValueError(f"tokens must be >= 1 (a range low <= high), got {tokens}")
+    if num_samples < 0 or min(patch_size, merge_size, temporal_patch_size, in_channels) < 1:
+        raise ValueError("num_samples must be >= 0; patch, merge and temporal sizes and channels >= 1")
+    sizes = list(images or [])
+    if any(h < 1 or w < 1 for h, w in sizes):
+        raise ValueError(f"image sizes must be positive (height, width), got {sizes}")
+    if sizes:
+        missing = [k for k in ("image", "vision_start", "vision_end") if not isinstance(special.get(k), int)]
+        if missing:
+            raise ValueError(f"images need the special ids {missing} (an int each)")
+    if image_processor is not None:
+        _check_processor(image_processor, patch_size=patch_size, merge_size=merge_size,
+                         temporal_patch_size=temporal_patch_size, in_channels=in_channels)
+    excluded = sorted({i for v in special.values() for i in ([v] if isinstance(v, int) else v) if 0 <= i < vocab_size})
+    allowed = vocab_size - len(excluded)
+    if allowed < 1:
+        raise ValueError(f"no text id is left in a vocabulary of {vocab_size} without the special ids")
+    # The k-th allowed id is k plus the number of special ids at or below it: with the
+    # specials shifted down by their rank, a right-sided search counts exactly those.
+    shifted = torch.tensor([e - rank for rank, e in enumerate(excluded)], dtype=torch.long)  # (E,)
+    layout = dict(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=temporal_patch_size,
+                  in_channels=in_channels)
+
+    def samples() -> Iterator[Sample]:
+        for index in range(num_samples):
+            generator = _generator(seed, index)
+            length = lo if lo == hi else int(torch.randint(lo, hi + 1, (1,), generator=generator))
+            yield _sample(generator, length=length, sizes=sizes, special=special, allowed=allowed, shifted=shifted,
+                          image_processor=image_processor, **layout)
+
+    return samples()
+
+
+def _sample(generator: torch.Generator, *, length: int, sizes: list[tuple[int, int]], special: dict,
+            allowed: int, shifted: torch.Tensor, image_processor: Any | None, patch_size: int, merge_size: int,
+            temporal_patch_size: int, in_channels: int) -> Sample:
+    pixel_values = grid_thw = None
+    prefix: list[int] = []
+    types: list[int] = []
+    if sizes:
+        if image_processor is not None:
+            # The requested sizes: the processor resizes them (its rounding and its min/max pixels).
+            pixels = [_random_pixels(generator, height=h, width=w, channels=in_channels) for h, w in sizes]
+            processed = image_processor(images=[Image.fromarray(p.numpy()) for p in pixels], return_tensors="pt")
+            pixel_values = processed["pixel_values"].to(torch.float32)  # (N_patches, C*T*P*P)
+            grid_thw = processed["image_grid_thw"].to(torch.long)  # (n_images, 3)
+        else:
+            rounded = [rounded_size(h, w, patch_size=patch_size, merge_size=merge_size) for h, w in sizes]
+            pixels = [_random_pixels(generator, height=h, width=w, channels=in_channels) for h, w in rounded]
+            parts = [patchify(p, patch_size=patch_size, merge_size=merge_size, temporal_patch_size=temporal_patch_size)
+                     for p in pixels]
+            pixel_values = torch.cat([values for values, _ in parts])  # (N_patches, C*T*P*P)
+            grid_thw = torch.tensor([grid for _, grid in parts], dtype=torch.long)  # (n_images, 3)
+        for grid in grid_thw.tolist():
+            pads = grid[0] * grid[1] * grid[2] // merge_size**2
+            prefix += [special["vision_start"], *[special["image"]] * pads, special["vision_end"]]
+            types += [TEXT_TYPE, *[IMAGE_TYPE] * pads, TEXT_TYPE]
+    n_text = length - len(prefix)
+    if n_text < 1:
+        raise ValueError(f"the images take {len(prefix)} tokens: no room for text in a sample of {length}")
+    draws = torch.randint(0, allowed, (n_text,), generator=generator)  # (T,) ranks among the allowed ids
+    text = draws + torch.searchsorted(shifted, draws, right=True)  # (T,) ids, no special among them
+    input_ids = torch.cat([torch.tensor(prefix, dtype=torch.long), text])  # (S,)
+    labels = torch.cat([torch.full((len(prefix),), IGNORE_INDEX, dtype=torch.long), text])  # (S,)
+    mm_token_type_ids = torch.tensor(types + [TEXT_TYPE] * n_text, dtype=torch.long)  # (S,)
+    return Sample(input_ids=input_ids, labels=labels, pixel_values=pixel_values, image_grid_thw=grid_thw,
+                  mm_token_type_ids=mm_token_type_ids)
+
+
+def rounded_size(height: int, width: int, *, patch_size: int, merge_size: int) -> tuple[int, int]:
+    """The nearest multiples of patch*merge (at least one each), as the processor's
+    smart_resize rounds before its min/max pixel limits."""
+    factor = patch_size * merge_size
+    return max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
+
+
+def patchify(pixels: torch.Tensor, *, patch_size: int, merge_size: int,
+             temporal_patch_size: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """One (H, W, C) uint8 image, H and W multiples of patch*merge -> (pixel_values
+    (h*w, C*T*P*P), grid (1, h, w)), as Qwen2-VL's image processor makes them (which
+    would first resize to such a size)."""
+    height, width, channels = pixels.shape
+    if height % (patch_size * merge_size) or width % (patch_size * merge_size):
+        raise ValueError(f"image {height}x{width} is not in multiples of {patch_size * merge_size}: see rounded_size")
+    image = pixels.permute(2, 0, 1).to(torch.float32) / 255.0  # (C, H, W) in [0, 1]
+    mean, std = (CLIP_MEAN, CLIP_STD) if channels == 3 else ((0.5,) * channels, (0.5,) * channels)
+    image = (image - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    grid_h, grid_w = height // patch_size, width // patch_size
+    # A still image is its own frame temporal_patch_size times (what the processor does).
+    frames = image[None].expand(temporal_patch_size, -1, -1, -1)  # (T, C, H, W)
+    patches = frames.reshape(1, temporal_patch_size, channels, grid_h // merge_size, merge_size, patch_size,
+                             grid_w // merge_size, merge_size, patch_size)
+    # Rows in the processor's order: merge windows (2x2 patches) together, so the vision
+    # tower's merger sees the neighbours it expects; each row is (C, T, P, P) flattened.
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (1, h/m, w/m, m, m, C, T, P, P)
+    values = patches.reshape(grid_h * grid_w, channels * temporal_patch_size * patch_size**2)
+    return values, (1, grid_h, grid_w)
+
+
+def _random_pixels(generator: torch.Generator, *, height: int, width: int, channels: int) -> torch.Tensor:
+    return torch.randint(0, 256, (height, width, channels), dtype=torch.uint8, generator=generator)  # (H, W, C)
+
+
+def _check_processor(processor: Any, **expected: int) -> None:
+    """The processor must cut patches the way the model's vision config says, or the model
+    gets rows of the wrong width (or another feature count than the image tokens)."""
+    if expected["in_channels"] != 3:
+        raise ValueError(f"an image processor takes RGB images; in_channels is {expected['in_channels']}")
+    for name in ("patch_size", "merge_size", "temporal_patch_size"):
+        if getattr(processor, name, expected[name]) != expected[name]:
+            raise ValueError(f"image processor's {name} {getattr(processor, name)} is not the model's {expected[name]}")
+
+
+def _generator(seed: int, index: int) -> torch.Generator:
+    digest = hashlib.sha256(f"synthetic_long\0{seed}\0{index}".encode()).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
