@@ -28,9 +28,9 @@ def tiny(**kwargs) -> list:
     return list(long_samples(**(args | kwargs)))
 
 
-def image_span(sample) -> int:
+def image_span(sample, vision_end: int = TINY.vision_end_token_id) -> int:
     """Tokens before the text: vision_start, pads and vision_end of every image."""
-    return int(sample.input_ids.eq(TINY.vision_end_token_id).nonzero().max()) + 1
+    return int(sample.input_ids.eq(vision_end).nonzero().max()) + 1
 
 
 def test_special_ids_of_the_presets():
@@ -121,17 +121,13 @@ def test_seven_b_shaped_32k_sample_is_quick():
     assert elapsed < 5.0, elapsed  # ~0.2 s on a busy core
     assert sample.num_tokens == 32768
     assert int((sample.input_ids == 151655).sum()) == (32 * 32 + 72 * 54) // 4
-    text = sample.input_ids[image_span_of(sample, 151653):]
+    text = sample.input_ids[image_span(sample, 151653):]
     assert text.max() < 152064 and not torch.isin(text, torch.arange(151643, 151657)).any()
-
-
-def image_span_of(sample, vision_end: int) -> int:
-    return int(sample.input_ids.eq(vision_end).nonzero().max()) + 1
 
 
 def test_refusals(processor):
     with pytest.raises(ValueError, match="no room for text"):
-        tiny(tokens=8)
+        tiny(tokens=4)  # the 28x56 image takes 1 + 2 + 1 tokens
     with pytest.raises(ValueError, match="special ids"):
         tiny(special={"image": 318})
     with pytest.raises(ValueError, match="merge_size"):
