@@ -68,10 +68,24 @@ class DataSection:
                                metadata=_doc("preprocessing processes; -1 = min(8, cores - 1), 0/1 = in-process"))
     cache: bool = attrs.field(default=True,
                               metadata=_doc("cache tokenized samples next to the dataset (<file>.weft-cache/)"))
+    tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "synthetic: samples of exactly this many tokens, ids from the model's vocabulary, no tokenizer needed "
+        "(0: short chat conversations through the model's processor)"))
+    tokens_max: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "synthetic with tokens: each sample's length drawn from [tokens, tokens_max]; 0 = exactly tokens"))
+    images: tuple[tuple[int, ...], ...] = attrs.field(default=(), metadata=_doc(
+        "synthetic with tokens: the images of every sample as [height, width] pixels, e.g. [[448, 448]]"))
 
     def __attrs_post_init__(self) -> None:
         if self.source == "jsonl" and self.path is None:
             raise ValueError("data.source = 'jsonl' needs data.path")
+        if self.tokens_max and self.tokens_max < self.tokens:
+            raise ValueError(f"data.tokens_max ({self.tokens_max}) is below data.tokens ({self.tokens})")
+        if self.images and not self.tokens:
+            raise ValueError("data.images sizes the images of long synthetic samples: set data.tokens too")
+        for size in self.images:
+            if len(size) != 2 or min(size) < 28:
+                raise ValueError(f"data.images takes [height, width] pairs of at least 28 px, got {list(size)}")
         if self.min_side > self.max_side:
             raise ValueError(f"data.min_side ({self.min_side}) is larger than data.max_side ({self.max_side})")
 
@@ -147,9 +161,10 @@ class Recipe:
     @classmethod
     def from_toml(cls, path: str | pathlib.Path, *, overrides: tuple[str, ...] = ()) -> "Recipe":
         path = pathlib.Path(path)
-        if not path.exists() and path.suffix in ("", ".toml") and len(path.parts) == 1:
-            # A bare name of a bundled recipe: `weft run tiny-vl` from any folder.
-            path = bundled_path(path.name if path.suffix else f"{path.name}.toml") or path
+        if not path.exists() and len(path.parts) == 1:
+            # A bare name of a bundled recipe: `weft run tiny-vl` (or qwen2.5-vl-7b-32k-1gpu,
+            # whose dot is no suffix) from any folder.
+            path = bundled_path(path.name if path.name.endswith(".toml") else f"{path.name}.toml") or path
         text = read_toml_text(path, what="recipe")
         data = parse_toml(text, path)
         overridden = {}

@@ -55,7 +55,7 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
 
 
 def _steps(params, recipe, plan, mesh, model, ctx):
-    from weft.plugins.data import bad_sample_handler, collect_samples, sample_source, truncate
+    from weft.plugins.data import bad_sample_handler, collect_samples, pad_id_of, sample_source, truncate
     from weft.strategies.conversation import collate
     from weft.strategies.token_budget import pack_micro_batches, schedule_steps
 
@@ -72,7 +72,7 @@ def _steps(params, recipe, plan, mesh, model, ctx):
     if too_long:
         ctx.count("skipped_samples", too_long)
         ctx.log.warning("data.too_long", samples=too_long, micro_batch_tokens=budget, max_seq_len=recipe.train.seq_len)
-    pad_id = tokenizer.pad_token_id
+    pad_id = pad_id_of(tokenizer, ctx.adapter.config(recipe)[0])
     if params.pack:
         from weft.strategies.packing import collate_packed, pack_documents
 

@@ -13,7 +13,9 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
     from weft.strategies import datasets
     from weft.strategies.conversation import load_processor
 
-    _, processor = adapter.config(recipe)
+    config, processor = adapter.config(recipe)
+    if recipe.data.source == "synthetic" and recipe.data.tokens:
+        return long_synthetic(recipe, config=config, processor=processor)
     if processor is None:
         raise WeftError("this model has no processor (tokenizer and image processor) to read data with; "
                         "set model.processor to a processor folder", where=f"{recipe.source} (model.processor)")
@@ -31,6 +33,42 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
     workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
     cache = path.with_name(path.name + ".weft-cache") if recipe.data.cache else None
     return tokenizer, datasets.jsonl_samples(path, processor=processor, workers=workers, cache_dir=cache)
+
+
+def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
+    """(tokenizer or None, samples) of ``data.tokens`` tokens for any model shape: ids from the
+    model's vocabulary, images through its image processor, or, when it has none (a preset
+    of a real size), pixel values made in the processor's layout from the vision config."""
+    from weft.strategies.synthetic_long import long_samples, special_ids
+
+    data = recipe.data
+    vision = getattr(config, "vision_config", None)
+    if data.images and vision is None:
+        raise WeftError(f"data.images: model_type {config.model_type!r} has no vision tower",
+                        where=f"{recipe.source} (data.images)")
+    tokenizer = image_processor = None
+    if processor is not None:
+        from weft.strategies.conversation import load_processor
+
+        tokenizer, image_processor = load_processor(processor)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    samples = long_samples(
+        seed=recipe.train.seed, num_samples=data.num_samples,
+        tokens=(data.tokens, data.tokens_max) if data.tokens_max else data.tokens,
+        vocab_size=text.vocab_size, special=special_ids(config), images=[tuple(size) for size in data.images],
+        image_processor=image_processor if data.images else None,
+        patch_size=getattr(vision, "patch_size", 14), merge_size=getattr(vision, "spatial_merge_size", 2),
+        temporal_patch_size=getattr(vision, "temporal_patch_size", 2), in_channels=getattr(vision, "in_channels", 3),
+    )
+    return tokenizer, samples
+
+
+def pad_id_of(tokenizer, config) -> int:
+    """Padding id: the tokenizer's, else the config's, else 0 (pads are masked and unlabelled)."""
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "pad_token_id", None) or 0
 
 
 def bad_sample_handler(recipe, ctx):
@@ -76,6 +114,9 @@ def truncate(samples, *, limit, tokenizer, ctx, on_bad) -> list:
     for index, sample in enumerate(samples):
         if sample.num_tokens <= limit:
             kept.append(sample)
+            continue
+        if tokenizer is None:
+            on_bad(BadSample(f"sample {index}", "too long, and no tokenizer to find its image spans for a cut"))
             continue
         try:
             kept.append(truncate_sample(sample, limit, tokenizer=tokenizer))

@@ -65,10 +65,15 @@ def weft_shard(model, plan, mesh, ctx):
     groups = []
     # The fused loss reads the head's weights after the model's forward: they join the root
     # unit, which FSDP2 keeps gathered from forward to backward (core/step.py FusedHead).
+    # A tied head shares its weight with the embedding: one parameter, so one FSDP unit (the
+    # root), where FSDP2 keeps it shared through to_empty and the gathers.
     fused = ctx.recipe.train.loss == "fused"
-    separate = [u for u in units if u.info.kind == "unit" and not (fused and u.info.modality == "head")]
-    if fused and len(separate) < sum(u.info.kind == "unit" for u in units):
-        ctx.log.info("shard.head_in_root", reason="train.loss = 'fused'")
+    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+                or getattr(model.config, "tie_word_embeddings", False))
+    in_root = {"head", "embedding"} if tied else {"head"} if fused else set()
+    separate = [u for u in units if u.info.kind == "unit" and u.info.modality not in in_root]
+    if in_root:
+        ctx.log.info("shard.in_root", modalities=sorted(in_root), fused_loss=fused, tied_embeddings=tied)
     # Deepest first: a path with more dots is inside a shallower one.
     for unit in sorted(separate, key=lambda u: -u.info.path.count(".")):
         params = unit.get("shard").params

@@ -120,3 +120,16 @@ def test_fused_loss_under_fsdp_and_sp_equals_the_unsharded_model(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and {"head", "text", "vision"} <= set(result["grad_max_rel_diff_by_group"]), result
+
+
+def test_tied_embeddings_stay_tied_sharded_and_fused(tmp_path):
+    """tie_word_embeddings (as Qwen2.5-VL-3B): built on meta and materialised per shard, the head
+    and the embedding keep one weight (one FSDP unit); with the fused loss too, exact."""
+    tiny = (ROOT / "recipes" / "presets" / "qwen2_5_vl_tiny.toml").read_text()
+    preset = tmp_path / "tied_tiny.toml"
+    preset.write_text(tiny.replace("tie_word_embeddings = false", "tie_word_embeddings = true"))
+    done = weft("check", "tiny-vl", "--world-size", "2", "--set", f"model.preset={preset}", "--set", "train.loss=fused",
+                "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and "embedding" in result["grad_max_rel_diff_by_group"], result

@@ -89,6 +89,7 @@ def init_weights(model: torch.nn.Module, *, device: torch.device, seed: int, log
     from weft.strategies.sharded_load import reset_non_persistent_buffers
 
     model.to_empty(device=device)
+    retie(model)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     std = float(getattr(config, "initializer_range", None) or getattr(model.config, "initializer_range", 0.02))
     filled = init_parameters(model, seed=seed, std=std)
@@ -123,11 +124,28 @@ def export(model: torch.nn.Module, *, processor: str | None, out_dir: pathlib.Pa
             shutil.copy2(source / name, out_dir / name)
 
 
+def retie(model: torch.nn.Module) -> None:
+    """Tied embeddings after ``to_empty``: it gives each module its own new tensor, so a whole
+    model is tied again (transformers' tie_weights); a sharded one keeps its tie inside its
+    FSDP unit (the shard plugin puts a tied head and embedding in the root unit)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    config = model.config
+    if head is None or not (getattr(config, "tie_word_embeddings", False)
+                            or getattr(config.get_text_config(), "tie_word_embeddings", False)):
+        return
+    if not hasattr(head.weight, "device_mesh"):
+        model.tie_weights()
+    if head.weight is not embed.weight:
+        raise RuntimeError("tie_word_embeddings: the head and the embedding no longer share their weight after "
+                           "materialising; shard them in one FSDP unit")
+
+
 def load_weights(model: torch.nn.Module, recipe: Recipe, *, device: torch.device, log) -> None:
     """Materialise a meta-device (sharded) model and fill it from the recipe's model directory."""
     from weft.strategies.sharded_load import load_sharded, reset_non_persistent_buffers
 
     model.to_empty(device=device)
+    retie(model)
     tied = ({"lm_head.weight": "model.language_model.embed_tokens.weight"}
             if getattr(model.config, "tie_word_embeddings", False) else None)
     if tied and not any(n == "model.language_model.embed_tokens.weight" for n, _ in model.named_parameters()):
