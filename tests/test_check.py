@@ -169,7 +169,7 @@ def test_third_party_batching_under_ulysses2_x_ring2(tmp_path):
         [model]
         preset = "qwen2_5_vl_tiny"
         [train]
-        max_steps = 3
+        max_steps = 2
         warmup_steps = 1
         [parallel]
         nproc = 4
@@ -189,4 +189,4 @@ def test_third_party_batching_under_ulysses2_x_ring2(tmp_path):
                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)

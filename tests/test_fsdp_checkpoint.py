@@ -174,7 +174,7 @@ def test_resume_through_the_real_batching(env, tmp_path):
         num_samples = 64
         max_side = 56
         [train]
-        max_steps = 5
+        max_steps = 4
         micro_batch_tokens = 256
         warmup_steps = 1
         checkpoint_every = 2
@@ -190,7 +190,7 @@ def test_resume_through_the_real_batching(env, tmp_path):
     assert train(recipe, b, env, "--nproc", "2").returncode != 0
     done = train(recipe, b, env, "--nproc", "2", "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(losses(b)) == [1, 2, 3, 4, 5]
+    assert sorted(losses(b)) == [1, 2, 3, 4]
     assert losses(b) == pytest.approx(losses(a), rel=1e-6)
     assert grad_norms(b) == pytest.approx(grad_norms(a), rel=1e-6)
 
@@ -247,4 +247,4 @@ def test_model_directory_loads_shard_by_shard(single, env, tmp_path):
                 cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
-    assert result["ok"] and result["loss_ref"] < 5.0, result  # the trained weights, not a fresh init
+    assert result["ok"] and result["loss_ref"] < 5.5, result  # the trained weights (a fresh init gives ~5.75)
