@@ -219,7 +219,7 @@ def _cmd_run(args) -> int:
     nproc = args.nproc or recipe.parallel.nproc
     # Everything a user can get wrong is checked here, before any process starts.
     plan_recipe(recipe, pm=pm, world_size=nproc)
-    _check_inputs(recipe)
+    _check_inputs(recipe, pm)
     run_dir = _run_dir(args, recipe)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.json").write_text(
@@ -237,12 +237,20 @@ def _cmd_run(args) -> int:
     return launch_local(nproc=nproc, args=child_args)
 
 
-def _check_inputs(recipe) -> None:
+def _check_inputs(recipe, pm) -> None:
     if recipe.data.source == "jsonl":
         path = recipe.data_file()
         if not path.is_file():
             raise WeftError(f"data.path {str(path)!r} does not exist (paths are relative to the recipe)",
                             where=f"{recipe.source} (data.path)")
+    tokenized = recipe.data.source == "jsonl" or not recipe.data.tokens
+    if tokenized and pm.models.for_recipe(recipe).config(recipe)[1] is None:
+        # Before any rank builds the model: a 7B preset has no tokenizer to read chat data with.
+        raise WeftError(
+            f"model.preset {recipe.model.preset!r} comes with no processor (tokenizer and image processor), which "
+            f"data.source = {recipe.data.source!r} needs; set model.processor to a processor folder, or use "
+            "data.source = 'synthetic' with data.tokens = N (long samples from the model's vocabulary, no tokenizer)",
+            where=f"{recipe.source} (model.processor)")
 
 
 def _run_dir(args, recipe) -> pathlib.Path:
