@@ -29,6 +29,7 @@ from weft.core.progress import progress_bar
 from weft.core.recipe import Recipe
 from weft.core.registry import Verdict
 from weft.core.step import finish_step, run_micro_batches
+from weft.core.timing import PhaseTimer
 
 
 def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, console: bool) -> dict:
@@ -89,6 +90,7 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
               totals: dict) -> tuple[dict, Verdict]:
     """Guards, forward/backward, grad sync, optimizer: the step's metrics row and verdict."""
     t0 = time.perf_counter()
+    timer = PhaseTimer(ctx.device)
     micro_batches = next(steps)
     if not micro_batches:
         raise WeftError(
@@ -100,7 +102,7 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
     try:
         loss_sum, counts = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
                                              keep_vision=run.keep_vision, autocast=autocast, ctx=ctx,
-                                             fused=run.fused)
+                                             fused=run.fused, timer=timer)
         finish_step(pm=pm, model=run.model, plan=run.plan, mesh=run.mesh, ctx=ctx, state=state, loss_sum=loss_sum,
                     totals=counts)
     except Exception as error:
@@ -120,16 +122,21 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
         totals["skipped_steps"] += 1
         ctx.log.warning("step.skipped", step=state.step, guard=verdict.guard, reason=verdict.reason)
     else:
+        timer.start("optimizer")
         optimizer.step()
+        timer.stop("optimizer")
         state.consecutive_skips = 0
     optimizer.zero_grad(set_to_none=True)
     lr = scheduler.get_last_lr()[0]
     scheduler.step()
+    # Waits for the optimizer's kernels (the events' last mark), so dt holds the whole step.
+    phases = timer.seconds()  # forward_s, backward_s, optimizer_s
     dt = time.perf_counter() - t0
     totals["tokens"] += state.tokens
     totals["train_s"] += dt
     row = {"step": state.step, "loss": state.loss, "tokens": state.tokens, "tokens_per_s": state.tokens / dt, "lr": lr,
            "grad_norm": state.grad_norm, "step_s": dt, "skipped": verdict.action == "skip"}
+    row.update({k: round(v, 6) for k, v in phases.items()})
     if ctx.device.type == "cuda":
         row["max_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
     return row, verdict

@@ -19,6 +19,7 @@ from weft.core.fused_loss import linear_cross_entropy_sum
 from weft.core.loss import IGNORE as IGNORE_INDEX
 from weft.core.loss import label_count, targets, token_loss_sum
 from weft.core.models import VISION_FLAG
+from weft.core.timing import PhaseTimer
 
 if TYPE_CHECKING:
     from weft.core.context import RunContext, StepState
@@ -105,8 +106,8 @@ def _has_images(batch: dict) -> bool:
 
 
 def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], split: SequenceSplit | None,
-                      keep_vision: bool, autocast: Any, ctx: RunContext,
-                      fused: FusedHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      keep_vision: bool, autocast: Any, ctx: RunContext, fused: FusedHead | None = None,
+                      timer: PhaseTimer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every micro-batch's forward and backward. Returns (this rank's loss sum, the
     global counts (label tokens, tokens)), both on the device, without a host sync
     unless ``keep_vision`` (then one, at the start, to learn which rounds have images)."""
@@ -136,6 +137,8 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
         target = targets(batch)
         batch.pop("labels", None)
         batch.pop("shift_labels", None)
+        if timer is not None:
+            timer.start("forward")
         with autocast, warnings.catch_warnings():
             # FSDP2 warns that the root returned a view (transformers slices
             # logits); the loss only reads it, never updates it in place.
@@ -147,7 +150,12 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
         # Gradient reductions average over all world_size ranks (FSDP and
         # grad_sync alike); scaling by world_size turns that mean into the
         # sum of every rank's share of (global loss sum / global label count).
+        if timer is not None:
+            timer.stop("forward")
+            timer.start("backward")
         (part * (ctx.world_size / global_labels)).backward()
+        if timer is not None:
+            timer.stop("backward")
         loss_sum += part.detach()
     return loss_sum, totals[:2]
 

@@ -38,6 +38,9 @@ def test_run_writes_the_run_directory(tiny_run):
     for row in rows:
         assert {"step", "loss", "tokens", "tokens_per_s", "lr", "grad_norm"} <= row.keys()
         assert row["tokens"] > 0 and row["tokens_per_s"] > 0
+        # Where the step's time went: the three phases fit inside it.
+        phases = row["forward_s"] + row["backward_s"] + row["optimizer_s"]
+        assert 0 < phases <= row["step_s"] and min(row["forward_s"], row["backward_s"], row["optimizer_s"]) > 0
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert {"steps", "final_loss", "tokens", "tokens_per_s", "skipped_samples", "wall_s"} <= summary.keys()
     assert summary["steps"] == 12 and summary["world_size"] == 2
