@@ -45,6 +45,19 @@ def _full(grad: torch.Tensor) -> torch.Tensor:
     return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().float().cpu()
 
 
+def few_synthetic_samples(recipe: Recipe, *, world_size: int) -> Recipe:
+    """One step needs a few samples, not the recipe's whole synthetic set (512 conversations
+    with images take seconds per rank to make): the batching draws its first step from the
+    first max(64, 32 x world size). The computation checked is the same; which samples the
+    first step holds may differ from a run's. Data from a file is read as it is."""
+    import attrs
+
+    if recipe.data.source != "synthetic":
+        return recipe
+    fewer = min(recipe.data.num_samples, max(64, 32 * world_size))
+    return attrs.evolve(recipe, data=attrs.evolve(recipe.data, num_samples=fewer))
+
+
 def worker(recipe: Recipe, *, out: pathlib.Path) -> None:
     """One rank of (a); rank 0 writes the loss and the full gradients to ``out``, the first
     SP rank of each data-parallel group its whole micro-batches beside it."""
@@ -70,6 +83,7 @@ def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, 
     from weft.core.step import finish_step, run_micro_batches
 
     _exact_matmuls()
+    recipe = few_synthetic_samples(recipe, world_size=world_size)
     pm = plugin_manager_from_env()
     log = run_logger(run_dir=None, rank=rank, console=False)  # the parent prints the comparison
     ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size,
