@@ -132,14 +132,13 @@ def test_unknown_model_type_is_a_user_error_listing_the_adapters(tmp_path):
 
 def test_a_preset_without_processor_reading_jsonl_is_a_user_error(tmp_path):
     """The 7B preset ships no tokenizer: reading chat data with it stops before any rank starts
-    (exit 2, naming model.processor and the way out), as does its default short synthetic data."""
+    (exit 2, naming model.processor and the way out: long synthetic samples need no tokenizer)."""
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                                                   {"role": "assistant", "content": "hello"}]}) + "\n")
     recipe = tmp_path / "big.toml"
     recipe.write_text('[model]\npreset = "qwen2_5_vl_7b"\n[data]\nsource = "jsonl"\npath = "chat.jsonl"\n')
-    for extra in ([], ["--set", "data.source=\"synthetic\""]):
-        done = weft("run", str(recipe), *extra, cwd=tmp_path)
-        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
-        assert f"{recipe} (model.processor)" in done.stderr and "data.tokens" in done.stderr, done.stderr
+    done = weft("run", str(recipe), cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert f"{recipe} (model.processor)" in done.stderr and "data.tokens" in done.stderr, done.stderr
     done = weft("plan", str(recipe), "--positions", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr and "model.processor" in done.stderr, done.stderr
