@@ -1,9 +1,11 @@
 """Attention hook: which function each attention module calls, via transformers' AttentionInterface.
 
 ``sdpa``/``eager`` are names transformers already knows. ``ring``, ``ulysses``
-and ``usp`` register a function bound to this run's process groups; ``auto``
-picks one of them from the mesh: sdpa without sequence parallelism, ring when
-only ring > 1, ulysses when only ulysses > 1, usp when both.
+and ``usp`` register a function bound to this run's process groups; ``local``
+one that runs a weft block kernel (flash-attn-4) on the whole local sequence.
+``auto`` picks from the mesh: ring when only ring > 1, ulysses when only
+ulysses > 1, usp when both; without sequence parallelism ``local`` when the
+backend asks for a kernel (or flash-attn-4 is installed), else ``sdpa``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from weft.core.hookspecs import hookimpl
 from weft.core.registry import AttentionBinding, NoParams, Strategy
 
 Layout = Literal["zigzag", "contiguous"]
-Backend = Literal["auto", "math", "cpu_flash", "cudnn", "flash", "flash_attn", "triton"]
+Backend = Literal["auto", "math", "cpu_flash", "cudnn", "torch_flash", "flash", "triton"]
 
 
 @attrs.frozen(kw_only=True)
@@ -30,12 +32,20 @@ class VisionUlyssesParams:
 class RingParams:
     layout: Layout = attrs.field(default="zigzag", metadata={"doc": "how the sequence is split over the ring ranks"})
     backend: Backend = attrs.field(default="auto", metadata={
-        "doc": "block kernel: auto = cuDNN on GPU, torch's fused op on CPU; "
+        "doc": "block kernel: auto = flash-attn-4 on GPU where installed, else cuDNN; torch's fused op on CPU; "
+               "flash = flash-attn-4 (the flash-attn-4 package); torch_flash = torch's flash SDPA op; "
                "triton = cuDNN forward + a backward that keeps gradients in float32 across ring steps (GPU)"})
 
 
+@attrs.frozen(kw_only=True)
+class KernelParams:
+    backend: Backend = attrs.field(default="auto", metadata={
+        "doc": "kernel for the local attention: auto = flash-attn-4 on GPU where installed, else torch's SDPA; "
+               "flash = flash-attn-4; cudnn, torch_flash, math, cpu_flash = that kernel"})
+
+
 #: Block kernels that run only on CUDA with bf16 inputs (torch's CUDA SDPA ops, Triton).
-_GPU_BACKENDS = ("cudnn", "flash", "flash_attn", "triton")
+_GPU_BACKENDS = ("cudnn", "torch_flash", "flash", "triton")
 
 
 #: Block kernels that take a document mask (packed sequences).
@@ -73,10 +83,13 @@ def weft_strategies():
         Strategy(point="attention", name="ring", params=RingParams,
                  summary="ring attention over the ring ranks, async K/V rotation, exact backward",
                  sp_dims=("ring",), check=check_backend),
-        Strategy(point="attention", name="ulysses", params=NoParams,
+        Strategy(point="attention", name="local", params=KernelParams,
+                 summary="a weft block kernel (flash-attn-4 where installed) on the whole local sequence; "
+                         "no sequence parallelism", check=check_backend),
+        Strategy(point="attention", name="ulysses", params=KernelParams,
                  summary="head/sequence all-to-all over the Ulysses ranks; "
                          "KV heads replicated when fewer than the degree",
-                 sp_dims=("ulysses",), head_split=("ulysses",)),
+                 sp_dims=("ulysses",), head_split=("ulysses",), check=check_backend),
         Strategy(point="attention", name="usp", params=RingParams,
                  summary="Ulysses inside, ring outside (2-D)",
                  sp_dims=("ulysses", "ring"), head_split=("ulysses",), check=check_backend),
@@ -90,25 +103,35 @@ def weft_strategies():
     ]
 
 
-def resolve_auto(strategy: str, *, ulysses: int, ring: int, packed: bool = False) -> str:
+def resolve_auto(strategy: str, *, ulysses: int, ring: int, packed: bool = False, backend: str = "auto") -> str:
     """``auto`` -> the strategy the mesh needs. Packed documents without sequence
-    parallelism take ``ring`` on one rank: weft's kernels read the document ids."""
+    parallelism take ``ring`` on one rank: weft's kernels read the document ids.
+    Without either, ``local`` when a kernel is asked for by name or flash-attn-4 is
+    installed (it runs where it can, torch's SDPA elsewhere), else transformers' ``sdpa``."""
     if strategy != "auto":
         return strategy
     if ulysses > 1 and ring > 1:
         return "usp"
-    return "ulysses" if ulysses > 1 else "ring" if ring > 1 or packed else "sdpa"
+    if ulysses > 1 or ring > 1 or packed:
+        return "ulysses" if ulysses > 1 else "ring"
+    from weft.strategies.block_kernels import fa4_importable
+
+    return "local" if backend != "auto" or fa4_importable() else "sdpa"
 
 
 @hookimpl
 def weft_attention(decision, module_path, plan, mesh, ctx):
-    strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=plan.packed())
-    if strategy in ("sdpa", "eager"):
-        if plan.packed() and module_path and "visual" not in module_path:
-            from weft.core.errors import PlanError
+    backend = getattr(decision.params, "backend", "auto")
+    strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=plan.packed(),
+                            backend=backend)
+    if strategy == "local" and module_path and "visual" in module_path:
+        strategy = "sdpa"  # the vision tower's windows need transformers' own masks
+    if strategy in ("sdpa", "eager", "local") and plan.packed() and module_path and "visual" not in module_path:
+        from weft.core.errors import PlanError
 
-            raise PlanError(f"{module_path}: packed documents need attention that keeps to each document; "
-                            f"{strategy!r} does not read document ids (use auto, ring, ulysses or usp)")
+        raise PlanError(f"{module_path}: packed documents need attention that keeps to each document; "
+                        f"{strategy!r} does not read document ids (use auto, ring, ulysses or usp)")
+    if strategy in ("sdpa", "eager"):
         # Names transformers already registers: nothing to add to the interface.
         return AttentionBinding(name=strategy)
     if strategy == "vision_ulysses":
@@ -119,14 +142,15 @@ def weft_attention(decision, module_path, plan, mesh, ctx):
         # "flash" in the name on purpose: transformers then hands the vision tower's whole
         # patch sequence and its cu_seqlens to one call instead of looping over windows.
         return AttentionBinding(name=f"weft_flash_vision_ulysses_{id(mesh):x}", fn=fn)
-    if strategy not in ("ring", "ulysses", "usp"):
+    if strategy not in ("ring", "ulysses", "usp", "local"):
         return None
     from weft.strategies.hf_attention import make_attention_function
 
-    params = decision.params if isinstance(decision.params, RingParams) else RingParams()
+    layout = getattr(decision.params, "layout", "zigzag")
     fn = make_attention_function(
-        strategy=strategy, layout=params.layout, backend=params.backend,
+        strategy=strategy, layout=layout, backend=backend,
         ulysses_group=mesh["ulysses"].get_group(), ring_group=mesh["ring"].get_group(),
     )
     # Never "flash" in the name: transformers would switch to its varlen calling convention.
-    return AttentionBinding(name=f"weft_{strategy}_{params.layout}_{params.backend}_{id(mesh):x}", fn=fn)
+    kernel = backend.replace("flash", "fl")
+    return AttentionBinding(name=f"weft_{strategy}_{layout}_{kernel}_{id(mesh):x}", fn=fn)

@@ -9,10 +9,13 @@ of the loss; packed documents arrive with their own kernels).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 
+from weft.strategies.block_kernels import fa4_importable
+from weft.strategies.local_attention import local_attention
 from weft.strategies.ring import ring_attention
 from weft.strategies.ulysses import ulysses_attention
 from weft.strategies.usp import usp_attention
@@ -32,6 +35,15 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
     dtype = torch.get_autocast_dtype(device)
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
+def ulysses_inner(backend: str, *, packed: bool) -> Callable | None:
+    """The attention Ulysses runs on its head slice of the whole sequence: torch's SDPA
+    (None) unless a kernel is named or flash-attn-4 is installed. Packed documents keep
+    SDPA with their mask."""
+    if packed or (backend == "auto" and not fa4_importable()):
+        return None
+    return functools.partial(local_attention, backend=backend)
 
 
 def make_attention_function(
@@ -74,8 +86,11 @@ def make_attention_function(
                 backend=backend,
                 doc_ids=docs,
             )
+        elif strategy == "local":
+            out = local_attention(query, key, value, causal=causal, scale=scaling, backend=backend)
         elif strategy == "ulysses":
-            out = ulysses_attention(query, key, value, group=ulysses_group, causal=causal, scale=scaling, doc_ids=docs)
+            out = ulysses_attention(query, key, value, group=ulysses_group, causal=causal, scale=scaling, doc_ids=docs,
+                                    inner=ulysses_inner(backend, packed=docs is not None))
         else:
             out = usp_attention(
                 query,

@@ -32,7 +32,7 @@ def test_kernels_under_the_interpreter():
     assert done.stdout.count(" ok ") == 12, done.stdout
 
 
-@pytest.mark.parametrize("backend", ["triton", "cudnn", "flash"])
+@pytest.mark.parametrize("backend", ["triton", "cudnn", "torch_flash", "flash"])
 def test_gpu_backends_refuse_cpu_with_a_message(backend):
     with pytest.raises(
         ValueError, match=f"attention backend '{backend}' runs on CUDA with bf16/fp16 inputs, got cpu torch.float32"

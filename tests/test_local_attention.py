@@ -1,0 +1,203 @@
+"""One rank's whole-sequence attention through weft's block kernels, and flash-attn-4's dispatch.
+
+flash-attn-4 runs only on Hopper/Blackwell GPUs; here a stand-in module with the real
+package's signatures (``flash_attn.cute.interface._flash_attn_fwd/_flash_attn_bwd``,
+(B, S, H, D) tensors, native GQA, LSE (B, H, S)) computes exact attention in float64, so
+the wrapper's layout, argument order and GQA handling are proven on the CPU; the GPU
+check (benchmarks/kernels_check.py) covers the real kernel's numbers.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from weft.strategies import block_kernels
+from weft.strategies.block_kernels import KERNELS, select_kernel
+from weft.strategies.local_attention import local_attention
+
+
+def _inputs(*, heads=4, kv_heads=2, seq=24, head_dim=16, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(2, heads, seq, head_dim), (2, kv_heads, seq, head_dim), (2, kv_heads, seq, head_dim),
+              (2, heads, seq, head_dim)]
+    return [torch.randn(s, generator=g, dtype=dtype) for s in shapes]  # q, k, v, dout: (B, H, S, D)
+
+
+def _reference(q, k, v, dout, *, causal):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _ours(q, k, v, dout, **kw):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = local_attention(q, k, v, **kw)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _close(got, want, tol):
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape, name
+        assert ((g - w).abs().max() / w.abs().max()).item() <= tol, name
+
+
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_local_attention_equals_sdpa(kernel, causal):
+    """GQA included (4 query heads on 2 KV heads): kernels without native GQA get expanded K/V."""
+    q, k, v, dout = _inputs()
+    _close(_ours(q, k, v, dout, causal=causal, backend=kernel), _reference(q, k, v, dout, causal=causal), 1e-10)
+
+
+# ---------------------------------------------------------------------------
+# flash-attn-4, through a stand-in with the package's signatures
+# ---------------------------------------------------------------------------
+
+
+def _fake_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+              max_seqlen_q=None, max_seqlen_k=None, min_seqlen_k=None, page_table=None, softmax_scale=None,
+              causal=False, softcap=None, window_size_left=None, window_size_right=None, learnable_sink=None,
+              tile_mn=None, mma_pv_is_rs=None, intra_wg_overlap=None, num_threads=384, num_splits=1,
+              pack_gqa=None, _arch=None, score_mod=None, mask_mod=None, block_sparse_tensors=None,
+              return_lse=False, **rest):
+    # (B, S, H, D) in, like flash-attn-4; GQA natively.
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+    groups = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(groups, 1), vh.repeat_interleave(groups, 1)
+    s = qh @ kh.transpose(-1, -2) * softmax_scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, S)
+    out = (torch.softmax(s, dim=-1) @ vh).transpose(1, 2).contiguous()  # (B, S, H, D)
+    _fake_fwd.calls += 1
+    return out, (lse if return_lse else None), None, None, None
+
+
+def _fake_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, **rest):
+    qh, kh, vh, oh, doh = (t.transpose(1, 2) for t in (q, k, v, out, dout))
+    groups = qh.shape[1] // kh.shape[1]
+    ke, ve = kh.repeat_interleave(groups, 1), vh.repeat_interleave(groups, 1)
+    s = qh @ ke.transpose(-1, -2) * softmax_scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))  # the true softmax, from the given LSE
+    dv = p.transpose(-1, -2) @ doh
+    ds = p * (doh @ ve.transpose(-1, -2) - (doh * oh).sum(-1, keepdim=True))
+    dq, dk = ds @ ke * softmax_scale, ds.transpose(-1, -2) @ qh * softmax_scale
+
+    def fold(x):  # (B, H, S, D) -> (B, S, KV, D): GQA gradients summed per KV head
+        b, h, n, d = x.shape
+        return x.view(b, h // groups, groups, n, d).sum(2).transpose(1, 2)
+
+    _fake_bwd.calls += 1
+    return dq.transpose(1, 2), fold(dk), fold(dv)
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    package, cute, interface = (types.ModuleType(n) for n in ("flash_attn", "flash_attn.cute",
+                                                              "flash_attn.cute.interface"))
+    interface._flash_attn_fwd, interface._flash_attn_bwd = _fake_fwd, _fake_bwd
+    _fake_fwd.calls = _fake_bwd.calls = 0
+    package.cute, cute.interface = cute, interface
+    for name, module in (("flash_attn", package), ("flash_attn.cute", cute), ("flash_attn.cute.interface", interface)):
+        monkeypatch.setitem(sys.modules, name, module)
+    block_kernels.fa4_importable.cache_clear()
+    yield interface
+    block_kernels.fa4_importable.cache_clear()
+
+
+@pytest.fixture
+def no_fa4(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
+    block_kernels.fa4_importable.cache_clear()
+    yield
+    block_kernels.fa4_importable.cache_clear()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_kernel_layout_and_gqa(fake_fa4, causal):
+    """The flash kernel's wrapper hands (B, S, H, D) views and the LSE through unchanged."""
+    q, k, v, dout = _inputs(heads=6, kv_heads=2, head_dim=8)
+    _close(_ours(q, k, v, dout, causal=causal, kernel=KERNELS["flash"]), _reference(q, k, v, dout, causal=causal),
+           1e-10)
+    assert fake_fa4._flash_attn_fwd.calls == 1 and fake_fa4._flash_attn_bwd.calls == 1
+
+
+def test_flash_kernel_as_ring_block(fake_fa4):
+    """Ring of 4 (emulated) with the flash kernel: LSE merges and per-block backward are exact."""
+    from weft.strategies.ring import emulate_ring
+    from weft.strategies.sequence_shard import shard_sequence, unshard_sequence
+
+    q, k, v, dout = _inputs(heads=4, kv_heads=2, seq=32, head_dim=8)
+
+    def parts(t):
+        return [shard_sequence(t, dim=2, rank=r, world=4, layout="zigzag") for r in range(4)]
+
+    outs, grads = emulate_ring(parts(q), parts(k), parts(v), parts(dout), causal=True, scale=8**-0.5,
+                               layout="zigzag", kernel=KERNELS["flash"])
+    got = [unshard_sequence(outs, dim=2, layout="zigzag")] + [
+        unshard_sequence([g[i] for g in grads], dim=2, layout="zigzag") for i in range(3)]
+    _close(got, _reference(q, k, v, dout, causal=True), 1e-10)
+
+
+@pytest.mark.parametrize(
+    ("capability", "head_dim", "masked", "want"),
+    [((9, 0), 128, False, "flash"), ((9, 0), 80, False, "flash"), ((10, 0), 128, False, "flash"),
+     ((10, 0), 256, False, "torch_flash"), ((8, 0), 128, False, "cudnn"), ((9, 0), 128, True, "cudnn"),
+     ((9, 0), 36, False, "cudnn")],
+)
+def test_auto_picks_flash_where_it_runs(fake_fa4, monkeypatch, capability, head_dim, masked, want):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    got = select_kernel("auto", device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=head_dim, masked=masked)
+    assert got.name == want
+
+
+def test_auto_without_the_package_is_cudnn(no_fa4):
+    assert select_kernel("auto", device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=128).name == "cudnn"
+    with pytest.raises(ValueError, match="backend 'flash' needs the flash-attn-4 package"):
+        select_kernel("flash", device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=128)
+
+
+def test_auto_strategy_without_sp(fake_fa4):
+    """No sequence parallelism: the local kernel path when flash-attn-4 is installed or a kernel is named."""
+    from weft.plugins.attention import resolve_auto
+
+    assert resolve_auto("auto", ulysses=1, ring=1) == "local"
+    assert resolve_auto("auto", ulysses=2, ring=1) == "ulysses"
+    assert resolve_auto("auto", ulysses=1, ring=1, packed=True) == "ring"
+    assert resolve_auto("sdpa", ulysses=1, ring=1) == "sdpa"
+
+
+def test_auto_strategy_without_the_package_stays_sdpa(no_fa4):
+    from weft.plugins.attention import resolve_auto
+
+    assert resolve_auto("auto", ulysses=1, ring=1) == "sdpa"
+    assert resolve_auto("auto", ulysses=1, ring=1, backend="cudnn") == "local"
+
+
+def test_local_binding_keeps_flash_out_of_its_name(fake_fa4):
+    """transformers switches to its varlen calling convention for any name holding "flash"."""
+    from weft.core.rules import Decision
+    from weft.plugins.attention import KernelParams, weft_attention
+
+    class _Mesh(dict):
+        def __getitem__(self, key):
+            return types.SimpleNamespace(get_group=lambda: None)
+
+    plan = types.SimpleNamespace(mesh=types.SimpleNamespace(ulysses=1, ring=1), packed=lambda: False)
+    decision = Decision(point="attention", strategy="auto", params=KernelParams(backend="flash"), source="t:1",
+                        rule="test")
+    binding = weft_attention(decision=decision, module_path="model.language_model.layers.0.self_attn", plan=plan,
+                             mesh=_Mesh(), ctx=None)
+    assert binding.name.startswith("weft_local_") and "flash" not in binding.name
+    vision = weft_attention(decision=decision, module_path="model.visual.blocks.0.attn", plan=plan, mesh=_Mesh(),
+                            ctx=None)
+    assert vision.name == "sdpa"
