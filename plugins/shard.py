@@ -25,12 +25,16 @@ class Fsdp2Params:
         "doc": "dtype the unit's weights, gradients and AdamW states are kept in; unset = float32"})
     checkpoint: Checkpoint = attrs.field(default="off", metadata={
         "doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
+    compile: bool = attrs.field(default=False, metadata={
+        "doc": "torch.compile the unit's children except its attention (norms, MLP: fused element-wise kernels)"})
 
 
 @attrs.frozen(kw_only=True)
 class KeepParams:
     checkpoint: Checkpoint = attrs.field(default="off", metadata={
         "doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
+    compile: bool = attrs.field(default=False, metadata={
+        "doc": "torch.compile the unit's children except its attention (norms, MLP: fused element-wise kernels)"})
 
 
 @hookimpl
@@ -57,6 +61,9 @@ def weft_shard(model, plan, mesh, ctx):
     )
     if checkpointed:
         ctx.log.info("shard.checkpointing", modules=checkpointed)
+    compiled = _compile_units(model, plan)
+    if compiled:
+        ctx.log.info("shard.compile", modules=compiled)
     units = plan.modules_for("shard", "fsdp2")
     root = plan.root()
     if not units:
@@ -94,6 +101,13 @@ def weft_shard(model, plan, mesh, ctx):
                 mesh=mesh.fsdp_mesh())
     ctx.log.info("shard.fsdp2", units=len(groups), mesh=list(plan.mesh.shape))
     return None
+
+
+def _compile_units(model, plan) -> int:
+    from weft.strategies.compile_units import compile_unit
+
+    return sum(compile_unit(model.get_submodule(unit.info.path)) for unit in plan.modules_for("shard")
+               if unit.info.kind == "unit" and getattr(unit.get("shard").params, "compile", False))
 
 
 def _policy(params) -> dict:
