@@ -44,11 +44,11 @@ def attention_flops(*, batch: int, heads: int, seq: int, head_dim: int, causal: 
     return 3.5 * forward
 
 
-def full_sdpa_time(q, k, v, dout, *, causal: bool, iters: int) -> float:
-    """One cuDNN SDPA call over the whole sequence, forward + backward, seconds."""
-    kernel = select_kernel("cudnn", device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
-    groups = q.shape[1] // k.shape[1]
-    ke, ve = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # the op takes equal heads
+def full_sdpa_time(q, k, v, dout, *, causal: bool, iters: int, kernel_name: str = "cudnn") -> float:
+    """One call of ``kernel_name`` (cuDNN SDPA or flash-attn-4) on the whole sequence, fwd + bwd, seconds."""
+    kernel = select_kernel(kernel_name, device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
+    groups = 1 if kernel_name == "flash" else q.shape[1] // k.shape[1]  # flash-attn-4 takes GQA natively
+    ke, ve = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # the cuDNN op takes equal heads
     scale = q.shape[-1] ** -0.5
 
     def once():
@@ -267,6 +267,9 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."))
     parser.add_argument("--check-only", action="store_true", help="only the bf16 exactness checks")
     parser.add_argument("--kernels", default="cudnn,triton", help="block kernels for the ring (comma-separated)")
+    parser.add_argument("--full-kernel", default="cudnn", help="the whole-sequence call the ring is measured against "
+                        "(cudnn, or flash = flash-attn-4)")
+    parser.add_argument("--check-worlds", default="2,4,8", help="ring sizes of the bf16 checks (1 = one call)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
@@ -277,7 +280,8 @@ def main() -> None:
     checks = []
     # torch's own CP test: batch 8, 8 heads, head_dim 32, 1024 tokens per rank, uniform inputs,
     # out.sum() gradient.
-    for world in (2, 4, 8):
+    check_worlds = tuple(int(x) for x in args.check_worlds.split(","))
+    for world in check_worlds:
         for row in check_bf16(
             seq=1024 * world,
             batch=8,
@@ -299,6 +303,7 @@ def main() -> None:
                     head_dim=args.head_dim,
                     inputs=inputs,
                     kernels=kernels,
+                    worlds=check_worlds,
                 ):
                     checks.append({"seq": check_seq, "setting": f"B1 H{args.heads} D{args.head_dim}", **row})
     for row in checks:
@@ -316,9 +321,9 @@ def main() -> None:
         dout = torch.randn(1, args.heads, seq, args.head_dim, **shape)
         for causal in (True, False):
             flops = attention_flops(batch=1, heads=args.heads, seq=seq, head_dim=args.head_dim, causal=causal)
-            t_full = full_sdpa_time(q, k, v, dout, causal=causal, iters=args.iters)
+            t_full = full_sdpa_time(q, k, v, dout, causal=causal, iters=args.iters, kernel_name=args.full_kernel)
             rows.append({
-                "seq": seq, "causal": causal, "schedule": "full cuDNN SDPA (1 GPU)", "world": 1,
+                "seq": seq, "causal": causal, "schedule": f"full {args.full_kernel} (1 GPU)", "world": 1,
                 "tflops_per_gpu": flops / t_full / 1e12, "efficiency": 1.0, "ms": t_full * 1e3,
             })
             print(rows[-1], flush=True)
@@ -350,7 +355,7 @@ def main() -> None:
         f"Device: {device}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; bf16; "
         f"batch 1, {args.heads} query heads, {args.kv_heads} KV heads, head_dim {args.head_dim}.",
         "",
-        "| total length | causal | schedule | ring size | TFLOP/s per GPU | fraction of full cuDNN "
+        "| total length | causal | schedule | ring size | TFLOP/s per GPU | fraction of the full call "
         "| parallel ms (fwd+bwd) |",
 
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -15,7 +15,7 @@ ensure_weft()
 
 import torch  # noqa: E402
 
-from weft.strategies.block_kernels import KERNELS  # noqa: E402
+from weft.strategies.block_kernels import KERNELS, fa4_importable  # noqa: E402
 
 
 def main() -> int:
@@ -23,7 +23,8 @@ def main() -> int:
     reference = KERNELS["math"]
     cases = ((True, 512, 512, 4, 128), (False, 512, 256, 4, 128), (False, 256, 512, 4, 128), (True, 512, 512, 2, 128),
              (False, 512, 256, 1, 128), (True, 384, 384, 2, 80), (False, 200, 328, 4, 32), (True, 1000, 1000, 1, 64))
-    for name in ("cudnn", "flash", "triton"):
+    names = ("cudnn", "torch_flash", "flash", "triton")
+    for name in (n for n in names if n != "flash" or fa4_importable()):
         kernel = KERNELS[name]
         for causal, sq, sk, kv_heads, d in cases:
             g = torch.Generator(device="cuda").manual_seed(0)

@@ -125,11 +125,12 @@ def run_hf(size: str, length: int, steps: int, timeout: int) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def run_weft(size: str, length: int, steps: int, timeout: int, scratch: pathlib.Path) -> dict:
+def run_weft(size: str, length: int, steps: int, timeout: int, scratch: pathlib.Path, recipe: str | None = None
+             ) -> dict:
     run_dir = scratch / f"weft-{size}-{length}"
     checkout = pathlib.Path(weft.__file__).parent.parent  # the folder that makes `import weft` work (not resolved)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "weft", "run", RECIPES[size], "--run-dir", str(run_dir),
+    command = [sys.executable, "-m", "weft", "run", recipe or RECIPES[size], "--run-dir", str(run_dir),
                "--set", f"data.tokens={length}", "--set", f"train.micro_batch_tokens={length}",
                "--set", f"train.max_steps={steps}", "--set", "train.checkpoint_every=-1"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=scratch)
@@ -194,6 +195,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per side and length")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--recipe", help="weft's recipe (name or path) instead of the bundled one, e.g. a lever "
+                        "variant from benchmarks/variants/")
     parser.add_argument("--hf-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hf_child:
@@ -207,7 +210,9 @@ def main() -> None:
     for pair in args.only.split(","):
         size, length = pair.split(":")
         length = int(length)
-        weft_row = steady(run_weft(size, length, args.steps, args.timeout, args.out), size, length)
+        recipe = str(pathlib.Path(args.recipe).resolve()) if args.recipe and pathlib.Path(args.recipe).exists() \
+            else args.recipe
+        weft_row = steady(run_weft(size, length, args.steps, args.timeout, args.out, recipe), size, length)
         hf_row = {"status": "skipped"} if args.skip_hf else steady(run_hf(size, length, args.steps, args.timeout),
                                                                    size, length)
         table.append({"size": size, "length": length, "weft": weft_row, "transformers": hf_row})
