@@ -161,7 +161,7 @@ def cell(row: dict) -> str:
             f"fwd/bwd/opt {row['forward_s']:.2f}/{row['backward_s']:.2f}/{row['optimizer_s']:.2f} s")
 
 
-def plot(table: list[dict], path: pathlib.Path) -> None:
+def plot(table: list[dict], path: pathlib.Path, *, device: str = "", memory_gib: float = 0.0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,8 +182,11 @@ def plot(table: list[dict], path: pathlib.Path) -> None:
         axis.set_ylabel(label)
         axis.grid(True, alpha=0.3)
         axis.legend()
-    memory.axhline(torch.cuda.get_device_properties(0).total_memory / 2**30, color="grey", linestyle="--")
-    figure.suptitle(f"Qwen2.5-VL, one {torch.cuda.get_device_name(0)}: weft vs plain transformers")
+    if torch.cuda.is_available():
+        device, memory_gib = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory / 2**30
+    if memory_gib:
+        memory.axhline(memory_gib, color="grey", linestyle="--")
+    figure.suptitle(f"Qwen2.5-VL, one {device or 'GPU'}: weft vs plain transformers")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -198,6 +201,10 @@ def main() -> None:
     parser.add_argument("--recipe", help="weft's recipe (name or path) instead of the bundled one, e.g. a lever "
                         "variant from benchmarks/variants/")
     parser.add_argument("--hf-child", help=argparse.SUPPRESS)
+    parser.add_argument("--replot", help="train.json files of earlier runs (comma-separated): one table and plot "
+                        "from all their rows, nothing run")
+    parser.add_argument("--device", default="NVIDIA H200", help="with --replot: the GPU named in the plot")
+    parser.add_argument("--memory-gib", type=float, default=139.8, help="with --replot: the GPU's memory line")
     args = parser.parse_args()
     if args.hf_child:
         size, length = args.hf_child.split(":")
@@ -206,6 +213,10 @@ def main() -> None:
     if args.out is None:
         parser.error("--out is required")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        table = [row for f in args.replot.split(",") for row in json.loads(pathlib.Path(f).read_text())]
+        write(table, args.out, device=args.device, memory_gib=args.memory_gib)
+        return
     table = []
     for pair in args.only.split(","):
         size, length = pair.split(":")
@@ -217,15 +228,20 @@ def main() -> None:
                                                                    size, length)
         table.append({"size": size, "length": length, "weft": weft_row, "transformers": hf_row})
         print(json.dumps(table[-1]), flush=True)
-    (args.out / "train.json").write_text(json.dumps(table, indent=1))
+    write(table, args.out)
+
+
+def write(table: list[dict], out: pathlib.Path, **plot_kw) -> None:
+    """train.json, train.md and train.png under ``out``."""
+    (out / "train.json").write_text(json.dumps(table, indent=1))
     lines = ["| model | tokens | weft | plain transformers | weft / transformers |", "|---|---:|---|---|---:|"]
     for r in table:
         ratio = (f"{r['weft']['tokens_per_s'] / r['transformers']['tokens_per_s']:.2f}x"
                  if r["weft"]["status"] == r["transformers"]["status"] == "ok" else "-")
         lines.append(f"| {r['size']} | {r['length']:,} | {cell(r['weft'])} | {cell(r['transformers'])} | {ratio} |")
-    (args.out / "train.md").write_text("\n".join(lines) + "\n")
+    (out / "train.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(table, args.out / "train.png")
+    plot(table, out / "train.png", **plot_kw)
 
 
 if __name__ == "__main__":
