@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -12,6 +13,7 @@ from typing import Sequence
 
 from weft.core.errors import EXIT_OK, EXIT_RUNTIME, WeftError
 from weft.core.plugin_manager import plugin_manager_from_env
+from weft.core.run_lock import run_lock
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -20,7 +22,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except WeftError as error:
-        print(f"weft: error: {error}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # once per run, not once per rank (the others log it)
+            print(f"weft: error: {error}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
         print("weft: interrupted", file=sys.stderr)
@@ -40,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="override a recipe key, e.g. train.max_steps=10")
     run.add_argument("--run-dir", type=pathlib.Path, default=None,
                      help="run directory (default runs/<recipe>-<timestamp>)")
+    run.add_argument("--locked", action="store_true", help=argparse.SUPPRESS)  # set by weft's own launcher
     run.add_argument("--resume", action="store_true",
                      help="continue from the newest checkpoint of --run-dir (default: the newest run of this recipe)")
     run.set_defaults(func=_cmd_run)
@@ -215,26 +219,35 @@ def _cmd_run(args) -> int:
     if _under_launcher():
         run_dir = args.run_dir or pathlib.Path("runs") / (
             f"{pathlib.Path(args.recipe).stem}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}")
-        return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
+        # weft's own launcher holds the lock for its ranks; under torchrun, rank 0 takes it.
+        held = args.locked or os.environ.get("RANK") != "0"
+        with contextlib.nullcontext() if held else run_lock(run_dir):
+            return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
     nproc = args.nproc or recipe.parallel.nproc
     # Everything a user can get wrong is checked here, before any process starts.
     plan_recipe(recipe, pm=pm, world_size=nproc)
     _check_inputs(recipe, pm)
     run_dir = _run_dir(args, recipe)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recipe.json").write_text(
-        json.dumps({"source": recipe.source, "overrides": args.overrides, "recipe": recipe.raw}, indent=1, default=str))
-    print(f"weft: run directory {run_dir}", file=sys.stderr)
-    if nproc == 1:
-        return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
-    from weft.core.launch import launch_local
-
-    child_args = ["-m", "weft", "run", args.recipe, "--run-dir", str(run_dir)]
-    for override in args.overrides:
-        child_args += ["--set", override]
     if args.resume:
-        child_args.append("--resume")
-    return launch_local(nproc=nproc, args=child_args)
+        from weft.core.checkpoint import checkpoint_dirs
+
+        if not checkpoint_dirs(run_dir):  # before any rank starts
+            raise WeftError(f"no checkpoint under {run_dir / 'checkpoints'} to resume from (checkpoints are written "
+                            "every train.checkpoint_every steps and at the end)", where="--resume")
+    with run_lock(run_dir):  # one run per run directory, before anything is written there
+        (run_dir / "recipe.json").write_text(json.dumps(
+            {"source": recipe.source, "overrides": args.overrides, "recipe": recipe.raw}, indent=1, default=str))
+        print(f"weft: run directory {run_dir}", file=sys.stderr)
+        if nproc == 1:
+            return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
+        from weft.core.launch import launch_local
+
+        child_args = ["-m", "weft", "run", args.recipe, "--run-dir", str(run_dir), "--locked"]
+        for override in args.overrides:
+            child_args += ["--set", override]
+        if args.resume:
+            child_args.append("--resume")
+        return launch_local(nproc=nproc, args=child_args, run_dir=run_dir)
 
 
 def _check_inputs(recipe, pm) -> None:
@@ -270,7 +283,11 @@ def _train(recipe, pm, *, run_dir: pathlib.Path, resume: bool) -> int:
     from weft.core.loop import train
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    train(recipe=recipe, pm=pm, run_dir=run_dir, resume=resume, console=True)
+    summary = train(recipe=recipe, pm=pm, run_dir=run_dir, resume=resume, console=True)
+    if summary["status"] == "interrupted" and os.environ.get("RANK", "0") == "0":
+        saved = summary["last_checkpoint"] or "none (train.checkpoint_every = -1)"
+        print(f"weft: interrupted by {summary['reason']} after step {summary['last_step']}; checkpoint: {saved}; "
+              "continue with --resume", file=sys.stderr)
     return EXIT_OK
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-#: Exit codes of every weft command: success, a failure at run time, a user error.
-EXIT_OK, EXIT_RUNTIME, EXIT_USER = 0, 1, 2
+#: Exit codes of every weft command: success (a run completed, or interrupted and saved), a
+#: failure at run time, a user error, a guard that stopped the run.
+EXIT_OK, EXIT_RUNTIME, EXIT_USER, EXIT_GUARD = 0, 1, 2, 3
 
 
 class WeftError(Exception):
@@ -40,3 +41,9 @@ class RunFailed(WeftError):
     """A launched run or check failed at run time (the ranks' own output says why)."""
 
     exit_code = EXIT_RUNTIME
+
+
+class GuardAbort(WeftError):
+    """A guard stopped the run (non-finite loss, a loss spike, ...): not a user error."""
+
+    exit_code = EXIT_GUARD

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import sys
 import uuid
 
-from weft.core.errors import EXIT_RUNTIME, EXIT_USER
+from weft.core.errors import EXIT_GUARD, EXIT_RUNTIME, EXIT_USER
 
 
-def launch_local(*, nproc: int, args: list[str]) -> int:
+def launch_local(*, nproc: int, args: list[str], run_dir: pathlib.Path) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -30,5 +33,22 @@ def launch_local(*, nproc: int, args: list[str]) -> int:
     except ChildFailedError as error:
         codes = [failure.exitcode for failure in error.failures.values()]
         print(f"weft: {len(codes)} rank(s) failed with exit codes {sorted(set(codes))}", file=sys.stderr)
-        return EXIT_USER if EXIT_USER in codes else EXIT_RUNTIME
+        worst = EXIT_USER if EXIT_USER in codes else EXIT_GUARD if EXIT_GUARD in codes else EXIT_RUNTIME
+        return worst
+    except SignalException as error:
+        # Preemption: the launcher forwarded the signal to the ranks, which stopped after
+        # their step and saved (summary.json says so), or were killed.
+        status = _status(run_dir)
+        if status == "interrupted":
+            return 0
+        print(f"weft: stopped by {error.sigval.name}; the ranks did not finish saving (summary: {status})",
+              file=sys.stderr)
+        return 128 + int(error.sigval)
     return 0
+
+
+def _status(run_dir: pathlib.Path) -> str:
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("status", "unknown")
+    except (OSError, ValueError):
+        return "none written"

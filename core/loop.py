@@ -13,6 +13,7 @@ import json
 import math
 import pathlib
 import sys
+import threading
 import time
 from typing import Any
 
@@ -21,13 +22,15 @@ import torch.distributed as dist
 
 from weft.core import checkpoint
 from weft.core.context import RunContext, StepState
-from weft.core.errors import WeftError
+from weft.core.errors import GuardAbort, WeftError
+from weft.core.interrupt import StopRequest
 from weft.core.logging import run_logger
 from weft.core.mesh import device_for
 from weft.core.prepare import Prepared, close_process_group, init_process_group, prepare_model
 from weft.core.progress import progress_bar
 from weft.core.recipe import Recipe
 from weft.core.registry import Verdict
+from weft.core.run_end import Ending, trim_metrics
 from weft.core.step import finish_step, run_micro_batches
 from weft.core.timing import PhaseTimer
 
@@ -37,29 +40,38 @@ def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, conso
     device = device_for(device_type, local_rank)
     log = run_logger(run_dir=run_dir, rank=rank, console=console)
     ctx = RunContext(recipe=recipe, device=device, rank=rank, world_size=world_size, run_dir=run_dir, log=log)
+    stop = StopRequest()
+    if threading.current_thread() is threading.main_thread():
+        stop.install()
+    ending = Ending(t_start=time.perf_counter())
     try:
-        result = _train(recipe=recipe, pm=pm, ctx=ctx, resume=resume, console=console)
-    except BaseException:
+        result = _train(recipe=recipe, pm=pm, ctx=ctx, resume=resume, console=console, stop=stop, ending=ending)
+    except BaseException as error:
+        ending.record(recipe, ctx, error=error)
         close_process_group(clean=False)
         raise
+    finally:
+        stop.restore()
     close_process_group(clean=True)
     return result
 
 
-def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: bool) -> dict:
-    t_start = time.perf_counter()
+def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: bool, stop: StopRequest,
+           ending: Ending) -> dict:
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     if ctx.rank == 0:
         (ctx.run_dir / "plan.json").write_text(json.dumps(run.plan.to_json(), indent=1))
     optimizer, scheduler = make_optimizer(recipe, run.model)
     if resume:
         ctx.start_step = _resume(ctx, run.model, optimizer, scheduler)
+        if ctx.rank == 0:
+            trim_metrics(ctx.run_dir / "metrics.jsonl", last_step=ctx.start_step)
     decision = run.plan.decision("batching")
     steps = iter(pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
                                model=run.model, ctx=ctx))
     autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if recipe.train.precision == "bf16"
                 else contextlib.nullcontext())
-    totals = {"tokens": 0, "train_s": 0.0, "skipped_steps": 0}
+    totals = ending.totals
     state = StepState(step=ctx.start_step)
     metrics = (ctx.run_dir / "metrics.jsonl").open("a") if ctx.rank == 0 else None
     bar_on = console and ctx.rank == 0 and sys.stderr.isatty()
@@ -75,15 +87,18 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
             if step % recipe.train.log_every == 0 or step == recipe.train.max_steps:
                 ctx.log.info("step.end", **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})
             bar.advance(step, row)
-            if _checkpoint_due(recipe.train.checkpoint_every, step=step, last=recipe.train.max_steps, verdict=verdict):
+            ending.last_step, ending.loss = step, state.loss
+            interrupted = stop.agreed(_collective_device(ctx))
+            if _checkpoint_due(recipe.train.checkpoint_every, step=step, last=recipe.train.max_steps, verdict=verdict,
+                               interrupted=interrupted):
                 path = checkpoint.save(run_dir=ctx.run_dir, step=step, model=run.model, optimizer=optimizer,
                                        scheduler=scheduler, rank=ctx.rank, keep=recipe.train.keep_checkpoints)
                 ctx.log.info("checkpoint.saved", step=step, path=str(path))
-    summary = _summary(recipe, ctx, totals, final_loss=state.loss, wall_s=time.perf_counter() - t_start)
-    if ctx.rank == 0:
-        (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        ctx.log.info("run.end", **summary)
-    return summary
+                ending.checkpoint = path.name
+            if interrupted:
+                ending.status, ending.reason = "interrupted", f"{stop.signal or 'a signal to another rank'}"
+                break
+    return ending.record(recipe, ctx, positions=True)
 
 
 def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, autocast, pm, ctx: RunContext,
@@ -115,8 +130,8 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
     ctx.positions.poll()  # after the step's own syncs: warns once if positions passed the rotary context
     verdict = _verdict(pm, "step_end", state, run.plan, ctx)
     if verdict.action == "abort":
-        raise WeftError(f"guard {verdict.guard!r} stopped the run at step {state.step}: {verdict.reason}",
-                        where="guard")
+        raise GuardAbort(f"guard {verdict.guard!r} stopped the run at step {state.step}: {verdict.reason}",
+                         where="guard")
     if verdict.action == "skip":
         state.consecutive_skips += 1
         totals["skipped_steps"] += 1
@@ -142,12 +157,12 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
     return row, verdict
 
 
-def _checkpoint_due(every: int, *, step: int, last: int, verdict: Verdict) -> bool:
-    """Every ``every`` steps and at the end (0: only at the end); -1: never, not even when
-    a guard asks (a run that writes no checkpoint said so in its recipe)."""
+def _checkpoint_due(every: int, *, step: int, last: int, verdict: Verdict, interrupted: bool = False) -> bool:
+    """Every ``every`` steps, at the end (0: only at the end) and when interrupted; -1: never,
+    not even when a guard asks (a run that writes no checkpoint said so in its recipe)."""
     if every == -1:
         return False
-    return (every > 0 and step % every == 0) or step == last or verdict.action == "checkpoint"
+    return (every > 0 and step % every == 0) or step == last or verdict.action == "checkpoint" or interrupted
 
 
 def make_optimizer(recipe: Recipe, model: torch.nn.Module) -> tuple[Any, Any]:
@@ -160,37 +175,23 @@ def make_optimizer(recipe: Recipe, model: torch.nn.Module) -> tuple[Any, Any]:
 
 
 def _resume(ctx: RunContext, model, optimizer, scheduler) -> int:
-    found = checkpoint.checkpoint_dirs(ctx.run_dir)
-    if not found:
-        raise WeftError(f"--resume: no checkpoint under {ctx.run_dir / 'checkpoints'}", where="--resume")
-    step = checkpoint.load(path=found[-1], model=model, optimizer=optimizer, scheduler=scheduler, rank=ctx.rank)
-    ctx.log.info("checkpoint.loaded", path=str(found[-1]), step=step)
+    path, passed = checkpoint.newest_good(ctx.run_dir, rank=ctx.rank, world=ctx.world_size,
+                                          device=_collective_device(ctx))
+    for reason in passed:
+        ctx.log.warning("checkpoint.rejected", reason=reason)
+    if path is None:
+        found = "; ".join(passed) or "none found"
+        raise checkpoint.CheckpointError(f"--resume: no usable checkpoint under {ctx.run_dir / 'checkpoints'} "
+                                         f"({found})", where="--resume")
+    if passed and ctx.rank == 0:
+        print(f"weft: resuming from {path.name}: passed over {'; '.join(passed)}", file=sys.stderr)
+    step = checkpoint.load(path=path, model=model, optimizer=optimizer, scheduler=scheduler, rank=ctx.rank)
+    ctx.log.info("checkpoint.loaded", path=str(path), step=step)
     return step
 
 
-def _summary(recipe: Recipe, ctx: RunContext, totals: dict, *, final_loss: float | None, wall_s: float) -> dict:
-    return {
-        "steps": recipe.train.max_steps,
-        "start_step": ctx.start_step,
-        "final_loss": final_loss,
-        "tokens": totals["tokens"],
-        "tokens_per_s": totals["tokens"] / totals["train_s"] if totals["train_s"] else 0.0,
-        "skipped_samples": ctx.counters.get("skipped_samples", 0),
-        "truncated_samples": ctx.counters.get("truncated_samples", 0),
-        "skipped_steps": totals["skipped_steps"],
-        "wall_s": wall_s,
-        "world_size": ctx.world_size,
-        # Over every rank's batches: how close the data came to the rotary context.
-        "largest_position": _global_max(ctx.positions.largest, device=ctx.device),
-        "rope_context": ctx.positions.context,
-    }
-
-
-def _global_max(value: int, *, device: torch.device) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+def _collective_device(ctx: RunContext) -> torch.device:
+    return ctx.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _verdict(pm: Any, event: str, state: StepState, plan: Any, ctx: RunContext) -> Verdict:

@@ -79,6 +79,10 @@ class DataSection:
     def __attrs_post_init__(self) -> None:
         if self.source == "jsonl" and self.path is None:
             raise ValueError("data.source = 'jsonl' needs data.path")
+        if self.source == "synthetic" and self.path is not None:
+            # Training on synthetic data while the user meant their file is the worst silent failure.
+            raise ValueError(f"data.path = {self.path!r} is read only with data.source = 'jsonl'; "
+                             "data.source is 'synthetic' (the default): set data.source = 'jsonl' or drop data.path")
         if self.tokens_max and self.tokens_max < self.tokens:
             raise ValueError(f"data.tokens_max ({self.tokens_max}) is below data.tokens ({self.tokens})")
         if self.images and not self.tokens:

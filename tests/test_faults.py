@@ -1,0 +1,212 @@
+"""Fault injection: each test is named after its fault and shows that nothing is lost.
+
+Runs go through `weft run` (one rank, a tiny text model, 64-token synthetic samples: a
+run is a few seconds); the disk-full case is in-process, with DCP's writer made to fail.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+
+import pytest
+import torch
+
+FAST = textwrap.dedent('''
+    [model]
+    preset = "qwen2_text_tiny"
+    [data]
+    source = "synthetic"
+    tokens = 64
+    num_samples = 64
+    [train]
+    max_steps = 8
+    micro_batch_tokens = 64
+    checkpoint_every = 2
+    keep_checkpoints = 5
+    lr = 1e-3
+    warmup_steps = 1
+    [parallel]
+    nproc = 1
+''')
+
+
+def weft(*args: str, cwd: pathlib.Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
+
+
+def rows(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def recipe(tmp_path) -> pathlib.Path:
+    path = tmp_path / "fast.toml"
+    path.write_text(FAST)
+    return path
+
+
+@pytest.fixture(scope="module")
+def _trained_once(tmp_path_factory) -> pathlib.Path:
+    folder = tmp_path_factory.mktemp("trained")
+    (folder / "fast.toml").write_text(FAST)
+    done = weft("run", str(folder / "fast.toml"), "--run-dir", str(folder / "run"), cwd=folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder / "run"
+
+
+@pytest.fixture
+def trained(_trained_once, tmp_path) -> pathlib.Path:
+    """A copy of one 8-step run with checkpoints at 2, 4, 6, 8 (each test breaks its own)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(_trained_once, run_dir)
+    return run_dir
+
+
+def _rewrite_manifest_entry(checkpoint: pathlib.Path, name: str) -> None:
+    """What someone planting a file would do: make the manifest agree with it."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    data = (checkpoint / name).read_bytes()
+    manifest["files"][name] = {"size": len(data), "crc32": zlib.crc32(data)}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_truncated_newest_checkpoint_falls_back(trained, recipe, tmp_path):
+    shard = trained / "checkpoints" / "step-8" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    done = weft("run", str(recipe), "--run-dir", str(trained), "--resume", "--set", "train.max_steps=10", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from step-6: passed over step-8: __0_0.distcp has" in done.stderr
+    summary = json.loads((trained / "summary.json").read_text())
+    assert summary["start_step"] == 6 and summary["status"] == "completed"
+    # The rows of steps 7 and 8 from before were dropped: each step once, in order.
+    assert [r["step"] for r in rows(trained)] == list(range(1, 11))
+
+
+class _Planted:
+    """Unpickling this touches a file: proof that code ran."""
+
+    def __init__(self, marker: pathlib.Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (self.marker,))
+
+
+def test_pickle_planted_in_checkpoint_is_refused(trained, recipe, tmp_path):
+    marker = tmp_path / "code-ran"
+    newest = trained / "checkpoints" / "step-8"
+    torch.save({"torch": _Planted(marker)}, newest / "rng-rank0.pt")
+    _rewrite_manifest_entry(newest, "rng-rank0.pt")
+    torch.save(_Planted(marker), newest / "meta.pt")  # the old pickled metadata file: never read
+    done = weft("run", str(recipe), "--run-dir", str(trained), "--resume", "--set", "train.max_steps=9", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not marker.exists()
+    assert "passed over step-8" in done.stderr and "rng-rank0.pt" in done.stderr
+    assert json.loads((trained / "summary.json").read_text())["start_step"] == 6
+
+
+def test_no_usable_checkpoint_is_one_message(trained, recipe, tmp_path):
+    for checkpoint in (trained / "checkpoints").iterdir():
+        (checkpoint / "meta.json").write_text("{")
+    done = weft("run", str(recipe), "--run-dir", str(trained), "--resume", cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "no usable checkpoint" in done.stderr and "step-8:" in done.stderr and "step-2:" in done.stderr
+
+
+def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from weft.core import checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        kw = dict(run_dir=tmp_path, model=model, optimizer=optimizer, scheduler=scheduler, rank=0, keep=3)
+        good = checkpoint.save(step=1, **kw)
+
+        def full_disk(state, *, checkpoint_id):
+            (pathlib.Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
+        with pytest.raises(checkpoint.CheckpointError) as caught:
+            checkpoint.save(step=2, **kw)
+        message = str(caught.value)
+        assert ".tmp-step-2" in message and "No space left on device" in message
+        assert "GiB are free" in message and f"{good} is intact" in message
+        assert not (tmp_path / "checkpoints" / ".tmp-step-2").exists()
+        assert checkpoint.checkpoint_dirs(tmp_path) == [good] and checkpoint.verify(good) is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_runs_into_one_directory(recipe, tmp_path):
+    """A live holder: exit 2 naming it. A holder that is gone: taken over with a warning."""
+    import socket
+
+    run_dir = tmp_path / "shared"
+    run_dir.mkdir()
+    lock = run_dir / "run.lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "earlier"}))
+    done = weft("run", str(recipe), "--run-dir", str(run_dir), cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"another run is using this run directory: pid {os.getpid()}" in done.stderr
+    assert not (run_dir / "metrics.jsonl").exists()
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": int(gone.stdout), "started": "earlier"}))
+    done = weft("run", str(recipe), "--run-dir", str(run_dir), "--set", "train.max_steps=2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "taking over the lock of a run that is gone" in done.stderr
+    assert not lock.exists()  # released at the end
+
+
+def test_sigterm_saves_and_resumes_exactly(recipe, tmp_path):
+    """SIGTERM mid-run: the step finishes, a checkpoint is written, exit 0; --resume then
+    gives the same losses and gradient norms as a run never interrupted, each step once."""
+    steps = "train.max_steps=40"
+    keep = "train.checkpoint_every=100"  # the interruption writes the only checkpoint before the end
+    reference = tmp_path / "reference"
+    done = weft("run", str(recipe), "--run-dir", str(reference), "--set", steps, "--set", keep, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    run_dir = tmp_path / "interrupted"
+    process = subprocess.Popen([sys.executable, "-m", "weft", "run", str(recipe), "--run-dir", str(run_dir),
+                                "--set", steps, "--set", keep], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == 0, stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped = summary["last_step"]
+    assert summary["status"] == "interrupted" and summary["reason"] == "SIGTERM" and 3 <= stopped < 40
+    assert summary["last_checkpoint"] == f"step-{stopped}"
+    assert f"interrupted by SIGTERM after step {stopped}; checkpoint: step-{stopped}" in stderr
+    assert not (run_dir / "run.lock").exists()
+
+    done = weft("run", str(recipe), "--run-dir", str(run_dir), "--resume", "--set", steps, "--set", keep,
+                cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got, want = rows(run_dir), rows(reference)
+    assert [r["step"] for r in got] == list(range(1, 41))
+    for a, b in zip(got, want):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=1e-7), a["step"]
