@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import sys
+import traceback
 from typing import Sequence
 
 from weft.core.errors import EXIT_OK, EXIT_RUNTIME, WeftError
@@ -23,6 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except WeftError as error:
         if os.environ.get("RANK", "0") == "0":  # once per run, not once per rank (the others log it)
+            if os.environ.get("WEFT_DEBUG", "") not in ("", "0") and error.__cause__ is not None:
+                traceback.print_exception(error.__cause__)
             print(f"weft: error: {error}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:

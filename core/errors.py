@@ -47,3 +47,13 @@ class GuardAbort(WeftError):
     """A guard stopped the run (non-finite loss, a loss spike, ...): not a user error."""
 
     exit_code = EXIT_GUARD
+
+
+class PluginError(WeftError):
+    """A plugin's hook raised: named with its hook and distribution, the traceback kept."""
+
+    exit_code = EXIT_RUNTIME
+
+    def __init__(self, message: str, *, where: str | None = None, plugin: str | None = None) -> None:
+        super().__init__(message, where=where)
+        self.plugin = plugin

@@ -15,7 +15,10 @@ import structlog
 
 
 class _Tee:
-    """A structlog logger writing JSON to a file and, optionally, a console line."""
+    """A structlog logger writing JSON to a file and, optionally, a console line.
+
+    Events with ``file_only=True`` (a traceback, say) go to the file alone: the console
+    gets one paragraph, the file everything."""
 
     def __init__(self, json_file: TextIO | None, console: TextIO | None, renderer: Any) -> None:
         self.json_file = json_file
@@ -26,7 +29,7 @@ class _Tee:
         if self.json_file is not None:
             self.json_file.write(json.dumps(event_dict, default=str) + "\n")
             self.json_file.flush()
-        if self.console is not None:
+        if self.console is not None and not event_dict.get("file_only"):
             self.console.write(self.renderer(None, "", dict(event_dict)) + "\n")
             self.console.flush()
 

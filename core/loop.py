@@ -79,8 +79,13 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
           metrics or contextlib.nullcontext()):
         for step in range(ctx.start_step + 1, recipe.train.max_steps + 1):
             state = StepState(step=step, consecutive_skips=state.consecutive_skips, memory=state.memory)
-            row, verdict = _one_step(run=run, steps=steps, state=state, optimizer=optimizer, scheduler=scheduler,
-                                     autocast=autocast, pm=pm, ctx=ctx, totals=totals)
+            try:
+                row, verdict = _one_step(run=run, steps=steps, state=state, optimizer=optimizer,
+                                         scheduler=scheduler, autocast=autocast, pm=pm, ctx=ctx, totals=totals)
+            except GuardAbort as abort:
+                _aborted(abort, state=state, metrics=metrics, run=run, optimizer=optimizer, scheduler=scheduler,
+                         ctx=ctx, ending=ending)
+                raise
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
@@ -157,6 +162,24 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
     return row, verdict
 
 
+def _aborted(abort: GuardAbort, *, state: StepState, metrics, run: Prepared, optimizer, scheduler, ctx: RunContext,
+             ending: Ending) -> None:
+    """A guard stopped the run at this step: its row says so, and the state before the step
+    (no optimizer step was taken) is saved as the previous step's checkpoint."""
+    if metrics is not None:
+        metrics.write(json.dumps({"step": state.step, "loss": state.loss, "grad_norm": state.grad_norm,
+                                  "aborted": abort.message}) + "\n")
+        metrics.flush()
+    last_good = state.step - 1
+    saved = checkpoint.checkpoint_dirs(ctx.run_dir)
+    if ctx.recipe.train.checkpoint_every != -1 and last_good >= 1 and not (saved and saved[-1].name ==
+                                                                            f"step-{last_good}"):
+        path = checkpoint.save(run_dir=ctx.run_dir, step=last_good, model=run.model, optimizer=optimizer,
+                               scheduler=scheduler, rank=ctx.rank, keep=ctx.recipe.train.keep_checkpoints)
+        ctx.log.info("checkpoint.saved", step=last_good, path=str(path), reason="guard abort: the last good state")
+        ending.checkpoint = path.name
+
+
 def _checkpoint_due(every: int, *, step: int, last: int, verdict: Verdict, interrupted: bool = False) -> bool:
     """Every ``every`` steps, at the end (0: only at the end) and when interrupted; -1: never,
     not even when a guard asks (a run that writes no checkpoint said so in its recipe)."""
@@ -195,7 +218,7 @@ def _collective_device(ctx: RunContext) -> torch.device:
 
 
 def _verdict(pm: Any, event: str, state: StepState, plan: Any, ctx: RunContext) -> Verdict:
-    verdicts = [v for v in pm.hook.weft_guard(event=event, state=state, plan=plan, ctx=ctx) if v is not None]
+    verdicts = [v for v in pm.call_all("weft_guard", event=event, state=state, plan=plan, ctx=ctx) if v is not None]
     return Verdict.strongest(verdicts)
 
 

@@ -125,7 +125,10 @@ def plugins_table(pm: Any) -> dict:
             "firstresult": bool(opts.get("firstresult")) if isinstance(opts, dict) else False,
             "implemented_by": [impl.plugin_name for impl in getattr(pm.hook, name).get_hookimpls()],
         })
-    plugins = [{"name": name, "distribution": pm.distribution_of(name)} for name in pm.plugin_names()]
+    strategies_of = pm.registry.all()  # collects weft_strategies first: fills pm.broken
+    broken = {name: error for name, _, error in pm.broken}
+    plugins = [{"name": name, "distribution": pm.distribution_of(name), "error": broken.get(name)}
+               for name in pm.plugin_names()]
     strategies = [
         {
             "point": s.point,
@@ -134,7 +137,7 @@ def plugins_table(pm: Any) -> dict:
             "summary": s.summary,
             "params": [{"name": n, "accepts": a, "default": d, "doc": doc} for n, a, d, doc in field_docs(s.params)],
         }
-        for s in pm.registry.all()
+        for s in strategies_of
     ]
     models = [{"name": a.name, "model_types": list(a.model_types), "plugin": plugin, "summary": a.summary}
               for plugin, a in pm.models.all()]
@@ -155,8 +158,10 @@ def render_plugins(table: dict) -> None:
     plugins = Table(title="plugins")
     plugins.add_column("plugin")
     plugins.add_column("distribution")
+    plugins.add_column("status")
     for plugin in table["plugins"]:
-        plugins.add_row(plugin["name"], plugin["distribution"])
+        status = f"[red]left out: weft_strategies raised {plugin['error']}[/red]" if plugin.get("error") else "ok"
+        plugins.add_row(plugin["name"], plugin["distribution"], status)
     console.print(plugins)
     strategies = Table(title="strategies")
     for column in ("point", "name", "plugin", "parameters", "summary"):

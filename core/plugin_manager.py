@@ -14,7 +14,7 @@ import pluggy
 import structlog
 
 from weft.core import hookspecs
-from weft.core.errors import HookError
+from weft.core.errors import HookError, PluginError, WeftError
 from weft.core.models import ModelAdapter, ModelRegistry
 from weft.core.registry import Strategy, StrategyRegistry
 
@@ -41,6 +41,8 @@ class WeftPluginManager(pluggy.PluginManager):
         self.add_hookspecs(hookspecs)
         self._registry: StrategyRegistry | None = None
         self._models: ModelRegistry | None = None
+        #: (plugin, distribution, error) of plugins whose weft_strategies raised: left out, reported.
+        self.broken: list[tuple[str, str, str]] = []
 
     @property
     def registry(self) -> StrategyRegistry:
@@ -61,13 +63,29 @@ class WeftPluginManager(pluggy.PluginManager):
     def _collect_strategies(self) -> StrategyRegistry:
         declared: list[Strategy] = []
         for impl in self.hook.weft_strategies.get_hookimpls():
-            for strategy in impl.function() or []:
-                declared.append(attrs.evolve(strategy, plugin=impl.plugin_name))
+            try:
+                offered = list(impl.function() or [])
+            except Exception as error:  # one broken plugin must not take `weft plugins` or `plan` down
+                where = self.distribution_of(impl.plugin_name)
+                self.broken.append((impl.plugin_name, where, f"{type(error).__name__}: {error}"))
+                print(f"weft: plugin {impl.plugin_name!r} ({where}) failed in weft_strategies and is left out: "
+                      f"{type(error).__name__}: {error}", file=sys.stderr)
+                continue
+            declared.extend(attrs.evolve(strategy, plugin=impl.plugin_name) for strategy in offered)
         return StrategyRegistry(declared)
+
+    def call_all(self, hook_name: str, **kwargs: Any) -> list:
+        """Call a hook on every plugin; a plugin that raises is named (:class:`PluginError`)."""
+        try:
+            return getattr(self.hook, hook_name)(**kwargs)
+        except WeftError:
+            raise  # already a message for the user
+        except Exception as error:
+            raise self._named(hook_name, error) from error
 
     def call_first(self, hook_name: str, **kwargs: Any) -> Any:
         """Call a firstresult hook and insist on an answer."""
-        result = getattr(self.hook, hook_name)(**kwargs)
+        result = self.call_all(hook_name, **kwargs)
         if result is None:
             decision = kwargs.get("decision")
             strategy = getattr(decision, "strategy", None)
@@ -78,6 +96,20 @@ class WeftPluginManager(pluggy.PluginManager):
                 + f"; registered plugins: {plugins}"
             )
         return result
+
+    def _named(self, hook_name: str, error: Exception) -> PluginError:
+        """The plugin whose hook function is on the error's traceback (the outermost such frame)."""
+        impls = {impl.function.__code__: impl.plugin_name
+                 for impl in getattr(self.hook, hook_name).get_hookimpls() if hasattr(impl.function, "__code__")}
+        tb, plugin = error.__traceback__, None
+        while tb is not None and plugin is None:
+            plugin = impls.get(tb.tb_frame.f_code)
+            tb = tb.tb_next
+        who = f"plugin {plugin!r} ({self.distribution_of(plugin)})" if plugin else "a plugin"
+        first = (str(error).splitlines() or [""])[0]
+        return PluginError(f"{who} raised {type(error).__name__} in hook {hook_name}: {first} "
+                           "(traceback in the run's log.jsonl; WEFT_DEBUG=1 prints it)", where=hook_name,
+                           plugin=plugin)
 
     def plugin_names(self) -> list[str]:
         return [name for name, plugin in self.list_name_plugin() if plugin is not None]

@@ -46,7 +46,7 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     mesh = build_device_mesh(plan.mesh, device_type=ctx.device.type)
     ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(MESH_ORDER, plan.mesh.shape)),
                  model=adapter.name, params=sum(p.numel() for p in model.parameters()), device=str(ctx.device))
-    pm.hook.weft_shard(model=model, plan=plan, mesh=mesh, ctx=ctx)
+    pm.call_all("weft_shard", model=model, plan=plan, mesh=mesh, ctx=ctx)
     adapter.materialize(model, recipe, device=ctx.device, seed=recipe.train.seed, log=ctx.log)
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
     # The position watch goes first on the text decoder, so it sees whole-sequence ids.

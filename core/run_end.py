@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import pathlib
 import time
+import traceback
 from typing import Any
 
 import attrs
@@ -64,6 +65,8 @@ class Ending:
         if self.written:
             return summary
         self.written = True
+        if error is not None and not isinstance(error, GuardAbort):
+            ctx.log.error("run.error", traceback="".join(traceback.format_exception(error)), file_only=True)
         if ctx.rank == 0:
             (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             (ctx.log.info if self.status in ("completed", "interrupted") else ctx.log.error)("run.end", **summary)

@@ -210,3 +210,67 @@ def test_sigterm_saves_and_resumes_exactly(recipe, tmp_path):
     for a, b in zip(got, want):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), a["step"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=1e-7), a["step"]
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory) -> dict:
+    from plugin_site import plugin_env
+
+    return plugin_env(tmp_path_factory.mktemp("plugins"), module="weft_test_plugins", entry="weft-test")
+
+
+def _with_guards(recipe: pathlib.Path, guards: str) -> pathlib.Path:
+    path = recipe.with_name("guarded.toml")
+    path.write_text(recipe.read_text() + f"\n[[rules]]\nguard = [{guards}]\n")
+    return path
+
+
+def test_nan_at_step_k(recipe, tmp_path, plugin_site):
+    """NaN from step 5: step 5 skipped, step 6 aborts (exit 3, one message); the row of step 6 says so;
+    the state before it (step 5 skipped, so after step 4) is saved as step-5; summary says aborted."""
+    guarded = _with_guards(recipe, '{ strategy = "finite", max_consecutive_skips = 2 }, '
+                                   '{ strategy = "nan_from", step = 5 }')
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "weft", "run", str(guarded), "--run-dir", str(run_dir),
+                           "--set", "train.checkpoint_every=4"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env=plugin_site)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert done.stderr.count("weft: error:") == 1 and "Traceback" not in done.stderr
+    assert "weft: error: guard: guard 'finite' stopped the run at step 6: grad_norm not finite" in done.stderr
+    got = rows(run_dir)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6] and got[4]["skipped"] and "aborted" in got[5]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "aborted" and summary["last_checkpoint"] == "step-5"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-4", "step-5"]
+
+
+def test_raising_plugin_is_named(recipe, tmp_path, plugin_site):
+    guarded = _with_guards(recipe, '{ strategy = "raise_at", step = 2 }')
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "weft", "run", str(guarded), "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=plugin_site)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert ("plugin 'weft-test' (weft-test-plugins 0.1) raised RuntimeError in hook weft_guard: "
+            "injected failure at step 2") in done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "weft-test" in summary["reason"]
+    log = (run_dir / "log.jsonl").read_text()
+    assert "run.error" in log and "injected failure at step 2" in log and "weft_test_plugins" in log
+
+
+def test_plugin_whose_strategies_raise_is_left_out_and_reported(capsys):
+    from weft.core.hookspecs import hookimpl
+    from weft.core.plan_view import plugins_table
+    from weft.core.plugin_manager import build_plugin_manager
+
+    class Broken:
+        @hookimpl
+        def weft_strategies(self):
+            raise ImportError("a missing dependency")
+
+    pm = build_plugin_manager(entry_points=False, extra=[("broken", Broken())])
+    table = plugins_table(pm)
+    (row,) = [p for p in table["plugins"] if p["name"] == "broken"]
+    assert row["error"] == "ImportError: a missing dependency"
+    assert any(s["name"] == "ring" for s in table["strategies"])  # the others are all there
+    assert "plugin 'broken'" in capsys.readouterr().err
