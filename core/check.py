@@ -204,9 +204,9 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
         if code != 0 or not out.is_file():
             raise RunFailed(f"the {world_size}-rank run of `weft check` failed (exit code {code}); "
                             "its ranks' output above says why", where="weft check")
-        got = torch.load(out, weights_only=False)
+        got = torch.load(out, weights_only=True)  # written by our own ranks; still only tensors and numbers
         batches = [mb for d in range(plan.mesh.dp)
-                   for mb in torch.load(out.with_name(f"batches-dp{d}.pt"), weights_only=False)]
+                   for mb in torch.load(out.with_name(f"batches-dp{d}.pt"), weights_only=True)]
     ref = reference(recipe, adapter=pm.models.for_recipe(recipe), batches=batches, max_norm=clip,
                     device=device_type_of(recipe))
     # After grad sync the built-in clip's result is known; a third-party grad sync's is not.

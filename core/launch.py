@@ -11,7 +11,7 @@ import uuid
 from weft.core.errors import EXIT_GUARD, EXIT_RUNTIME, EXIT_USER
 
 
-def launch_local(*, nproc: int, args: list[str], run_dir: pathlib.Path) -> int:
+def launch_local(*, nproc: int, args: list[str], run_dir: pathlib.Path | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -38,7 +38,7 @@ def launch_local(*, nproc: int, args: list[str], run_dir: pathlib.Path) -> int:
     except SignalException as error:
         # Preemption: the launcher forwarded the signal to the ranks, which stopped after
         # their step and saved (summary.json says so), or were killed.
-        status = _status(run_dir)
+        status = _status(run_dir) if run_dir is not None else "no run directory"
         if status == "interrupted":
             return 0
         print(f"weft: stopped by {error.sigval.name}; the ranks did not finish saving (summary: {status})",

@@ -16,7 +16,10 @@ import os
 import pathlib
 from typing import Any, Iterable, Iterator
 
+import attrs
 import torch
+
+from weft.strategies.conversation import Sample
 
 # One processor per worker process, loaded by the pool's initializer: the standard
 # way to give pool workers a heavy object without pickling it per task.
@@ -80,8 +83,10 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
     key = _key(line, record, _WORKER["base"], _WORKER["fingerprint"]) if cache else None
     if key and (cache / f"{key}.pt").is_file():
         try:
-            return where, torch.load(cache / f"{key}.pt", weights_only=False)
-        except Exception:  # a damaged entry is re-made below
+            # Tensors only (weights_only): a pickle planted in a shared cache folder is refused,
+            # never run, and the entry is made again below.
+            return where, Sample(**torch.load(cache / f"{key}.pt", weights_only=True))
+        except Exception:  # a damaged or planted entry is re-made below
             pass
     try:
         messages = record_to_messages(record, base=_WORKER["base"])
@@ -92,7 +97,7 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
         return where, f"{type(error).__name__}: {error}"
     if key:
         tmp = cache / f".{key}.{os.getpid()}.tmp"
-        torch.save(sample, tmp)
+        torch.save(attrs.asdict(sample, recurse=False), tmp)  # a dict of tensors, nothing to unpickle
         tmp.replace(cache / f"{key}.pt")
     return where, sample
 

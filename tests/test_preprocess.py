@@ -47,3 +47,29 @@ def test_workers_and_cache_give_the_same_samples(tmp_path):
     os.utime(red, ns=(time.time_ns(), time.time_ns() + 10**9))
     encode(path, workers=1, cache=cache)
     assert len(list(cache.glob("*.pt"))) > len(before)
+
+
+class _Planted:
+    """Unpickling this touches a file: proof that code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (type(self.marker).touch, (self.marker,))
+
+
+def test_pickle_planted_in_the_cache_is_refused(tmp_path):
+    """A cache folder beside a shared dataset must not be a way to run code in every job
+    that reads it: entries load as tensors only; a planted one is made again, never run."""
+    path, _ = make_dataset(tmp_path)
+    cache = tmp_path / "cache"
+    first = [s for s in encode(path, workers=1, cache=cache) if not isinstance(s, datasets.BadSample)]
+    marker = tmp_path / "code-ran"
+    for entry in cache.glob("*.pt"):
+        torch.save(_Planted(marker), entry)
+    again = [s for s in encode(path, workers=1, cache=cache) if not isinstance(s, datasets.BadSample)]
+    assert not marker.exists()
+    assert [s.input_ids.tolist() for s in again] == [s.input_ids.tolist() for s in first]
+    for entry in cache.glob("*.pt"):  # made again, as plain tensors
+        assert set(torch.load(entry, weights_only=True)) >= {"input_ids", "labels"}
