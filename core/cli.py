@@ -257,7 +257,7 @@ def _check_inputs(recipe, pm) -> None:
     if recipe.data.source == "jsonl":
         path = recipe.data_file()
         if not path.is_file():
-            raise WeftError(f"data.path {str(path)!r} does not exist (paths are relative to the recipe)",
+            raise WeftError(f"data.path {str(path)!r} does not exist (relative to the recipe; with --set, to here)",
                             where=f"{recipe.source} (data.path)")
     tokenized = recipe.data.source == "jsonl" or not recipe.data.tokens
     if tokenized and pm.models.for_recipe(recipe).config(recipe)[1] is None:

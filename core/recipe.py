@@ -57,7 +57,8 @@ class ModelSection:
 class DataSection:
     source: Literal["synthetic", "jsonl"] = attrs.field(default="synthetic",
                                                         metadata=_doc("synthetic conversations or a JSONL chat file"))
-    path: str | None = attrs.field(default=None, metadata=_doc("JSONL file (chat format), relative to the recipe"))
+    path: str | None = attrs.field(default=None, metadata=_doc(
+        "JSONL file (chat format), relative to the recipe (with --set: to the current folder)"))
     num_samples: int = attrs.field(default=256, validator=in_range(low=1), metadata=_doc("synthetic samples"))
     min_side: int = attrs.field(default=28, validator=in_range(low=28),
                                 metadata=_doc("smallest synthetic image side, px"))
@@ -246,6 +247,10 @@ def _check_preset(model: ModelSection, *, where: Where) -> None:
         )
 
 
+#: Keys holding file paths: relative to the recipe's folder in a file, to the current folder with --set.
+_PATH_KEYS = {("model", "path"), ("data", "path")}
+
+
 def apply_override(data: dict, override: str) -> None:
     """Apply one ``--set a.b=value`` to the raw recipe data; the value is read as TOML."""
     if "=" not in override:
@@ -271,6 +276,9 @@ def apply_override(data: dict, override: str) -> None:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
     except (tomllib.TOMLDecodeError, RecursionError):
         value = text.strip()  # a bare word is a string: --set model.preset=qwen2_5_vl_7b
+    if (section, name) in _PATH_KEYS and isinstance(value, str) and not pathlib.Path(value).is_absolute():
+        # Typed on the command line: relative to where it was typed, not to the recipe's folder.
+        value = str(pathlib.Path.cwd() / value)
     table = data.setdefault(section, {})
     if not isinstance(table, dict):
         raise RecipeError(f"[{section}] is not a table in the recipe", where=flag)

@@ -136,7 +136,7 @@ def test_several_overrides_apply_in_order(tmp_path):
         path, overrides=("train.max_steps=5", "train.max_steps=6", "data.source=jsonl", "data.path=chat.jsonl")
     )
     assert recipe.train.max_steps == 6
-    assert (recipe.data.source, recipe.data.path) == ("jsonl", "chat.jsonl")
+    assert (recipe.data.source, recipe.data.path) == ("jsonl", str(pathlib.Path.cwd() / "chat.jsonl"))
 
 
 def test_set_model_preset_replaces_model_path(tmp_path):
@@ -203,3 +203,15 @@ def test_raw_is_a_copy():
     assert recipe.raw["train"]["max_steps"] == 4
     # raw does not take part in equality: two recipes of equal meaning are equal.
     assert recipe == Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"max_steps": 4}})
+
+
+def test_paths_given_with_set_are_relative_to_the_current_folder(tmp_path, monkeypatch):
+    """In a file, data.path is relative to the file; typed after --set, to where it was typed."""
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    recipe_file = folder / "r.toml"
+    recipe_file.write_text('[model]\npreset = "qwen2_5_vl_tiny"\n[data]\nsource = "jsonl"\npath = "in-file.jsonl"\n')
+    monkeypatch.chdir(tmp_path)
+    assert Recipe.from_toml(recipe_file).data_file() == folder / "in-file.jsonl"
+    typed = Recipe.from_toml(recipe_file, overrides=("data.path=data/typed.jsonl",))
+    assert typed.data_file() == tmp_path / "data" / "typed.jsonl"
