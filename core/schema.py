@@ -40,31 +40,43 @@ class Where:
 
         ``rules[2]`` is the third ``[[rules]]`` header. A key inside an inline
         table (``attention = { strategy = ... }``) resolves to that table's line.
+        One scan of the text builds an index, so a recipe of thousands of rules
+        is located in linear time.
         """
-        parts = re.findall(r"[^.\[\]]+|\[\d+\]", dotted)
-        table: list[str] = []
-        counts: dict[str, int] = {}
-        inline: int | None = None
-        for number, line in enumerate(self.lines, start=1):
-            header = self._header.match(line)
-            if header:
-                name = header.group(2).replace('"', "").replace("'", "").replace(" ", "")
-                if header.group(1) == "[[":
-                    counts[name] = counts.get(name, -1) + 1
-                    table = name.split(".") + [f"[{counts[name]}]"]
-                else:
-                    table = name.split(".")
-                if table == parts or table == parts + ["[0]"]:
-                    return number
-                continue
-            key = self._key.match(line)
-            if key:
-                full = table + [key.group(1).strip("\"'")]
-                if full == parts:
-                    return number
-                if inline is None and len(full) < len(parts) and full == parts[: len(full)]:
-                    inline = number
-        return inline
+        exact, keys = self._index()
+        parts = tuple(re.findall(r"[^.\[\]]+|\[\d+\]", dotted))
+        found = [line for line in (exact.get(parts), exact.get((*parts, "[0]"))) if line is not None]
+        if found:
+            return min(found)
+        # The first key line in the file whose path is a proper prefix (an inline table holding the key).
+        inline = [keys[parts[:n]] for n in range(1, len(parts)) if parts[:n] in keys]
+        return min(inline) if inline else None
+
+    def _index(self) -> tuple[dict[tuple, int], dict[tuple, int]]:
+        """(path -> first line of that header or key, path -> first line of that key)."""
+        if getattr(self, "_built", None) is None:
+            exact: dict[tuple, int] = {}
+            keys: dict[tuple, int] = {}
+            table: list[str] = []
+            counts: dict[str, int] = {}
+            for number, line in enumerate(self.lines, start=1):
+                header = self._header.match(line)
+                if header:
+                    name = header.group(2).replace('"', "").replace("'", "").replace(" ", "")
+                    if header.group(1) == "[[":
+                        counts[name] = counts.get(name, -1) + 1
+                        table = name.split(".") + [f"[{counts[name]}]"]
+                    else:
+                        table = name.split(".")
+                    exact.setdefault(tuple(table), number)
+                    continue
+                key = self._key.match(line)
+                if key:
+                    full = (*table, key.group(1).strip("\"'"))
+                    exact.setdefault(full, number)
+                    keys.setdefault(full, number)
+            self._built = (exact, keys)
+        return self._built
 
     def at(self, dotted: str) -> str:
         if dotted in self.overridden:
