@@ -103,7 +103,16 @@ def load_image(source: Any, *, base: pathlib.Path) -> Image.Image:
     path = base / source
     if not path.is_file():
         raise ValueError(f"image file {source!r} not found")
-    with Image.open(path) as image:
+    try:
+        opened = Image.open(path)  # reads the header only
+    except Image.DecompressionBombError as error:  # over twice PIL's pixel limit: never decoded
+        raise ValueError(f"image {source!r}: {error}") from None
+    with opened as image:
+        width, height = image.size
+        if width * height > (Image.MAX_IMAGE_PIXELS or float("inf")):
+            # Checked before decoding: one such image must not take the host's memory.
+            raise ValueError(f"image {source!r} is {width}x{height} = {width * height:,} pixels, over the "
+                             f"{Image.MAX_IMAGE_PIXELS:,}-pixel limit (PIL's Image.MAX_IMAGE_PIXELS)")
         image.load()  # decode now: a truncated or corrupt file fails here, not mid-step
         if min(image.size) < 1:
             raise ValueError(f"image {source!r} has no pixels")

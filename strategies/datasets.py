@@ -41,15 +41,34 @@ def jsonl_samples(
     from weft.strategies.preprocess import encode_lines
 
     def lines():
-        with path.open(encoding="utf-8", errors="replace") as handle:
-            for number, line in enumerate(handle, start=1):
-                if line.strip():
-                    yield f"{path}:{number}", line
+        with path.open("rb") as handle:
+            for number, line in enumerate(_bounded_lines(handle, limit=MAX_LINE_BYTES), start=1):
+                if isinstance(line, int) or line.strip():
+                    # An oversized line travels as its size: _encode reports it, nothing else is kept.
+                    yield f"{path}:{number}", line if isinstance(line, int) else line.decode("utf-8", "replace")
 
     for where, result in encode_lines(lines(), processor=processor, processor_folder=processor_dir(processor),
                                       base=path.parent, workers=workers, cache_dir=cache_dir):
 
         yield result if isinstance(result, Sample) else BadSample(where, result)
+
+
+#: A JSONL line longer than this is skipped and counted without being held in memory
+#: (a 128K-token conversation is well under 1 MiB; images are files, not inline).
+MAX_LINE_BYTES = 16 << 20
+
+
+def _bounded_lines(handle, *, limit: int) -> Iterator[bytes | int]:
+    """The file's lines as bytes; a line over ``limit`` bytes as its length (an int), read
+    through in 1 MiB pieces and dropped."""
+    while line := handle.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):  # whole (the newline may be byte limit + 1)
+            yield line
+            continue
+        size = len(line)
+        while not line.endswith(b"\n") and (line := handle.readline(1 << 20)):
+            size += len(line)
+        yield size
 
 
 def collect(samples: Iterator[Sample | BadSample], *, on_bad: Callable[[BadSample], None]) -> list[Sample]:

@@ -20,6 +20,7 @@ import attrs
 import torch
 
 from weft.strategies.conversation import Sample
+from weft.strategies.datasets import MAX_LINE_BYTES
 
 # One processor per worker process, loaded by the pool's initializer: the standard
 # way to give pool workers a heavy object without pickling it per task.
@@ -75,6 +76,8 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
     from weft.strategies.data_formats import record_to_messages
 
     where, line = job
+    if isinstance(line, int):
+        return where, f"line of {line:,} bytes, over the {MAX_LINE_BYTES:,}-byte limit of one sample; not read"
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:

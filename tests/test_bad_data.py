@@ -1,12 +1,14 @@
-"""A dataset with 14 kinds of broken lines and images runs to the end; each one is reported."""
+"""A dataset with 16 kinds of broken lines and images runs to the end; each one is reported."""
 
 from __future__ import annotations
 
 import io
 import json
 import pathlib
+import struct
 import subprocess
 import sys
+import zlib
 
 import pytest
 from PIL import Image
@@ -55,7 +57,19 @@ BROKEN = {
     "content is a number": json.dumps({
         "messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "seven"}]
     }),
+    "decompression bomb": json.dumps(chat("images/bomb.png")),
+    "line over 16 MiB": json.dumps({"messages": "x" * (17 << 20)}),
 }
+
+
+def bomb_png(width: int = 40_000, height: int = 40_000) -> bytes:
+    """A PNG header declaring 1.6 billion pixels, with no pixel data: opening it is enough
+    to find out, decoding it would take the machine's memory."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
 
 
 def make_dataset(folder: pathlib.Path) -> tuple[pathlib.Path, dict[int, str]]:
@@ -67,6 +81,7 @@ def make_dataset(folder: pathlib.Path) -> tuple[pathlib.Path, dict[int, str]]:
     (images / "truncated.png").write_bytes(png((64, 64))[:60])
     (images / "not-an-image.png").write_text("this is text")
     (images / "empty.png").write_bytes(b"")
+    (images / "bomb.png").write_bytes(bomb_png())
     good = [
         json.dumps(chat("images/red.png")),
         json.dumps(chat("images/rgba.png", answer="It is red and half transparent.")),
@@ -118,6 +133,9 @@ def test_broken_dataset_runs_to_the_end_and_reports_each_line(dataset, tmp_path)
     assert all(e["where"].startswith(str(path)) for e in events if e["event"] == "data.skipped")
     assert "image-token count" in reported[next(n for n, k in bad_lines.items() if k == "image token in text")]
     assert "malformed JSON" in reported[next(n for n, k in bad_lines.items() if k == "malformed JSON")]
+    line_of = {kind: number for number, kind in bad_lines.items()}
+    assert "decompression bomb" in reported[line_of["decompression bomb"]]
+    assert "over the 16,777,216-byte limit" in reported[line_of["line over 16 MiB"]]
 
 
 def test_strict_data_stops_at_the_first_bad_line(dataset, tmp_path):
