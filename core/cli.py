@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
 import os
 import pathlib
@@ -14,7 +12,7 @@ from typing import Sequence
 
 from weft.core.errors import EXIT_OK, EXIT_RUNTIME, WeftError
 from weft.core.plugin_manager import plugin_manager_from_env
-from weft.core.run_lock import run_lock
+from weft.core.run_command import cmd_run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,9 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", type=pathlib.Path, default=None,
                      help="run directory (default runs/<recipe>-<timestamp>)")
     run.add_argument("--locked", action="store_true", help=argparse.SUPPRESS)  # set by weft's own launcher
+    run.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                     help="restart the ranks up to N times after one dies; they resume from the newest checkpoint")
     run.add_argument("--resume", action="store_true",
                      help="continue from the newest checkpoint of --run-dir (default: the newest run of this recipe)")
-    run.set_defaults(func=_cmd_run)
+    run.set_defaults(func=cmd_run)
 
     plan = sub.add_parser("plan", help="show which strategy each module gets, without weights or processes")
     plan.add_argument("recipe")
@@ -202,95 +202,6 @@ def _cmd_plugins(args) -> int:
         from weft.core.plan_view import render_plugins
 
         render_plugins(table)
-    return EXIT_OK
-
-
-# ---------------------------------------------------------------------------
-# weft run
-# ---------------------------------------------------------------------------
-
-
-def _under_launcher() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def _cmd_run(args) -> int:
-    from weft.core.planner import plan_recipe
-
-    recipe = _load(args)
-    pm = plugin_manager_from_env()
-    if _under_launcher():
-        run_dir = args.run_dir or pathlib.Path("runs") / (
-            f"{pathlib.Path(args.recipe).stem}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}")
-        # weft's own launcher holds the lock for its ranks; under torchrun, rank 0 takes it.
-        held = args.locked or os.environ.get("RANK") != "0"
-        with contextlib.nullcontext() if held else run_lock(run_dir):
-            return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
-    nproc = args.nproc or recipe.parallel.nproc
-    # Everything a user can get wrong is checked here, before any process starts.
-    plan_recipe(recipe, pm=pm, world_size=nproc)
-    _check_inputs(recipe, pm)
-    run_dir = _run_dir(args, recipe)
-    if args.resume:
-        from weft.core.checkpoint import checkpoint_dirs
-
-        if not checkpoint_dirs(run_dir):  # before any rank starts
-            raise WeftError(f"no checkpoint under {run_dir / 'checkpoints'} to resume from (checkpoints are written "
-                            "every train.checkpoint_every steps and at the end)", where="--resume")
-    with run_lock(run_dir):  # one run per run directory, before anything is written there
-        (run_dir / "recipe.json").write_text(json.dumps(
-            {"source": recipe.source, "overrides": args.overrides, "recipe": recipe.raw}, indent=1, default=str))
-        print(f"weft: run directory {run_dir}", file=sys.stderr)
-        if nproc == 1:
-            return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
-        from weft.core.launch import launch_local
-
-        child_args = ["-m", "weft", "run", args.recipe, "--run-dir", str(run_dir), "--locked"]
-        for override in args.overrides:
-            child_args += ["--set", override]
-        if args.resume:
-            child_args.append("--resume")
-        return launch_local(nproc=nproc, args=child_args, run_dir=run_dir)
-
-
-def _check_inputs(recipe, pm) -> None:
-    if recipe.data.source == "jsonl":
-        path = recipe.data_file()
-        if not path.is_file():
-            raise WeftError(f"data.path {str(path)!r} does not exist (relative to the recipe; with --set, to here)",
-                            where=f"{recipe.source} (data.path)")
-    tokenized = recipe.data.source == "jsonl" or not recipe.data.tokens
-    if tokenized and pm.models.for_recipe(recipe).config(recipe)[1] is None:
-        # Before any rank builds the model: a 7B preset has no tokenizer to read chat data with.
-        raise WeftError(
-            f"model.preset {recipe.model.preset!r} comes with no processor (tokenizer and image processor), which "
-            f"data.source = {recipe.data.source!r} needs; set model.processor to a processor folder, or use "
-            "data.source = 'synthetic' with data.tokens = N (long samples from the model's vocabulary, no tokenizer)",
-            where=f"{recipe.source} (model.processor)")
-
-
-def _run_dir(args, recipe) -> pathlib.Path:
-    if args.run_dir is not None:
-        return args.run_dir
-    stem = pathlib.Path(args.recipe).stem
-    if args.resume:
-        runs = sorted(pathlib.Path("runs").glob(f"{stem}-*"))
-        if not runs:
-            raise WeftError(f"--resume: no earlier run of {stem!r} under runs/; give --run-dir", where="--resume")
-        return runs[-1]
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return pathlib.Path("runs") / f"{stem}-{stamp}"
-
-
-def _train(recipe, pm, *, run_dir: pathlib.Path, resume: bool) -> int:
-    from weft.core.loop import train
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    summary = train(recipe=recipe, pm=pm, run_dir=run_dir, resume=resume, console=True)
-    if summary["status"] == "interrupted" and os.environ.get("RANK", "0") == "0":
-        saved = summary["last_checkpoint"] or "none (train.checkpoint_every = -1)"
-        print(f"weft: interrupted by {summary['reason']} after step {summary['last_step']}; checkpoint: {saved}; "
-              "continue with --resume", file=sys.stderr)
     return EXIT_OK
 
 

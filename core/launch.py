@@ -11,7 +11,10 @@ import uuid
 from weft.core.errors import EXIT_GUARD, EXIT_RUNTIME, EXIT_USER
 
 
-def launch_local(*, nproc: int, args: list[str], run_dir: pathlib.Path | None = None) -> int:
+def launch_local(*, nproc: int, args: list[str], run_dir: pathlib.Path | None = None, max_restarts: int = 0) -> int:
+    """Start ``nproc`` ranks running ``python args``; with ``max_restarts``, torch's elastic agent
+    restarts all of them after a rank dies (the restarted ranks resume by themselves: see
+    ``restarted``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -25,7 +28,7 @@ def launch_local(*, nproc: int, args: list[str], run_dir: pathlib.Path | None = 
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.2,
     )
     try:
@@ -52,3 +55,9 @@ def _status(run_dir: pathlib.Path) -> str:
         return json.loads((run_dir / "summary.json").read_text()).get("status", "unknown")
     except (OSError, ValueError):
         return "none written"
+
+
+def restarted() -> bool:
+    """True in ranks the elastic agent started again after a failure (its own protocol:
+    TORCHELASTIC_RESTART_COUNT counts the restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0

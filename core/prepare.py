@@ -72,7 +72,13 @@ def init_process_group(recipe: Recipe) -> tuple[int, int, int, str]:
         backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
         if "RANK" in os.environ:  # started by torchrun / the elastic launcher
-            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+            timeout = datetime.timedelta(minutes=10)
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            # A restarted round may share the launcher's store with the round that failed: a
+            # prefix per attempt keeps its ranks from reading the dead ranks' addresses.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"weft/attempt_{attempt}", store), rank=rank,
+                                    world_size=world, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
