@@ -275,28 +275,3 @@ def test_plugin_whose_strategies_raise_is_left_out_and_reported(capsys):
     assert any(s["name"] == "ring" for s in table["strategies"])  # the others are all there
     assert "plugin 'broken'" in capsys.readouterr().err
 
-
-def test_rank_killed_mid_step_restarts_and_resumes(recipe, tmp_path, plugin_site):
-    """Rank 1 is SIGKILLed at the start of step 5 (2 ranks, checkpoints every 2 steps); with
-    --max-restarts 1 the launcher starts both ranks again, they resume from step-4 by
-    themselves, and the run ends exactly as one never interrupted."""
-    def run(name: str, kill_step: int, *extra: str) -> pathlib.Path:
-        guarded = recipe.with_name(f"{name}.toml")
-        guarded.write_text(recipe.read_text().replace("nproc = 1", "nproc = 2")
-                           + f'\n[[rules]]\nguard = [{{ strategy = "finite" }}, '
-                             f'{{ strategy = "kill", step = {kill_step}, rank = 1 }}]\n')
-        done = subprocess.run([sys.executable, "-m", "weft", "run", str(guarded), "--run-dir", str(tmp_path / name),
-                               "--set", "train.max_steps=6", *extra], capture_output=True, text=True, timeout=300,
-                              cwd=tmp_path, env=plugin_site)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return tmp_path / name
-
-    reference = run("reference", 100)
-    restarted = run("restarted", 5, "--max-restarts", "1")
-    summary = json.loads((restarted / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["start_step"] == 4
-    got, want = rows(restarted), rows(reference)
-    assert [r["step"] for r in got] == list(range(1, 7))
-    for a, b in zip(got, want):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), a["step"]
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=1e-7), a["step"]
