@@ -70,7 +70,7 @@ def test_entry_point_is_loaded_with_its_distribution(installed):
 def test_weft_plugins_json_lists_it(installed, capsys):
     assert cli.main(["plugins", "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
-    assert {"name": "example", "distribution": DIST} in table["plugins"]
+    assert {"name": "example", "distribution": DIST, "error": None} in table["plugins"]
     guard_hook = next(h for h in table["hook_points"] if h["hook"] == "weft_guard")
     assert "example" in guard_hook["implemented_by"] and guard_hook["firstresult"] is False
     (spike,) = [s for s in table["strategies"] if s["name"] == "loss_spike"]
