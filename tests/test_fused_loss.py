@@ -110,6 +110,27 @@ def test_float32_sum_of_weight_grad_beats_bf16_sum():
     assert error(torch.float32) < 0.5 * error(torch.bfloat16)
 
 
+@pytest.mark.parametrize("chunk_bytes", [512 << 20, 5 * 4 * 256])  # one vocabulary slice; slices of 5 (53 = 10 x 5 + 3)
+def test_bf16_weight_grad_by_vocabulary_slices_is_rounded_once(chunk_bytes):
+    """A bf16 weight's gradient by default comes from a pass over vocabulary slices (no float32
+    (V, H) accumulator): bias included, ignored rows included, as near the exact (float64)
+    gradient as the float32 running sum rounded once, and far nearer than a bf16 running sum."""
+    hidden, weight, bias, target = _case(torch.bfloat16, n=256, bias=True)
+    target[100:110] = IGNORE
+    exact = [x.double().requires_grad_() for x in (weight, bias)]
+    plain(hidden.double(), exact[0], target, exact[1]).backward()
+
+    def errors(**kw):
+        w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        linear_cross_entropy_sum(hidden, w, target, bias=b, chunk_rows=4, **kw).backward()
+        return [((x.grad.double() - e.grad).norm() / e.grad.norm()).item() for x, e in zip((w, b), exact)]
+
+    by_slice = errors(chunk_bytes=chunk_bytes)
+    summed = errors(weight_grad_dtype=torch.float32)
+    assert by_slice[0] <= 1.25 * summed[0] and by_slice[1] <= 1.25 * summed[1] + 1e-7
+    assert by_slice[0] < 0.5 * errors(weight_grad_dtype=torch.bfloat16)[0]
+
+
 def test_autocast_matches_plain_form_under_autocast():
     """float32 leaves under bf16 autocast: logits from a bf16 matmul, as F.linear would make them."""
     hidden, weight, _, target = _case(torch.float32, bias=False)
