@@ -47,7 +47,8 @@ def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, conso
     try:
         result = _train(recipe=recipe, pm=pm, ctx=ctx, resume=resume, console=console, stop=stop, ending=ending)
     except BaseException as error:
-        ending.record(recipe, ctx, error=error)
+        with contextlib.suppress(Exception):  # recording the ending must never hide the error itself
+            ending.record(recipe, ctx, error=error)
         close_process_group(clean=False)
         raise
     finally:

@@ -40,8 +40,9 @@ class Ending:
             self.status = ("aborted" if isinstance(error, GuardAbort)
                            else "interrupted" if isinstance(error, KeyboardInterrupt) else "failed")
             self.reason = (str(error).splitlines() or [type(error).__name__])[0][:500]
-        largest = ctx.positions.largest
-        if positions:
+        watch = ctx.positions  # None when the run failed before the model was prepared
+        largest = watch.largest if watch is not None else None
+        if positions and watch is not None:
             largest = _global_max(largest, device=ctx.device)
         summary = {
             "status": self.status,
@@ -60,7 +61,7 @@ class Ending:
             "world_size": ctx.world_size,
             # Over every rank's batches: how close the data came to the rotary context.
             "largest_position": largest,
-            "rope_context": ctx.positions.context,
+            "rope_context": watch.context if watch is not None else None,
         }
         if self.written:
             return summary

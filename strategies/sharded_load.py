@@ -32,9 +32,17 @@ def checkpoint_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     names: dict[str, pathlib.Path] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
+        with _open(file) as handle:
             names.update({name: file for name in handle.keys()})
     return names
+
+
+def _open(file: pathlib.Path):
+    """safe_open, with an error that names the file (a truncated download, a wrong file)."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as error:  # safetensors raises its own SafetensorError, OSError, ...
+        raise ValueError(f"{file} is not a readable safetensors file ({type(error).__name__}: {error})") from None
 
 
 def source_name(name: str, available: dict) -> str | None:
@@ -64,7 +72,7 @@ def load_sharded(model: torch.nn.Module, path: pathlib.Path, *, tied: dict[str, 
             missing.append(name)
             continue
         file = available[source]
-        handle = handles.get(file) or handles.setdefault(file, safe_open(str(file), framework="pt"))
+        handle = handles.get(file) or handles.setdefault(file, _open(file))
         with torch.no_grad():
             if isinstance(tensor, DTensor):
                 local = tensor.to_local()

@@ -275,3 +275,19 @@ def test_plugin_whose_strategies_raise_is_left_out_and_reported(capsys):
     assert any(s["name"] == "ring" for s in table["strategies"])  # the others are all there
     assert "plugin 'broken'" in capsys.readouterr().err
 
+
+
+def test_truncated_safetensors_names_the_file(tmp_path):
+    """A model directory whose weights file was cut short: one message naming the file, exit 2."""
+    from model_helpers import build_model
+    from weft.core.recipe import Recipe
+
+    model = build_model(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}}))
+    model.save_pretrained(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    recipe = tmp_path / "from-dir.toml"
+    recipe.write_text(FAST.replace('preset = "qwen2_text_tiny"', f'path = "{tmp_path / "model"}"'))
+    done = weft("run", str(recipe), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"{weights} is not a readable safetensors file" in done.stderr and "(model.path)" in done.stderr

@@ -3,13 +3,14 @@ export its weights: the shared part of every built-in model adapter."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
 import torch
 import transformers
 
-from weft.core.errors import RecipeError
+from weft.core.errors import RecipeError, WeftError
 from weft.core.presets import build_config, load_preset
 from weft.core.recipe import Recipe
 from weft.strategies.yarn import trained_positions, yarn_parameters
@@ -150,7 +151,10 @@ def load_weights(model: torch.nn.Module, recipe: Recipe, *, device: torch.device
             if getattr(model.config, "tie_word_embeddings", False) else None)
     if tied and not any(n == "model.language_model.embed_tokens.weight" for n, _ in model.named_parameters()):
         tied = {"lm_head.weight": "model.embed_tokens.weight"}
-    tensors = load_sharded(model, recipe.model_dir(), tied=tied)
+    try:
+        tensors = load_sharded(model, recipe.model_dir(), tied=tied)
+    except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError) as error:
+        raise WeftError(f"cannot load the weights: {error}", where=f"{recipe.source} (model.path)") from None
     rotary = reset_non_persistent_buffers(model)
     log.info("weights.loaded", path=str(recipe.model_dir()), tensors=tensors, rotary_tables=rotary)
 
