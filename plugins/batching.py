@@ -55,13 +55,14 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
 
 
 def _steps(params, recipe, plan, mesh, model, ctx):
-    from weft.plugins.data import bad_sample_handler, collect_samples, pad_id_of, sample_source, truncate
+    from weft.plugins.data import bad_sample_handler, check_vision, collect_samples, pad_id_of, sample_source, truncate
     from weft.strategies.conversation import collate
     from weft.strategies.token_budget import pack_micro_batches, schedule_steps
 
     tokenizer, source = sample_source(recipe, ctx.adapter)
     on_bad = bad_sample_handler(recipe, ctx)
     samples = collect_samples(recipe, source, on_bad=on_bad)
+    samples = check_vision(samples, config=ctx.adapter.config(recipe)[0], ctx=ctx, on_bad=on_bad)
     budget = recipe.train.micro_batch_tokens
     limit = min(budget, recipe.train.seq_len)
     if params.over_long == "truncate":

@@ -124,3 +124,27 @@ def truncate(samples, *, limit, tokenizer, ctx, on_bad) -> list:
         except ValueError as error:
             on_bad(BadSample(f"sample {index}", str(error)))
     return kept
+
+
+def check_vision(samples, *, config, ctx, on_bad) -> list:
+    """Samples whose image tokens match their image grids; the others named and passed to
+    ``on_bad``. Logs the share of image tokens (a dataset whose ratio drops to 0 lost its images)."""
+    from weft.strategies.datasets import BadSample
+    from weft.strategies.vision_integrity import vision_mismatch
+
+    token = getattr(config, "image_token_id", None)
+    vision = getattr(config, "vision_config", None)
+    if token is None or vision is None:
+        return samples  # a text model
+    kept, image_tokens, tokens = [], 0, 0
+    for index, sample in enumerate(samples):
+        reason = vision_mismatch(sample.input_ids, sample.image_grid_thw, image_token_id=token,
+                                 merge_size=getattr(vision, "spatial_merge_size", 2))
+        if reason is not None:
+            on_bad(BadSample(f"sample {index}", f"vision integrity: {reason}"))
+            continue
+        kept.append(sample)
+        image_tokens += int((sample.input_ids == token).sum())
+        tokens += sample.num_tokens
+    ctx.log.info("data.vision", samples=len(kept), image_token_ratio=round(image_tokens / max(tokens, 1), 4))
+    return kept

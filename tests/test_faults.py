@@ -291,3 +291,39 @@ def test_truncated_safetensors_names_the_file(tmp_path):
     done = weft("run", str(recipe), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert f"{weights} is not a readable safetensors file" in done.stderr and "(model.path)" in done.stderr
+
+
+def test_stripped_vision_tokens():
+    """A sample whose image tokens were stripped (or whose images were), or whose image span was cut:
+    named and skipped before batching; the good ones kept; the image-token share logged."""
+    import types
+
+    import structlog
+
+    from weft.plugins.data import check_vision
+    from weft.strategies.conversation import Sample
+
+    image, merge = 7, 2
+    grid = torch.tensor([[1, 4, 4]])  # 16 patches -> 4 tokens after the 2x2 merge
+
+    def sample(ids, with_image=True):
+        ids = torch.tensor(ids)
+        return Sample(input_ids=ids, labels=ids.clone(), pixel_values=torch.zeros(16, 8) if with_image else None,
+                      image_grid_thw=grid if with_image else None,
+                      mm_token_type_ids=(ids == image).long())
+
+    good = sample([1, image, image, image, image, 2])
+    stripped = sample([1, 2, 3, 4])  # the image's tokens gone, the image kept
+    cut = sample([1, image, image, 2])  # half an image span
+    orphan = sample([1, image, image, image, image, 2], with_image=False)  # tokens without their image
+    config = types.SimpleNamespace(image_token_id=image, vision_config=types.SimpleNamespace(spatial_merge_size=merge))
+    bad, events = [], []
+    ctx = types.SimpleNamespace(log=structlog.wrap_logger(
+        structlog.ReturnLogger(), processors=[lambda _, __, e: events.append(e) or e]))
+    kept = check_vision([good, stripped, cut, orphan, good], config=config, ctx=ctx, on_bad=bad.append)
+    assert kept == [good, good]
+    assert [b.where for b in bad] == ["sample 1", "sample 2", "sample 3"]
+    assert "1 image(s) but no image tokens" in bad[0].reason
+    assert "2 image tokens, but its 1 image(s) need 4" in bad[1].reason
+    assert "4 image tokens but no image" in bad[2].reason
+    assert events[-1]["image_token_ratio"] == round(8 / 12, 4)
