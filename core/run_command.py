@@ -38,9 +38,6 @@ def cmd_run(args) -> int:
         with contextlib.nullcontext() if held else run_lock(run_dir):
             return _train(recipe, pm, run_dir=run_dir, resume=resume)
     nproc = args.nproc or recipe.parallel.nproc
-    # Everything a user can get wrong is checked here, before any process starts.
-    plan_recipe(recipe, pm=pm, world_size=nproc)
-    _check_inputs(recipe, pm)
     run_dir = _run_dir(args, recipe)
     if args.resume:
         from weft.core.checkpoint import checkpoint_dirs
@@ -48,7 +45,11 @@ def cmd_run(args) -> int:
         if not checkpoint_dirs(run_dir):  # before any rank starts
             raise WeftError(f"no checkpoint under {run_dir / 'checkpoints'} to resume from (checkpoints are written "
                             "every train.checkpoint_every steps and at the end)", where="--resume")
-    with run_lock(run_dir):  # one run per run directory, before anything is written there
+    # One run per run directory: the lock first (a busy directory is said at once), then
+    # everything a user can get wrong, before any process starts.
+    with run_lock(run_dir):
+        plan_recipe(recipe, pm=pm, world_size=nproc)
+        _check_inputs(recipe, pm)
         (run_dir / "recipe.json").write_text(json.dumps(
             {"source": recipe.source, "overrides": args.overrides, "recipe": recipe.raw}, indent=1, default=str))
         print(f"weft: run directory {run_dir}", file=sys.stderr)

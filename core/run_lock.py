@@ -34,6 +34,8 @@ def run_lock(run_dir: pathlib.Path) -> Iterator[None]:
         with contextlib.suppress(OSError, ValueError):
             if json.loads(path.read_text()).get("pid") == mine["pid"]:
                 path.unlink()
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()  # only when empty: a run stopped by a user error leaves no folder behind
 
 
 def _take(path: pathlib.Path, mine: dict) -> None:
