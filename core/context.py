@@ -43,6 +43,8 @@ class StepState:
     tokens: int = 0
     consecutive_skips: int = 0
     error: BaseException | None = None
+    #: This rank's micro-batch sizes in tokens (batch x length), set before the forward.
+    local_tokens: tuple[int, ...] = ()
     # Per-run state a guard keeps between steps (a running mean, a counter), keyed
     # by the guard's strategy name; the loop hands the same dict to every step.
     memory: dict[str, Any] = attrs.field(factory=dict)

@@ -26,6 +26,7 @@ from weft.core.errors import GuardAbort, WeftError
 from weft.core.interrupt import StopRequest
 from weft.core.logging import run_logger
 from weft.core.mesh import device_for
+from weft.core.oom import out_of_memory
 from weft.core.prepare import Prepared, close_process_group, init_process_group, prepare_model
 from weft.core.progress import progress_bar
 from weft.core.recipe import Recipe
@@ -87,6 +88,8 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
                 _aborted(abort, state=state, metrics=metrics, run=run, optimizer=optimizer, scheduler=scheduler,
                          ctx=ctx, ending=ending)
                 raise
+            except torch.OutOfMemoryError as error:
+                raise out_of_memory(step=step, local_tokens=state.local_tokens, ctx=ctx, plan=run.plan) from error
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
@@ -113,6 +116,7 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
     t0 = time.perf_counter()
     timer = PhaseTimer(ctx.device)
     micro_batches = next(steps)
+    state.local_tokens = tuple(int(mb["input_ids"].numel()) for mb in micro_batches if "input_ids" in mb)
     if not micro_batches:
         raise WeftError(
             f"batching strategy {run.plan.decision('batching').strategy!r} gave rank {ctx.rank} no micro-batch "

@@ -81,6 +81,8 @@ class WeftPluginManager(pluggy.PluginManager):
         except WeftError:
             raise  # already a message for the user
         except Exception as error:
+            if type(error).__name__ == "OutOfMemoryError":
+                raise  # torch's: the loop turns it into its own message (looked up by name: no torch import here)
             raise self._named(hook_name, error) from error
 
     def call_first(self, hook_name: str, **kwargs: Any) -> Any:

@@ -327,3 +327,20 @@ def test_stripped_vision_tokens():
     assert "2 image tokens, but its 1 image(s) need 4" in bad[1].reason
     assert "4 image tokens but no image" in bad[2].reason
     assert events[-1]["image_token_ratio"] == round(8 / 12, 4)
+
+
+def test_out_of_memory_is_one_message_naming_the_levers(recipe, tmp_path, plugin_site):
+    """A step that runs out of memory: one paragraph (step, rank, micro-batch sizes, the levers not
+    pulled yet with their rule's file:line, the intact checkpoint), exit 1, summary "failed"."""
+    guarded = _with_guards(recipe, '{ strategy = "finite" }, { strategy = "oom_at", step = 3 }')
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "weft", "run", str(guarded), "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=plugin_site)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.count("weft: error:") == 1
+    message = done.stderr[done.stderr.index("weft: error:"):]
+    assert "out of GPU memory at step 3, rank 0, micro-batches of 64 tokens" in message
+    assert 'train.loss = "fused"' in message and "storage_dtype" in message and "micro_batch_tokens (now 64)" in message
+    assert "The last checkpoint (step-2) is intact" in message
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "out of GPU memory" in summary["reason"]

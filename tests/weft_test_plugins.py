@@ -9,6 +9,8 @@
   guards after it (entry-point plugins are called before the built-in ones): the fault
   "NaN at step k" as the built-in ``finite`` guard sees it.
 - guard ``raise_at``: raises at the start of step ``step``: a plugin that breaks.
+- guard ``oom_at``: raises torch's OutOfMemoryError at the start of step ``step``, as a
+  step that runs out of GPU memory would.
 """
 
 import os
@@ -45,6 +47,7 @@ def weft_strategies():
         Strategy(point="guard", name="kill", params=KillParams, summary="test: SIGKILL one rank at one step"),
         Strategy(point="guard", name="nan_from", params=StepParams, summary="test: NaN gradient norm from a step"),
         Strategy(point="guard", name="raise_at", params=StepParams, summary="test: raise at one step"),
+        Strategy(point="guard", name="oom_at", params=StepParams, summary="test: out of memory at one step"),
     ]
 
 
@@ -86,4 +89,8 @@ def weft_guard(event, state, plan, ctx):
             state.grad_norm = float("nan")
         if decision.strategy == "raise_at" and event == "step_start" and state.step == decision.params.step:
             raise RuntimeError(f"injected failure at step {state.step}")
+        if decision.strategy == "oom_at" and event == "step_start" and state.step == decision.params.step:
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 37.12 GiB (a page of statistics)")
     return None
