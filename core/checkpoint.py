@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from weft.core.collectives import any_rank, collective_device
 from weft.core.errors import EXIT_RUNTIME, WeftError
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -59,21 +60,21 @@ def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank:
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    device = _device_of(model)
+    device = collective_device(next(model.parameters()).device)
     error, mine = None, {}
     if rank == 0:
         try:
             tmp.mkdir(parents=True)
         except OSError as caught:
             error = caught
-    if not _any_rank(error is not None, device=device):  # every rank takes the same branch
+    if not any_rank(error is not None, device=device):  # every rank takes the same branch
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # raises on every rank
             torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
             mine = {name: _describe(tmp / name) for name in _own_files(tmp, rank)}
         except (OSError, RuntimeError, CheckpointException) as caught:
             error = caught
-    if _any_rank(error is not None, device=device):
+    if any_rank(error is not None, device=device):
         needed = _state_bytes(model_sd, optim_sd, device=device)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -152,7 +153,7 @@ def newest_good(run_dir: pathlib.Path, *, rank: int, world: int, device: torch.d
     passed = []
     for path in reversed(checkpoint_dirs(run_dir)):
         reason = verify(path, rank=rank, world=world)
-        if not _any_rank(reason is not None, device=device):
+        if not any_rank(reason is not None, device=device):
             return path, passed
         reasons = [None] * world
         dist.all_gather_object(reasons, reason)
@@ -175,18 +176,6 @@ def _crc32(path: pathlib.Path) -> int:
         while chunk := f.read(16 << 20):
             crc = zlib.crc32(chunk, crc)
     return crc
-
-
-def _device_of(model) -> torch.device:
-    # The collectives' device: gloo takes CPU tensors, NCCL the rank's GPU.
-    return next(model.parameters()).device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def _any_rank(flag: bool, *, device: torch.device) -> bool:
-    t = torch.tensor([int(flag)], device=device)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def _state_bytes(*states, device: torch.device) -> int:

@@ -14,7 +14,8 @@ import signal
 import time
 
 import torch
-import torch.distributed as dist
+
+from weft.core.collectives import any_rank
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -47,7 +48,4 @@ class StopRequest:
 
     def agreed(self, device: torch.device) -> bool:
         """True on every rank when any rank was signalled (collective: call on all ranks)."""
-        flag = torch.tensor([int(self.signal is not None)], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.signal is not None, device=device)

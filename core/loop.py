@@ -18,7 +18,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from weft.core import checkpoint
 from weft.core.context import RunContext, StepState
@@ -97,7 +96,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
                 ctx.log.info("step.end", **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})
             bar.advance(step, row)
             ending.last_step, ending.loss = step, state.loss
-            interrupted = stop.agreed(_collective_device(ctx))
+            interrupted = stop.agreed(ctx.device)
             if _checkpoint_due(recipe.train.checkpoint_every, step=step, last=recipe.train.max_steps, verdict=verdict,
                                interrupted=interrupted):
                 path = checkpoint.save(run_dir=ctx.run_dir, step=step, model=run.model, optimizer=optimizer,
@@ -204,7 +203,7 @@ def make_optimizer(recipe: Recipe, model: torch.nn.Module) -> tuple[Any, Any]:
 
 def _resume(ctx: RunContext, model, optimizer, scheduler) -> int:
     path, passed = checkpoint.newest_good(ctx.run_dir, rank=ctx.rank, world=ctx.world_size,
-                                          device=_collective_device(ctx))
+                                          device=ctx.device)
     for reason in passed:
         ctx.log.warning("checkpoint.rejected", reason=reason)
     if path is None:
@@ -216,10 +215,6 @@ def _resume(ctx: RunContext, model, optimizer, scheduler) -> int:
     step = checkpoint.load(path=path, model=model, optimizer=optimizer, scheduler=scheduler, rank=ctx.rank)
     ctx.log.info("checkpoint.loaded", path=str(path), step=step)
     return step
-
-
-def _collective_device(ctx: RunContext) -> torch.device:
-    return ctx.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _verdict(pm: Any, event: str, state: StepState, plan: Any, ctx: RunContext) -> Verdict:

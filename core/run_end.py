@@ -16,9 +16,8 @@ import traceback
 from typing import Any
 
 import attrs
-import torch
-import torch.distributed as dist
 
+from weft.core.collectives import global_max
 from weft.core.errors import GuardAbort
 
 
@@ -43,7 +42,7 @@ class Ending:
         watch = ctx.positions  # None when the run failed before the model was prepared
         largest = watch.largest if watch is not None else None
         if positions and watch is not None:
-            largest = _global_max(largest, device=ctx.device)
+            largest = global_max(largest, device=ctx.device)
         summary = {
             "status": self.status,
             "reason": self.reason,
@@ -89,10 +88,3 @@ def _step_of(line: str) -> int:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return 1 << 62  # a torn last line: dropped
-
-
-def _global_max(value: int, *, device: torch.device) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
