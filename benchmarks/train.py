@@ -198,6 +198,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per side and length")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-weft", action="store_true", help="plain transformers only (e.g. while another call "
+                        "of the same lease runs weft; --replot joins the two)")
     parser.add_argument("--recipe", help="weft's recipe (name or path) instead of the bundled one, e.g. a lever "
                         "variant from benchmarks/variants/")
     parser.add_argument("--hf-child", help=argparse.SUPPRESS)
@@ -214,7 +216,7 @@ def main() -> None:
         parser.error("--out is required")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.replot:
-        table = [row for f in args.replot.split(",") for row in json.loads(pathlib.Path(f).read_text())]
+        table = joined([row for f in args.replot.split(",") for row in json.loads(pathlib.Path(f).read_text())])
         write(table, args.out, device=args.device, memory_gib=args.memory_gib)
         return
     table = []
@@ -223,12 +225,24 @@ def main() -> None:
         length = int(length)
         recipe = str(pathlib.Path(args.recipe).resolve()) if args.recipe and pathlib.Path(args.recipe).exists() \
             else args.recipe
-        weft_row = steady(run_weft(size, length, args.steps, args.timeout, args.out, recipe), size, length)
+        weft_row = {"status": "skipped"} if args.skip_weft else steady(
+            run_weft(size, length, args.steps, args.timeout, args.out, recipe), size, length)
         hf_row = {"status": "skipped"} if args.skip_hf else steady(run_hf(size, length, args.steps, args.timeout),
                                                                    size, length)
         table.append({"size": size, "length": length, "weft": weft_row, "transformers": hf_row})
         print(json.dumps(table[-1]), flush=True)
     write(table, args.out)
+
+
+def joined(rows: list[dict]) -> list[dict]:
+    """Rows of the same model and length merged: each side from the row that ran it."""
+    merged: dict[tuple, dict] = {}
+    for row in rows:
+        into = merged.setdefault((row["size"], row["length"]), dict(row))
+        for side in ("weft", "transformers"):
+            if row[side]["status"] != "skipped":
+                into[side] = row[side]
+    return list(merged.values())
 
 
 def write(table: list[dict], out: pathlib.Path, **plot_kw) -> None:

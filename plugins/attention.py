@@ -125,7 +125,7 @@ def weft_attention(decision, module_path, plan, mesh, ctx):
     strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=plan.packed(),
                             backend=backend)
     if strategy == "local" and module_path and "visual" in module_path:
-        strategy = "sdpa"  # the vision tower's windows need transformers' own masks
+        strategy = "vision_local"  # windows and images as segments of one call, not one SDPA call each
     if strategy in ("sdpa", "eager", "local") and plan.packed() and module_path and "visual" not in module_path:
         from weft.core.errors import PlanError
 
@@ -134,14 +134,17 @@ def weft_attention(decision, module_path, plan, mesh, ctx):
     if strategy in ("sdpa", "eager"):
         # Names transformers already registers: nothing to add to the interface.
         return AttentionBinding(name=strategy)
-    if strategy == "vision_ulysses":
+    if strategy in ("vision_ulysses", "vision_local"):
         from weft.strategies.hf_attention import make_vision_attention_function
 
-        fn = make_vision_attention_function(group=mesh.sp.get_group(), rank=mesh.sp.get_local_rank(),
-                                            world=plan.mesh.sp)
+        if strategy == "vision_local":
+            fn = make_vision_attention_function(group=None, rank=0, world=1)
+        else:
+            fn = make_vision_attention_function(group=mesh.sp.get_group(), rank=mesh.sp.get_local_rank(),
+                                                world=plan.mesh.sp)
         # "flash" in the name on purpose: transformers then hands the vision tower's whole
         # patch sequence and its cu_seqlens to one call instead of looping over windows.
-        return AttentionBinding(name=f"weft_flash_vision_ulysses_{id(mesh):x}", fn=fn)
+        return AttentionBinding(name=f"weft_flash_{strategy}_{id(mesh):x}", fn=fn)
     if strategy not in ("ring", "ulysses", "usp", "local"):
         return None
     from weft.strategies.hf_attention import make_attention_function

@@ -17,9 +17,10 @@ import torch
 from weft.strategies.block_kernels import fa4_importable
 from weft.strategies.local_attention import local_attention
 from weft.strategies.ring import ring_attention
+from weft.strategies.segment_attention import segment_attention
 from weft.strategies.ulysses import ulysses_attention
 from weft.strategies.usp import usp_attention
-from weft.strategies.vision_ulysses import segment_attention, vision_ulysses_attention
+from weft.strategies.vision_ulysses import vision_ulysses_attention
 
 
 def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -113,9 +114,12 @@ def make_attention_function(
 
 def make_vision_attention_function(*, group: Any, rank: int, world: int) -> Callable:
     """For a vision tower whose attention name contains "flash": transformers then passes
-    the whole patch sequence with ``cu_seq_lens_q``. When the sequence arrives split over
-    the SP ranks (fewer local patches than ``cu_seq_lens_q`` covers), the ranks attend
-    together with Ulysses; otherwise this rank attends its own images alone."""
+    the whole patch sequence with ``cu_seq_lens_q`` (and the longest segment as
+    ``max_length_q``) to one call per block. When the sequence arrives split over the SP
+    ranks (fewer local patches than ``cu_seq_lens_q`` covers), the ranks attend together
+    with Ulysses; otherwise this rank attends its own images alone, all windows in one
+    flash-attn-4 call where it runs (``segment_attention``). ``world == 1``: one rank,
+    never split (no host sync to find out)."""
 
     def attention(
         module,
@@ -129,15 +133,14 @@ def make_vision_attention_function(*, group: Any, rank: int, world: int) -> Call
         **kwargs,
     ):
         cu_seqlens = kwargs["cu_seq_lens_q"]
+        max_seqlen = kwargs.get("max_length_q")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         query, key, value = autocast_inputs(query, key, value)
-        if query.shape[2] < int(cu_seqlens[-1]):
-            out = vision_ulysses_attention(
-                query, key, value, cu_seqlens=cu_seqlens, group=group, rank=rank, world=world, scale=scale
-            )
-
+        if world > 1 and query.shape[2] < int(cu_seqlens[-1]):
+            out = vision_ulysses_attention(query, key, value, cu_seqlens=cu_seqlens, group=group, rank=rank,
+                                           world=world, scale=scale, max_seqlen=max_seqlen)
         else:
-            out = segment_attention(query, key, value, cu_seqlens=cu_seqlens, scale=scale)
+            out = segment_attention(query, key, value, cu_seqlens=cu_seqlens, scale=scale, max_seqlen=max_seqlen)
         return out.transpose(1, 2).contiguous(), None  # (1, S_part, H, D)
 
     return attention

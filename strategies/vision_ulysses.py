@@ -14,25 +14,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from weft.strategies.segment_attention import segment_attention
 from weft.strategies.ulysses import heads_to_seq, seq_to_heads
 
 
 def part_sizes(total: int, world: int) -> list[int]:
     """Rows of each rank's part: the first ``total % world`` ranks take one more."""
     return [total // world + (1 if r < total % world else 0) for r in range(world)]
-
-
-def segment_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Non-causal attention inside each [cu_seqlens[i], cu_seqlens[i+1]) segment. (B, H, S, D)."""
-    bounds = cu_seqlens.tolist()
-    outs = [
-        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale=scale)
-        for a, b in zip(bounds[:-1], bounds[1:])
-        if b > a
-    ]
-    return torch.cat(outs, dim=2)
 
 
 def vision_ulysses_attention(
@@ -45,6 +33,7 @@ def vision_ulysses_attention(
     rank: int,
     world: int,
     scale: float,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
 
     """q, k, v: (1, H, S_part, D), this rank's part of the patch sequence. Returns the same shape.
@@ -63,6 +52,7 @@ def vision_ulysses_attention(
         padded = F.pad(x, (0, 0, 0, longest - x.shape[2]))
         return seq_to_heads(padded, group).index_select(2, rows)
 
-    out = segment_attention(gather(q), gather(k), gather(v), cu_seqlens=cu_seqlens, scale=scale)  # (1, H/P, S, D)
+    out = segment_attention(gather(q), gather(k), gather(v), cu_seqlens=cu_seqlens, scale=scale,
+                            max_seqlen=max_seqlen)  # (1, H/P, S, D)
     buffer = out.new_zeros((out.shape[0], out.shape[1], longest * world, out.shape[3])).index_copy(2, rows, out)
     return heads_to_seq(buffer, group)[:, :, : sizes[rank]]  # (1, H, S_part, D)

@@ -9,6 +9,7 @@ check (benchmarks/kernels_check.py) covers the real kernel's numbers.
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 
@@ -67,6 +68,12 @@ def _fake_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=
               tile_mn=None, mma_pv_is_rs=None, intra_wg_overlap=None, num_threads=384, num_splits=1,
               pack_gqa=None, _arch=None, score_mod=None, mask_mod=None, block_sparse_tensors=None,
               return_lse=False, **rest):
+    if cu_seqlens_q is not None:  # variable length: (S, H, D) packed segments, LSE (H, S)
+        outs = [_fake_fwd(q[None, a:b], k[None, a:b], v[None, a:b], softmax_scale=softmax_scale, causal=causal,
+                          return_lse=True)[:2] for a, b in _bounds(cu_seqlens_q, max_seqlen_q)]
+        _fake_fwd.calls -= len(outs) - 1
+        return (torch.cat([o[0][0] for o in outs]), torch.cat([o[1][0] for o in outs], dim=1) if return_lse else None,
+                None, None, None)
     # (B, S, H, D) in, like flash-attn-4; GQA natively.
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
     groups = qh.shape[1] // kh.shape[1]
@@ -80,7 +87,20 @@ def _fake_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=
     return out, (lse if return_lse else None), None, None, None
 
 
-def _fake_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, **rest):
+def _bounds(cu_seqlens, max_seqlen):
+    assert cu_seqlens.dtype == torch.int32, "flash-attn-4 takes int32 cumulative lengths"
+    bounds = cu_seqlens.tolist()
+    assert max_seqlen == max(b - a for a, b in zip(bounds[:-1], bounds[1:])), "max_seqlen must be the longest"
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _fake_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, cu_seqlens_q=None,
+              max_seqlen_q=None, **rest):
+    if cu_seqlens_q is not None:
+        grads = [_fake_bwd(q[None, a:b], k[None, a:b], v[None, a:b], out[None, a:b], dout[None, a:b],
+                           lse[None, :, a:b], softmax_scale, causal) for a, b in _bounds(cu_seqlens_q, max_seqlen_q)]
+        _fake_bwd.calls -= len(grads) - 1
+        return tuple(torch.cat([g[i][0] for g in grads]) for i in range(3))
     qh, kh, vh, oh, doh = (t.transpose(1, 2) for t in (q, k, v, out, dout))
     groups = qh.shape[1] // kh.shape[1]
     ke, ve = kh.repeat_interleave(groups, 1), vh.repeat_interleave(groups, 1)
@@ -108,6 +128,7 @@ def fake_fa4(monkeypatch):
     _fake_fwd.calls = _fake_bwd.calls = 0
     package.cute, cute.interface = cute, interface
     for name, module in (("flash_attn", package), ("flash_attn.cute", cute), ("flash_attn.cute.interface", interface)):
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # transformers probes installed packages
         monkeypatch.setitem(sys.modules, name, module)
     block_kernels.fa4_importable.cache_clear()
     yield interface
@@ -200,4 +221,74 @@ def test_local_binding_keeps_flash_out_of_its_name(fake_fa4):
     assert binding.name.startswith("weft_local_") and "flash" not in binding.name
     vision = weft_attention(decision=decision, module_path="model.visual.blocks.0.attn", plan=plan, mesh=_Mesh(),
                             ctx=None)
-    assert vision.name == "sdpa"
+    # The vision tower, on the contrary, wants transformers' varlen convention: one call per block.
+    assert vision.name.startswith("weft_flash_vision_local_")
+
+
+# ---------------------------------------------------------------------------
+# the vision tower's windows in one variable-length call
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def varlen_on_cpu(fake_fa4, monkeypatch):
+    """The stand-in's variable-length path, taken on the CPU in float64 (the real kernel: GPU, 16-bit)."""
+    from weft.strategies import segment_attention
+
+    monkeypatch.setattr(segment_attention, "varlen_runs", lambda q: True)
+    return fake_fa4
+
+
+def test_segments_in_one_varlen_call_equal_the_loop(varlen_on_cpu):
+    from weft.strategies.segment_attention import segment_attention, segment_loop
+
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 5, 12, 13, 28], dtype=torch.int64)  # the loop needs no int32; the kernel gets it
+    base = [torch.randn(28, 3, 8, generator=g, dtype=torch.float64) for _ in range(4)]  # (S, H, D) memory
+    views = [t.transpose(0, 1).unsqueeze(0) for t in base]  # (1, H, S, D) views, as transformers hands them
+    got = _ours_segments(segment_attention, views, cu, max_seqlen=15)
+    want = _ours_segments(segment_loop, views, cu)
+    _close(got, want, 1e-12)
+    assert varlen_on_cpu._flash_attn_fwd.calls == 1 and varlen_on_cpu._flash_attn_bwd.calls == 1
+    # Without max_seqlen it is found from the lengths (one host sync).
+    _close(_ours_segments(segment_attention, views, cu), want, 1e-12)
+
+
+def _ours_segments(fn, views, cu, **kw):
+    q, k, v = (t.clone().requires_grad_() for t in views[:3])
+    out = fn(q, k, v, cu_seqlens=cu, scale=0.3, **kw)
+    out.backward(views[3])
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def test_vision_tower_through_the_varlen_binding_equals_sdpa(varlen_on_cpu):
+    """transformers' own Qwen2.5-VL vision tower (window blocks and a full-attention block,
+    two images): the flash-named binding gets cu_seqlens and max_seqlen, one call per block,
+    and gives SDPA's outputs and gradients."""
+    import transformers
+    from transformers import AttentionInterface
+
+    from weft.core.presets import build_config, load_preset
+    from weft.strategies.hf_attention import make_vision_attention_function
+
+    config = build_config(*load_preset("qwen2_5_vl_tiny")[:2])
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).double()
+    vc = config.vision_config
+    grid = torch.tensor([[1, 8, 8], [1, 4, 12]])  # two images: several windows of 4x4 merged patches each
+    pixels = torch.randn(int(grid.prod(-1).sum()), vc.in_channels * vc.temporal_patch_size * vc.patch_size**2,
+                         dtype=torch.float64)
+    AttentionInterface.register("weft_flash_vision_test", make_vision_attention_function(group=None, rank=0, world=1))
+    results = []
+    for name in ("sdpa", "weft_flash_vision_test"):
+        model.zero_grad()
+        model.set_attn_implementation({"vision_config": name, "text_config": "sdpa"})
+        out = model.model.visual(pixels, grid_thw=grid).pooler_output  # (merged patches, hidden)
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out))
+        results.append((out.detach(), [p.grad.clone() for p in model.model.visual.parameters()]))
+    (out_sdpa, grads_sdpa), (out_ours, grads_ours) = results
+    assert torch.allclose(out_ours, out_sdpa, rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads_ours, grads_sdpa):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+    blocks = len(model.model.visual.blocks)
+    assert varlen_on_cpu._flash_attn_fwd.calls == blocks and varlen_on_cpu._flash_attn_bwd.calls == blocks
