@@ -45,7 +45,7 @@ def check_vision_sharing(plan: Plan, adapter: Any, *, where: str) -> None:
     raise PlanError(
         f"{module.info.path}: attention strategy {decision.strategy!r} (rule at {decision.source}) shares one image's "
         f"patches over the SP ranks, which model family {adapter.name!r} does not support; images are still spread "
-        "over the ranks with the default vision rule (strategy 'sdpa')",
+        "over the ranks with the default vision rule (strategy 'auto')",
         where=where,
     )
 

@@ -5,7 +5,9 @@ and ``usp`` register a function bound to this run's process groups; ``local``
 one that runs a weft block kernel (flash-attn-4) on the whole local sequence.
 ``auto`` picks from the mesh: ring when only ring > 1, ulysses when only
 ulysses > 1, usp when both; without sequence parallelism ``local`` when the
-backend asks for a kernel (or flash-attn-4 is installed), else ``sdpa``.
+backend asks for a kernel (or flash-attn-4 is installed), else ``sdpa``. A vision
+tower's ``auto``: each block's windows in one flash-attn-4 varlen call where it is
+installed (``vision_local``), else ``sdpa``.
 """
 
 from __future__ import annotations
@@ -119,13 +121,28 @@ def resolve_auto(strategy: str, *, ulysses: int, ring: int, packed: bool = False
     return "local" if backend != "auto" or fa4_importable() else "sdpa"
 
 
+def resolve_vision(strategy: str, *, backend: str = "auto") -> str:
+    """A vision tower's ``auto`` (and ``local``): its windows and images as the segments of
+    one flash-attn-4 call per block (``vision_local``) where flash-attn-4 is installed or a
+    kernel is named, else transformers' ``sdpa`` (one call per window). Images stay whole
+    on a rank either way; sharing one over the SP ranks is ``vision_ulysses``'s, by rule."""
+    if strategy == "local" or (strategy == "auto" and backend != "auto"):
+        return "vision_local"
+    if strategy == "auto":
+        from weft.strategies.block_kernels import fa4_importable
+
+        return "vision_local" if fa4_importable() else "sdpa"
+    return strategy
+
+
 @hookimpl
 def weft_attention(decision, module_path, plan, mesh, ctx):
     backend = getattr(decision.params, "backend", "auto")
-    strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=plan.packed(),
-                            backend=backend)
-    if strategy == "local" and module_path and "visual" in module_path:
-        strategy = "vision_local"  # windows and images as segments of one call, not one SDPA call each
+    if module_path and "visual" in module_path:
+        strategy = resolve_vision(decision.strategy, backend=backend)
+    else:
+        strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring,
+                                packed=plan.packed(), backend=backend)
     if strategy in ("sdpa", "eager", "local") and plan.packed() and module_path and "visual" not in module_path:
         from weft.core.errors import PlanError
 

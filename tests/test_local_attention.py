@@ -195,12 +195,20 @@ def test_auto_strategy_without_sp(fake_fa4):
     assert resolve_auto("auto", ulysses=2, ring=1) == "ulysses"
     assert resolve_auto("auto", ulysses=1, ring=1, packed=True) == "ring"
     assert resolve_auto("sdpa", ulysses=1, ring=1) == "sdpa"
+    # A vision tower: its windows in one varlen call, whatever the mesh (images stay whole).
+    from weft.plugins.attention import resolve_vision
+
+    assert resolve_vision("auto") == resolve_vision("local") == "vision_local"
+    assert resolve_vision("sdpa") == "sdpa" and resolve_vision("vision_ulysses") == "vision_ulysses"
 
 
 def test_auto_strategy_without_the_package_stays_sdpa(no_fa4):
     from weft.plugins.attention import resolve_auto
 
     assert resolve_auto("auto", ulysses=1, ring=1) == "sdpa"
+    from weft.plugins.attention import resolve_vision
+
+    assert resolve_vision("auto") == "sdpa" and resolve_vision("auto", backend="cudnn") == "vision_local"
     assert resolve_auto("auto", ulysses=1, ring=1, backend="cudnn") == "local"
 
 
