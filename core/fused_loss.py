@@ -45,17 +45,17 @@ def linear_cross_entropy_sum(
     chunk's logits; 882 rows at V = 152,064 and 512 MiB). Temporaries: forward ~2 such
     float32 chunks, backward ~1.5 chunks plus a (V, H) slice of at most ``chunk_bytes``.
 
-    grad_weight: for a weight of float32 or wider, summed in place over the row chunks (the
-    sum is the gradient itself: no extra memory). For a bf16/fp16 weight, by default a
-    second pass over vocabulary slices: each slice's gradient is ONE matrix product over
-    all rows (float32 accumulation inside the GEMM, rounded once), so no running sum and no
-    float32 (V, H) accumulator exist, at the price of computing the logits once more in
-    backward (+1/3 of the loss's backward). ``weight_grad_dtype`` instead sums over the row
-    chunks in that dtype: float32 (4 * V * H bytes more, 2.2 GB for Qwen2.5-VL-7B's
-    152,064 x 3,584 head) or bf16 (no extra memory, what Liger's kernel does, but rounded at
-    every chunk: measured on a bf16 2,048 x 64 case against an exact sum, relative error
-    4.5e-3 over 16 chunks, 1.5e-2 over 128, 5.5e-2 over 512, against 2.0e-3 for the float32
-    sum at any count).
+    grad_weight: summed over the row chunks in float32 (float64 for float64 inputs), rounded
+    to the weight's dtype once at the end. For a float32 weight the sum is the gradient
+    itself. For a bf16/fp16 weight the float32 sum (4 * V * H bytes, 2.0 GiB for
+    Qwen2.5-VL-7B's 152,064 x 3,584 head) is narrowed in place: the 16-bit gradient is
+    written, a slice at a time, into the first half of the sum's own storage, so the
+    gradient costs no allocation besides the sum (the lm_head's gradient under a plain
+    loss is 1.0 GiB; this one holds 2.0 GiB until FSDP reduces it). ``weight_grad_dtype``
+    = bf16 instead sums in bf16 in place (no extra memory, what Liger's kernel does, but
+    rounded at every chunk: measured on a bf16 2,048 x 64 case against an exact sum,
+    relative error 4.5e-3 over 16 chunks, 1.5e-2 over 128, 5.5e-2 over 512, against 2.0e-3
+    for the float32 sum at any count).
 
     The weight must be a plain tensor: under FSDP2 pass the unsharded parameter (inside
     the FSDP unit's forward), not the sharded DTensor.
@@ -65,8 +65,8 @@ def linear_cross_entropy_sum(
     vocab, width = weight.shape
     rows = chunk_rows if chunk_rows is not None else max(1, chunk_bytes // (4 * vocab))
     compute = _compute_dtype(hidden, weight)
-    if weight_grad_dtype is None and weight.dtype in (torch.float32, torch.float64):
-        weight_grad_dtype = weight.dtype  # the in-place sum is the gradient: nothing extra
+    if weight_grad_dtype is None:
+        weight_grad_dtype = torch.promote_types(weight.dtype, torch.float32)
     return _LinearCrossEntropy.apply(
         hidden.reshape(-1, width), weight, bias, target.reshape(-1), rows, compute, weight_grad_dtype,
         max(1, chunk_bytes // (compute.itemsize * width)),
@@ -119,18 +119,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, bias, target, lse = ctx.saved_tensors
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         compute, acc, rows = ctx.compute, lse.dtype, ctx.rows
-        by_slice = ctx.weight_grad_dtype is None  # grad_w (and grad_b) from a pass over vocabulary slices
         grad_h = torch.empty_like(hidden) if want_h else None  # (N, H) in hidden's dtype
-        grad_w = (torch.zeros(weight.shape, dtype=ctx.weight_grad_dtype, device=weight.device)
-                  if want_w and not by_slice else None)
+        grad_w = torch.zeros(weight.shape, dtype=ctx.weight_grad_dtype, device=weight.device) if want_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
         with _no_autocast(hidden.device):
             w, b = _cast(weight, compute), _cast(bias, compute)
-            if by_slice and (want_w or want_b):
-                grad_w = _weight_grad_by_slices(hidden, w, b, target, lse, grad, compute=compute, acc=acc,
-                                                grad_b=grad_b, want_w=want_w,
-                                                slice_bytes=ctx.vocab_rows * compute.itemsize * w.shape[1])
-            for start in range(0, hidden.shape[0], rows) if want_h or not by_slice else ():
+            for start in range(0, hidden.shape[0], rows):
                 h = hidden[start:start + rows].to(compute)  # (C, H)
                 t = target[start:start + rows]
                 keep = (t != IGNORE).to(acc)  # (C,)
@@ -138,45 +132,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g.sub_(lse[start:start + rows, None]).exp_()  # softmax, in place
                 g.scatter_add_(1, t.clamp(min=0)[:, None], -keep[:, None])  # minus the one-hot target
                 g.mul_((grad * keep)[:, None])  # ignored rows: zero
-                if want_b and not by_slice:
+                if want_b:
                     grad_b += g.sum(0)
                 g = g.to(compute)  # the matmuls run in the logits' dtype, as autograd through F.linear would
                 if want_h:
                     grad_h[start:start + rows] = g @ w  # (C, H)
-                if want_w and not by_slice:
+                if want_w:
                     _add_weight_grad(grad_w, g, h, ctx.vocab_rows)
-        if want_w:
-            grad_w = grad_w.to(weight.dtype)  # one rounding, after the sum over all chunks
+        if want_w:  # one rounding, after the sum over all chunks
+            grad_w = _narrow(grad_w, weight.dtype, ctx.vocab_rows) if grad_w.dtype != weight.dtype else grad_w
         if want_b:
             grad_b = grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def _weight_grad_by_slices(hidden, w, b, target, lse, grad, *, compute, acc, grad_b, want_w: bool,
-                           slice_bytes: int) -> torch.Tensor | None:
-    """grad_weight one vocabulary slice at a time: the slice's logits for every row (N, Vs),
-    their softmax gradient, then ONE product over all N rows (Vs, H): exact to one rounding,
-    and nothing of size (V, H) but the gradient itself. grad_b's slices are filled too."""
-    n, vocab = hidden.shape[0], w.shape[0]
-    span = max(1, slice_bytes // (4 * n))  # rows of W per slice: (N, span) float32 logits
-    h = hidden.to(compute)  # (N, H); no copy when hidden is already in the compute dtype
-    keep = (target != IGNORE).to(acc)  # (N,)
-    scale = (grad * keep)[:, None]  # (N, 1)
-    grad_w = torch.empty(w.shape, dtype=compute, device=w.device) if want_w else None
-    for v0 in range(0, vocab, span):
-        v1 = min(vocab, v0 + span)
-        g = _logits(h, w[v0:v1], None if b is None else b[v0:v1], compute, acc)  # (N, Vs)
-        g.sub_(lse[:, None]).exp_()
-        # Minus the one-hot target where it lies in this slice; elsewhere a zero is added
-        # (a scatter, not a mask and nonzero(): no host synchronisation per slice).
-        inside = ((target >= v0) & (target < v1)).to(acc)
-        g.scatter_add_(1, (target - v0).clamp(0, v1 - v0 - 1)[:, None], -(keep * inside)[:, None])
-        g.mul_(scale)
-        if grad_b is not None:
-            grad_b[v0:v1] = g.sum(0)
-        if want_w:
-            grad_w[v0:v1] = g.to(compute).T @ h  # (Vs, H): the sum over all rows inside one GEMM
-    return grad_w
+def _narrow(wide: torch.Tensor, dtype: torch.dtype, vocab_rows: int) -> torch.Tensor:
+    """``wide.to(dtype)`` for a contiguous (V, H) sum and a dtype of half its width, written
+    into the first half of ``wide``'s own storage, ``vocab_rows`` rows at a time: no second
+    (V, H) allocation. Slice i's 16-bit values land on bytes [2is, 2is + 2s) of the storage,
+    which hold float32 elements of slices before i, already converted (s = the slice's
+    element count); slice 0 overlaps itself and goes through a copy."""
+    if wide.element_size() != 2 * torch.empty((), dtype=dtype).element_size() or not wide.is_contiguous():
+        return wide.to(dtype)
+    flat = wide.view(-1)  # (V * H,) wide
+    narrow = flat.view(dtype)  # (2 * V * H,) the same bytes, read as the narrow dtype
+    step = max(1, vocab_rows) * wide.shape[1]
+    for start in range(0, flat.numel(), step):
+        end = min(flat.numel(), start + step)
+        source = flat[start:end]
+        narrow[start:end].copy_(source.clone() if end > 2 * start else source)  # bytes overlap: slice 0
+    return narrow[: flat.numel()].view(wide.shape)
 
 
 def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -111,24 +111,52 @@ def test_float32_sum_of_weight_grad_beats_bf16_sum():
 
 
 @pytest.mark.parametrize("chunk_bytes", [512 << 20, 5 * 4 * 256])  # one vocabulary slice; slices of 5 (53 = 10 x 5 + 3)
-def test_bf16_weight_grad_by_vocabulary_slices_is_rounded_once(chunk_bytes):
-    """A bf16 weight's gradient by default comes from a pass over vocabulary slices (no float32
-    (V, H) accumulator): bias included, ignored rows included, as near the exact (float64)
-    gradient as the float32 running sum rounded once, and far nearer than a bf16 running sum."""
+def test_bf16_weight_grad_is_the_float32_sum_rounded_once(chunk_bytes):
+    """A bf16 weight's gradient by default: the float32 sum over row chunks, rounded once
+    (narrowed in its own storage, a vocabulary slice at a time): bias and ignored rows
+    included, bit for bit the float32 sum's .to(bf16), far nearer the exact gradient than a
+    bf16 running sum."""
     hidden, weight, bias, target = _case(torch.bfloat16, n=256, bias=True)
     target[100:110] = IGNORE
     exact = [x.double().requires_grad_() for x in (weight, bias)]
     plain(hidden.double(), exact[0], target, exact[1]).backward()
 
-    def errors(**kw):
+    def grads(**kw):
         w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
-        linear_cross_entropy_sum(hidden, w, target, bias=b, chunk_rows=4, **kw).backward()
-        return [((x.grad.double() - e.grad).norm() / e.grad.norm()).item() for x, e in zip((w, b), exact)]
+        linear_cross_entropy_sum(hidden, w, target, bias=b, chunk_rows=4, chunk_bytes=chunk_bytes, **kw).backward()
+        return w.grad, b.grad
 
-    by_slice = errors(chunk_bytes=chunk_bytes)
-    summed = errors(weight_grad_dtype=torch.float32)
-    assert by_slice[0] <= 1.25 * summed[0] and by_slice[1] <= 1.25 * summed[1] + 1e-7
-    assert by_slice[0] < 0.5 * errors(weight_grad_dtype=torch.bfloat16)[0]
+    def errors(got):
+        return [((x.double() - e.grad).norm() / e.grad.norm()).item() for x, e in zip(got, exact)]
+
+    default = grads()
+    assert default[0].dtype == torch.bfloat16 and default[0].shape == weight.shape
+    assert errors(default)[0] < 0.5 * errors(grads(weight_grad_dtype=torch.bfloat16))[0]
+    # The same float32 sum, rounded by a plain .to(): equal bit for bit.
+    from weft.core import fused_loss
+
+    sums = []
+    original = fused_loss._narrow
+    fused_loss._narrow = lambda wide, dtype, rows: sums.append(wide.clone()) or original(wide, dtype, rows)
+    try:
+        again = grads()
+    finally:
+        fused_loss._narrow = original
+    assert torch.equal(again[0], default[0]) and torch.equal(sums[0].to(torch.bfloat16), default[0])
+
+
+@pytest.mark.parametrize(("rows", "vocab_rows"), [(53, 5), (53, 53), (53, 1), (7, 100), (1, 1)])
+def test_narrowing_in_place_equals_to(rows, vocab_rows):
+    """float32 -> bf16 into the float32 tensor's own storage, slice by slice (ragged and
+    single-slice cases, the self-overlapping first slice), equals .to(bf16); no new storage."""
+    from weft.core.fused_loss import _narrow
+
+    wide = torch.randn(rows, 12, generator=torch.Generator().manual_seed(rows), dtype=torch.float32) * 1e3
+    want = wide.to(torch.bfloat16)
+    storage = wide.untyped_storage().data_ptr()
+    got = _narrow(wide, torch.bfloat16, vocab_rows)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape and torch.equal(got, want)
+    assert got.untyped_storage().data_ptr() == storage
 
 
 def test_autocast_matches_plain_form_under_autocast():
