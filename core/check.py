@@ -63,7 +63,7 @@ def worker(recipe: Recipe, *, out: pathlib.Path) -> None:
     SP rank of each data-parallel group its whole micro-batches beside it."""
     from weft.core.prepare import close_process_group, init_process_group
 
-    rank, world_size, local_rank, device_type = init_process_group(recipe)
+    rank, world_size, local_rank, device_type, _ = init_process_group(recipe)
     try:
         _one_step(recipe, out=out, rank=rank, world_size=world_size, local_rank=local_rank, device_type=device_type)
     except BaseException:

@@ -26,6 +26,7 @@ from weft.core.interrupt import StopRequest
 from weft.core.logging import run_logger
 from weft.core.mesh import device_for
 from weft.core.oom import out_of_memory
+from weft.core.peer_watch import PeerWatch, peers_lost, watch_peers
 from weft.core.prepare import Prepared, close_process_group, init_process_group, prepare_model
 from weft.core.progress import progress_bar
 from weft.core.recipe import Recipe
@@ -36,7 +37,7 @@ from weft.core.timing import PhaseTimer
 
 
 def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, console: bool) -> dict:
-    rank, world_size, local_rank, device_type = init_process_group(recipe)
+    rank, world_size, local_rank, device_type, store = init_process_group(recipe)
     device = device_for(device_type, local_rank)
     log = run_logger(run_dir=run_dir, rank=rank, console=console)
     ctx = RunContext(recipe=recipe, device=device, rank=rank, world_size=world_size, run_dir=run_dir, log=log)
@@ -44,21 +45,28 @@ def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, conso
     if threading.current_thread() is threading.main_thread():
         stop.install()
     ending = Ending(t_start=time.perf_counter())
+    watch = watch_peers(store=store, recipe=recipe, ctx=ctx, ending=ending)
     try:
-        result = _train(recipe=recipe, pm=pm, ctx=ctx, resume=resume, console=console, stop=stop, ending=ending)
+        result = _train(recipe=recipe, pm=pm, ctx=ctx, resume=resume, console=console, stop=stop, ending=ending,
+                        watch=watch)
     except BaseException as error:
+        lost = peers_lost(error, watch, ctx=ctx)  # a collective failed because a peer stopped: name it
         with contextlib.suppress(Exception):  # recording the ending must never hide the error itself
-            ending.record(recipe, ctx, error=error)
+            ending.record(recipe, ctx, error=lost or error)
+        watch.stop()
         close_process_group(clean=False)
+        if lost is not None:
+            raise lost from error
         raise
     finally:
         stop.restore()
+    watch.stop()
     close_process_group(clean=True)
     return result
 
 
 def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: bool, stop: StopRequest,
-           ending: Ending) -> dict:
+           ending: Ending, watch: PeerWatch) -> dict:
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     if ctx.rank == 0:
         (ctx.run_dir / "plan.json").write_text(json.dumps(run.plan.to_json(), indent=1))
@@ -80,6 +88,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
           metrics or contextlib.nullcontext()):
         for step in range(ctx.start_step + 1, recipe.train.max_steps + 1):
             state = StepState(step=step, consecutive_skips=state.consecutive_skips, memory=state.memory)
+            watch.step_started(step)
             try:
                 row, verdict = _one_step(run=run, steps=steps, state=state, optimizer=optimizer,
                                          scheduler=scheduler, autocast=autocast, pm=pm, ctx=ctx, totals=totals)
@@ -89,6 +98,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
                 raise
             except torch.OutOfMemoryError as error:
                 raise out_of_memory(step=step, local_tokens=state.local_tokens, ctx=ctx, plan=run.plan) from error
+            watch.step_finished()
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()

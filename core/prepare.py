@@ -60,8 +60,9 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision, fused=fused)
 
 
-def init_process_group(recipe: Recipe) -> tuple[int, int, int, str]:
-    """(rank, world_size, local_rank, device_type); a single process gets a one-rank group."""
+def init_process_group(recipe: Recipe) -> tuple[int, int, int, str, Any]:
+    """(rank, world_size, local_rank, device_type, store); a single process gets a one-rank
+    group. ``store``: the rendezvous store the ranks share (heartbeats: core/peer_watch.py)."""
     want = recipe.parallel.device
     device_type = "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
     if device_type == "cuda" and recipe.parallel.expandable_segments:
@@ -77,12 +78,15 @@ def init_process_group(recipe: Recipe) -> tuple[int, int, int, str]:
             # A restarted round may share the launcher's store with the round that failed: a
             # prefix per attempt keeps its ranks from reading the dead ranks' addresses.
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            dist.init_process_group(backend, store=dist.PrefixStore(f"weft/attempt_{attempt}", store), rank=rank,
-                                    world_size=world, timeout=timeout)
+            store = dist.PrefixStore(f"weft/attempt_{attempt}", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    else:  # already initialised by an embedding program: its store, which torch keeps
+        store = dist.distributed_c10d._get_default_store()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return dist.get_rank(), dist.get_world_size(), local_rank, device_type
+    return dist.get_rank(), dist.get_world_size(), local_rank, device_type, store
 
 
 def close_process_group(*, clean: bool) -> None:

@@ -145,6 +145,9 @@ class ParallelSection:
     expandable_segments: bool = attrs.field(default=True, metadata=_doc(
         "CUDA allocator grows its segments instead of fragmenting (torch's expandable_segments); "
         "a PYTORCH_CUDA_ALLOC_CONF of your own wins"))
+    timeout_s: float = attrs.field(default=1800.0, validator=in_range(low=1.0), metadata=_doc(
+        "seconds a training step may last before weft names the ranks that stopped responding and ends the run "
+        "(the first step includes compilation); multi-rank runs only"))
 
     def __attrs_post_init__(self) -> None:
         if self.dp_shard == 0:

@@ -258,6 +258,40 @@ def test_raising_plugin_is_named(recipe, tmp_path, plugin_site):
     assert "run.error" in log and "injected failure at step 2" in log and "weft_test_plugins" in log
 
 
+def test_peer_that_stops_responding_is_named(recipe, tmp_path, plugin_site):
+    """Rank 1 freezes (SIGSTOP) at step 3 while rank 0 waits for it in a collective: after
+    parallel.timeout_s rank 0 names rank 1 in one line and the run ends (exit 1, summary
+    "failed"); nothing hangs."""
+    guarded = _with_guards(recipe, '{ strategy = "freeze", step = 3, rank = 1 }')
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "weft", "run", str(guarded), "--run-dir", str(run_dir), "--nproc",
+                           "2", "--set", "parallel.timeout_s=4", "--set", "train.checkpoint_every=-1"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=plugin_site)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "rank(s) 1 stopped responding" in done.stderr and "weft: error: parallel.timeout_s: step 3" in done.stderr
+    assert done.stderr.count("weft: error:") == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert time.monotonic() - started < 150
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "rank(s) 1 stopped responding" in summary["reason"]
+    assert summary["last_step"] == 2 and [r["step"] for r in rows(run_dir)] == [1, 2]
+
+
+def test_dead_peer_is_named(recipe, tmp_path, plugin_site):
+    """Rank 1 dies (SIGKILL) at step 3: rank 0's collective fails with Gloo's "connection
+    reset", which weft turns into one line naming rank 1; summary "failed"."""
+    guarded = _with_guards(recipe, '{ strategy = "kill", step = 3, rank = 1 }')
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "weft", "run", str(guarded), "--run-dir", str(run_dir), "--nproc",
+                           "2", "--set", "train.checkpoint_every=-1", "--set", "parallel.timeout_s=10"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=plugin_site)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.count("weft: error:") == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "weft: error: parallel: rank(s) 1 stopped responding; on rank 0 this surfaced as" in done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["reason"].startswith("parallel: rank(s) 1 stopped responding")
+
+
 def test_plugin_whose_strategies_raise_is_left_out_and_reported(capsys):
     from weft.core.hookspecs import hookimpl
     from weft.core.plan_view import plugins_table

@@ -5,6 +5,8 @@
   parts d, d+dp, ... So dp=2 and dp=1 (accumulating two micro-batches) see the same data.
 - guard ``kill``: SIGKILLs one rank at the start of one step (only in a fresh run), to
   test that a crash costs only the steps since the last checkpoint.
+- guard ``freeze``: SIGSTOPs one rank at the start of one step: a peer that stops
+  responding (a frozen host, a wedged driver) without dying.
 - guard ``nan_from``: from step ``step`` on, the step's gradient norm reads NaN to the
   guards after it (entry-point plugins are called before the built-in ones): the fault
   "NaN at step k" as the built-in ``finite`` guard sees it.
@@ -45,6 +47,7 @@ def weft_strategies():
         Strategy(point="batching", name="fixed_global", params=FixedGlobalParams,
                  summary="test: the same global batch at any world size"),
         Strategy(point="guard", name="kill", params=KillParams, summary="test: SIGKILL one rank at one step"),
+        Strategy(point="guard", name="freeze", params=KillParams, summary="test: SIGSTOP one rank at one step"),
         Strategy(point="guard", name="nan_from", params=StepParams, summary="test: NaN gradient norm from a step"),
         Strategy(point="guard", name="raise_at", params=StepParams, summary="test: raise at one step"),
         Strategy(point="guard", name="oom_at", params=StepParams, summary="test: out of memory at one step"),
@@ -85,6 +88,9 @@ def weft_guard(event, state, plan, ctx):
         if decision.strategy == "kill" and event == "step_start" and ctx.start_step == 0:
             if state.step == decision.params.step and ctx.rank == decision.params.rank:
                 os.kill(os.getpid(), signal.SIGKILL)
+        if decision.strategy == "freeze" and event == "step_start" and state.step == decision.params.step:
+            if ctx.rank == decision.params.rank:
+                os.kill(os.getpid(), signal.SIGSTOP)
         if decision.strategy == "nan_from" and event == "step_end" and state.step >= decision.params.step:
             state.grad_norm = float("nan")
         if decision.strategy == "raise_at" and event == "step_start" and state.step == decision.params.step:

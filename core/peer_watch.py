@@ -1,0 +1,168 @@
+"""A peer that stops responding ends the run with one line naming it, never a silent hang.
+
+Each rank runs one daemon thread. Every ``interval`` it bumps a heartbeat counter in the
+run's rendezvous store and reads the others'; a rank whose counter has not moved for
+``STALE_BEATS`` intervals (as this rank's clock sees it: no clock is compared across
+hosts) has stopped: frozen, dead, or wedged where no Python thread runs. When this rank's
+current step has lasted longer than ``parallel.timeout_s``, the thread ends the process:
+the lowest rank still beating prints which ranks stopped (or, when every rank beats, that
+one waits for a collective the others never joined), the ending is recorded, and the
+launcher stops the rest. Collectives' own timeouts are not relied on: torch's default
+groups wait 30 minutes, and NCCL's watchdog aborts without naming the peer.
+
+When a collective raises in the main thread instead (a peer's connection closed), the
+loop asks ``stopped_peers`` and names them the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from weft.core.errors import EXIT_RUNTIME, GuardAbort, WeftError
+
+#: Intervals without a heartbeat after which a peer counts as stopped.
+STALE_BEATS = 4
+
+
+def interval_for(timeout_s: float) -> float:
+    """Heartbeat period: a tenth of the timeout, between 0.2 s and 5 s."""
+    return min(5.0, max(0.2, timeout_s / 10))
+
+
+class PeerWatch:
+    """``on_stuck(step, stopped_ranks, waited_s, reporter)`` runs on the watch thread when
+    a step outlasts ``timeout_s``; it is expected to end the process. ``reporter``: this
+    rank is the lowest one still beating, the one to say it."""
+
+    def __init__(self, *, store: Any, rank: int, world: int, timeout_s: float,
+                 on_stuck: Callable[[int, list[int], float, bool], None]) -> None:
+        self.store, self.rank, self.world, self.timeout_s = store, rank, world, timeout_s
+        self.on_stuck = on_stuck
+        self.interval = interval_for(timeout_s)
+        self._seen: dict[int, tuple[bytes | None, float]] = {}  # rank -> (last counter, when it changed)
+        self._step: tuple[int, float] | None = None  # (step, when it started)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> PeerWatch:
+        if self.world > 1 and self._thread is None:
+            now = time.monotonic()
+            self._seen = {r: (None, now) for r in range(self.world) if r != self.rank}
+            self._thread = threading.Thread(target=self._run, name="weft-peer-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval + 1)
+
+    def step_started(self, step: int) -> None:
+        self._step = (step, time.monotonic())
+
+    def step_finished(self) -> None:
+        self._step = None
+
+    def stopped_peers(self, *, wait: bool = True) -> list[int]:
+        """Ranks whose heartbeat has stood still for STALE_BEATS intervals. ``wait``: first
+        give a peer that just stopped the time to count as stopped."""
+        if self._thread is None:
+            return []
+        if wait:
+            self._stop.wait(STALE_BEATS * self.interval + self.interval)
+        with self._lock:
+            now = time.monotonic()
+            return sorted(r for r, (_, changed) in self._seen.items() if now - changed > STALE_BEATS * self.interval)
+
+    def _run(self) -> None:
+        beats = 0
+        while not self._stop.wait(self.interval):
+            beats += 1
+            try:
+                self.store.set(f"weft/alive/{self.rank}", str(beats))
+                self._read_peers()
+            except Exception:  # the store's host (rank 0's agent) is gone: the launcher ends the run
+                pass
+            step = self._step
+            if step is not None and time.monotonic() - step[1] > self.timeout_s:
+                stopped = self.stopped_peers(wait=False)
+                reporter = self.rank == min(set(range(self.world)) - set(stopped))
+                self.on_stuck(step[0], stopped, time.monotonic() - step[1], reporter)
+                return
+
+    def _read_peers(self) -> None:
+        keys = {r: f"weft/alive/{r}" for r in self._seen}
+        present = [r for r in keys if self.store.check([keys[r]])]
+        values = {r: self.store.get(keys[r]) for r in present}
+        now = time.monotonic()
+        with self._lock:
+            for r, value in values.items():
+                if value != self._seen[r][0]:
+                    self._seen[r] = (value, now)
+
+
+class PeerLost(WeftError):
+    """Ranks stopped responding: a run-time failure, not a user error."""
+
+    exit_code = EXIT_RUNTIME
+
+
+def watch_peers(*, store: Any, recipe: Any, ctx: Any, ending: Any) -> PeerWatch:
+    """The run's watch (idle on one rank). When a step outlasts ``parallel.timeout_s``: the
+    lowest rank still beating says which ranks stopped, the ending is recorded
+    (summary.json on rank 0, one log event), and the process ends with exit code 1; the
+    launcher stops the other ranks."""
+    timeout = recipe.parallel.timeout_s
+
+    def stuck(step: int, stopped: list[int], waited: float, reporter: bool) -> None:
+        if stopped:
+            what = f"rank(s) {', '.join(map(str, stopped))} stopped responding (no heartbeat for the last " \
+                   f"{STALE_BEATS * interval_for(timeout):.0f} s)"
+        else:
+            what = ("every rank is alive, so some wait in a collective the others never joined (a hook or "
+                    "strategy that runs collectives on some ranks only?)")
+        error = PeerLost(f"step {step} on rank {ctx.rank} has not finished after {waited:.0f} s: {what}",
+                         where="parallel.timeout_s")
+        try:
+            ctx.log.error("run.peer_timeout", step=step, stopped=stopped, waited_s=round(waited, 1))
+            ending.record(recipe, ctx, error=error)
+        finally:
+            if reporter:
+                print(f"weft: error: {error}", file=sys.stderr, flush=True)
+            else:
+                time.sleep(1.0)  # the reporter's line first
+            os._exit(EXIT_RUNTIME)
+
+    return PeerWatch(store=store, rank=ctx.rank, world=ctx.world_size, timeout_s=timeout, on_stuck=stuck).start()
+
+
+def peers_lost(error: BaseException, watch: PeerWatch, *, ctx: Any) -> PeerLost | None:
+    """For an error out of the step: when peers have stopped beating (the error is then most
+    likely their broken connection or a collective's timeout), one that names them."""
+    if watch.world == 1 or not _collective_failure(error):
+        return None
+    stopped = watch.stopped_peers(wait=False) or watch.stopped_peers(wait=True)
+    if not stopped:
+        return None
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    return PeerLost(f"rank(s) {', '.join(map(str, stopped))} stopped responding; on rank {ctx.rank} this "
+                    f"surfaced as {type(error).__name__}: {first}", where="parallel")
+
+
+#: Words in the messages of Gloo's and NCCL's failures when a peer is gone.
+_PEER_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "broken pipe", "socket")
+
+
+def _collective_failure(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(error, (WeftError, GuardAbort)):
+        return False
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _PEER_WORDS)
