@@ -65,6 +65,9 @@ class DataSection:
     max_side: int = attrs.field(default=112, validator=in_range(low=28),
                                 metadata=_doc("largest synthetic image side, px"))
     strict: bool = attrs.field(default=False, metadata=_doc("a bad sample stops the run instead of being skipped"))
+    max_pixels: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "an image of more pixels (width x height) is skipped and counted before it is decoded; "
+        "0 = PIL's decompression-bomb limit (~89M)"))
     workers: int = attrs.field(default=-1, validator=in_range(low=-1),
                                metadata=_doc("preprocessing processes; -1 = min(8, cores - 1), 0/1 = in-process"))
     cache: bool = attrs.field(default=True,

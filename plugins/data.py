@@ -32,7 +32,8 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
 
     workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
     cache = path.with_name(path.name + ".weft-cache") if recipe.data.cache else None
-    return tokenizer, datasets.jsonl_samples(path, processor=processor, workers=workers, cache_dir=cache)
+    return tokenizer, datasets.jsonl_samples(path, processor=processor, workers=workers, cache_dir=cache,
+                                             max_pixels=recipe.data.max_pixels)
 
 
 def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:

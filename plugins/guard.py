@@ -1,10 +1,17 @@
-"""Guard hook: verdicts on each step. Built-in: skip steps with a non-finite loss or gradient."""
+"""Guard hook: verdicts on each step.
+
+Built-in: ``finite`` (skip steps with a non-finite loss or gradient), ``spike`` (a loss or
+gradient norm far above the recent median: skip, warn or abort, by rule), ``memory``
+(warn when a rank's GPU memory passes a share of the device, with allocated and reserved).
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import attrs
+import torch
 
 from weft.core.hookspecs import hookimpl
 from weft.core.registry import Strategy, Verdict
@@ -17,24 +24,100 @@ class FiniteParams:
                                              metadata={"doc": "abort after this many skipped steps in a row"})
 
 
+@attrs.frozen(kw_only=True)
+class SpikeParams:
+    metric: Literal["loss", "grad_norm"] = attrs.field(default="loss", metadata={"doc": "the value watched"})
+    ratio: float = attrs.field(default=3.0, validator=in_range(low=1.0), metadata={
+        "doc": "a step whose value exceeds ratio x the median of the window is a spike"})
+    window: int = attrs.field(default=50, validator=in_range(low=1),
+                              metadata={"doc": "accepted steps the median is taken over"})
+    warmup: int = attrs.field(default=10, validator=in_range(low=1),
+                              metadata={"doc": "accepted steps seen before any step is judged"})
+    action: Literal["skip", "warn", "abort"] = attrs.field(default="skip", metadata={
+        "doc": "skip: no optimizer step for a spike; warn: log it and go on; abort: stop the run (exit 3)"})
+    max_consecutive: int = attrs.field(default=5, validator=in_range(low=1), metadata={
+        "doc": "with skip: abort after this many spikes in a row (the loss moved for good, not a spike)"})
+
+
+@attrs.frozen(kw_only=True)
+class MemoryParams:
+    warn_fraction: float = attrs.field(default=0.9, validator=in_range(low=0.0, high=1.0), metadata={
+        "doc": "warn when a rank's reserved GPU memory passes this share of the device's"})
+    every: int = attrs.field(default=50, validator=in_range(low=1),
+                             metadata={"doc": "steps between repeated warnings while it stays above"})
+
+
 @hookimpl
 def weft_strategies():
-    return [Strategy(point="guard", name="finite", params=FiniteParams,
-                     summary="skip a step whose loss or grad norm is NaN/inf; abort after N in a row")]
+    return [
+        Strategy(point="guard", name="finite", params=FiniteParams,
+                 summary="skip a step whose loss or grad norm is NaN/inf; abort after N in a row"),
+        Strategy(point="guard", name="spike", params=SpikeParams,
+                 summary="a loss (or grad norm) over ratio x the recent median: skip, warn or abort"),
+        Strategy(point="guard", name="memory", params=MemoryParams,
+                 summary="warn when a rank's GPU memory passes a share of the device (allocated, reserved)"),
+    ]
 
 
 @hookimpl
 def weft_guard(event, state, plan, ctx):
-    decision = next((d for d in plan.decisions_of("guard") if d.strategy == "finite"), None)
-    if decision is None or event != "step_end":
+    if event != "step_end":
         return None
+    verdicts = [_VERDICTS[d.strategy](d.params, state, ctx) for d in plan.decisions_of("guard")
+                if d.strategy in _VERDICTS]
+    return Verdict.strongest(verdicts) if verdicts else None
+
+
+def _finite(params: FiniteParams, state, ctx) -> Verdict:
     # state.loss and state.grad_norm are global values (already reduced over
     # the mesh), so every rank reaches the same verdict without a collective.
     values = {"loss": state.loss, "grad_norm": state.grad_norm}
     bad = [name for name, value in values.items() if value is not None and not math.isfinite(value)]
     if not bad:
         return Verdict(action="continue", guard="finite")
-    if state.consecutive_skips + 1 >= decision.params.max_consecutive_skips:
+    if state.consecutive_skips + 1 >= params.max_consecutive_skips:
         return Verdict(action="abort", guard="finite",
                        reason=f"{' and '.join(bad)} not finite for {state.consecutive_skips + 1} steps in a row")
     return Verdict(action="skip", guard="finite", reason=f"{' and '.join(bad)} not finite")
+
+
+def _spike(params: SpikeParams, state, ctx) -> Verdict:
+    from weft.strategies.loss_spike import SpikeWindow
+
+    value = getattr(state, params.metric)
+    if value is None or not math.isfinite(value):
+        return Verdict(action="continue", guard="spike")  # the finite guard's case
+    key = f"spike:{params.metric}"
+    window = state.memory.setdefault(key, SpikeWindow(window=params.window, ratio=params.ratio,
+                                                      warmup=params.warmup))
+    median = window.judge(value)  # global values: every rank reaches the same verdict
+    if median is None:
+        return Verdict(action="continue", guard="spike")
+    reason = f"{params.metric} {value:.4g} is {value / median:.1f}x the median {median:.4g} of the last " \
+             f"{len(window.values)} steps"
+    if params.action == "abort" or (params.action == "skip" and window.consecutive >= params.max_consecutive):
+        extra = "" if params.action == "abort" else f" ({window.consecutive} spikes in a row)"
+        return Verdict(action="abort", guard="spike", reason=reason + extra)
+    if params.action == "warn":
+        ctx.log.warning("guard.spike", step=state.step, metric=params.metric, value=value, median=median)
+        return Verdict(action="continue", guard="spike", reason=reason)
+    return Verdict(action="skip", guard="spike", reason=reason)
+
+
+def _memory(params: MemoryParams, state, ctx) -> Verdict:
+    device = ctx.device
+    if device.type != "cuda":
+        return Verdict(action="continue", guard="memory")
+    total = torch.cuda.get_device_properties(device).total_memory
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    last = state.memory.get("memory:warned")
+    if reserved > params.warn_fraction * total and (last is None or state.step - last >= params.every):
+        state.memory["memory:warned"] = state.step
+        ctx.log.warning("guard.memory", step=state.step, rank=ctx.rank, reserved_gib=round(reserved / 2**30, 2),
+                        allocated_gib=round(allocated / 2**30, 2), peak_gib=round(
+                            torch.cuda.max_memory_allocated(device) / 2**30, 2), device_gib=round(total / 2**30, 2),
+                        fraction=round(reserved / total, 3), warn_fraction=params.warn_fraction)
+    return Verdict(action="continue", guard="memory")
+
+
+_VERDICTS = {"finite": _finite, "spike": _spike, "memory": _memory}

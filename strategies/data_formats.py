@@ -22,7 +22,9 @@ PLACEHOLDER = "<image>"
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
-def record_to_messages(record: Any, *, base: pathlib.Path) -> list[dict]:
+def record_to_messages(record: Any, *, base: pathlib.Path, max_pixels: int = 0) -> list[dict]:
+    """A JSONL record as chat messages with their images opened (each at most ``max_pixels``
+    pixels when > 0; always within PIL's limit). A bad record or image is a ValueError."""
     if not isinstance(record, dict):
         raise ValueError(f"a line must hold a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -37,8 +39,8 @@ def record_to_messages(record: Any, *, base: pathlib.Path) -> list[dict]:
     messages = _turns(messages)
     images = record.get("images")
     if images is not None:
-        return _sharegpt(messages, images, base=base)
-    return [_chat_message(m, base=base) for m in messages]
+        return _sharegpt(messages, images, base=base, max_pixels=max_pixels)
+    return [_chat_message(m, base=base, max_pixels=max_pixels) for m in messages]
 
 
 def _turns(value: Any) -> list:
@@ -54,7 +56,7 @@ def _role(message: Any) -> str:
     return message["role"]
 
 
-def _chat_message(message: Any, *, base: pathlib.Path) -> dict:
+def _chat_message(message: Any, *, base: pathlib.Path, max_pixels: int = 0) -> dict:
     role = _role(message)
     content = message.get("content")
     if isinstance(content, str):
@@ -67,13 +69,14 @@ def _chat_message(message: Any, *, base: pathlib.Path) -> dict:
         if kind == "text":
             parts.append({"type": "text", "text": str(part.get("text", ""))})
         elif kind == "image":
-            parts.append({"type": "image", "image": load_image(part.get("image", part.get("path")), base=base)})
+            image = load_image(part.get("image", part.get("path")), base=base, max_pixels=max_pixels)
+            parts.append({"type": "image", "image": image})
         else:
             raise ValueError(f"unsupported content part {kind!r} (text and image are supported)")
     return {"role": role, "content": parts}
 
 
-def _sharegpt(messages: list, images: Any, *, base: pathlib.Path) -> list[dict]:
+def _sharegpt(messages: list, images: Any, *, base: pathlib.Path, max_pixels: int = 0) -> list[dict]:
     if not isinstance(images, list):
         raise ValueError("'images' must be a list of paths")
     placeholders = sum(str(m.get("content", "")).count(PLACEHOLDER) for m in messages if isinstance(m, dict))
@@ -92,12 +95,12 @@ def _sharegpt(messages: list, images: Any, *, base: pathlib.Path) -> list[dict]:
             if piece:
                 parts.append({"type": "text", "text": piece})
             if i < len(pieces) - 1:
-                parts.append({"type": "image", "image": load_image(next(queue), base=base)})
+                parts.append({"type": "image", "image": load_image(next(queue), base=base, max_pixels=max_pixels)})
         out.append({"role": role, "content": parts})
     return out
 
 
-def load_image(source: Any, *, base: pathlib.Path) -> Image.Image:
+def load_image(source: Any, *, base: pathlib.Path, max_pixels: int = 0) -> Image.Image:
     if not isinstance(source, str) or not source:
         raise ValueError(f"an image part needs a file path, got {source!r}")
     path = base / source
@@ -109,6 +112,9 @@ def load_image(source: Any, *, base: pathlib.Path) -> Image.Image:
         raise ValueError(f"image {source!r}: {error}") from None
     with opened as image:
         width, height = image.size
+        if max_pixels and width * height > max_pixels:  # from the header: never decoded
+            raise ValueError(f"image {source!r} is {width}x{height} = {width * height:,} pixels, over "
+                             f"data.max_pixels = {max_pixels:,}")
         if width * height > (Image.MAX_IMAGE_PIXELS or float("inf")):
             # Checked before decoding: one such image must not take the host's memory.
             raise ValueError(f"image {source!r} is {width}x{height} = {width * height:,} pixels, over the "

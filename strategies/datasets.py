@@ -29,7 +29,8 @@ def synthetic_samples(
 
 
 def jsonl_samples(
-    path: pathlib.Path, *, processor: str, workers: int = 1, cache_dir: pathlib.Path | None = None
+    path: pathlib.Path, *, processor: str, workers: int = 1, cache_dir: pathlib.Path | None = None,
+    max_pixels: int = 0,
 ) -> Iterator[Sample | BadSample]:
     """JSONL in the chat or sharegpt-style format (``data_formats``), one record per line,
     encoded in ``workers`` processes (``preprocess``), tokenized samples cached in ``cache_dir``.
@@ -48,7 +49,8 @@ def jsonl_samples(
                     yield f"{path}:{number}", line if isinstance(line, int) else line.decode("utf-8", "replace")
 
     for where, result in encode_lines(lines(), processor=processor, processor_folder=processor_dir(processor),
-                                      base=path.parent, workers=workers, cache_dir=cache_dir):
+                                      base=path.parent, workers=workers, cache_dir=cache_dir,
+                                      max_pixels=max_pixels):
 
         yield result if isinstance(result, Sample) else BadSample(where, result)
 

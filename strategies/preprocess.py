@@ -38,13 +38,13 @@ def processor_fingerprint(folder: pathlib.Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str) -> None:
+def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str, max_pixels: int = 0) -> None:
     from weft.strategies.conversation import load_processor
 
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
     tokenizer, image_processor = load_processor(processor)
     _WORKER.update(tokenizer=tokenizer, image_processor=image_processor, base=pathlib.Path(base),
-                   cache=pathlib.Path(cache_dir) if cache_dir else None, fingerprint=fingerprint)
+                   cache=pathlib.Path(cache_dir) if cache_dir else None, fingerprint=fingerprint, max_pixels=max_pixels)
 
 
 def _key(line: str, record: Any, base: pathlib.Path, fingerprint: str) -> str:
@@ -92,7 +92,7 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
         except Exception:  # a damaged or planted entry is re-made below
             pass
     try:
-        messages = record_to_messages(record, base=_WORKER["base"])
+        messages = record_to_messages(record, base=_WORKER["base"], max_pixels=_WORKER["max_pixels"])
         sample = encode_conversation(
             messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"]
         )
@@ -106,12 +106,15 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
 
 
 def encode_lines(lines: Iterable[tuple[str, str]], *, processor: str, processor_folder: pathlib.Path,
-                 base: pathlib.Path, workers: int, cache_dir: pathlib.Path | None) -> Iterator[tuple[str, Any]]:
+                 base: pathlib.Path, workers: int, cache_dir: pathlib.Path | None, max_pixels: int = 0
+                 ) -> Iterator[tuple[str, Any]]:
 
     """Encode (where, JSON line) jobs in order; yields (where, Sample) or (where, reason)."""
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
-    args = (processor, str(base), str(cache_dir) if cache_dir else None, processor_fingerprint(processor_folder))
+    # The pixel limit is part of the cache key: a sample cached under a looser one is not reused.
+    fingerprint = f"{processor_fingerprint(processor_folder)}:max_pixels={max_pixels}"
+    args = (processor, str(base), str(cache_dir) if cache_dir else None, fingerprint, max_pixels)
     if workers <= 1:
         _init(*args)
         yield from map(_encode, lines)

@@ -146,3 +146,25 @@ def test_strict_data_stops_at_the_first_bad_line(dataset, tmp_path):
 
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert f"{path}:{min(bad_lines)}" in done.stderr and "data.strict" in done.stderr
+
+
+def test_images_past_max_pixels_are_skipped_and_counted(tmp_path):
+    """data.max_pixels: an image of more pixels is a bad sample named by its line (read from
+    the header, never decoded); a cache filled under a looser limit is not reused."""
+    from weft.strategies.datasets import BadSample, jsonl_samples
+
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "big.png").write_bytes(png((84, 56)))  # 4,704 pixels
+    (images / "small.png").write_bytes(png((56, 28)))  # 1,568 pixels
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(chat(f"images/{name}.png")) for name in ("big", "small", "big")) + "\n")
+    cache = tmp_path / "cache"
+
+    def results(max_pixels):
+        return list(jsonl_samples(path, processor="tiny_vl", cache_dir=cache, max_pixels=max_pixels))
+
+    assert not any(isinstance(r, BadSample) for r in results(0))  # fills the cache
+    limited = results(3000)
+    assert [isinstance(r, BadSample) for r in limited] == [True, False, True]
+    assert limited[0].where == f"{path}:1" and "84x56 = 4,704 pixels, over data.max_pixels = 3,000" in limited[0].reason
