@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 from weft.core.errors import EXIT_RUNTIME, GuardAbort, WeftError
@@ -126,8 +127,8 @@ def watch_peers(*, store: Any, recipe: Any, ctx: Any, ending: Any) -> PeerWatch:
         else:
             what = ("every rank is alive, so some wait in a collective the others never joined (a hook or "
                     "strategy that runs collectives on some ranks only?)")
-        error = PeerLost(f"step {step} on rank {ctx.rank} has not finished after {waited:.0f} s: {what}",
-                         where="parallel.timeout_s")
+        error = PeerLost(f"step {step} on rank {ctx.rank} has not finished after {waited:.0f} s"
+                         f"{_main_thread_waits_in()}: {what}", where="parallel.timeout_s")
         try:
             ctx.log.error("run.peer_timeout", step=step, stopped=stopped, waited_s=round(waited, 1))
             ending.record(recipe, ctx, error=error)
@@ -166,3 +167,24 @@ def _collective_failure(error: BaseException) -> bool:
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
     return isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _PEER_WORDS)
+
+
+#: weft's own code (frames under these folders).
+_WEFT_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
+                   for d in ("core", "strategies", "plugins"))
+
+
+def _main_thread_waits_in() -> str:
+    """Where this rank's main thread is: its innermost frame (the collective it waits in,
+    say) and the innermost frame of weft's own code above it; "" when unknown."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return ""
+    stack = traceback.extract_stack(frame)  # outermost first
+    inner = stack[-1]
+    ours = next((f for f in reversed(stack) if f.filename.startswith(_WEFT_DIRS) and f is not inner), None)
+
+    def at(f: traceback.FrameSummary) -> str:
+        return f"{f.name} ({'/'.join(f.filename.split(os.sep)[-2:])}:{f.lineno})"
+
+    return f" (it waits in {at(inner)}" + (f", called from {at(ours)}" if ours else "") + ")"

@@ -270,6 +270,7 @@ def test_peer_that_stops_responding_is_named(recipe, tmp_path, plugin_site):
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=plugin_site)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "rank(s) 1 stopped responding" in done.stderr and "weft: error: parallel.timeout_s: step 3" in done.stderr
+    assert "(it waits in " in done.stderr  # the operation rank 0 is stuck in, and weft's caller
     assert done.stderr.count("weft: error:") == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert time.monotonic() - started < 150
     summary = json.loads((run_dir / "summary.json").read_text())
