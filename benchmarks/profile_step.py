@@ -2,13 +2,15 @@
 
     python3 benchmarks/profile_step.py --out $OUT qwen2.5-vl-7b-32k-1gpu --set data.tokens=32768
     python3 benchmarks/profile_step.py --out $OUT benchmarks/variants/7b-mlp28-logits.toml --step 3
+    torchrun --nproc-per-node 2 benchmarks/profile_step.py --out $OUT qwen2.5-7b-128k-2gpu   # rank 0 writes
 
 The recipe runs through weft's loop (the run's plugin manager plus one in-process guard
 plugin that starts the profiler at the chosen step's ``step_start`` and stops it at the
 next step's), so the step profiled is the one users run. Writes under --out:
-``profile.md`` (time per kernel family, the GPU's busy fraction over the step, the 40
-longest kernels) and ``profile.json`` (the same, machine-readable). weft is imported from
-the checkout (benchmarks/_bootstrap.py).
+``profile.md`` (time per kernel family, the GPU's busy fraction over the step, its idle
+gaps and the host operations behind them, the exposed communication: NCCL kernels with no
+compute kernel beside them, the 40 longest kernels) and ``profile.json`` (the same,
+machine-readable). weft is imported from the checkout (benchmarks/_bootstrap.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import pathlib
 import shutil
 import sys
@@ -87,18 +90,16 @@ def summarise(trace: dict) -> dict:
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES),
                      key=lambda e: e["ts"])
     if not kernels:
-        return {"wall_ms": 0.0, "busy_ms": 0.0, "kernel_ms": 0.0, "kernels": 0, "families_ms": {},
+        return {"wall_ms": 0.0, "busy_ms": 0.0, "kernel_ms": 0.0, "kernels": 0, "exposed_comm_ms": 0.0,
+                "families_ms": {},
                 "idle_gaps": {"total_ms": 0.0, "count": 0, "by_host_op_ms": {}, "longest": []}, "top": []}
-    busy, end_seen = 0.0, None
-    for e in kernels:  # union of the kernels' intervals: the GPU's busy time
-        start, end = e["ts"], e["ts"] + e["dur"]
-        if end_seen is None or start > end_seen:
-            busy += end - start
-            end_seen = end
-        elif end > end_seen:
-            busy += end - end_seen
-            end_seen = end
+    spans = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])  # the GPU's busy time
+    busy, end_seen = sum(b - a for a, b in spans), spans[-1][1]
     wall = end_seen - kernels[0]["ts"]
+    # Communication no compute kernel runs beside: the step's exposed communication.
+    comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if family(e["name"]) == "nccl"])
+    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if family(e["name"]) != "nccl"])
+    exposed = sum(b - a for a, b in comm) - _overlap(comm, compute)
     by_family: dict[str, float] = {}
     by_name: dict[str, list] = {}
     for e in kernels:
@@ -108,10 +109,33 @@ def summarise(trace: dict) -> dict:
         entry[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]
     return {"wall_ms": wall / 1e3, "busy_ms": busy / 1e3, "kernel_ms": sum(by_family.values()) / 1e3,
-            "kernels": len(kernels),
+            "kernels": len(kernels), "exposed_comm_ms": exposed / 1e3,
             "families_ms": {k: v / 1e3 for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
             "idle_gaps": _gaps(kernels, events),
             "top": [{"name": n[:160], "ms": t / 1e3, "calls": c, "family": family(n)} for n, (t, c) in top]}
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, merged intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _overlap(first: list[tuple[float, float]], second: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(first) and j < len(second):
+        total += max(0.0, min(first[i][1], second[j][1]) - max(first[i][0], second[j][0]))
+        if first[i][1] < second[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def _gaps(kernels: list, events: list, *, least_us: float = 20.0) -> dict:
@@ -154,7 +178,8 @@ def write(summary: dict, out: pathlib.Path, title: str) -> None:
     lines = [f"# {title}", "",
              f"step wall (first to last kernel) {summary['wall_ms']:,.0f} ms; GPU busy {summary['busy_ms']:,.0f} ms "
              f"({100 * summary['busy_ms'] / max(summary['wall_ms'], 1e-9):.1f}%); {summary['kernels']:,} kernels "
-             f"summing {summary['kernel_ms']:,.0f} ms (streams overlap)", "",
+             f"summing {summary['kernel_ms']:,.0f} ms (streams overlap); exposed communication (NCCL with no "
+             f"compute beside it) {summary['exposed_comm_ms']:,.0f} ms", "",
              "| family | ms | share of kernel time |", "| --- | ---: | ---: |"]
     for name, ms in summary["families_ms"].items():
         lines.append(f"| {name} | {ms:,.1f} | {100 * ms / summary['kernel_ms']:.1f}% |")
@@ -194,6 +219,8 @@ def main() -> None:
     run_dir = args.out / "run"
     run_dir.mkdir(exist_ok=True)
     train(recipe=recipe, pm=pm, run_dir=run_dir, resume=False, console=False)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0's profile speaks for the step
+        return
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trace_path = args.out / "trace.json"
     profiler.profiler.export_chrome_trace(str(trace_path))

@@ -304,6 +304,18 @@ def test_real_presets_build_on_meta(name, heads, kv_heads, layers, hidden, tied)
     assert (model.lm_head.weight is model.model.language_model.embed_tokens.weight) == tied
 
 
+def test_qwen2_5_7b_text_preset_builds_on_meta():
+    """Qwen2.5-7B's shapes (the text model of Qwen2.5-VL-7B): 7.6B parameters, GQA 28/4."""
+    model_type, kwargs, processor_name = load_preset("qwen2_5_7b")
+    config = build_config(model_type, kwargs)
+    assert model_type == "qwen2" and processor_name is None
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == 7_615_616_512
+    assert model.model.layers[0].self_attn.k_proj.out_features == 4 * 128
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
 def test_text_only_preset_runs(processor):
     tokenizer, _ = processor
     model_type, kwargs, processor_name = load_preset("qwen2_text_tiny")
