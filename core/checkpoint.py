@@ -90,7 +90,7 @@ def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank:
     dist.all_gather_object(described, mine)
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps(
-            {"step": step, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()}))
+            {"step": step, "scheduler": _plain(scheduler.state_dict()), "world_size": dist.get_world_size()}))
         files = {name: entry for part in described for name, entry in part.items()}
         for path in sorted(tmp.iterdir()):  # DCP's .metadata and meta.json: rank 0's
             files.setdefault(path.name, _describe(path))
@@ -218,3 +218,14 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _plain(value):
+    """A scheduler's state as JSON: one-element tensors (torchao keeps lr as a tensor) as numbers."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

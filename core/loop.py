@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import pathlib
 import sys
 import threading
@@ -26,6 +25,7 @@ from weft.core.interrupt import StopRequest
 from weft.core.logging import run_logger
 from weft.core.mesh import device_for
 from weft.core.oom import out_of_memory
+from weft.core.optimizer import make_optimizer
 from weft.core.peer_watch import PeerWatch, peers_lost, watch_peers
 from weft.core.prepare import Prepared, close_process_group, init_process_group, prepare_model
 from weft.core.progress import progress_bar
@@ -78,6 +78,11 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
     decision = run.plan.decision("batching")
     steps = iter(pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
                                model=run.model, ctx=ctx))
+    if not resume:
+        # Start-up may draw from torch's generators a varying amount; the steps draw from a stream
+        # the seed fixes (stochastic rounding repeats from run to run and agrees across replicas).
+        # A resumed run continues the stream its checkpoint saved.
+        torch.manual_seed(recipe.train.seed)
     autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if recipe.train.precision == "bf16"
                 else contextlib.nullcontext())
     totals = ending.totals
@@ -161,7 +166,7 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
         timer.stop("optimizer")
         state.consecutive_skips = 0
     optimizer.zero_grad(set_to_none=True)
-    lr = scheduler.get_last_lr()[0]
+    lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao (a CPU one: no sync)
     scheduler.step()
     # Waits for the optimizer's kernels (the events' last mark), so dt holds the whole step.
     phases = timer.seconds()  # forward_s, backward_s, optimizer_s
@@ -202,19 +207,6 @@ def _checkpoint_due(every: int, *, step: int, last: int, verdict: Verdict, inter
     return (every > 0 and step % every == 0) or step == last or verdict.action == "checkpoint" or interrupted
 
 
-def make_optimizer(recipe: Recipe, model: torch.nn.Module) -> tuple[Any, Any]:
-    """AdamW and the warmup + cosine schedule of ``[train]``. On CUDA torch's fused AdamW
-    (a few kernels per chunk of tensors instead of one per operation, float32 math inside
-    for bf16 states); elsewhere foreach."""
-    params = list(model.parameters())
-    fused = bool(params) and all(p.device.type == "cuda" for p in params)
-    optimizer = torch.optim.AdamW(
-        params, lr=recipe.train.lr, betas=(recipe.train.beta1, recipe.train.beta2),
-        weight_decay=recipe.train.weight_decay, **({"fused": True} if fused else {"foreach": True}),
-    )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(recipe))
-
-
 def _resume(ctx: RunContext, model, optimizer, scheduler) -> int:
     path, passed = checkpoint.newest_good(ctx.run_dir, rank=ctx.rank, world=ctx.world_size,
                                           device=ctx.device)
@@ -234,16 +226,3 @@ def _resume(ctx: RunContext, model, optimizer, scheduler) -> int:
 def _verdict(pm: Any, event: str, state: StepState, plan: Any, ctx: RunContext) -> Verdict:
     verdicts = [v for v in pm.call_all("weft_guard", event=event, state=state, plan=plan, ctx=ctx) if v is not None]
     return Verdict.strongest(verdicts)
-
-
-def _lr_lambda(recipe: Recipe):
-    warmup, total, floor = recipe.train.warmup_steps, recipe.train.max_steps, recipe.train.min_lr_ratio
-
-    def factor(step: int) -> float:
-        # step counts completed optimizer steps: 0 for the first step.
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor

@@ -60,7 +60,7 @@ def test_storage_dtype_reaches_the_optimizer_states():
     import torch.distributed as dist
 
     from weft.core.context import RunContext
-    from weft.core.loop import make_optimizer
+    from weft.core.optimizer import make_optimizer
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.prepare import prepare_model
     from weft.core.recipe import Recipe
