@@ -36,11 +36,6 @@ def _exact_matmuls() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
-def device_type_of(recipe: Recipe) -> str:
-    want = recipe.parallel.device
-    return "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
-
-
 def _full(grad: torch.Tensor) -> torch.Tensor:
     return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().float().cpu()
 
@@ -207,8 +202,10 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
         got = torch.load(out, weights_only=True)  # written by our own ranks; still only tensors and numbers
         batches = [mb for d in range(plan.mesh.dp)
                    for mb in torch.load(out.with_name(f"batches-dp{d}.pt"), weights_only=True)]
+    from weft.core.prepare import device_type_for
+
     ref = reference(recipe, adapter=pm.models.for_recipe(recipe), batches=batches, max_norm=clip,
-                    device=device_type_of(recipe))
+                    device=device_type_for(recipe))
     # After grad sync the built-in clip's result is known; a third-party grad sync's is not.
     ref["compare_clipped"] = bool(sync) and all(d.strategy == "clip" for d in sync)
     result = compare(ref, got)

@@ -123,6 +123,12 @@ class ModelAdapter(Protocol):
 VISION_FLAG = "weft_needs_vision"
 
 
+def ties_embeddings(config: Any) -> bool:
+    """Whether a transformers config (or its text config) ties the head to the embedding."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+
+
 def model_type_of(recipe: Recipe) -> str:
     """The ``model_type`` of the recipe's model, read without transformers: the preset's
     key, or ``config.json`` of ``model.path``. Raises RecipeError naming the file."""

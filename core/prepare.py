@@ -60,11 +60,16 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision, fused=fused)
 
 
+def device_type_for(recipe: Recipe) -> str:
+    """``parallel.device``: cuda, cpu, or (auto) cuda where a GPU is present."""
+    want = recipe.parallel.device
+    return "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def init_process_group(recipe: Recipe) -> tuple[int, int, int, str, Any]:
     """(rank, world_size, local_rank, device_type, store); a single process gets a one-rank
     group. ``store``: the rendezvous store the ranks share (heartbeats: core/peer_watch.py)."""
-    want = recipe.parallel.device
-    device_type = "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
+    device_type = device_type_for(recipe)
     if device_type == "cuda" and recipe.parallel.expandable_segments:
         # Read by the caching allocator when it starts (the first CUDA allocation, below).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -75,9 +75,9 @@ def weft_shard(model, plan, mesh, ctx):
     # A tied head shares its weight with the embedding: one parameter, so one FSDP unit (the
     # root), where FSDP2 keeps it shared through to_empty and the gathers.
     fused = ctx.recipe.train.loss == "fused"
-    config = getattr(model, "config", None)  # any module may be sharded, not only transformers models
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+    from weft.core.models import ties_embeddings
+
+    tied = ties_embeddings(getattr(model, "config", None))  # any module may be sharded, not only transformers
     in_root = {"head", "embedding"} if tied else {"head"} if fused else set()
     separate = [u for u in units if u.info.kind == "unit" and u.info.modality not in in_root]
     if in_root:

@@ -52,6 +52,12 @@ class BlockKernel:
     accumulate: Callable[..., None] | None = None
 
 
+def expand_kv_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, KV, S, D) -> (B, KV * groups, S, D), query head h using KV head h // groups: for
+    kernels without native GQA (autograd sums the expanded heads' gradients back)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
 def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
     # True where attention is allowed; the diagonal block is square (sq == sk).
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from weft.strategies.block_kernels import BlockKernel, select_kernel
+from weft.strategies.block_kernels import BlockKernel, expand_kv_heads, select_kernel
 
 
 class _LocalAttention(torch.autograd.Function):
@@ -29,11 +29,6 @@ class _LocalAttention(torch.autograd.Function):
         causal, scale, kernel = ctx.config
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
         return dq, dk, dv, None, None, None
-
-
-def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    # (B, KV, S, D) -> (B, KV * groups, S, D) for kernels without native GQA.
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 def local_attention(
@@ -57,7 +52,7 @@ def local_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if not kernel.gqa:
         groups = q.shape[1] // k.shape[1]
-        k, v = _expand(k, groups), _expand(v, groups)  # autograd sums the expanded heads' gradients back
+        k, v = expand_kv_heads(k, groups), expand_kv_heads(v, groups)
     if not kernel.strided:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _LocalAttention.apply(q, k, v, causal, scale, kernel)

@@ -24,7 +24,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from weft.strategies.block_kernels import BlockKernel, select_kernel
+from weft.strategies.block_kernels import BlockKernel, expand_kv_heads, select_kernel
 from weft.strategies.sequence_shard import LAYOUTS
 
 _ALL = slice(None)
@@ -80,11 +80,6 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    # (B, KV, S, D) -> (B, KV * groups, S, D); query head h uses KV head h // groups.
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
 def _reduce(dx: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return dx
@@ -133,7 +128,8 @@ def attend_block(
     """
     expand = 1 if kernel.gqa else groups
     qb, kb, vb = _operands(
-        kernel, q[:, :, block.q], _expand(kv[0][:, :, block.kv], expand), _expand(kv[1][:, :, block.kv], expand)
+        kernel, q[:, :, block.q], expand_kv_heads(kv[0][:, :, block.kv], expand),
+        expand_kv_heads(kv[1][:, :, block.kv], expand),
     )
     extra = {} if mask is None else {"mask": mask}
     block_out, block_lse = kernel.forward(qb, kb, vb, causal=block.causal and mask is None, scale=scale, **extra)
@@ -161,7 +157,8 @@ def attend_block_backward(
     expand = 1 if kernel.gqa else groups
     operands = _operands(
         kernel, dout[:, :, block.q], q[:, :, block.q],
-        _expand(kv[0][:, :, block.kv], expand), _expand(kv[1][:, :, block.kv], expand), out[:, :, block.q],
+        expand_kv_heads(kv[0][:, :, block.kv], expand), expand_kv_heads(kv[1][:, :, block.kv], expand),
+        out[:, :, block.q],
     )
     extra = {} if mask is None else {"mask": mask}
     dq_b, dk_b, dv_b = kernel.backward(

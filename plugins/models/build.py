@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from weft.core.errors import RecipeError, WeftError
+from weft.core.models import ties_embeddings
 from weft.core.presets import build_config, load_preset
 from weft.core.recipe import Recipe
 from weft.strategies.yarn import trained_positions, yarn_parameters
@@ -130,9 +131,7 @@ def retie(model: torch.nn.Module) -> None:
     model is tied again (transformers' tie_weights); a sharded one keeps its tie inside its
     FSDP unit (the shard plugin puts a tied head and embedding in the root unit)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    config = model.config
-    if head is None or not (getattr(config, "tie_word_embeddings", False)
-                            or getattr(config.get_text_config(), "tie_word_embeddings", False)):
+    if head is None or not ties_embeddings(model.config):
         return
     if not hasattr(head.weight, "device_mesh"):
         model.tie_weights()
