@@ -29,9 +29,11 @@ from weft.core.errors import EXIT_RUNTIME, GuardAbort, WeftError
 STALE_BEATS = 4
 
 
-def interval_for(timeout_s: float) -> float:
-    """Heartbeat period: a tenth of the timeout, between 0.2 s and 5 s."""
-    return min(5.0, max(0.2, timeout_s / 10))
+def interval_for(timeout_s: float, world: int) -> float:
+    """Heartbeat period: a tenth of the timeout, between 0.2 s and 1 s (a stopped peer is
+    named within seconds of a collective failing), longer beyond 16 ranks: every rank reads
+    every other's counter each period, world^2 store reads in all."""
+    return min(1.0, max(0.2, timeout_s / 10)) * max(1.0, world / 16)
 
 
 class PeerWatch:
@@ -43,7 +45,7 @@ class PeerWatch:
                  on_stuck: Callable[[int, list[int], float, bool], None]) -> None:
         self.store, self.rank, self.world, self.timeout_s = store, rank, world, timeout_s
         self.on_stuck = on_stuck
-        self.interval = interval_for(timeout_s)
+        self.interval = interval_for(timeout_s, world)
         self._seen: dict[int, tuple[bytes | None, float]] = {}  # rank -> (last counter, when it changed)
         self._step: tuple[int, float] | None = None  # (step, when it started)
         self._stop = threading.Event()
@@ -123,7 +125,7 @@ def watch_peers(*, store: Any, recipe: Any, ctx: Any, ending: Any) -> PeerWatch:
     def stuck(step: int, stopped: list[int], waited: float, reporter: bool) -> None:
         if stopped:
             what = f"rank(s) {', '.join(map(str, stopped))} stopped responding (no heartbeat for the last " \
-                   f"{STALE_BEATS * interval_for(timeout):.0f} s)"
+                   f"{STALE_BEATS * interval_for(timeout, ctx.world_size):.0f} s)"
         else:
             what = ("every rank is alive, so some wait in a collective the others never joined (a hook or "
                     "strategy that runs collectives on some ranks only?)")
