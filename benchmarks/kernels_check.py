@@ -62,7 +62,39 @@ def main() -> int:
             )
     failures += check_accumulate()
     failures += check_masked()
+    failures += check_varlen()
     return 1 if failures else 0
+
+
+def check_varlen() -> int:
+    """The vision tower's one-call path (flash-attn-4 over packed windows, head_dim 80 as in
+    Qwen2.5-VL's tower) against one float32 SDPA call per window: out and gradients."""
+    from weft.strategies.segment_attention import segment_attention, segment_loop, varlen_runs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cu = torch.tensor([0, 64, 128, 192, 256, 320, 384, 448, 512, 576, 1024, 1280], device="cuda", dtype=torch.int32)
+    total, heads, d = int(cu[-1]), 16, 80
+    base = [torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
+    views = [t.transpose(0, 1).unsqueeze(0) for t in base]  # (1, H, S, D) views, as transformers hands them
+    if not varlen_runs(views[0]):
+        print("varlen segments: flash-attn-4 does not run here; skipped")
+        return 0
+
+    def run(fn, dtype, **kw):
+        q, k, v = (t.detach().to(dtype).requires_grad_() for t in views[:3])
+        out = fn(q, k, v, cu_seqlens=cu, scale=d**-0.5, **kw)
+        out.backward(views[3].to(dtype))
+        return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+
+    got = run(segment_attention, torch.bfloat16, max_seqlen=256)
+    want = run(segment_loop, torch.float32)
+    bf16 = run(segment_loop, torch.bfloat16)  # one SDPA call per window in bf16: the error to match
+    errs = [(a - b).abs().max().item() for a, b in zip(got, want)]
+    floor = [(a - b).abs().max().item() for a, b in zip(bf16, want)]
+    bad = any(e > max(0.05, 2 * f) for e, f in zip(errs, floor))
+    print(f"varlen segments (flash-attn-4, head_dim {d}): {'BAD' if bad else 'ok'} "
+          + " ".join(f"{n}={e:.2e} (sdpa bf16 {f:.2e})" for n, e, f in zip(("out", "dq", "dk", "dv"), errs, floor)))
+    return int(bad)
 
 
 def check_masked() -> int:
