@@ -27,6 +27,9 @@ class Fsdp2Params:
         "doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
     compile: bool = attrs.field(default=False, metadata={
         "doc": "torch.compile the unit's children except its attention (norms, MLP: fused element-wise kernels)"})
+    offload_activations: bool = attrs.field(default=False, metadata={
+        "doc": "with checkpoint = full: the unit's input (all it keeps) waits in host memory from its forward to "
+               "its backward (pinned, copied on a side stream)"})
 
 
 @attrs.frozen(kw_only=True)
@@ -35,15 +38,25 @@ class KeepParams:
         "doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
     compile: bool = attrs.field(default=False, metadata={
         "doc": "torch.compile the unit's children except its attention (norms, MLP: fused element-wise kernels)"})
+    offload_activations: bool = attrs.field(default=False, metadata={
+        "doc": "with checkpoint = full: the unit's input (all it keeps) waits in host memory from its forward to "
+               "its backward (pinned, copied on a side stream)"})
+
+
+def check_offload(params, *, recipe, plan) -> str | None:
+    if params.offload_activations and params.checkpoint != "full":
+        return (f"offload_activations = true needs checkpoint = 'full' (got {params.checkpoint!r}): only a fully "
+                "checkpointed unit keeps nothing but its input")
+    return None
 
 
 @hookimpl
 def weft_strategies():
     return [
         Strategy(point="shard", name="fsdp2", params=Fsdp2Params,
-                 summary="FSDP2 fully_shard per unit over dp_shard x SP ranks"),
+                 summary="FSDP2 fully_shard per unit over dp_shard x SP ranks", check=check_offload),
         Strategy(point="shard", name="none", params=KeepParams,
-                 summary="keep the module whole on every rank; grad_sync averages its gradients"),
+                 summary="keep the module whole on every rank; grad_sync averages its gradients", check=check_offload),
     ]
 
 
@@ -64,6 +77,13 @@ def weft_shard(model, plan, mesh, ctx):
     compiled = _compile_units(model, plan)
     if compiled:
         ctx.log.info("shard.compile", modules=compiled)
+    offloaded = [model.get_submodule(unit.info.path) for unit in plan.modules_for("shard")
+                 if unit.info.kind == "unit" and getattr(unit.get("shard").params, "offload_activations", False)]
+    if offloaded:
+        from weft.strategies.activation_offload import ActivationOffload
+
+        ActivationOffload(device=ctx.device).attach(offloaded)
+        ctx.log.info("shard.offload_activations", units=len(offloaded))
     units = plan.modules_for("shard", "fsdp2")
     root = plan.root()
     if not units:

@@ -1,0 +1,105 @@
+"""Checkpointed units' inputs kept in host memory between forward and backward.
+
+With full activation checkpointing a unit keeps only its input (the residual stream,
+tokens x hidden: 3.5 GiB per layer of a 7B model at 512K tokens) until backward
+recomputes the unit from it. Here that input goes to host memory once the unit's forward
+is done and comes back when backward reaches the unit, so GPU memory holds only the few
+units in flight. The tensor keeps its identity (the checkpoint still refers to it): only
+its storage is emptied and refilled, as FSDP2 does with parameters, and a storage copy
+bumps no version counter. On CUDA the copies run on a side stream: device-to-host after
+the unit's forward, host-to-device for unit i-1 while unit i runs its backward. Host
+buffers are pinned and reused from step to step. Elsewhere (CPU tests) the same moves are
+plain copies, so the arithmetic is proven identical to the unmoved run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+
+class ActivationOffload:
+    """Attach to the units whose rule asks for it (in forward order); one per run."""
+
+    def __init__(self, *, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.buffers: dict[int, torch.Tensor] = {}  # unit index -> host buffer, reused across steps
+        self.parked: dict[int, torch.Tensor] = {}  # unit index -> the input whose storage is on the host
+        self.ready: dict[int, Any] = {}  # unit index -> event: its storage is back on the device
+        self._pending: dict[int, torch.Tensor] = {}
+        self.moved_bytes = 0
+
+    def attach(self, units: list[torch.nn.Module]) -> int:
+        for index, unit in enumerate(units):
+            unit.register_forward_pre_hook(functools.partial(self._before, index), with_kwargs=True)
+            unit.register_forward_hook(functools.partial(self._after, index))
+        return len(units)
+
+    # -- forward -----------------------------------------------------------------------
+
+    def _before(self, index: int, module, args, kwargs) -> None:
+        x = args[0] if args else kwargs.get("hidden_states")
+        if torch.is_grad_enabled() and _sole_owner(x):
+            self._pending[index] = x
+
+    def _after(self, index: int, module, args, output) -> None:
+        x = self._pending.pop(index, None)
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if x is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return
+        host = self._buffer(index, x)
+        if self.cuda:
+            self.side.wait_stream(torch.cuda.current_stream())  # x is written
+            with torch.cuda.stream(self.side):
+                host.untyped_storage().copy_(x.untyped_storage(), non_blocking=True)
+            x.record_stream(self.side)  # the freed block is not reused before the copy is done
+        else:
+            host.untyped_storage().copy_(x.untyped_storage())
+        x.untyped_storage().resize_(0)
+        self.parked[index] = x
+        self.moved_bytes += host.untyped_storage().nbytes()
+        # The output's gradient arrives just before backward recomputes this unit from x.
+        out.register_hook(functools.partial(self._on_backward, index))
+
+    # -- backward ----------------------------------------------------------------------
+
+    def _on_backward(self, index: int, grad: torch.Tensor) -> None:
+        self._bring_back(index)
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.ready.pop(index))
+        if index - 1 in self.parked:
+            self._bring_back(index - 1)  # prefetch: the unit before runs next in backward
+
+    def _bring_back(self, index: int) -> None:
+        x = self.parked.pop(index, None)
+        if x is None:
+            return
+        host = self.buffers[index]
+        storage = x.untyped_storage()
+        storage.resize_(host.untyped_storage().nbytes())
+        if self.cuda:
+            self.side.wait_stream(torch.cuda.current_stream())  # the new block is free on the compute stream
+            with torch.cuda.stream(self.side):
+                storage.copy_(host.untyped_storage(), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            x.record_stream(self.side)
+            self.ready[index] = event
+        else:
+            storage.copy_(host.untyped_storage())
+
+    def _buffer(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        held = self.buffers.get(index)
+        if held is None or held.shape != x.shape or held.dtype != x.dtype:
+            held = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
+            self.buffers[index] = held
+        return held
+
+
+def _sole_owner(x: Any) -> bool:
+    """A plain tensor that is the only user of its whole storage: emptying it breaks nothing else."""
+    return (isinstance(x, torch.Tensor) and x._base is None and x.is_contiguous() and x.storage_offset() == 0
+            and x.untyped_storage().nbytes() == x.numel() * x.element_size() and x.numel() > 0)
