@@ -11,7 +11,6 @@ import math
 from typing import Literal
 
 import attrs
-import torch
 
 from weft.core.hookspecs import hookimpl
 from weft.core.registry import Strategy, Verdict
@@ -105,6 +104,8 @@ def _spike(params: SpikeParams, state, ctx) -> Verdict:
 
 
 def _memory(params: MemoryParams, state, ctx) -> Verdict:
+    import torch  # here, not at import: building the plugin manager imports no torch
+
     device = ctx.device
     if device.type != "cuda":
         return Verdict(action="continue", guard="memory")
