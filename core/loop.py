@@ -50,6 +50,7 @@ def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, conso
         result = _train(recipe=recipe, pm=pm, ctx=ctx, resume=resume, console=console, stop=stop, ending=ending,
                         watch=watch)
     except BaseException as error:
+        watch.step_finished()  # ended, by this error: the watch must not also time the step out
         lost = peers_lost(error, watch, ctx=ctx)  # a collective failed because a peer stopped: name it
         with contextlib.suppress(Exception):  # recording the ending must never hide the error itself
             ending.record(recipe, ctx, error=lost or error)
