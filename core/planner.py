@@ -77,14 +77,17 @@ def check_sequence_parallel(plan: Plan, registry: Any, *, where: str) -> None:
     for module in plan.modules_for("attention"):
         decision = module.get("attention")
         strategy = registry.get("attention", decision.strategy)
+        # A vision tower's 'auto' keeps each image whole on a rank (one kernel call per block
+        # over its windows, plugins/attention.py resolve_vision): it splits no heads.
+        head_split = () if module.info.modality == "vision" and decision.strategy == "auto" else strategy.head_split
         degree = 1
-        for dim in strategy.head_split:
+        for dim in head_split:
             degree *= getattr(plan.mesh, dim)
         heads = module.info.heads or 0
         if degree > 1 and heads % degree:
             raise PlanError(
                 f"{module.info.path} has {heads} heads, which attention strategy {decision.strategy!r} "
-                f"(rule at {decision.source}) splits over {' x '.join(strategy.head_split)} = {degree} ranks; "
+                f"(rule at {decision.source}) splits over {' x '.join(head_split)} = {degree} ranks; "
                 f"the degree must divide the heads",
                 where=where,
             )
