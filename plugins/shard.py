@@ -10,7 +10,7 @@ from weft.core.hookspecs import hookimpl
 from weft.core.registry import Strategy
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-Checkpoint = Literal["off", "full", "attention", "mlp"]
+Checkpoint = Literal["off", "full", "attention", "mlp", "except_attention"]
 
 
 @attrs.frozen(kw_only=True)
@@ -24,7 +24,8 @@ class Fsdp2Params:
     storage_dtype: Dtype | None = attrs.field(default=None, metadata={
         "doc": "dtype the unit's weights, gradients and AdamW states are kept in; unset = float32"})
     checkpoint: Checkpoint = attrs.field(default="off", metadata={
-        "doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
+        "doc": "activation checkpointing of the unit: off, full, selective (attention / mlp child only), or "
+               "except_attention (all but the attention kernel, whose outputs are kept)"})
     compile: bool = attrs.field(default=False, metadata={
         "doc": "torch.compile the unit's children except its attention (norms, MLP: fused element-wise kernels)"})
     offload_activations: bool = attrs.field(default=False, metadata={
@@ -34,8 +35,12 @@ class Fsdp2Params:
 
 @attrs.frozen(kw_only=True)
 class KeepParams:
+    storage_dtype: Dtype | None = attrs.field(default=None, metadata={
+        "doc": "dtype the unit's weights, gradients and AdamW states are kept in; unset = float32 (on one GPU, "
+               "bf16 storage without sharding spares FSDP2's per-unit copies)"})
     checkpoint: Checkpoint = attrs.field(default="off", metadata={
-        "doc": "activation checkpointing of the unit: off, full, or selective (attention / mlp child only)"})
+        "doc": "activation checkpointing of the unit: off, full, selective (attention / mlp child only), or "
+               "except_attention (all but the attention kernel, whose outputs are kept)"})
     compile: bool = attrs.field(default=False, metadata={
         "doc": "torch.compile the unit's children except its attention (norms, MLP: fused element-wise kernels)"})
     offload_activations: bool = attrs.field(default=False, metadata={
@@ -67,6 +72,8 @@ def weft_shard(model, plan, mesh, ctx):
 
     # Activation checkpointing first, on every unit whose rule asks for it, whatever
     # its sharding: torch's order is checkpointing, then FSDP.
+    _check_storage(plan)
+    _cast_storage(model, plan)
     checkpointed = sum(
         apply_checkpointing(model.get_submodule(unit.info.path), mode=unit.get("shard").params.checkpoint)
         for unit in plan.modules_for("shard")
@@ -123,6 +130,34 @@ def weft_shard(model, plan, mesh, ctx):
     return None
 
 
+def _check_storage(plan) -> None:
+    """Under an FSDP2 root, an unsharded unit's weights join the root's group, which FSDP2
+    keeps in one dtype: the unit must store what the root stores."""
+    root = plan.root().get("shard")
+    if root.strategy != "fsdp2":
+        return
+    want = root.params.storage_dtype or "float32"
+    for m in plan.modules_for("shard", "none"):
+        have = m.get("shard").params.storage_dtype or "float32"
+        if m.info.kind == "unit" and have != want:
+            from weft.core.errors import PlanError
+
+            raise PlanError(f"unit {m.info.path!r} keeps its weights whole (shard strategy 'none') in {have}, inside "
+                            f"an FSDP2 root stored in {want}; FSDP2 gathers them with the root's, in one dtype: give "
+                            f"it storage_dtype = {want!r}, or shard it with strategy 'fsdp2'",
+                            where=f"{m.get('shard').source} (shard.storage_dtype)")
+
+
+def _cast_storage(model, plan) -> None:
+    """Storage dtypes of sharded and unsharded units alike, before sharding (an unset one is
+    float32, so a bf16 parent's rule does not reach a child that asks for nothing)."""
+    from weft.strategies.fsdp2 import cast_storage
+
+    cast_storage(model, [(model.get_submodule(m.info.path), m.get("shard").params.storage_dtype or "float32")
+                         for m in plan.modules_for("shard")
+                         if m.info.kind in ("unit", "root") and m.get("shard").strategy in ("fsdp2", "none")])
+
+
 def _compile_units(model, plan) -> int:
     from weft.strategies.compile_units import compile_unit
 
@@ -136,5 +171,4 @@ def _policy(params) -> dict:
         "reduce_dtype": params.reduce_dtype,
         "reshard_after_forward": params.reshard_after_forward,
         "offload": params.offload,
-        "storage_dtype": params.storage_dtype or "float32",
     }

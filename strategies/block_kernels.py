@@ -168,21 +168,21 @@ def fa4_runs_on(device: torch.device, *, head_dim: int) -> bool:
 
 
 def _fa4_forward(q, k, v, *, causal, scale):
-    from flash_attn.cute.interface import _flash_attn_fwd  # optional extra: flash-attn-4
+    from weft.strategies.flash_ops import fa4_forward
 
     # flash-attn-4 works on (B, S, H, D); transformers' q/k/v are (B, H, S, D) views of
     # (B, S, H, D) memory, so the transposes are free (the kernel takes strided tensors).
     t = lambda x: x.transpose(1, 2)  # noqa: E731
-    out, lse, *_ = _flash_attn_fwd(t(q), t(k), t(v), softmax_scale=scale, causal=causal, return_lse=True)
+    out, lse = fa4_forward(t(q), t(k), t(v), causal, scale)
     return out.transpose(1, 2), lse  # (B, H, S, D) view, (B, H, S) float32
 
 
 def _fa4_backward(dout, q, k, v, out, lse, *, causal, scale):
-    from flash_attn.cute.interface import _flash_attn_bwd
+    from weft.strategies.flash_ops import fa4_backward
 
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     lse = lse.to(torch.promote_types(lse.dtype, torch.float32)).contiguous()  # the kernel reads float32 (B, H, S)
-    dq, dk, dv = _flash_attn_bwd(t(q), t(k), t(v), t(out), t(dout), lse, scale, causal)[:3]
+    dq, dk, dv = fa4_backward(t(dout), t(q), t(k), t(v), t(out), lse, causal, scale)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 

@@ -21,7 +21,6 @@ class ShardGroup:
     reduce_dtype: str | None = None
     reshard_after_forward: bool = True
     offload: bool = False
-    storage_dtype: str | None = None  # the sharded weights' dtype (and so their gradients' and AdamW states')
 
 
 def apply_fsdp2(
@@ -31,22 +30,23 @@ def apply_fsdp2(
     """Shard each group's modules, then the root, over ``mesh`` (1-D FSDP or 2-D HSDP).
 
     Order matters: children are wrapped before their parents so each parameter
-    belongs to the innermost unit; the root call gathers whatever is left.
+    belongs to the innermost unit; the root call gathers whatever is left. Storage
+    dtypes are set before (``cast_storage``), for sharded and unsharded units alike.
     """
-    # Storage dtypes before any sharding, shallowest first, so a unit's own rule wins over
-    # its parent's (the root's covers whatever no unit owns).
-    groups = list(groups)
-    depth = {id(m): (n.count(".") + 1 if n else 0) for n, m in root.named_modules()}
-    for group in sorted([g for g in [root_group] if g] + groups, key=lambda g: min(depth[id(m)] for m in g.modules)):
-        if group.storage_dtype:
-            for module in group.modules:
-                cast_parameters(module, DTYPES[group.storage_dtype])
     # Pinned host memory needs an accelerator; on a CPU run offloading is a no-op anyway.
     pin = mesh.device_type == "cuda"
     for group in groups:
         modules = group.modules[0] if len(group.modules) == 1 else list(group.modules)
         fully_shard(modules, mesh=mesh, **_policy(group, pin=pin))
     fully_shard(root, mesh=mesh, **(_policy(root_group, pin=pin) if root_group else {}))
+
+
+def cast_storage(root: torch.nn.Module, assignments: Iterable[tuple[torch.nn.Module, str]]) -> None:
+    """Each module's parameters to its storage dtype, shallowest module first, so a unit's own
+    rule wins over its parent's (the root's covers whatever no unit owns)."""
+    depth = {id(m): (n.count(".") + 1 if n else 0) for n, m in root.named_modules()}
+    for module, dtype in sorted(assignments, key=lambda pair: depth[id(pair[0])]):
+        cast_parameters(module, DTYPES[dtype])
 
 
 def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -54,8 +54,13 @@ def test_bf16_storage_by_rule_trains_and_checkpoints_in_bf16(tmp_path):
     assert dtypes["visual.blocks.0.mlp.up_proj.weight"] == "F32"  # the vision rule keeps float32
 
 
-def test_storage_dtype_reaches_the_optimizer_states():
-    """In-process, one rank: the unit's parameters are bf16 DTensors and AdamW keeps bf16 states."""
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "none"])
+def test_storage_dtype_reaches_the_optimizer_states(strategy):
+    """In-process, one rank: the units' parameters are bf16 (DTensors under fsdp2, plain tensors
+    unsharded) and AdamW keeps bf16 states."""
     import structlog
     import torch.distributed as dist
 
@@ -67,13 +72,15 @@ def test_storage_dtype_reaches_the_optimizer_states():
 
     recipe = Recipe.from_dict({
         "model": {"preset": "qwen2_text_tiny"},
-        "rules": [{"shard": {"strategy": "fsdp2", "storage_dtype": "bfloat16"}}],
+        "rules": [{"shard": {"strategy": strategy, "storage_dtype": "bfloat16"}}],
     })
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger())
         run = prepare_model(recipe=recipe, pm=build_plugin_manager(entry_points=False), ctx=ctx)
         assert {p.dtype for p in run.model.parameters()} == {torch.bfloat16}
+        sharded = {type(p).__name__ == "DTensor" for p in run.model.parameters()}
+        assert sharded == {strategy == "fsdp2"}
         optimizer, _ = make_optimizer(recipe, run.model)
         ids = torch.randint(0, 300, (1, 16))
         run.model(input_ids=ids, labels=ids).loss.backward()
@@ -84,6 +91,26 @@ def test_storage_dtype_reaches_the_optimizer_states():
         assert all(b.dtype == torch.float32 for n, b in run.model.named_buffers() if n.endswith("inv_freq"))
     finally:
         dist.destroy_process_group()
+
+
+def test_an_unsharded_unit_in_another_dtype_than_its_fsdp2_root_is_a_plan_error(tmp_path):
+    """FSDP2 gathers an unsharded unit's weights with its root's, in one dtype: a bf16 'none' unit
+    under a float32 FSDP2 root is named at plan time (exit 2), not an assertion at the first step."""
+    recipe = tmp_path / "mixed.toml"
+    recipe.write_text(textwrap.dedent('''
+        [model]
+        preset = "qwen2_text_tiny"
+        [parallel]
+        nproc = 1
+        [[rules]]
+        when = { path = "model.layers.0" }
+        shard = { strategy = "none", storage_dtype = "bfloat16" }
+        [[rules]]
+        shard = { strategy = "fsdp2" }
+    '''))
+    done = weft("run", str(recipe), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "model.layers.0" in done.stderr and "storage_dtype" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_offload_with_clipping_equals_the_unsharded_model(tmp_path):
