@@ -178,12 +178,18 @@ def _logits(h, w, b, compute, acc) -> torch.Tensor:
 def _add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor, vocab_rows: int) -> None:
     """grad_w += g.T @ h; g (C, V), h (C, H), both in the compute dtype.
 
-    Same dtype: one GEMM into the sum (beta = 1). A wider sum (float32 over bf16): the
-    product is made in the compute dtype, a slice of at most ``vocab_rows`` vocabulary
-    rows at a time, so the temporary stays chunk-sized rather than (V, H) (1.1 GB in bf16).
+    Same dtype, or 16-bit operands into a float32 sum on CUDA: one GEMM into the sum (beta = 1).
+    Otherwise (a wider sum elsewhere): the product is made in the compute dtype, a slice of at
+    most ``vocab_rows`` vocabulary rows at a time, so the temporary stays chunk-sized rather
+    than (V, H) (1.1 GB in bf16).
     """
     if grad_w.dtype == g.dtype:
         grad_w.addmm_(g.T, h)
+        return
+    if grad_w.is_cuda and g.dtype in (torch.bfloat16, torch.float16) and grad_w.dtype == torch.float32:
+        # cuBLAS multiplies 16-bit operands into the float32 sum itself (beta = 1): no product
+        # temporary, one pass over the sum per chunk instead of a product written and then added.
+        torch.addmm(grad_w, g.T, h, out_dtype=torch.float32, out=grad_w)
         return
     for v in range(0, grad_w.shape[0], vocab_rows):
         grad_w[v:v + vocab_rows] += g[:, v:v + vocab_rows].T @ h  # (Vs, H)

@@ -135,6 +135,17 @@ def resolve_vision(strategy: str, *, backend: str = "auto") -> str:
     return strategy
 
 
+def traceable(decision, module_path: str, plan) -> bool:
+    """Whether torch.compile may trace this attention module whole: the functions that run
+    one kernel on the local sequence (``local``: weft's operators; ``sdpa``: torch's), not
+    those with collectives (ring, ulysses, usp) nor the vision tower's varlen call."""
+    if "visual" in module_path:
+        return False
+    strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring,
+                            packed=plan.packed(), backend=getattr(decision.params, "backend", "auto"))
+    return strategy in ("local", "sdpa")
+
+
 @hookimpl
 def weft_attention(decision, module_path, plan, mesh, ctx):
     backend = getattr(decision.params, "backend", "auto")

@@ -27,7 +27,8 @@ class Fsdp2Params:
         "doc": "activation checkpointing of the unit: off, full, selective (attention / mlp child only), or "
                "except_attention (all but the attention kernel, whose outputs are kept)"})
     compile: bool = attrs.field(default=False, metadata={
-        "doc": "torch.compile the unit's children except its attention (norms, MLP: fused element-wise kernels)"})
+        "doc": "torch.compile the unit's children (norms, MLP; the attention where it runs one kernel on the local "
+               "sequence): fused element-wise kernels"})
     offload_activations: bool = attrs.field(default=False, metadata={
         "doc": "with checkpoint = full: the unit's input (all it keeps) waits in host memory from its forward to "
                "its backward (pinned, copied on a side stream)"})
@@ -42,7 +43,8 @@ class KeepParams:
         "doc": "activation checkpointing of the unit: off, full, selective (attention / mlp child only), or "
                "except_attention (all but the attention kernel, whose outputs are kept)"})
     compile: bool = attrs.field(default=False, metadata={
-        "doc": "torch.compile the unit's children except its attention (norms, MLP: fused element-wise kernels)"})
+        "doc": "torch.compile the unit's children (norms, MLP; the attention where it runs one kernel on the local "
+               "sequence): fused element-wise kernels"})
     offload_activations: bool = attrs.field(default=False, metadata={
         "doc": "with checkpoint = full: the unit's input (all it keeps) waits in host memory from its forward to "
                "its backward (pinned, copied on a side stream)"})
@@ -159,10 +161,18 @@ def _cast_storage(model, plan) -> None:
 
 
 def _compile_units(model, plan) -> int:
+    """``compile = true``: the unit's children, its attention too where one kernel on the local
+    sequence runs it (fused rotary embedding and casts around the kernel; no collectives)."""
+    from weft.plugins.attention import traceable
     from weft.strategies.compile_units import compile_unit
 
-    return sum(compile_unit(model.get_submodule(unit.info.path)) for unit in plan.modules_for("shard")
-               if unit.info.kind == "unit" and getattr(unit.get("shard").params, "compile", False))
+    attention = {m.info.path: traceable(m.get("attention"), m.info.path, plan) for m in plan.modules_for("attention")}
+    compiled = 0
+    for unit in plan.modules_for("shard"):
+        if unit.info.kind == "unit" and getattr(unit.get("shard").params, "compile", False):
+            inside = [flag for path, flag in attention.items() if path.startswith(unit.info.path + ".")]
+            compiled += compile_unit(model.get_submodule(unit.info.path), attention=bool(inside) and all(inside))
+    return compiled
 
 
 def _policy(params) -> dict:

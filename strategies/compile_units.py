@@ -1,13 +1,15 @@
-"""torch.compile inside a unit: every child except its attention, in place.
+"""torch.compile inside a unit: every child, the attention only when asked, in place.
 
 ``nn.Module.compile`` compiles a module's call where it stands, so parameter and
 module names stay what transformers and checkpoints expect (no ``_orig_mod``).
-The attention child is left eager: weft's attention functions are autograd
-Functions around external kernels (flash-attn-4, cuDNN) and collectives, which
-dynamo would only break around. What compiling buys is fusion of the memory-bound
-element-wise work (RMSNorm's float32 passes, SwiGLU's activation and product)
-into single kernels, in the forward, its recomputation and the backward. Order:
-activation checkpointing, then compile, then FSDP (torch's documented order).
+What compiling buys is fusion of the memory-bound element-wise work (RMSNorm's
+float32 passes, SwiGLU's activation and product, the rotary embedding in float32
+and the casts around the attention kernel) into single kernels, in the forward, its
+recomputation and the backward. The attention child is compiled only when the caller
+knows its function traces whole: one kernel that is a torch operator (flash-attn-4
+through ``flash_ops``, torch's SDPA), no collectives (ring, Ulysses), which dynamo
+would only break around. Order: activation checkpointing, then compile, then FSDP
+(torch's documented order).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import torch
 ATTENTION_CHILDREN: tuple[str, ...] = ("self_attn", "attn")
 
 
-def compile_unit(module: torch.nn.Module, *, backend: str = "inductor") -> int:
-    """Compile each child of ``module`` that is not its attention; a unit without
-    children is compiled whole. Returns how many modules were compiled."""
-    children = [child for name, child in module.named_children() if name not in ATTENTION_CHILDREN]
+def compile_unit(module: torch.nn.Module, *, backend: str = "inductor", attention: bool = False) -> int:
+    """Compile each child of ``module`` (its attention child only with ``attention``); a unit
+    without children is compiled whole. Returns how many modules were compiled."""
+    children = [child for name, child in module.named_children() if attention or name not in ATTENTION_CHILDREN]
     if not any(True for _ in module.named_children()):
         children = [module]
     for child in children:

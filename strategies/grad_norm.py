@@ -46,7 +46,7 @@ def clip_global_norm(params: list[torch.Tensor], *, max_norm: float,
         for g in sharded:
             by_mesh.setdefault(id(g.device_mesh), []).append(g)
         for group in by_mesh.values():
-            local = torch.stack([g.to_local().float().pow(2).sum().to(device) for g in group]).sum()
+            local = _sum_of_squares([g.to_local() for g in group], device)
             mesh = group[0].device_mesh
             # Shard placements: sum the squares over the mesh. HSDP's replicate
             # dimension holds copies, so sum only over the shard dimension.
@@ -55,12 +55,32 @@ def clip_global_norm(params: list[torch.Tensor], *, max_norm: float,
                 dist.all_reduce(local, group=mesh.get_group(dim))
             total_sq = total_sq + local
     if plain:
-        total_sq = total_sq + torch.stack([g.float().pow(2).sum().to(device) for g in plain]).sum()
+        total_sq = total_sq + _sum_of_squares(plain, device)
     norm = total_sq.sqrt()
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            local = g.to_local() if isinstance(g, DTensor) else g
-            local.mul_(scale.to(device=local.device, dtype=local.dtype))
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        for tensors in _by_device_and_dtype(locals_).values():
+            # One multi-tensor kernel per device and dtype, not one multiply per gradient.
+            torch._foreach_mul_(tensors, scale.to(device=tensors[0].device, dtype=tensors[0].dtype))
 
     return norm
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict:
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of all elements, in float32 (float64 for float64 gradients), on ``device``:
+    norms in multi-tensor kernels (``torch._foreach_norm``, as torch's own clip_grad_norm_),
+    each computed in the accumulation dtype without a float32 copy of the gradient."""
+    parts = []
+    for tensors_ in _by_device_and_dtype(tensors).values():
+        acc = torch.promote_types(tensors_[0].dtype, torch.float32)
+        norms = torch._foreach_norm(tensors_, 2, dtype=acc)
+        parts.append(torch.stack(norms).pow(2).sum().to(device=device, dtype=torch.float32))
+    return torch.stack(parts).sum()

@@ -17,14 +17,19 @@ from weft.strategies.activation_checkpoint import apply_checkpointing
 from weft.strategies.compile_units import compile_unit
 
 
-@pytest.mark.parametrize("mode", ["off", "full", "mlp", "except_attention"])
-def test_compiled_children_keep_gradients(mode):
+@pytest.mark.parametrize(("mode", "attention"), [("off", False), ("full", False), ("mlp", False),
+                                               ("except_attention", False), ("off", True), ("except_attention", True)])
+def test_compiled_children_keep_gradients(mode, attention):
+    """Gradients unchanged, the attention compiled or not; under except_attention the attention
+    kernel's kept outputs are found again when the compiled attention is recomputed."""
     model = build_model(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}}), device="cpu", seed=0)
     reference = copy.deepcopy(model)
     for layer in model.model.layers:
         apply_checkpointing(layer, mode=mode)
-        assert compile_unit(layer, backend="aot_eager") == 3  # input/post-attention norms and the MLP
-        assert layer.self_attn._compiled_call_impl is None and layer.mlp._compiled_call_impl is not None
+        # input/post-attention norms and the MLP, and the attention when asked
+        assert compile_unit(layer, backend="aot_eager", attention=attention) == 3 + attention
+        assert (layer.self_attn._compiled_call_impl is not None) == attention
+        assert layer.mlp._compiled_call_impl is not None
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     for m in (model, reference):
         m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
@@ -34,7 +39,8 @@ def test_compiled_children_keep_gradients(mode):
 
 
 def test_compile_rule_reaches_the_units():
-    """``shard = { compile = true }`` compiles the decoder layers' children (not their attention)."""
+    """``shard = { compile = true }`` compiles the decoder layers' children, their attention too when
+    one kernel on the local sequence runs it (here transformers' SDPA: no sequence parallelism)."""
     import structlog
     import torch.distributed as dist
 
@@ -53,7 +59,26 @@ def test_compile_rule_reaches_the_units():
         model = prepare_model(recipe=recipe, pm=build_plugin_manager(entry_points=False), ctx=ctx).model
         first, second = model.model.layers
         assert first.mlp._compiled_call_impl is not None and first.input_layernorm._compiled_call_impl is not None
-        assert first.self_attn._compiled_call_impl is None
+        assert first.self_attn._compiled_call_impl is not None
         assert second.mlp._compiled_call_impl is None  # the rule's path selects layer 0 only
     finally:
         dist.destroy_process_group()
+
+
+def test_attention_compiles_only_without_collectives():
+    """Ring, Ulysses and USP run collectives inside the attention (dynamo would break around them)
+    and the vision tower's varlen call is no torch operator: those attention modules stay eager."""
+    import types
+
+    from weft.core.rules import Decision
+    from weft.plugins.attention import KernelParams, RingParams, traceable
+
+    def plan(ulysses=1, ring=1):
+        return types.SimpleNamespace(mesh=types.SimpleNamespace(ulysses=ulysses, ring=ring), packed=lambda: False)
+
+    text = "model.language_model.layers.0.self_attn"
+    auto = Decision(point="attention", strategy="auto", params=RingParams(), source="t:1", rule="t")
+    local = Decision(point="attention", strategy="local", params=KernelParams(), source="t:1", rule="t")
+    assert traceable(auto, text, plan()) and traceable(local, text, plan())
+    assert not traceable(auto, text, plan(ring=2)) and not traceable(auto, text, plan(ulysses=2))
+    assert not traceable(auto, "model.visual.blocks.0.attn", plan())
