@@ -38,12 +38,14 @@ def linear_cross_entropy_sum(
     Logits are the matmul in the inputs' common dtype (the autocast dtype under autocast),
     then upcast: bf16 logits as the model's own lm_head makes them, from bf16 tensor-core
     GEMMs and without a float32 copy of the weight (upcasting only the hidden chunk is not
-    enough: a matmul wants both operands in one dtype). The softmax is float32. Gradients
-    come back in each input's dtype.
+    enough: a matmul wants both operands in one dtype); on CUDA the GEMM writes float32
+    itself (the unrounded product). The softmax is float32. Gradients come back in each
+    input's dtype.
 
     Rows per chunk: ``chunk_rows``, else ``chunk_bytes // (4 * V)`` (float32 bytes of one
     chunk's logits; 882 rows at V = 152,064 and 512 MiB). Temporaries: forward ~2 such
-    float32 chunks, backward ~1.5 chunks plus a (V, H) slice of at most ``chunk_bytes``.
+    float32 chunks; backward one (its 16-bit copy for the matmuls written into its own
+    storage), plus on CPU a (V, H) slice of at most ``chunk_bytes``.
 
     grad_weight: summed over the row chunks in float32 (float64 for float64 inputs), rounded
     to the weight's dtype once at the end. For a float32 weight the sum is the gradient
@@ -134,7 +136,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g.mul_((grad * keep)[:, None])  # ignored rows: zero
                 if want_b:
                     grad_b += g.sum(0)
-                g = g.to(compute)  # the matmuls run in the logits' dtype, as autograd through F.linear would
+                # The matmuls run in the logits' dtype, as autograd through F.linear would; a
+                # narrower dtype is written into g's own storage (no second chunk-sized buffer).
+                g = _narrow(g, compute, max(1, g.shape[0] // 8)) if g.dtype != compute else g
                 if want_h:
                     grad_h[start:start + rows] = g @ w  # (C, H)
                 if want_w:
@@ -147,11 +151,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _narrow(wide: torch.Tensor, dtype: torch.dtype, vocab_rows: int) -> torch.Tensor:
-    """``wide.to(dtype)`` for a contiguous (V, H) sum and a dtype of half its width, written
-    into the first half of ``wide``'s own storage, ``vocab_rows`` rows at a time: no second
-    (V, H) allocation. Slice i's 16-bit values land on bytes [2is, 2is + 2s) of the storage,
-    which hold float32 elements of slices before i, already converted (s = the slice's
-    element count); slice 0 overlaps itself and goes through a copy."""
+    """``wide.to(dtype)`` for a contiguous 2-D tensor (the (V, H) sum, a (C, V) chunk) and a
+    dtype of half its width, written into the first half of ``wide``'s own storage,
+    ``vocab_rows`` rows at a time: no second allocation of its size. Slice i's 16-bit values
+    land on bytes [2is, 2is + 2s) of the storage, which hold wide elements of slices before
+    i, already converted (s = the slice's element count); slice 0 overlaps itself and goes
+    through a copy."""
     if wide.element_size() != 2 * torch.empty((), dtype=dtype).element_size() or not wide.is_contiguous():
         return wide.to(dtype)
     flat = wide.view(-1)  # (V * H,) wide
@@ -169,8 +174,14 @@ def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _logits(h, w, b, compute, acc) -> torch.Tensor:
-    """(C, V) logits in ``acc``: the matmul (plus bias, F.linear's one rounding) in ``compute``, then upcast."""
+    """(C, V) logits in ``acc``: the matmul (plus bias, F.linear's one rounding) in ``compute``, then upcast.
+
+    On CUDA, 16-bit operands without a bias: cuBLAS writes the float32 product directly
+    (``out_dtype``), with no 16-bit chunk to round into and upcast (a chunk-sized
+    temporary and an element-wise pass fewer; the logits are then the unrounded product)."""
     h = h.to(compute)
+    if h.is_cuda and b is None and compute in (torch.bfloat16, torch.float16) and acc == torch.float32:
+        return torch.mm(h, w.T, out_dtype=torch.float32)
     z = h @ w.T if b is None else torch.addmm(b, h, w.T)  # (C, V) in `compute`
     return z.to(acc)
 
