@@ -25,7 +25,7 @@ def linear_cross_entropy_sum(
     *,
     bias: torch.Tensor | None = None,
     chunk_rows: int | None = None,
-    chunk_bytes: int = 512 << 20,
+    chunk_bytes: int = 256 << 20,
     weight_grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Sum over labelled rows of cross-entropy(hidden @ weight.T + bias, target), never holding the logits.

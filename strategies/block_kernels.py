@@ -158,13 +158,31 @@ def fa4_importable() -> bool:
     return True
 
 
+#: Head dims flash-attn-4 (4.0.0b36) computes correctly, forward and backward, as checked on
+#: Hopper by benchmarks/kernels_check.py. At 80 (Qwen2.5-VL's vision tower) its backward
+#: returns wrong gradients (dq errs by ~2 where bf16 errs by ~6e-3): other sizes up to 128
+#: are zero-padded to the next one here, which changes no score (q.k over the added zeros
+#: is 0; the scale stays the true head_dim's) and no output (v's added columns are 0).
+FA4_HEAD_DIMS: tuple[int, ...] = (32, 64, 128)
+
+
+def fa4_head_dim(head_dim: int) -> int:
+    """The head dim flash-attn-4 is called with: ``head_dim`` padded to a checked size."""
+    return next(d for d in FA4_HEAD_DIMS if d >= head_dim)
+
+
+def pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad the last (head) dim to ``width``; no copy when it has that width already."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
 def fa4_runs_on(device: torch.device, *, head_dim: int) -> bool:
-    """flash-attn-4 has kernels for Hopper (sm90) and Blackwell (sm100+), head_dim 8..256 step 8 on
-    Hopper (8..128 on Blackwell); anything else stays on cuDNN."""
-    if device.type != "cuda" or head_dim % 8 or not fa4_importable():
+    """flash-attn-4 has kernels for Hopper (sm90) and Blackwell (sm100+); weft calls it for head
+    dims up to 128 (padded to a checked size, ``FA4_HEAD_DIMS``); anything else stays on cuDNN."""
+    if device.type != "cuda" or head_dim > FA4_HEAD_DIMS[-1] or not fa4_importable():
         return False
     major, _ = torch.cuda.get_device_capability(device)
-    return (major == 9 and 8 <= head_dim <= 256) or (major >= 10 and 8 <= head_dim <= 128)
+    return major >= 9
 
 
 def _fa4_forward(q, k, v, *, causal, scale):
@@ -172,18 +190,20 @@ def _fa4_forward(q, k, v, *, causal, scale):
 
     # flash-attn-4 works on (B, S, H, D); transformers' q/k/v are (B, H, S, D) views of
     # (B, S, H, D) memory, so the transposes are free (the kernel takes strided tensors).
-    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    d, width = q.shape[-1], fa4_head_dim(q.shape[-1])
+    t = lambda x: pad_heads(x, width).transpose(1, 2)  # noqa: E731
     out, lse = fa4_forward(t(q), t(k), t(v), causal, scale)
-    return out.transpose(1, 2), lse  # (B, H, S, D) view, (B, H, S) float32
+    return out[..., :d].transpose(1, 2), lse  # (B, H, S, D) view, (B, H, S) float32
 
 
 def _fa4_backward(dout, q, k, v, out, lse, *, causal, scale):
     from weft.strategies.flash_ops import fa4_backward
 
-    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    d, width = q.shape[-1], fa4_head_dim(q.shape[-1])
+    t = lambda x: pad_heads(x, width).transpose(1, 2)  # noqa: E731
     lse = lse.to(torch.promote_types(lse.dtype, torch.float32)).contiguous()  # the kernel reads float32 (B, H, S)
     dq, dk, dv = fa4_backward(t(dout), t(q), t(k), t(v), t(out), lse, causal, scale)
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return tuple(g[..., :d].transpose(1, 2) for g in (dq, dk, dv))
 
 
 def _triton_forward(q, k, v, *, causal, scale, mask=None):

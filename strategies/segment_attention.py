@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from weft.strategies.block_kernels import fa4_runs_on
+from weft.strategies.block_kernels import fa4_head_dim, fa4_runs_on, pad_heads
 
 
 def segment_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor,
@@ -71,6 +71,9 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_s
         return segment_loop(q, k, v, cu_seqlens=cu_seqlens, scale=scale)
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    flat = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731  (1, H, S, D) -> (S, H, D); free for transformers' views
+    # (1, H, S, D) -> (S, H, D'): free for transformers' views, but for the zero-padding of head
+    # dims flash-attn-4 is not checked at (80, the tower's: ``fa4_head_dim``), which autograd undoes.
+    d, width = q.shape[-1], fa4_head_dim(q.shape[-1])
+    flat = lambda x: pad_heads(x[0].transpose(0, 1), width).contiguous()  # noqa: E731
     out = _VarlenFA4.apply(flat(q), flat(k), flat(v), cu_seqlens.to(torch.int32), int(max_seqlen), scale)
-    return out.transpose(0, 1).unsqueeze(0)  # (1, H, S, D)
+    return out[..., :d].transpose(0, 1).unsqueeze(0)  # (1, H, S, D)

@@ -152,6 +152,28 @@ def test_flash_kernel_layout_and_gqa(fake_fa4, causal):
     assert fake_fa4._flash_attn_fwd.calls == 1 and fake_fa4._flash_attn_bwd.calls == 1
 
 
+@pytest.mark.parametrize("head_dim", [80, 36])
+def test_flash_kernel_pads_unchecked_head_dims(fake_fa4, monkeypatch, head_dim):
+    """flash-attn-4 is called only at head dims checked on the GPU (32, 64, 128): others are
+    zero-padded to the next, the scale staying the true head_dim's; results exact."""
+    widths = []
+    real_fwd, real_bwd = fake_fa4._flash_attn_fwd, fake_fa4._flash_attn_bwd
+
+    def fwd(q, k, v, **kw):
+        widths.append(q.shape[-1])
+        return real_fwd(q, k, v, **kw)
+
+    def bwd(q, *args, **kw):
+        widths.append(q.shape[-1])
+        return real_bwd(q, *args, **kw)
+
+    monkeypatch.setattr(fake_fa4, "_flash_attn_fwd", fwd)
+    monkeypatch.setattr(fake_fa4, "_flash_attn_bwd", bwd)
+    q, k, v, dout = _inputs(heads=4, kv_heads=2, head_dim=head_dim)
+    _close(_ours(q, k, v, dout, causal=True, kernel=KERNELS["flash"]), _reference(q, k, v, dout, causal=True), 1e-10)
+    assert widths == [128 if head_dim > 64 else 64] * 2
+
+
 def test_flash_kernel_as_ring_block(fake_fa4):
     """Ring of 4 (emulated) with the flash kernel: LSE merges and per-block backward are exact."""
     from weft.strategies.ring import emulate_ring
@@ -173,7 +195,7 @@ def test_flash_kernel_as_ring_block(fake_fa4):
     ("capability", "head_dim", "masked", "want"),
     [((9, 0), 128, False, "flash"), ((9, 0), 80, False, "flash"), ((10, 0), 128, False, "flash"),
      ((10, 0), 256, False, "torch_flash"), ((8, 0), 128, False, "cudnn"), ((9, 0), 128, True, "cudnn"),
-     ((9, 0), 36, False, "cudnn")],
+     ((9, 0), 36, False, "flash"), ((9, 0), 160, False, "torch_flash")],
 )
 def test_auto_picks_flash_where_it_runs(fake_fa4, monkeypatch, capability, head_dim, masked, want):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
