@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--explain", action="store_true", help="add the deciding rule's file:line")
     plan.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    plan.add_argument("--estimate", action="store_true",
+                      help="per-rank GPU memory, host memory and step time predicted, the longest length that fits")
+    plan.add_argument("--gpu", choices=("h200", "h100", "a100-80g"), default="h200",
+                      help="with --estimate: the GPU kind (default h200)")
     plan.add_argument("--positions", action="store_true",
                       help="read the recipe's data: the largest position id per sample (mRoPE-aware) "
                            "and the YaRN factor it needs")
@@ -117,6 +121,12 @@ def _cmd_plan(args) -> int:
     pm = plugin_manager_from_env()
     world_size = args.world_size or recipe.parallel.nproc
     plan, model = plan_recipe(recipe, pm=pm, world_size=world_size)
+    if args.estimate:
+        from weft.core.estimate_view import estimate, render_estimate
+
+        result = estimate(recipe, plan, model, gpu=args.gpu)
+        print(json.dumps(result, indent=1)) if args.json else render_estimate(result)
+        return EXIT_OK
     adapter = pm.models.for_recipe(recipe)
     rope = adapter.rope_summary(model.config, recipe=recipe)
     # What the batching strategy can tell of its data: the first step's images per SP

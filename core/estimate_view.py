@@ -1,0 +1,105 @@
+"""``weft plan --estimate``: the estimate of a planned recipe, as a table or JSON, with the longest
+length that fits and, when the recipe does not fit, the rule changes that would make it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from weft.core.estimate import GIB, GPUS, longest_fit, memory, step_seconds
+from weft.core.estimate_inputs import setup_of, shape_of, units_of
+
+#: Allocator slack and CUDA context beside what torch counts as allocated.
+HEADROOM_GIB = 2.0
+
+
+def estimate(recipe: Any, plan: Any, model: Any, *, gpu: str) -> dict:
+    kind = GPUS[gpu]
+    units, shape = units_of(plan, model), shape_of(model, units_of(plan, model))
+    setup = setup_of(recipe, plan)
+    budget = (kind.memory_gib - HEADROOM_GIB) * GIB
+    mem = memory(units, shape, setup)
+    step = step_seconds(units, shape, setup, kind)
+    multiple = 1024 * setup.sp
+
+    def fits(tokens: int, units=units, setup=setup) -> bool:
+        return memory(units, shape, attrs.evolve(setup, tokens=tokens))["total"] <= budget
+
+    result = {
+        "gpu": kind.name, "rates_measured": kind.measured, "gpu_memory_gib": kind.memory_gib,
+        "tokens": setup.tokens, "mesh": {"dp_replicate": setup.dp_replicate, "dp_shard": setup.dp_shard,
+                                         "ring": setup.ring, "ulysses": setup.ulysses},
+        "memory_gib": {k: round(v / GIB, 2) for k, v in mem.items() if k != "host"},
+        "host_gib": round(mem["host"] / GIB, 1),
+        "step_s": {k: round(v, 3) for k, v in step.items() if k not in ("tokens_per_s", "mfu")},
+        "tokens_per_s": round(step["tokens_per_s"]), "ranks": plan.mesh.world_size,
+        "tokens_per_s_per_gpu": round(step["tokens_per_s"] / plan.mesh.world_size), "mfu": round(step["mfu"], 3),
+        "fits": mem["total"] <= budget,
+        "longest_tokens": longest_fit(fits, low=multiple, high=1 << 24, multiple=multiple),
+        "changes": [] if mem["total"] <= budget else _changes(recipe, units, shape, setup, budget),
+    }
+    return result
+
+
+def _changes(recipe: Any, units: list, shape: Any, setup: Any, budget: float) -> list[dict]:
+    """Rule changes, pulled one after another until the recipe fits; each with the rule to edit."""
+    out = []
+    for name, where, change in _levers(recipe, units):
+        units, setup = change(units, setup)
+        total = memory(units, shape, setup)["total"]
+        out.append({"change": name, "where": where, "total_gib": round(total / GIB, 1), "fits": total <= budget})
+        if total <= budget:
+            break
+    return out
+
+
+def _levers(recipe: Any, units: list):
+    def each(pred, **kw):
+        return lambda us, s: ([attrs.evolve(u, **kw) if pred(u) else u for u in us], s)
+
+    lighter = [u for u in units if u.modality == "text" and u.checkpoint not in ("full",)]
+    if lighter:
+        yield (f'checkpoint = "full" for the decoder layers (now "{lighter[0].checkpoint}" on {len(lighter)})',
+               lighter[0].source, each(lambda u: u.modality == "text", checkpoint="full"))
+    if recipe.train.loss != "fused":
+        yield ('train.loss = "fused"', f"{recipe.source} (train.loss)",
+               lambda us, s: (us, attrs.evolve(s, loss="fused")))
+    wide = [u for u in units if u.storage_bytes == 4]
+    if wide:
+        yield ('storage_dtype = "bfloat16"', wide[0].source, each(lambda u: True, storage_bytes=2))
+    kept = [u for u in units if u.modality == "text" and not u.offload_activations]
+    if kept:
+        yield ("offload_activations = true (the layers' inputs in pinned host memory)", kept[0].source,
+               each(lambda u: u.modality == "text", checkpoint="full", offload_activations=True))
+    for ring in (2, 4, 8):
+        yield (f"parallel.ring = {ring} over {ring} GPUs", f"{recipe.source} (parallel.ring)",
+               lambda us, s, ring=ring: (us, attrs.evolve(s, ring=max(s.ring, ring))))
+
+
+def render_estimate(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    measured = "measured rates" if result["rates_measured"] else "rates scaled from the H200's (not measured)"
+    console.print(f"[bold]estimate[/] for one step of {result['tokens']:,} tokens on {result['gpu']} "
+                  f"({result['gpu_memory_gib']} GiB; {measured}), mesh {result['mesh']}")
+    table = Table("per-rank GPU memory", "GiB")
+    for part, gib in result["memory_gib"].items():
+        table.add_row(part if part != "total" else "[bold]total (peak)[/]", f"{gib:,.2f}")
+    console.print(table)
+    console.print(f"host memory: ~{result['host_gib']} GiB")
+    table = Table("step time (per rank)", "s")
+    for part, seconds in result["step_s"].items():
+        table.add_row(part if part != "total" else "[bold]total[/]", f"{seconds:,.2f}")
+    console.print(table)
+    console.print(f"predicted: {result['tokens_per_s']:,} tokens/s over {result['ranks']} GPUs "
+                  f"({result['tokens_per_s_per_gpu']:,} per GPU), MFU {result['mfu']:.1%}; "
+                  + ("[green]fits[/]" if result["fits"] else "[red]does not fit[/]"))
+    longest = result["longest_tokens"]
+    console.print(f"longest sequence that fits this recipe: {longest:,} tokens" if longest
+                  else "no length fits this recipe")
+    for change in result["changes"]:
+        console.print(f"  then {change['change']} -> {change['total_gib']} GiB"
+                      f"{' (fits)' if change['fits'] else ''}: {change['where']}")

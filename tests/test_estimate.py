@@ -1,0 +1,169 @@
+"""`weft plan --estimate`: the arithmetic against hand-computed sizes (tiny and 7B presets), the
+model against the measured 7B runs on one H200 (BENCHMARKS.md), and the command's answers."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from weft.core.estimate import GIB, GPUS, Setup, Shape, Unit, layer_saved, longest_fit, memory, step_seconds
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _plan(recipe_path, world_size=1):
+    from weft.core.estimate_inputs import setup_of, shape_of, units_of
+    from weft.core.planner import plan_recipe
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.recipe import Recipe
+
+    recipe = Recipe.from_toml(str(recipe_path))
+    plan, model = plan_recipe(recipe, pm=plugin_manager_from_env(), world_size=world_size)
+    units = units_of(plan, model)
+    return units, shape_of(model, units), setup_of(recipe, plan)
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_tiny_parameters_and_static_memory_by_hand(tmp_path):
+    """qwen2_text_tiny: V 320, hidden 64, intermediate 128, 2 layers, 4 heads over 2 KV heads of
+    16. A layer: q 64x64+64, k and v 64x32+32 each, o 64x64, MLP 3x64x128, 2 norms of 64 =
+    37,120; the model: 2 embeddings of 320x64, 2 layers, a final norm = 115,264."""
+    recipe = _write(tmp_path, "tiny.toml", """
+        [model]
+        preset = "qwen2_text_tiny"
+        [[rules]]
+        when = { path = "model.layers.*" }
+        shard = { strategy = "fsdp2", storage_dtype = "bfloat16" }
+        [[rules]]
+        shard = { strategy = "fsdp2" }
+    """)
+    units, shape, setup = _plan(recipe, world_size=2)
+    assert sum(u.params for u in units) == 115_264
+    assert [u.params for u in units if u.modality == "text"] == [37_120, 37_120]
+    assert shape.layer_params == 37_120 and (shape.hidden, shape.intermediate, shape.vocab) == (64, 128, 320)
+    mem = memory(units, shape, setup)
+    # bf16 layers, float32 rest, both sharded over 2 ranks: weights = gradients, AdamW twice.
+    want = (2 * 37_120 * 2 + (115_264 - 2 * 37_120) * 4) / 2
+    assert mem["weights"] == mem["gradients"] == want and mem["optimizer"] == 2 * want
+
+
+def test_7b_sizes_by_hand():
+    """Qwen2.5-VL-7B's decoder layer at 128K tokens: its input is 131,072 x 3,584 x 2 bytes
+    (0.875 GiB); 'full' keeps it, 'except_attention' the attention's output and float32 LSE
+    (28 heads) too, 'off' the MLP's three 18,944-wide intermediates as well."""
+    shape = Shape(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064,
+                  layer_params=233_057_792)
+    t = 131_072
+    layer_in = t * 3584 * 2
+    assert layer_in / GIB == 0.875
+    assert layer_saved("full", shape, layer_in, t) == layer_in
+    assert layer_saved("except_attention", shape, layer_in, t) == 2 * layer_in + t * 28 * 4
+    assert layer_saved("off", shape, layer_in, t) == 3.9 * layer_in + 3 * t * 18944 * 2
+    # Weights, gradients and AdamW states of the 8,292,166,656 parameters in bf16, unsharded: 8 bytes each.
+    units = [Unit(path="", modality=None, params=8_292_166_656, strategy="none", storage_bytes=2)]
+    mem = memory(units, shape, Setup(tokens=t))
+    assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 8 * 8_292_166_656
+    # The fused loss: the float32 head-gradient sum's surplus (V x H x 2 bytes) and its chunks.
+    assert mem["loss or recomputation"] == 152064 * 3584 * 2 + 0.55 * GIB + layer_in
+
+
+#: Measured on one H200 (BENCHMARKS.md: "fourth figures" and the second figures): recipe,
+#: peak GiB, steady step seconds.
+MEASURED = [
+    ("bundled 7B 32K", None, 135.5, 4.165),
+    ("7B 32K, all layers mlp", "mlp28", 107.7, 4.349),
+    ("bundled 7B 128K", None, 122.7, 32.3),
+    ("7B 128K, FSDP2, full recomputation", "full128", 100.1, 40.3),
+]
+
+_FULL_128 = """
+    [model]
+    preset = "qwen2_5_vl_7b"
+    [data]
+    source = "synthetic"
+    tokens = 131072
+    images = [[448, 448]]
+    [train]
+    micro_batch_tokens = 131072
+    precision = "bf16"
+    loss = "fused"
+    [parallel]
+    nproc = 1
+    [[rules]]
+    when = { path = "*.visual.*" }
+    shard = { strategy = "fsdp2", storage_dtype = "bfloat16", checkpoint = "off", compile = true }
+    [[rules]]
+    shard = { strategy = "fsdp2", storage_dtype = "bfloat16", checkpoint = "full", compile = true }
+"""
+
+
+@pytest.mark.parametrize(("name", "variant", "gib", "seconds"), MEASURED)
+def test_predictions_within_the_issue_tolerances_of_the_measured_runs(tmp_path, name, variant, gib, seconds):
+    """Peak memory within 15% and step time within 25% of every measured 7B row."""
+    bundled = ROOT / "recipes" / ("qwen2.5-vl-7b-32k-1gpu.toml" if "32K" in name else "qwen2.5-vl-7b-128k-1gpu.toml")
+    if variant == "mlp28":  # the bundled 32K recipe without its first rule (layers 0-7 not recomputed)
+        text = bundled.read_text()
+        first = text.index("[[rules]]")
+        path = _write(tmp_path, "v.toml", text[:first] + text[text.index("[[rules]]", first + 1):])
+    elif variant == "full128":
+        path = _write(tmp_path, "v.toml", _FULL_128)
+    else:
+        path = bundled
+    units, shape, setup = _plan(path)
+    predicted = memory(units, shape, setup)["total"] / GIB
+    step = step_seconds(units, shape, setup, GPUS["h200"])["total"]
+    assert abs(predicted / gib - 1) <= 0.15, (name, predicted, gib)
+    assert abs(step / seconds - 1) <= 0.25, (name, step, seconds)
+
+
+def test_longest_fit_is_the_last_length_that_fits():
+    assert longest_fit(lambda n: n <= 300_000, low=1024, high=1 << 22) == 299_008
+    assert longest_fit(lambda n: n <= 300_000, low=1024, high=1 << 22, multiple=4096) == 299_008 - 299_008 % 4096
+    assert longest_fit(lambda n: False, low=1024, high=1 << 20) is None
+    assert longest_fit(lambda n: True, low=1024, high=1 << 20) == 1 << 20
+
+
+def test_the_command_names_the_rules_that_would_make_it_fit(tmp_path):
+    """7B at 1M tokens on one H200 with the MLP-only recomputation does not fit: the answer is
+    the longest length that does, and rule changes pulled in turn, each naming its rule's line."""
+    recipe = _write(tmp_path, "long.toml", """
+        [model]
+        preset = "qwen2_5_vl_7b"
+        [data]
+        source = "synthetic"
+        tokens = 1048576
+        images = [[448, 448]]
+        [train]
+        micro_batch_tokens = 1048576
+        precision = "bf16"
+        loss = "logits"
+        [parallel]
+        nproc = 1
+        [[rules]]
+        name = "decoder layers"
+        when = { path = "*.language_model.layers.*" }
+        shard = { strategy = "none", storage_dtype = "bfloat16", checkpoint = "mlp" }
+        [[rules]]
+        shard = { strategy = "none", storage_dtype = "bfloat16", checkpoint = "full" }
+    """)
+    done = subprocess.run([sys.executable, "-m", "weft", "plan", str(recipe), "--estimate", "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert not result["fits"] and 0 < result["longest_tokens"] < 1_048_576
+    changes = result["changes"]
+    # The rule that decides the decoder layers, by its [[rules]] line.
+    assert changes[0]["change"].startswith('checkpoint = "full"') and changes[0]["where"] == f"{recipe}:14"
+    assert changes[1]["change"] == 'train.loss = "fused"' and "train.loss" in changes[1]["where"]
+    totals = [c["total_gib"] for c in changes]
+    assert totals == sorted(totals, reverse=True) and changes[-1]["fits"] == (totals[-1] <= 139.8 - 2)
