@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="per-rank GPU memory, host memory and step time predicted, the longest length that fits")
     plan.add_argument("--gpu", choices=("h200", "h100", "a100-80g"), default="h200",
                       help="with --estimate: the GPU kind (default h200)")
+    plan.add_argument("--host-gib", type=float, default=None,
+                      help="with --estimate: one host's memory (default 128 GiB per GPU, up to 8 GPUs)")
     plan.add_argument("--positions", action="store_true",
                       help="read the recipe's data: the largest position id per sample (mRoPE-aware) "
                            "and the YaRN factor it needs")
@@ -124,7 +126,7 @@ def _cmd_plan(args) -> int:
     if args.estimate:
         from weft.core.estimate_view import estimate, render_estimate
 
-        result = estimate(recipe, plan, model, gpu=args.gpu)
+        result = estimate(recipe, plan, model, gpu=args.gpu, host_gib=args.host_gib)
         print(json.dumps(result, indent=1)) if args.json else render_estimate(result)
         return EXIT_OK
     adapter = pm.models.for_recipe(recipe)

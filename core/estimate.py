@@ -28,9 +28,12 @@ GIB = 2**30
 #: one H200 (32K: "mlp" 0.86 GiB per layer, "off" +3.47 GiB; 128K: "except_attention").
 LAYER_SAVED = {"full": 1.0, "except_attention": 2.0, "mlp": 3.9, "attention": 2.0, "off": 3.9}
 MLP_SAVED = 3.0
-#: One layer's recomputation in the backward holds about this many (tokens x intermediate
-#: x 2 bytes) at once (the MLP's, compiled): fitted at 128K, "full" and "except_attention".
-RECOMPUTE_HELD = 2.35
+#: One layer's recomputation in the backward holds at once about ``RECOMPUTE_ATTENTION``
+#: layer inputs' worth (q, k, v, out) and ``RECOMPUTE_MLP`` x tokens x intermediate x 2
+#: bytes (the MLP's, compiled; one tile's under ``mlp_tile_tokens``): fitted at 128K,
+#: "full" and "except_attention".
+RECOMPUTE_ATTENTION = 4.0
+RECOMPUTE_MLP = 1.6
 #: The fused loss's working memory beyond its two gradients besides the float32 sum's
 #: surplus over the bf16 head gradient (256 MiB chunks; measured 1.57 GiB at 128K).
 FUSED_LOSS_CHUNKS = 0.55 * GIB
@@ -98,6 +101,7 @@ class Unit:
     offload_activations: bool = False
     offload: bool = False
     reshard_after_forward: bool = True
+    mlp_tile_tokens: int = 0
     source: str = ""
 
 
@@ -143,7 +147,8 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
     # head) stay gathered from forward to backward when the fused loss reads the head.
     part["gathered"] = 2 * largest + (root.params * 2 if root is not None and setup.loss == "fused" else 0)
     text = [u for u in units if u.modality == "text"]
-    part["activations"] = sum(0.0 if u.offload_activations else layer_saved(u.checkpoint, shape, layer_in, tokens)
+    part["activations"] = sum(0.0 if u.offload_activations else
+                              layer_saved(u.checkpoint, shape, layer_in, tokens, tiled=u.mlp_tile_tokens > 0)
                               for u in text)
     vision = [u for u in units if u.modality == "vision"]
     patches = setup.patches / setup.sp if setup.sp > 1 else setup.patches
@@ -153,8 +158,8 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
         part["vision"] = sum(layer_saved(u.checkpoint, v_shape, v_in, patches) for u in vision)
     else:
         part["vision"] = 0.0
-    recompute = max((RECOMPUTE_HELD * tokens * shape.intermediate * 2 for u in text if u.checkpoint != "off"),
-                    default=0.0)
+    recompute = max((RECOMPUTE_ATTENTION * layer_in + RECOMPUTE_MLP * _mlp_rows(u, tokens) * shape.intermediate * 2
+                     for u in text if u.checkpoint != "off"), default=0.0)
     if setup.loss == "fused":
         loss = shape.vocab * shape.hidden * 2 + FUSED_LOSS_CHUNKS
     else:
@@ -167,10 +172,16 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
     return part
 
 
-def layer_saved(mode: str, shape: Shape, layer_in: float, tokens: float) -> float:
-    """Bytes one layer keeps between its forward and backward under checkpoint ``mode``."""
+def _mlp_rows(unit: Unit, tokens: float) -> float:
+    """Rows of the MLP's intermediates that exist at once: a tile's, or the whole sequence's."""
+    return min(tokens, unit.mlp_tile_tokens) if unit.mlp_tile_tokens else tokens
+
+
+def layer_saved(mode: str, shape: Shape, layer_in: float, tokens: float, *, tiled: bool = False) -> float:
+    """Bytes one layer keeps between its forward and backward under checkpoint ``mode`` (a
+    tiled MLP keeps only its input: its intermediates are made again in the backward)."""
     saved = LAYER_SAVED[mode] * layer_in
-    if mode in ("off", "attention"):
+    if mode in ("off", "attention") and not tiled:
         saved += MLP_SAVED * tokens * shape.intermediate * 2
     if mode == "except_attention":
         saved += tokens * shape.heads * 4  # the LSE, float32 per head and token
@@ -198,6 +209,8 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) ->
     mlp = 2 * shape.hidden * shape.intermediate  # gate and up: what "mlp" recomputes (down stops early)
     recompute = sum(2 * tokens * (shape.layer_params if u.checkpoint in ("full", "except_attention") else
                                   mlp if u.checkpoint == "mlp" else 0) for u in text)
+    # A tiled MLP runs its forward once more (its backward makes the tiles' intermediates again).
+    recompute += sum(2 * tokens * 3 * shape.hidden * shape.intermediate for u in text if u.mlp_tile_tokens)
     vision = 6 * setup.patches / setup.sp * shape.vision_params if shape.vision_blocks else 0.0
     # Causal attention over the whole sequence, this rank's share: 2 S^2 h forward per layer.
     attn = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp

@@ -14,42 +14,54 @@ from weft.core.estimate_inputs import setup_of, shape_of, units_of
 HEADROOM_GIB = 2.0
 
 
-def estimate(recipe: Any, plan: Any, model: Any, *, gpu: str) -> dict:
+#: Host memory per GPU of the machines this project measures on (128 GiB with one H200,
+#: 256 GiB with two): ``--host-gib`` gives a node's own.
+HOST_GIB_PER_GPU = 128.0
+
+
+def estimate(recipe: Any, plan: Any, model: Any, *, gpu: str, host_gib: float | None = None) -> dict:
     kind = GPUS[gpu]
-    units, shape = units_of(plan, model), shape_of(model, units_of(plan, model))
-    setup = setup_of(recipe, plan)
+    units = units_of(plan, model)
+    shape, setup = shape_of(model, units), setup_of(recipe, plan)
+    per_node = min(plan.mesh.world_size, 8)  # ranks sharing one host's memory
+    host_budget = (host_gib if host_gib is not None else HOST_GIB_PER_GPU * per_node) * GIB
     budget = (kind.memory_gib - HEADROOM_GIB) * GIB
     mem = memory(units, shape, setup)
     step = step_seconds(units, shape, setup, kind)
     multiple = 1024 * setup.sp
 
+    def within(m: dict) -> bool:
+        return m["total"] <= budget and m["host"] * per_node <= host_budget
+
     def fits(tokens: int, units=units, setup=setup) -> bool:
-        return memory(units, shape, attrs.evolve(setup, tokens=tokens))["total"] <= budget
+        return within(memory(units, shape, attrs.evolve(setup, tokens=tokens)))
 
     result = {
         "gpu": kind.name, "rates_measured": kind.measured, "gpu_memory_gib": kind.memory_gib,
         "tokens": setup.tokens, "mesh": {"dp_replicate": setup.dp_replicate, "dp_shard": setup.dp_shard,
                                          "ring": setup.ring, "ulysses": setup.ulysses},
         "memory_gib": {k: round(v / GIB, 2) for k, v in mem.items() if k != "host"},
-        "host_gib": round(mem["host"] / GIB, 1),
+        "host_gib": round(mem["host"] / GIB, 1), "host_budget_gib": round(host_budget / GIB, 1),
+        "ranks_per_host": per_node,
         "step_s": {k: round(v, 3) for k, v in step.items() if k not in ("tokens_per_s", "mfu")},
         "tokens_per_s": round(step["tokens_per_s"]), "ranks": plan.mesh.world_size,
         "tokens_per_s_per_gpu": round(step["tokens_per_s"] / plan.mesh.world_size), "mfu": round(step["mfu"], 3),
-        "fits": mem["total"] <= budget,
+        "fits": within(mem),
         "longest_tokens": longest_fit(fits, low=multiple, high=1 << 24, multiple=multiple),
-        "changes": [] if mem["total"] <= budget else _changes(recipe, units, shape, setup, budget),
+        "changes": [] if within(mem) else _changes(recipe, units, shape, setup, within),
     }
     return result
 
 
-def _changes(recipe: Any, units: list, shape: Any, setup: Any, budget: float) -> list[dict]:
+def _changes(recipe: Any, units: list, shape: Any, setup: Any, within) -> list[dict]:
     """Rule changes, pulled one after another until the recipe fits; each with the rule to edit."""
     out = []
     for name, where, change in _levers(recipe, units):
         units, setup = change(units, setup)
-        total = memory(units, shape, setup)["total"]
-        out.append({"change": name, "where": where, "total_gib": round(total / GIB, 1), "fits": total <= budget})
-        if total <= budget:
+        mem = memory(units, shape, setup)
+        out.append({"change": name, "where": where, "total_gib": round(mem["total"] / GIB, 1),
+                    "host_gib": round(mem["host"] / GIB, 1), "fits": within(mem)})
+        if out[-1]["fits"]:
             break
     return out
 
@@ -89,7 +101,8 @@ def render_estimate(result: dict) -> None:
     for part, gib in result["memory_gib"].items():
         table.add_row(part if part != "total" else "[bold]total (peak)[/]", f"{gib:,.2f}")
     console.print(table)
-    console.print(f"host memory: ~{result['host_gib']} GiB")
+    console.print(f"host memory: ~{result['host_gib']} GiB per rank, {result['ranks_per_host']} per host "
+                  f"(budget {result['host_budget_gib']} GiB: --host-gib)")
     table = Table("step time (per rank)", "s")
     for part, seconds in result["step_s"].items():
         table.add_row(part if part != "total" else "[bold]total[/]", f"{seconds:,.2f}")

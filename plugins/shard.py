@@ -8,6 +8,7 @@ import attrs
 
 from weft.core.hookspecs import hookimpl
 from weft.core.registry import Strategy
+from weft.core.schema import in_range
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Checkpoint = Literal["off", "full", "attention", "mlp", "except_attention"]
@@ -32,6 +33,9 @@ class Fsdp2Params:
     offload_activations: bool = attrs.field(default=False, metadata={
         "doc": "with checkpoint = full: the unit's input (all it keeps) waits in host memory from its forward to "
                "its backward (pinned, copied on a side stream)"})
+    mlp_tile_tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata={
+        "doc": "apply the unit's MLP to the sequence in tiles of this many tokens (its intermediates never exist "
+               "for the whole sequence; its forward runs twice); 0 = off"})
 
 
 @attrs.frozen(kw_only=True)
@@ -48,6 +52,9 @@ class KeepParams:
     offload_activations: bool = attrs.field(default=False, metadata={
         "doc": "with checkpoint = full: the unit's input (all it keeps) waits in host memory from its forward to "
                "its backward (pinned, copied on a side stream)"})
+    mlp_tile_tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata={
+        "doc": "apply the unit's MLP to the sequence in tiles of this many tokens (its intermediates never exist "
+               "for the whole sequence; its forward runs twice); 0 = off"})
 
 
 def check_offload(params, *, recipe, plan) -> str | None:
@@ -86,6 +93,9 @@ def weft_shard(model, plan, mesh, ctx):
     compiled = _compile_units(model, plan)
     if compiled:
         ctx.log.info("shard.compile", modules=compiled)
+    tiled = _tile_mlps(model, plan)
+    if tiled:
+        ctx.log.info("shard.tiled_mlp", modules=tiled)
     offloaded = [model.get_submodule(unit.info.path) for unit in plan.modules_for("shard")
                  if unit.info.kind == "unit" and getattr(unit.get("shard").params, "offload_activations", False)]
     if offloaded:
@@ -150,6 +160,19 @@ def _check_storage(plan) -> None:
                             where=f"{m.get('shard').source} (shard.storage_dtype)")
 
 
+def _tile_mlps(model, plan) -> int:
+    """``mlp_tile_tokens``: each unit's ``mlp`` child applied in tiles (one TiledMLP per tile size)."""
+    from weft.strategies.tiled_mlp import TiledMLP
+
+    by_size: dict[int, list] = {}
+    for unit in plan.modules_for("shard"):
+        size = getattr(unit.get("shard").params, "mlp_tile_tokens", 0)
+        mlp = getattr(model.get_submodule(unit.info.path), "mlp", None) if unit.info.kind == "unit" else None
+        if size and mlp is not None:
+            by_size.setdefault(size, []).append(mlp)
+    return sum(TiledMLP(tile_tokens=size).attach(mlps) for size, mlps in by_size.items())
+
+
 def _cast_storage(model, plan) -> None:
     """Storage dtypes of sharded and unsharded units alike, before sharding (an unset one is
     float32, so a bf16 parent's rule does not reach a child that asks for nothing)."""
@@ -171,7 +194,9 @@ def _compile_units(model, plan) -> int:
     for unit in plan.modules_for("shard"):
         if unit.info.kind == "unit" and getattr(unit.get("shard").params, "compile", False):
             inside = [flag for path, flag in attention.items() if path.startswith(unit.info.path + ".")]
-            compiled += compile_unit(model.get_submodule(unit.info.path), attention=bool(inside) and all(inside))
+            tiled = getattr(unit.get("shard").params, "mlp_tile_tokens", 0) > 0
+            compiled += compile_unit(model.get_submodule(unit.info.path), attention=bool(inside) and all(inside),
+                                     skip=("mlp",) if tiled else ())
     return compiled
 
 

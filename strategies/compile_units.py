@@ -20,10 +20,13 @@ import torch
 ATTENTION_CHILDREN: tuple[str, ...] = ("self_attn", "attn")
 
 
-def compile_unit(module: torch.nn.Module, *, backend: str = "inductor", attention: bool = False) -> int:
-    """Compile each child of ``module`` (its attention child only with ``attention``); a unit
-    without children is compiled whole. Returns how many modules were compiled."""
-    children = [child for name, child in module.named_children() if attention or name not in ATTENTION_CHILDREN]
+def compile_unit(module: torch.nn.Module, *, backend: str = "inductor", attention: bool = False,
+                 skip: tuple[str, ...] = ()) -> int:
+    """Compile each child of ``module`` (its attention child only with ``attention``; none named
+    in ``skip``, e.g. a tiled MLP, whose hooks run the module tile by tile); a unit without
+    children is compiled whole. Returns how many modules were compiled."""
+    children = [child for name, child in module.named_children()
+                if (attention or name not in ATTENTION_CHILDREN) and name not in skip]
     if not any(True for _ in module.named_children()):
         children = [module]
     for child in children:

@@ -167,3 +167,40 @@ def test_the_command_names_the_rules_that_would_make_it_fit(tmp_path):
     assert changes[1]["change"] == 'train.loss = "fused"' and "train.loss" in changes[1]["where"]
     totals = [c["total_gib"] for c in changes]
     assert totals == sorted(totals, reverse=True) and changes[-1]["fits"] == (totals[-1] <= 139.8 - 2)
+
+
+def test_host_memory_bounds_offloaded_activations(tmp_path):
+    """7B at 512K on one H200: the layers' inputs in host memory, the MLP in tiles. The GPU
+    holds weights, states and one layer's recomputation; the host holds 28 layer inputs
+    (512K x 3,584 x 2 bytes = 3.5 GiB each), so the host's memory sets the longest length."""
+    recipe = _write(tmp_path, "f512.toml", """
+        [model]
+        preset = "qwen2_5_vl_7b"
+        [train]
+        micro_batch_tokens = 524288
+        precision = "bf16"
+        loss = "fused"
+        [parallel]
+        nproc = 1
+        [[rules]]
+        when = { path = "*.language_model.layers.*" }
+        [rules.shard]
+        strategy = "none"
+        storage_dtype = "bfloat16"
+        checkpoint = "full"
+        offload_activations = true
+        mlp_tile_tokens = 16384
+        [[rules]]
+        shard = { strategy = "none", storage_dtype = "bfloat16", checkpoint = "full" }
+    """)
+
+    def answer(*extra):
+        done = subprocess.run([sys.executable, "-m", "weft", "plan", str(recipe), "--estimate", "--json", *extra],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout)
+
+    roomy, tight = answer(), answer("--host-gib", "64")
+    assert roomy["memory_gib"]["activations"] == 0.0 and roomy["fits"] and roomy["memory_gib"]["total"] < 100
+    assert roomy["host_gib"] == pytest.approx(28 * 3.5 + 8, abs=0.1)
+    assert not tight["fits"] and tight["longest_tokens"] < 524288 < roomy["longest_tokens"]

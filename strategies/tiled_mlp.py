@@ -1,0 +1,88 @@
+"""The MLP applied to the sequence in tiles: its intermediates never exist for the whole sequence.
+
+A SwiGLU MLP is row-wise: token t's output depends on token t's input only. At 512K
+tokens a 7B layer's gate, up and their product are 3 x 18,944 wide, ~55 GiB in bf16 for
+the whole sequence; in tiles of N tokens only one tile's exist at a time. Forward runs
+each tile without autograd and keeps the MLP's input alone; backward runs each tile again
+with autograd, writes its rows of the input's gradient and adds its share of the weights'
+gradients (in float32 for 16-bit weights: one rounding at the end, not one per tile). So
+the MLP costs its forward twice, as under activation checkpointing, which it composes
+with (inside a checkpointed layer the recomputation runs the tiles again, still tiled).
+
+It is attached with module hooks, not by replacing the module or its class: a forward
+pre-hook hands the MLP's own forward an empty slice of the sequence (it runs on zero
+tokens) and keeps the real input; the forward hook returns the tiled result in its
+place, computed by that same module's ``forward``, tile by tile. Parameter names, FSDP2
+units and checkpoints are untouched. Rows are bit-identical to the untiled MLP's; the
+weights' gradients are sums over tiles, equal up to the order of the additions.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+
+class _Tiled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, forward: Callable, tile: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        # x (B, S, H); the MLP's own forward, row-wise, on [s, s + tile) of the sequence dim.
+        with torch.no_grad():
+            out = torch.cat([forward(x[:, s:s + tile]) for s in range(0, x.shape[1], tile)], dim=1)
+        ctx.save_for_backward(x, *params)
+        ctx.forward, ctx.tile = forward, tile
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, *params = ctx.saved_tensors
+        wants = [p.requires_grad for p in params]
+        dx = torch.empty_like(x)
+        sums: list[torch.Tensor | None] = [None] * len(params)
+        for s in range(0, x.shape[1], ctx.tile):
+            with torch.enable_grad():
+                xt = x[:, s:s + ctx.tile].detach().requires_grad_(True)
+                yt = ctx.forward(xt)
+            inputs = [xt] + [p for p, w in zip(params, wants) if w]
+            got = torch.autograd.grad(yt, inputs, grad[:, s:s + ctx.tile])
+            dx[:, s:s + ctx.tile] = got[0]
+            it = iter(got[1:])
+            for i, want in enumerate(wants):
+                if want:
+                    g = next(it)
+                    g = g.float() if g.dtype in (torch.bfloat16, torch.float16) else g
+                    sums[i] = g if sums[i] is None else sums[i].add_(g)
+        grads = [None if g is None else g.to(p.dtype) for g, p in zip(sums, params)]
+        return (None, None, dx, *grads)
+
+
+class TiledMLP:
+    """Attach to MLP modules (each applied row-wise to a (B, S, H) input); one per run."""
+
+    def __init__(self, *, tile_tokens: int) -> None:
+        if tile_tokens < 1:
+            raise ValueError(f"tile_tokens must be at least 1, got {tile_tokens}")
+        self.tile = tile_tokens
+        self._inputs: dict[int, torch.Tensor] = {}  # id(module) -> the input held back from its own forward
+
+    def attach(self, modules: list[torch.nn.Module]) -> int:
+        for module in modules:
+            module.register_forward_pre_hook(self._before)
+            module.register_forward_hook(functools.partial(self._after))
+        return len(modules)
+
+    def _before(self, module: torch.nn.Module, args: tuple):
+        x = args[0]
+        if x.dim() != 3 or x.shape[1] <= self.tile:
+            return None  # one tile or less: the module's own call as it stands
+        self._inputs[id(module)] = x
+        return (x[:, :0], *args[1:])  # the module's own forward runs on zero tokens
+
+    def _after(self, module: torch.nn.Module, args: tuple, output: torch.Tensor):
+        x = self._inputs.pop(id(module), None)
+        if x is None:
+            return None
+        params = tuple(p for p in module.parameters())
+        return _Tiled.apply(module.forward, self.tile, x, *params)
