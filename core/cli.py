@@ -167,9 +167,6 @@ def _cmd_check(args) -> int:
     recipe = _load(args)
     pm = plugin_manager_from_env()
     world_size = args.world_size or recipe.parallel.nproc
-    if recipe.train.precision != "fp32":
-        raise WeftError("weft check compares in float32; use --set train.precision=fp32",
-                        where=f"{recipe.source} (train.precision)")
     result = run_check(recipe, world_size=world_size, overrides=args.overrides, recipe_arg=args.recipe, pm=pm)
     if args.json:
         print(json.dumps(result, indent=1))

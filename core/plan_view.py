@@ -184,7 +184,8 @@ def render_check(result: dict) -> None:
 
     console = _console()
     console.print(f"mesh {result['mesh']}  world_size={result['world_size']}  micro-batches={result['micro_batches']}")
-    table = Table(title="unsharded (1 process) vs the recipe's plan, same micro-batches")
+    reference = "float32 " if result.get("bf16_floor") else ""
+    table = Table(title=f"unsharded (1 process, {reference}reference) vs the recipe's plan, same micro-batches")
     table.add_column("quantity")
     table.add_column("value")
     table.add_row("loss (unsharded)", f"{result['loss_ref']:.8f}")
@@ -203,8 +204,11 @@ def render_check(result: dict) -> None:
                       f"{result['clipped_grad_max_rel_diff']:.2e}")
     console.print(table)
     tolerances = result["tolerances"]
+    floor = result.get("bf16_floor")
+    basis = (f"bf16: twice the unsharded model's own bf16 difference from float32, loss {floor['loss_rel_diff']:.2e}, "
+             f"gradients {floor['grad_max_rel_diff']:.2e}" if floor else "float32")
     console.print(("[green]OK[/green]" if result["ok"] else "[red]DIFFERENT[/red]")
-                  + f" (tolerances: loss {tolerances['loss']:g}, gradients {tolerances['grad']:g}, float32)")
+                  + f" (tolerances: loss {tolerances['loss']:.2g}, gradients {tolerances['grad']:.2g}; {basis})")
     if result["reduced_precision_units"]:
         console.print(f"note: {len(result['reduced_precision_units'])} units compute in a lower param_dtype by rule "
                       f"(e.g. {result['reduced_precision_units'][0]}); "

@@ -192,3 +192,35 @@ def test_third_party_batching_under_ulysses2_x_ring2(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
+
+
+def test_bf16_check_measures_against_the_unsharded_models_own_bf16_error(tmp_path):
+    """train.precision = "bf16": the plan (ring 2, bf16 autocast) against the float32 reference,
+    allowed twice the unsharded model's own bf16 difference from it (its floor, reported);
+    the wrong plugin's difference is far beyond that floor."""
+    done = check(TINY, "--world-size", "2", "--set", "parallel.ring=2", "--set", "train.precision=bf16", "--json",
+                 cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    floor = result["bf16_floor"]
+    assert result["ok"] and result["precision"] == "bf16" and floor["grad_max_rel_diff"] > 1e-4  # bf16 is not exact
+    assert result["grad_max_rel_diff"] <= 2 * floor["grad_max_rel_diff"], result
+    assert result["tolerances"]["grad"] == max(1e-4, 2 * floor["grad_max_rel_diff"])
+    env = _site_plugin(tmp_path, "broken_ring_plugin", BROKEN_PLUGIN)
+    recipe = tmp_path / "broken.toml"
+    recipe.write_text(textwrap.dedent(f'''
+        include = ["{ROOT / "recipes" / "rules" / "modality-groups.toml"}"]
+        [model]
+        preset = "qwen2_5_vl_tiny"
+        [train]
+        precision = "bf16"
+        [parallel]
+        ring = 2
+        [[rules]]
+        when = {{ modality = "text" }}
+        attention = {{ strategy = "broken_ring" }}
+    '''))
+    done = check(str(recipe), "--world-size", "2", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 1 and done.stdout.lstrip().startswith("{"), done.stderr[-3000:]
+    broken = json.loads(done.stdout)
+    assert not broken["ok"] and broken["loss_rel_diff"] > 2 * broken["bf16_floor"]["loss_rel_diff"]
