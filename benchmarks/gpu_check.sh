@@ -26,3 +26,15 @@ run ring2 tiny-vl --world-size 2 --set parallel.ring=2
 run ulysses2 tiny-vl --world-size 2 --set parallel.ulysses=2
 run qwen3_vl_ring2 tiny-vl --world-size 2 --set parallel.ring=2 --set model.preset=qwen3_vl_tiny
 run text_ulysses2 tiny-vl --world-size 2 --set parallel.ulysses=2 --set model.preset=qwen2_text_tiny
+
+# bf16 at Qwen2.5-VL-7B's widths (2 layers, 4 vision blocks, one 448x448 image in 8K tokens):
+# the plan under bf16 autocast against the float32 reference, within twice the unsharded
+# model's own bf16 difference (issue 13). Four-GPU meshes only where four GPUs are present.
+w7=benchmarks/check-7b-width.toml
+run w7_dp2 "$w7" --world-size 2
+run w7_ring2 "$w7" --world-size 2 --set parallel.ring=2
+run w7_ulysses2 "$w7" --world-size 2 --set parallel.ulysses=2
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 4 ]; then
+  run w7_usp2x2 "$w7" --world-size 4 --set parallel.ring=2 --set parallel.ulysses=2
+  run w7_dp2_ring2 "$w7" --world-size 4 --set parallel.ring=2
+fi
