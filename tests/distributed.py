@@ -64,3 +64,23 @@ def sp_model(recipe_data: dict, *, rank: int, world: int):
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
     split = adapter.sequence_parallel(model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
     return model, reference, plan, mesh, split
+
+
+def sharded_text_model(shard: dict, *, rank: int, world: int):
+    """qwen2_text_tiny with ``shard`` as its layers' shard rule (applied by the built-in shard
+    hook) and ring attention over ``world`` ranks (sdpa on one), in float64; (model, split)."""
+    import structlog
+    import torch
+
+    from weft.core.context import RunContext
+    from weft.core.recipe import Recipe
+    from weft.plugins.shard import weft_shard
+
+    recipe = {"model": {"preset": "qwen2_text_tiny"}, "parallel": {"ring": world},
+              "rules": [{"when": {"path": "*.layers.*"}, "shard": shard},
+                        {"when": {"modality": "text"}, "attention": {"strategy": "ring" if world > 1 else "sdpa"}}]}
+    model, _, plan, mesh, split = sp_model(recipe, rank=rank, world=world)
+    ctx = RunContext(recipe=Recipe.from_dict(recipe), device=torch.device("cpu"), rank=rank, world_size=world,
+                     log=structlog.get_logger())
+    weft_shard(model=model, plan=plan, mesh=mesh, ctx=ctx)
+    return model.double(), split

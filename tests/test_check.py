@@ -80,19 +80,27 @@ def _site_plugin(tmp_path, name: str, source: str) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
 
 
-def test_check_catches_a_wrong_plugin(tmp_path):
+def _broken(tmp_path, *, precision: str = "fp32") -> tuple[dict, pathlib.Path]:
+    """The wrong attention plugin installed, and a ring-2 recipe whose text attention uses it."""
     env = _site_plugin(tmp_path, "broken_ring_plugin", BROKEN_PLUGIN)
     recipe = tmp_path / "broken.toml"
     recipe.write_text(textwrap.dedent(f'''
         include = ["{ROOT / "recipes" / "rules" / "modality-groups.toml"}"]
         [model]
         preset = "qwen2_5_vl_tiny"
+        [train]
+        precision = "{precision}"
         [parallel]
         ring = 2
         [[rules]]
         when = {{ modality = "text" }}
         attention = {{ strategy = "broken_ring" }}
     '''))
+    return env, recipe
+
+
+def test_check_catches_a_wrong_plugin(tmp_path):
+    env, recipe = _broken(tmp_path)
     done = check(str(recipe), "--world-size", "2", "--json", env=env, cwd=tmp_path)
     # Exit code 1 is also what a crashed run gives: the JSON report tells the two apart.
     assert done.returncode == 1 and done.stdout.lstrip().startswith("{"), done.stderr[-3000:]
@@ -206,20 +214,7 @@ def test_bf16_check_measures_against_the_unsharded_models_own_bf16_error(tmp_pat
     assert result["ok"] and result["precision"] == "bf16" and floor["grad_max_rel_diff"] > 1e-4  # bf16 is not exact
     assert result["grad_max_rel_diff"] <= 2 * floor["grad_max_rel_diff"], result
     assert result["tolerances"]["grad"] == max(1e-4, 2 * floor["grad_max_rel_diff"])
-    env = _site_plugin(tmp_path, "broken_ring_plugin", BROKEN_PLUGIN)
-    recipe = tmp_path / "broken.toml"
-    recipe.write_text(textwrap.dedent(f'''
-        include = ["{ROOT / "recipes" / "rules" / "modality-groups.toml"}"]
-        [model]
-        preset = "qwen2_5_vl_tiny"
-        [train]
-        precision = "bf16"
-        [parallel]
-        ring = 2
-        [[rules]]
-        when = {{ modality = "text" }}
-        attention = {{ strategy = "broken_ring" }}
-    '''))
+    env, recipe = _broken(tmp_path, precision="bf16")
     done = check(str(recipe), "--world-size", "2", "--json", env=env, cwd=tmp_path)
     assert done.returncode == 1 and done.stdout.lstrip().startswith("{"), done.stderr[-3000:]
     broken = json.loads(done.stdout)

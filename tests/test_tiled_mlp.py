@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from distributed import run_ranks, sp_model
+from distributed import run_ranks, sharded_text_model
 from model_helpers import build_model
 from weft.core.recipe import Recipe
 from weft.strategies.tiled_mlp import TiledMLP
@@ -22,19 +22,7 @@ from weft.strategies.tiled_mlp import TiledMLP
 
 def _model(rank: int, world: int, *, tile: int, offload: bool):
     shard = {"strategy": "none", "checkpoint": "full", "offload_activations": offload, "mlp_tile_tokens": tile}
-    recipe = {"model": {"preset": "qwen2_text_tiny"}, "parallel": {"ring": world},
-              "rules": [{"when": {"path": "*.layers.*"}, "shard": shard},
-                        {"when": {"modality": "text"}, "attention": {"strategy": "ring" if world > 1 else "sdpa"}}]}
-    model, _, plan, mesh, split = sp_model(recipe, rank=rank, world=world)
-    import structlog
-
-    from weft.core.context import RunContext
-    from weft.plugins.shard import weft_shard
-
-    ctx = RunContext(recipe=Recipe.from_dict(recipe), device=torch.device("cpu"), rank=rank, world_size=world,
-                     log=structlog.get_logger())
-    weft_shard(model=model, plan=plan, mesh=mesh, ctx=ctx)
-    return model.double(), split
+    return sharded_text_model(shard, rank=rank, world=world)
 
 
 def _run(model, local, sharded: bool):
