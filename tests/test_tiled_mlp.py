@@ -20,8 +20,10 @@ from weft.core.recipe import Recipe
 from weft.strategies.tiled_mlp import TiledMLP
 
 
-def _model(rank: int, world: int, *, tile: int, offload: bool):
-    shard = {"strategy": "none", "checkpoint": "full", "offload_activations": offload, "mlp_tile_tokens": tile}
+def _model(rank: int, world: int, *, tile: int, offload: bool, strategy: str):
+    shard = {"strategy": strategy, "checkpoint": "full", "offload_activations": offload, "mlp_tile_tokens": tile}
+    if strategy == "fsdp2":
+        shard = {**shard, "offload_activations": False}  # (offload under FSDP2: tests/test_activation_offload.py)
     return sharded_text_model(shard, rank=rank, world=world)
 
 
@@ -31,20 +33,22 @@ def _run(model, local, sharded: bool):
     logits = model(**{k: v for k, v in local.items() if k not in ("labels", "shift_labels")}, use_cache=False).logits
     loss = token_loss_sum(logits, local["shift_labels"] if sharded else targets(local))
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    full = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+    return loss.detach(), {n: g.clone() for n, g in full.items()}
 
 
-def _compare(rank: int, world: int) -> None:
+def _compare(rank: int, world: int, strategy: str) -> None:
     torch.manual_seed(0)
     batch = {"input_ids": torch.randint(0, 300, (1, 64)), "attention_mask": torch.ones(1, 64, dtype=torch.long)}
     batch["labels"] = batch["input_ids"].clone()
     from weft.core.step import shard_micro_batch
 
-    plain_model, split = _model(rank, world, tile=0, offload=False)
+    plain_model, split = _model(rank, world, tile=0, offload=False, strategy=strategy)
     local = shard_micro_batch(batch, split)
     plain, plain_grads = _run(plain_model, local, split is not None)
     for offload in (False, True):
-        tiled, tiled_grads = _run(_model(rank, world, tile=7, offload=offload)[0], local, split is not None)
+        tiled, tiled_grads = _run(_model(rank, world, tile=7, offload=offload, strategy=strategy)[0], local,
+                                  split is not None)
         assert torch.equal(tiled, plain), (offload, tiled, plain)
         for name, grad in plain_grads.items():
             if ".mlp." in name:  # sums over tiles: the same terms in another order
@@ -53,9 +57,11 @@ def _compare(rank: int, world: int) -> None:
                 assert torch.equal(tiled_grads[name], grad), (offload, name)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_tiled_mlp_and_offload_keep_the_loss_and_gradients(world):
-    run_ranks(world, _compare)
+@pytest.mark.parametrize(("world", "strategy"), [(1, "none"), (2, "none"), (2, "fsdp2")])
+def test_tiled_mlp_and_offload_keep_the_loss_and_gradients(world, strategy):
+    """Unsharded on one rank and under ring 2; and inside FSDP2 units over the ring's ranks
+    (the tiles' backward runs while the unit's weights are gathered)."""
+    run_ranks(world, _compare, strategy)
 
 
 def test_only_one_tile_of_intermediates_exists_at_a_time():
