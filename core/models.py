@@ -133,10 +133,10 @@ def model_type_of(recipe: Recipe) -> str:
     """The ``model_type`` of the recipe's model, read without transformers: the preset's
     key, or ``config.json`` of ``model.path``. Raises RecipeError naming the file."""
     if recipe.model.preset is not None:
-        from weft.core.presets import load_preset
+        from weft.core.presets import load_preset, preset_location
 
         try:
-            return load_preset(recipe.model.preset)[0]
+            return load_preset(preset_location(recipe.model.preset, recipe_source=recipe.source))[0]
         except (OSError, ValueError) as error:
             raise RecipeError(f"model.preset {recipe.model.preset!r}: {error}",
                               where=f"{recipe.source} (model.preset)") from None

@@ -27,6 +27,19 @@ def preset_names() -> list[str]:
     return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
+def preset_location(name: str, *, recipe_source: str) -> str | pathlib.Path:
+    """A recipe's ``model.preset``: a bundled name as given; a path (with ``/`` or ``.toml``)
+    relative to the recipe's folder, as its other paths are, else as given (the current
+    folder: a path given with --set)."""
+    if "/" not in name and "\\" not in name and not name.endswith(".toml"):
+        return name
+    given = pathlib.Path(name)
+    if given.is_absolute() or recipe_source == "<memory>":
+        return given
+    beside = pathlib.Path(recipe_source).parent / given
+    return beside if beside.is_file() else given
+
+
 def load_preset(name_or_path: str | pathlib.Path) -> tuple[str, dict[str, Any], str | None]:
     """Read a preset -> (model_type, config_kwargs, processor name or None)."""
     raw = _read_preset_text(name_or_path)

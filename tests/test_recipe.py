@@ -215,3 +215,23 @@ def test_paths_given_with_set_are_relative_to_the_current_folder(tmp_path, monke
     assert Recipe.from_toml(recipe_file).data_file() == folder / "in-file.jsonl"
     typed = Recipe.from_toml(recipe_file, overrides=("data.path=data/typed.jsonl",))
     assert typed.data_file() == tmp_path / "data" / "typed.jsonl"
+
+
+def test_a_preset_path_is_read_beside_its_recipe(tmp_path, monkeypatch):
+    """``preset = "shapes/mine.toml"`` is relative to the recipe's folder, like its other paths,
+    whatever the current folder."""
+    from weft.core.models import model_type_of
+    from weft.core.presets import preset_location
+
+    bundled = importlib.resources.files("weft.recipes") / "presets" / "qwen2_text_tiny.toml"
+    (tmp_path / "shapes").mkdir()
+    (tmp_path / "shapes" / "mine.toml").write_text(bundled.read_text())
+    recipe_path = tmp_path / "r.toml"
+    recipe_path.write_text('[model]\npreset = "shapes/mine.toml"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    recipe = Recipe.from_toml(recipe_path)
+    assert preset_location("shapes/mine.toml", recipe_source=recipe.source) == tmp_path / "shapes" / "mine.toml"
+    assert model_type_of(recipe) == "qwen2"
+    assert preset_location("qwen2_text_tiny", recipe_source=recipe.source) == "qwen2_text_tiny"

@@ -12,7 +12,7 @@ import transformers
 
 from weft.core.errors import RecipeError, WeftError
 from weft.core.models import ties_embeddings
-from weft.core.presets import build_config, load_preset
+from weft.core.presets import build_config, load_preset, preset_location
 from weft.core.recipe import Recipe
 from weft.strategies.yarn import trained_positions, yarn_parameters
 
@@ -25,7 +25,7 @@ PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | None]:
     """The transformers config and the processor folder (bundled name or path)."""
     if recipe.model.preset is not None:
-        model_type, kwargs, processor = load_preset(recipe.model.preset)
+        model_type, kwargs, processor = load_preset(preset_location(recipe.model.preset, recipe_source=recipe.source))
         config = build_config(model_type, kwargs)
     else:
         path = recipe.model_dir()
