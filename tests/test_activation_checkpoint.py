@@ -97,3 +97,30 @@ def test_except_attention_keeps_the_flash_attn_4_operator():
 def test_unknown_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="accepted: off, full, attention, mlp, except_attention"):
         apply_checkpointing(torch.nn.Linear(2, 2), mode="every")
+
+
+def test_except_attention_under_fsdp2_and_ring_is_exact(tmp_path):
+    """weft check: decoder layers recomputed but for their attention kernel, FSDP2 units over a
+    ring of 2 (gloo): the unsharded model's loss and gradients."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(textwrap.dedent('''
+        [model]
+        preset = "qwen2_5_vl_tiny"
+        [parallel]
+        ring = 2
+        [[rules]]
+        when = { modality = "text" }
+        shard = { strategy = "fsdp2", checkpoint = "except_attention" }
+        [[rules]]
+        shard = { strategy = "fsdp2" }
+    '''))
+    done = subprocess.run([sys.executable, "-m", "weft", "check", str(recipe), "--world-size", "2", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and result["grad_max_rel_diff"] <= 1e-4, result
