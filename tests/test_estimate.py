@@ -204,3 +204,22 @@ def test_host_memory_bounds_offloaded_activations(tmp_path):
     assert roomy["memory_gib"]["activations"] == 0.0 and roomy["fits"] and roomy["memory_gib"]["total"] < 100
     assert roomy["host_gib"] == pytest.approx(28 * 3.5 + 8, abs=0.1)
     assert not tight["fits"] and tight["longest_tokens"] < 524288 < roomy["longest_tokens"]
+
+
+REAL_SIZE = sorted(p for p in (ROOT / "recipes").glob("qwen2.5-*.toml"))
+
+
+@pytest.mark.parametrize("recipe", REAL_SIZE, ids=lambda p: p.stem)
+def test_bundled_real_size_recipes_fit_their_gpus_as_the_planner_sizes_them(recipe):
+    """Every bundled real-size recipe, planned at its own nproc: the planner says it fits an H200
+    (GPU and host memory) and its step ends within a 10-minute GPU command."""
+    from weft.core.estimate_view import estimate
+    from weft.core.planner import plan_recipe
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.recipe import Recipe
+
+    loaded = Recipe.from_toml(str(recipe))
+    plan, model = plan_recipe(loaded, pm=plugin_manager_from_env(), world_size=loaded.parallel.nproc)
+    result = estimate(loaded, plan, model, gpu="h200")
+    assert result["fits"], (recipe.name, result["memory_gib"]["total"], result["host_gib"], result["changes"])
+    assert result["step_s"]["total"] < 540, (recipe.name, result["step_s"])
