@@ -136,7 +136,7 @@ def model_type_of(recipe: Recipe) -> str:
         from weft.core.presets import load_preset, preset_location
 
         try:
-            return load_preset(preset_location(recipe.model.preset, recipe_source=recipe.source))[0]
+            return load_preset(preset_location(recipe))[0]
         except (OSError, ValueError) as error:
             raise RecipeError(f"model.preset {recipe.model.preset!r}: {error}",
                               where=f"{recipe.source} (model.preset)") from None

@@ -27,17 +27,17 @@ def preset_names() -> list[str]:
     return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
-def preset_location(name: str, *, recipe_source: str) -> str | pathlib.Path:
-    """A recipe's ``model.preset``: a bundled name as given; a path (with ``/`` or ``.toml``)
-    relative to the recipe's folder, as its other paths are, else as given (the current
-    folder: a path given with --set)."""
-    if "/" not in name and "\\" not in name and not name.endswith(".toml"):
-        return name
-    given = pathlib.Path(name)
-    if given.is_absolute() or recipe_source == "<memory>":
-        return given
-    beside = pathlib.Path(recipe_source).parent / given
-    return beside if beside.is_file() else given
+def is_preset_path(name: str | pathlib.Path) -> bool:
+    """A preset named by a file path (with ``/`` or ending in ``.toml``), not a bundled name."""
+    text = str(name)
+    return isinstance(name, pathlib.Path) or text.endswith(".toml") or "/" in text or "\\" in text
+
+
+def preset_location(recipe: Any) -> str | pathlib.Path:
+    """A recipe's ``model.preset``: a bundled name as given; a path as the recipe's other paths
+    are (relative to its folder; one given with --set was made absolute where it was typed)."""
+    name = recipe.model.preset
+    return recipe.relative(name) if is_preset_path(name) else name
 
 
 def load_preset(name_or_path: str | pathlib.Path) -> tuple[str, dict[str, Any], str | None]:
@@ -80,8 +80,7 @@ def _check_mrope_section(config: PreTrainedConfig) -> None:
 
 def _read_preset_text(name_or_path: str | pathlib.Path) -> str:
     text = str(name_or_path)
-    looks_like_path = isinstance(name_or_path, pathlib.Path) or text.endswith(".toml") or "/" in text or "\\" in text
-    if looks_like_path:
+    if is_preset_path(name_or_path):
         return pathlib.Path(text).read_text(encoding="utf-8")
     resource = importlib.resources.files(_RECIPES_PACKAGE) / "presets" / f"{text}.toml"
     if not resource.is_file():

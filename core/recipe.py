@@ -14,7 +14,7 @@ from typing import Any, Literal
 import attrs
 
 from weft.core.errors import RecipeError
-from weft.core.presets import preset_names
+from weft.core.presets import is_preset_path, preset_names
 from weft.core.rule_syntax import Rule, bundled_path, load_includes, parse_rules, parse_toml, read_toml_text
 from weft.core.schema import Where, build, did_you_mean, in_range
 
@@ -246,7 +246,7 @@ class Recipe:
 def _check_preset(model: ModelSection, *, where: Where) -> None:
     """A bare preset name must be a bundled preset (a path-like one is read at build time)."""
     name = model.preset
-    if name is None or "/" in name or "\\" in name or name.endswith(".toml"):
+    if name is None or is_preset_path(name):
         return
     names = preset_names()
     if name not in names:
@@ -256,7 +256,7 @@ def _check_preset(model: ModelSection, *, where: Where) -> None:
         )
 
 
-#: Keys holding file paths: relative to the recipe's folder in a file, to the current folder with --set.
+#: Keys holding file paths (and a path-like model.preset): relative to the recipe's folder, to the cwd with --set.
 _PATH_KEYS = {("model", "path"), ("data", "path")}
 
 
@@ -285,8 +285,8 @@ def apply_override(data: dict, override: str) -> None:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
     except (tomllib.TOMLDecodeError, RecursionError):
         value = text.strip()  # a bare word is a string: --set model.preset=qwen2_5_vl_7b
-    if (section, name) in _PATH_KEYS and isinstance(value, str) and not pathlib.Path(value).is_absolute():
-        # Typed on the command line: relative to where it was typed, not to the recipe's folder.
+    if ((section, name) in _PATH_KEYS or (section, name) == ("model", "preset") and is_preset_path(value)) \
+            and isinstance(value, str) and not pathlib.Path(value).is_absolute():  # relative to where typed
         value = str(pathlib.Path.cwd() / value)
     table = data.setdefault(section, {})
     if not isinstance(table, dict):

@@ -15,13 +15,9 @@ Checkpoint = Literal["off", "full", "attention", "mlp", "except_attention"]
 
 
 @attrs.frozen(kw_only=True)
-class Fsdp2Params:
-    group: str = attrs.field(default="", metadata={"doc": "name of the modality group, shown in the plan"})
-    param_dtype: Dtype | None = attrs.field(default=None,
-                                            metadata={"doc": "dtype of gathered parameters; unset = storage dtype"})
-    reduce_dtype: Dtype | None = attrs.field(default=None, metadata={"doc": "dtype of the gradient reduce-scatter"})
-    reshard_after_forward: bool = attrs.field(default=True, metadata={"doc": "free gathered params after forward"})
-    offload: bool = attrs.field(default=False, metadata={"doc": "keep shards and optimizer state on the CPU"})
+class KeepParams:
+    """What a unit's rule decides whatever its sharding (``none``, and ``fsdp2`` besides)."""
+
     storage_dtype: Dtype | None = attrs.field(default=None, metadata={
         "doc": "dtype the unit's weights, gradients and AdamW states are kept in; unset = float32"})
     checkpoint: Checkpoint = attrs.field(default="off", metadata={
@@ -39,22 +35,13 @@ class Fsdp2Params:
 
 
 @attrs.frozen(kw_only=True)
-class KeepParams:
-    storage_dtype: Dtype | None = attrs.field(default=None, metadata={
-        "doc": "dtype the unit's weights, gradients and AdamW states are kept in; unset = float32 (on one GPU, "
-               "bf16 storage without sharding spares FSDP2's per-unit copies)"})
-    checkpoint: Checkpoint = attrs.field(default="off", metadata={
-        "doc": "activation checkpointing of the unit: off, full, selective (attention / mlp child only), or "
-               "except_attention (all but the attention kernel, whose outputs are kept)"})
-    compile: bool = attrs.field(default=False, metadata={
-        "doc": "torch.compile the unit's children (norms, MLP; the attention where it runs one kernel on the local "
-               "sequence): fused element-wise kernels"})
-    offload_activations: bool = attrs.field(default=False, metadata={
-        "doc": "with checkpoint = full: the unit's input (all it keeps) waits in host memory from its forward to "
-               "its backward (pinned, copied on a side stream)"})
-    mlp_tile_tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata={
-        "doc": "apply the unit's MLP to the sequence in tiles of this many tokens (its intermediates never exist "
-               "for the whole sequence; its forward runs twice); 0 = off"})
+class Fsdp2Params(KeepParams):
+    group: str = attrs.field(default="", metadata={"doc": "name of the modality group, shown in the plan"})
+    param_dtype: Dtype | None = attrs.field(default=None,
+                                            metadata={"doc": "dtype of gathered parameters; unset = storage dtype"})
+    reduce_dtype: Dtype | None = attrs.field(default=None, metadata={"doc": "dtype of the gradient reduce-scatter"})
+    reshard_after_forward: bool = attrs.field(default=True, metadata={"doc": "free gathered params after forward"})
+    offload: bool = attrs.field(default=False, metadata={"doc": "keep shards and optimizer state on the CPU"})
 
 
 def check_offload(params, *, recipe, plan) -> str | None:

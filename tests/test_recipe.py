@@ -219,7 +219,7 @@ def test_paths_given_with_set_are_relative_to_the_current_folder(tmp_path, monke
 
 def test_a_preset_path_is_read_beside_its_recipe(tmp_path, monkeypatch):
     """``preset = "shapes/mine.toml"`` is relative to the recipe's folder, like its other paths,
-    whatever the current folder."""
+    whatever the current folder; with --set, to the folder it was typed in."""
     from weft.core.models import model_type_of
     from weft.core.presets import preset_location
 
@@ -232,6 +232,10 @@ def test_a_preset_path_is_read_beside_its_recipe(tmp_path, monkeypatch):
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     recipe = Recipe.from_toml(recipe_path)
-    assert preset_location("shapes/mine.toml", recipe_source=recipe.source) == tmp_path / "shapes" / "mine.toml"
+    assert preset_location(recipe) == tmp_path / "shapes" / "mine.toml"
     assert model_type_of(recipe) == "qwen2"
-    assert preset_location("qwen2_text_tiny", recipe_source=recipe.source) == "qwen2_text_tiny"
+    assert preset_location(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}})) == "qwen2_text_tiny"
+    # Given with --set, a path is relative to where it was typed, as data.path and model.path are.
+    monkeypatch.chdir(tmp_path)
+    typed = Recipe.from_toml(recipe_path, overrides=("model.preset=shapes/mine.toml",))
+    assert preset_location(typed) == tmp_path / "shapes" / "mine.toml"

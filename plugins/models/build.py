@@ -25,7 +25,7 @@ PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | None]:
     """The transformers config and the processor folder (bundled name or path)."""
     if recipe.model.preset is not None:
-        model_type, kwargs, processor = load_preset(preset_location(recipe.model.preset, recipe_source=recipe.source))
+        model_type, kwargs, processor = load_preset(preset_location(recipe))
         config = build_config(model_type, kwargs)
     else:
         path = recipe.model_dir()
