@@ -19,7 +19,6 @@ import pathlib
 import tempfile
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 
@@ -94,9 +93,9 @@ def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, 
     micro_batches = next(iter(steps))
     if run.mesh.sp.get_local_rank() == 0:
         torch.save(micro_batches, out.with_name(f"batches-dp{run.mesh.dp_rank()}.pt"))
+    autocast = _autocast(recipe.train.precision, device_type)
     loss_sum, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
-                                         keep_vision=run.keep_vision, autocast=_autocast(recipe, device_type),
-                                         ctx=ctx, fused=run.fused)
+                                         keep_vision=run.keep_vision, autocast=autocast, ctx=ctx, fused=run.fused)
     before = {}
     for name, p in run.model.named_parameters():
         if p.grad is not None:
@@ -115,35 +114,40 @@ def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, 
         torch.save({"loss": state.loss, "grad_norm": state.grad_norm, "grads": before, "clipped": after}, out)
 
 
-def _autocast(recipe: Recipe, device_type: str):
-    """The run's own autocast: bf16 where the recipe trains in bf16, none in float32."""
-    if recipe.train.precision == "bf16":
+def _autocast(precision: str, device_type: str):
+    """A run's own autocast: bf16 where it trains in bf16, none in float32."""
+    if precision == "bf16":
         return torch.autocast(device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: float | None, device: str) -> dict:
-    """Loss and gradients of the unsharded model on every rank's micro-batches, under the
-    recipe's precision (float32, or bf16 autocast)."""
+def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: float | None, device: str,
+              precisions: tuple[str, ...] = ("fp32",)) -> dict[str, dict]:
+    """Loss and gradients of the unsharded model on every rank's micro-batches, in each of
+    ``precisions`` (float32, bf16 autocast): one model, built once, its gradients cleared between."""
     from weft.core.loss import label_count, targets, token_loss_sum
 
     _exact_matmuls()
     model = adapter.build(recipe, device=device, seed=recipe.train.seed)
     count = sum(label_count(targets(b)) for b in batches)
-    loss = torch.zeros((), device=device)
-    for batch in batches:
-        inputs = {k: v.to(device) for k, v in batch.items() if k not in ("labels", "shift_labels")}
-        with _autocast(recipe, device):
-            logits = model(**inputs, use_cache=False).logits
-        part = token_loss_sum(logits, targets(batch).to(device)) / count
-        part.backward()
-        loss += part.detach()
-    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
-    norm = torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt().item()
-    scale = min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0  # as strategies/grad_norm.py clips
-    groups = {name: adapter.modality_of(name.rsplit(".", 1)[0]) for name in grads}
-    return {"loss": loss.item(), "grads": grads, "clipped": {n: g * scale for n, g in grads.items()},
-            "grad_norm": norm, "groups": groups}
+    results = {}
+    for precision in precisions:
+        model.zero_grad(set_to_none=True)
+        loss = torch.zeros((), device=device)
+        for batch in batches:
+            inputs = {k: v.to(device) for k, v in batch.items() if k not in ("labels", "shift_labels")}
+            with _autocast(precision, device):
+                logits = model(**inputs, use_cache=False).logits
+            part = token_loss_sum(logits, targets(batch).to(device)) / count
+            part.backward()
+            loss += part.detach()
+        grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+        norm = torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt().item()
+        scale = min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0  # as strategies/grad_norm.py clips
+        groups = {name: adapter.modality_of(name.rsplit(".", 1)[0]) for name in grads}
+        results[precision] = {"loss": loss.item(), "grads": grads, "clipped": {n: g * scale for n, g in grads.items()},
+                              "grad_norm": norm, "groups": groups}
+    return results
 
 
 def _worst(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
@@ -227,12 +231,12 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
                    for mb in torch.load(out.with_name(f"batches-dp{d}.pt"), weights_only=True)]
     from weft.core.prepare import device_type_for
 
-    adapter, device = pm.models.for_recipe(recipe), device_type_for(recipe)
-    exact = attrs.evolve(recipe, train=attrs.evolve(recipe.train, precision="fp32"))
-    ref = reference(exact, adapter=adapter, batches=batches, max_norm=clip, device=device)
-    floor = None
-    if recipe.train.precision == "bf16":  # the unsharded model's own bf16 error: the yardstick
-        floor = compare(ref, reference(recipe, adapter=adapter, batches=batches, max_norm=clip, device=device))
+    # bf16: the unsharded model's own bf16 difference from float32 is the yardstick.
+    precisions = ("fp32", "bf16") if recipe.train.precision == "bf16" else ("fp32",)
+    refs = reference(recipe, adapter=pm.models.for_recipe(recipe), batches=batches, max_norm=clip,
+                     device=device_type_for(recipe), precisions=precisions)
+    ref = refs["fp32"]
+    floor = compare(ref, refs["bf16"]) if "bf16" in refs else None
     # After grad sync the built-in clip's result is known; a third-party grad sync's is not.
     ref["compare_clipped"] = bool(sync) and all(d.strategy == "clip" for d in sync)
     result = compare(ref, got, floor=floor)

@@ -127,7 +127,10 @@ def _cmd_plan(args) -> int:
         from weft.core.estimate_view import estimate, render_estimate
 
         result = estimate(recipe, plan, model, gpu=args.gpu, host_gib=args.host_gib)
-        print(json.dumps(result, indent=1)) if args.json else render_estimate(result)
+        if args.json:
+            print(json.dumps(result, indent=1))
+        else:
+            render_estimate(result)
         return EXIT_OK
     adapter = pm.models.for_recipe(recipe)
     rope = adapter.rope_summary(model.config, recipe=recipe)

@@ -76,7 +76,6 @@ class Shape:
 
     hidden: int
     intermediate: int
-    layers: int
     heads: int
     kv_heads: int
     head_dim: int
@@ -100,7 +99,6 @@ class Unit:
     checkpoint: str = "off"
     offload_activations: bool = False
     offload: bool = False
-    reshard_after_forward: bool = True
     mlp_tile_tokens: int = 0
     source: str = ""
 
@@ -151,7 +149,7 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
                               layer_saved(u.checkpoint, shape, layer_in, tokens, tiled=u.mlp_tile_tokens > 0)
                               for u in text)
     vision = [u for u in units if u.modality == "vision"]
-    patches = setup.patches / setup.sp if setup.sp > 1 else setup.patches
+    patches = setup.patches / setup.sp  # images are spread over the SP ranks
     if vision and shape.vision_hidden:
         v_in = patches * shape.vision_hidden * 2
         v_shape = attrs.evolve(shape, hidden=shape.vision_hidden, intermediate=shape.vision_intermediate)

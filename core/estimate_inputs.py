@@ -33,7 +33,6 @@ def units_of(plan: Any, model: Any) -> list[Unit]:
             checkpoint=getattr(params, "checkpoint", "off") if m.info.kind == "unit" else "off",
             offload_activations=getattr(params, "offload_activations", False),
             offload=getattr(params, "offload", False),
-            reshard_after_forward=getattr(params, "reshard_after_forward", True),
             mlp_tile_tokens=getattr(params, "mlp_tile_tokens", 0), source=decision.source,
         ))
     return units
@@ -47,7 +46,7 @@ def shape_of(model: Any, units: list[Unit]) -> Shape:
     layer = next((u.params for u in units if u.modality == "text"), 0)
     vision_params = sum(u.params for u in units if u.modality == "vision")
     return Shape(
-        hidden=text.hidden_size, intermediate=text.intermediate_size, layers=text.num_hidden_layers, heads=heads,
+        hidden=text.hidden_size, intermediate=text.intermediate_size, heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab=text.vocab_size,
         layer_params=layer,

@@ -33,7 +33,7 @@ def estimate(recipe: Any, plan: Any, model: Any, *, gpu: str, host_gib: float | 
     def within(m: dict) -> bool:
         return m["total"] <= budget and m["host"] * per_node <= host_budget
 
-    def fits(tokens: int, units=units, setup=setup) -> bool:
+    def fits(tokens: int) -> bool:
         return within(memory(units, shape, attrs.evolve(setup, tokens=tokens)))
 
     result = {
@@ -97,16 +97,10 @@ def render_estimate(result: dict) -> None:
     measured = "measured rates" if result["rates_measured"] else "rates scaled from the H200's (not measured)"
     console.print(f"[bold]estimate[/] for one step of {result['tokens']:,} tokens on {result['gpu']} "
                   f"({result['gpu_memory_gib']} GiB; {measured}), mesh {result['mesh']}")
-    table = Table("per-rank GPU memory", "GiB")
-    for part, gib in result["memory_gib"].items():
-        table.add_row(part if part != "total" else "[bold]total (peak)[/]", f"{gib:,.2f}")
-    console.print(table)
+    console.print(_parts(Table("per-rank GPU memory", "GiB"), result["memory_gib"], total="total (peak)"))
     console.print(f"host memory: ~{result['host_gib']} GiB per rank, {result['ranks_per_host']} per host "
                   f"(budget {result['host_budget_gib']} GiB: --host-gib)")
-    table = Table("step time (per rank)", "s")
-    for part, seconds in result["step_s"].items():
-        table.add_row(part if part != "total" else "[bold]total[/]", f"{seconds:,.2f}")
-    console.print(table)
+    console.print(_parts(Table("step time (per rank)", "s"), result["step_s"], total="total"))
     console.print(f"predicted: {result['tokens_per_s']:,} tokens/s over {result['ranks']} GPUs "
                   f"({result['tokens_per_s_per_gpu']:,} per GPU), MFU {result['mfu']:.1%}; "
                   + ("[green]fits[/]" if result["fits"] else "[red]does not fit[/]"))
@@ -116,3 +110,10 @@ def render_estimate(result: dict) -> None:
     for change in result["changes"]:
         console.print(f"  then {change['change']} -> {change['total_gib']} GiB"
                       f"{' (fits)' if change['fits'] else ''}: {change['where']}")
+
+
+def _parts(table, parts: dict, *, total: str):
+    """One row per part, the total in bold."""
+    for part, value in parts.items():
+        table.add_row(f"[bold]{total}[/]" if part == "total" else part, f"{value:,.2f}")
+    return table

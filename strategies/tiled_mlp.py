@@ -19,7 +19,6 @@ weights' gradients are sums over tiles, equal up to the order of the additions.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
@@ -70,7 +69,7 @@ class TiledMLP:
     def attach(self, modules: list[torch.nn.Module]) -> int:
         for module in modules:
             module.register_forward_pre_hook(self._before)
-            module.register_forward_hook(functools.partial(self._after))
+            module.register_forward_hook(self._after)
         return len(modules)
 
     def _before(self, module: torch.nn.Module, args: tuple):

@@ -61,7 +61,7 @@ def test_7b_sizes_by_hand():
     """Qwen2.5-VL-7B's decoder layer at 128K tokens: its input is 131,072 x 3,584 x 2 bytes
     (0.875 GiB); 'full' keeps it, 'except_attention' the attention's output and float32 LSE
     (28 heads) too, 'off' the MLP's three 18,944-wide intermediates as well."""
-    shape = Shape(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064,
+    shape = Shape(hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128, vocab=152064,
                   layer_params=233_057_792)
     t = 131_072
     layer_in = t * 3584 * 2
