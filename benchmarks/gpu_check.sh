@@ -3,10 +3,15 @@
 # (NCCL) against the unsharded model on the same micro-batches, same initial weights
 # (presets drawn on the CPU from the seed), TF32 off on both sides. One JSON per mesh
 # under $OUT (or ./gpu-check), and a summary table on stdout.
-#   bash benchmarks/gpu_check.sh            # on a 2-GPU host
+#   bash benchmarks/gpu_check.sh            # on a 2-GPU host, weft installed
+# It runs from a scratch folder so that a checkout's own weft/ folder (the package's
+# top file only; core/, plugins/... are mapped in by the install) cannot shadow the install.
 set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+cd "$(mktemp -d)"
 cuda=(--set parallel.device=cuda --set parallel.backend=nccl)
 run() {  # name, then weft check arguments
   local name=$1; shift
@@ -30,7 +35,7 @@ run text_ulysses2 tiny-vl --world-size 2 --set parallel.ulysses=2 --set model.pr
 # bf16 at Qwen2.5-VL-7B's widths (2 layers, 4 vision blocks, one 448x448 image in 8K tokens):
 # the plan under bf16 autocast against the float32 reference, within twice the unsharded
 # model's own bf16 difference (issue 13). Four-GPU meshes only where four GPUs are present.
-w7=benchmarks/check-7b-width.toml
+w7="$here/check-7b-width.toml"
 run w7_dp2 "$w7" --world-size 2
 run w7_ring2 "$w7" --world-size 2 --set parallel.ring=2
 run w7_ulysses2 "$w7" --world-size 2 --set parallel.ulysses=2

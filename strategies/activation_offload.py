@@ -15,6 +15,7 @@ plain copies, so the arithmetic is proven identical to the unmoved run.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -29,7 +30,12 @@ class ActivationOffload:
         self.buffers: dict[int, torch.Tensor] = {}  # unit index -> host buffer, reused across steps
         self.parked: dict[int, torch.Tensor] = {}  # unit index -> the input whose storage is on the host
         self.ready: dict[int, Any] = {}  # unit index -> event: its storage is back on the device
-        self._pending: dict[int, torch.Tensor] = {}
+        # unit index -> its input, between the unit's pre- and post-forward hooks. Weak: the
+        # checkpoint's recomputation in backward runs the pre-hook but stops early, before the
+        # post-hook (torch's early stop), and a strong reference would keep every restored
+        # input on the device until the next step (one hidden-sized tensor per layer: 24 GiB
+        # at 128K for a 7B model, measured on the GPU).
+        self._pending: dict[int, weakref.ref] = {}
         self.moved_bytes = 0
 
     def attach(self, units: list[torch.nn.Module]) -> int:
@@ -43,10 +49,11 @@ class ActivationOffload:
     def _before(self, index: int, module, args, kwargs) -> None:
         x = args[0] if args else kwargs.get("hidden_states")
         if torch.is_grad_enabled() and _sole_owner(x):
-            self._pending[index] = x
+            self._pending[index] = weakref.ref(x)
 
     def _after(self, index: int, module, args, output) -> None:
-        x = self._pending.pop(index, None)
+        pending = self._pending.pop(index, None)
+        x = pending() if pending is not None else None
         out = output[0] if isinstance(output, (tuple, list)) else output
         if x is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
             return

@@ -57,6 +57,28 @@ def test_offloaded_inputs_give_identical_gradients(world):
     run_ranks(world, _compare)
 
 
+def _released(rank: int, world: int) -> None:
+    import weakref
+
+    model, _ = _model(rank, world, offload=True)
+    seen = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(weakref.ref(
+            args[0] if args else kwargs["hidden_states"])), with_kwargs=True)
+    batch = {"input_ids": torch.randint(0, 300, (1, 64))}
+    for _ in range(2):  # the second step's forward would overwrite what the first left behind
+        seen.clear()
+        model(**batch, use_cache=False).logits.pow(2).mean().backward()
+        # Once backward is done nothing may hold a layer's (restored) input: the checkpoint's
+        # recomputation runs the offload's pre-hook but stops before its post-hook, and a
+        # reference kept from there held every layer's input on the GPU to the step's end.
+        assert seen and all(ref() is None for ref in seen), [ref() is not None for ref in seen]
+
+
+def test_offload_releases_restored_inputs():
+    run_ranks(1, _released)
+
+
 def test_offload_needs_full_checkpointing():
     from weft.core.errors import PlanError
     from weft.core.planner import plan_recipe
