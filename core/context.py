@@ -26,6 +26,7 @@ class RunContext:
     log: Any = None  # a structlog logger bound with rank
     counters: dict[str, int] = attrs.field(factory=dict)
     start_step: int = 0  # first step to yield: > 0 when resuming
+    one_pass: bool = False  # weft eval: batching yields every sample once, then its iterator ends
     adapter: ModelAdapter | None = None  # the model family's adapter (weft_models)
     positions: PositionWatch | None = None  # largest position id seen, vs the rotary context
 

@@ -107,10 +107,11 @@ def _has_images(batch: dict) -> bool:
 
 def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], split: SequenceSplit | None,
                       keep_vision: bool, autocast: Any, ctx: RunContext, fused: FusedHead | None = None,
-                      timer: PhaseTimer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every micro-batch's forward and backward. Returns (this rank's loss sum, the
-    global counts (label tokens, tokens)), both on the device, without a host sync
-    unless ``keep_vision`` (then one, at the start, to learn which rounds have images)."""
+                      timer: PhaseTimer | None = None, backward: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every micro-batch's forward and backward (``backward=False``: forward only, for
+    `weft eval` under torch.no_grad). Returns (this rank's loss sum, the global counts
+    (label tokens, tokens)), both on the device, without a host sync unless
+    ``keep_vision`` (then one, at the start, to learn which rounds have images)."""
     local = [shard_micro_batch(mb, split) for mb in micro_batches]
     # One collective for the step's divisor: label tokens over every rank, so the loss
     # equals the unsharded model's mean over the global batch. Tokens are this rank's
@@ -129,7 +130,7 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
     loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float32)
     # FSDP2: reduce-scatter gradients once, after the last micro-batch; earlier ones
     # accumulate unsharded gradients locally (less communication, more memory).
-    sync = getattr(model, "set_requires_gradient_sync", None)
+    sync = getattr(model, "set_requires_gradient_sync", None) if backward else None
     for index, mb in enumerate(local):
         if sync is not None:
             sync(index == len(local) - 1)
@@ -152,10 +153,12 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
         # sum of every rank's share of (global loss sum / global label count).
         if timer is not None:
             timer.stop("forward")
-            timer.start("backward")
-        (part * (ctx.world_size / global_labels)).backward()
-        if timer is not None:
-            timer.stop("backward")
+        if backward:
+            if timer is not None:
+                timer.start("backward")
+            (part * (ctx.world_size / global_labels)).backward()
+            if timer is not None:
+                timer.stop("backward")
         loss_sum += part.detach()
     return loss_sum, totals[:2]
 

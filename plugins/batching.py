@@ -87,6 +87,12 @@ def _steps(params, recipe, plan, mesh, model, ctx):
             return collate([samples[i] for i in indices], pad_id=pad_id)
 
     me, step, epoch = mesh.dp_rank(), 0, 0
+    if ctx.one_pass:
+        batches = (pack_documents(lengths, budget=budget, seed=recipe.train.seed, epoch=0) if params.pack else
+                   pack_micro_batches(lengths, budget=budget, seed=recipe.train.seed, epoch=0,
+                                      bucket_size=params.bucket_size))
+        yield from one_pass_rounds(batches, dp_size=plan.mesh.dp, me=me, make=make)
+        return
     while True:
         if params.pack:
             batches = pack_documents(lengths, budget=budget, seed=recipe.train.seed, epoch=epoch)
@@ -107,3 +113,22 @@ def _steps(params, recipe, plan, mesh, model, ctx):
             step += 1
         epoch += 1
         ctx.log.info("data.epoch", epoch=epoch)
+
+
+def one_pass_rounds(batches, *, dp_size, me, make):
+    """`weft eval`: every micro-batch once, one round per step. The last round's missing
+    micro-batches (fewer left than data-parallel ranks) are a copy of one with no label
+    kept, so every rank runs the same forwards (FSDP's and SP's collectives) and the
+    copies add nothing to the loss."""
+    import torch
+
+    from weft.core.loss import IGNORE
+
+    for start in range(0, len(batches), dp_size):
+        round_ = batches[start:start + dp_size]
+        if me < len(round_):
+            yield [make(round_[me])]
+        else:
+            filler = make(round_[0])
+            filler["labels"] = torch.full_like(filler["labels"], IGNORE)
+            yield [filler]

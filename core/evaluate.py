@@ -1,0 +1,141 @@
+"""`weft eval RECIPE --data FILE.jsonl`: a dataset's loss and perplexity under the recipe's
+plan, forward only.
+
+The ranks run what training runs (the recipe's sharding, sequence parallelism, kernels,
+autocast and loss) under torch.no_grad, over every sample of the file once: the batching
+strategy is asked for one pass (``ctx.one_pass``) and pads the last round for ranks left
+without a micro-batch with label-less copies. The loss is the mean over every label token
+of the dataset, as one unsharded forward over each sample gives it; the weights are the
+recipe's initial ones, or a weft run's checkpoint (``--run-dir``, any saving world size).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weft.core.errors import RunFailed, WeftError
+from weft.core.recipe import Recipe
+
+
+def run_eval(*, nproc: int, args: list[str]) -> dict:
+    """Start ``nproc`` ranks of the hidden ``_eval-worker`` command with ``args`` (the recipe
+    and its options); rank 0's result."""
+    from weft.core.launch import launch_local
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "eval.json"
+        code = launch_local(nproc=nproc, args=["-m", "weft", "_eval-worker", *args, "--out", str(out)])
+        if code != 0 or not out.is_file():
+            raise RunFailed(f"the {nproc}-rank `weft eval` failed (exit code {code}); its ranks' output above says why",
+                            where="weft eval")
+        return json.loads(out.read_text())
+
+
+def worker(recipe: Recipe, *, out: pathlib.Path, run_dir: pathlib.Path | None, step: int | None,
+           max_batches: int) -> None:
+    from weft.core.prepare import close_process_group, init_process_group
+
+    rank, world_size, local_rank, device_type, _ = init_process_group(recipe)
+    try:
+        result = _evaluate(recipe, rank=rank, world_size=world_size, local_rank=local_rank, device_type=device_type,
+                           run_dir=run_dir, step=step, max_batches=max_batches)
+    except BaseException:
+        close_process_group(clean=False)
+        raise
+    if rank == 0:
+        out.write_text(json.dumps(result, indent=1))
+    close_process_group(clean=True)
+
+
+def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
+              run_dir: pathlib.Path | None, step: int | None, max_batches: int) -> dict:
+    from weft.core.check import _autocast
+    from weft.core.context import RunContext
+    from weft.core.logging import run_logger
+    from weft.core.loss import IGNORE, targets
+    from weft.core.mesh import device_for
+    from weft.core.mesh_spec import MESH_ORDER
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.prepare import prepare_model
+    from weft.core.step import run_micro_batches
+
+    pm = plugin_manager_from_env()
+    log = run_logger(run_dir=None, rank=rank, console=False)  # the parent prints the result
+    ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size,
+                     log=log, one_pass=True)
+    run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
+    checkpoint = _load_weights(run.model, run_dir, step) if run_dir is not None else None
+    run.model.eval()
+    decision = run.plan.decision("batching")
+    steps = pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
+                          model=run.model, ctx=ctx)
+    autocast = _autocast(recipe.train.precision, device_type)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    seen = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # this rank's tokens, micro-batches
+    labels = 0.0  # global label tokens: run_micro_batches reduces them over every rank
+    dist.barrier()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for index, micro_batches in enumerate(steps):
+            if max_batches and index >= max_batches:
+                break  # every rank has the same number of rounds, so all stop together
+            part, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
+                                             keep_vision=run.keep_vision, autocast=autocast, ctx=ctx,
+                                             fused=run.fused, backward=False)
+            loss_sum += part.double()
+            labels += float(totals[0])
+            # Whole-sequence tokens of the micro-batches with labels (padding rounds have none);
+            # every rank of an SP group sees the same micro-batch: divided by its size below.
+            real = [mb for mb in micro_batches if bool((targets(mb) != IGNORE).any())]
+            seen += torch.tensor([sum(mb["input_ids"].numel() for mb in real), len(real)], dtype=torch.float64,
+                                 device=ctx.device)
+    dist.all_reduce(loss_sum)
+    dist.all_reduce(seen)
+    seconds = time.perf_counter() - start
+    sp = run.plan.mesh.sp
+    tokens, batches = float(seen[0]) / sp, float(seen[1]) / sp
+    if labels == 0:
+        raise WeftError(f"no label tokens to evaluate in {recipe.data.path or 'the synthetic data'} "
+                        f"({ctx.counters.get('skipped_samples', 0)} samples skipped)", where="--data")
+    loss = float(loss_sum) / labels
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "label_tokens": int(labels),
+            "tokens": int(tokens), "micro_batches": int(batches), "seconds": seconds,
+            "tokens_per_s": tokens / max(seconds, 1e-9), "skipped": dict(ctx.counters),
+            "world_size": world_size, "mesh": dict(zip(MESH_ORDER, run.plan.mesh.shape)),
+            "precision": recipe.train.precision, "checkpoint": checkpoint, "data": recipe.data.path}
+
+
+def _load_weights(model: torch.nn.Module, run_dir: pathlib.Path, step: int | None) -> str:
+    """A weft run's checkpoint (the newest, or step ``step``) into this plan's model."""
+    from weft.core.checkpoint import checkpoint_dirs
+    from weft.core.export import load_checkpoint_into
+
+    found = [p for p in checkpoint_dirs(run_dir) if step is None or p.name == f"step-{step}"]
+    if not found:
+        raise WeftError(f"no checkpoint{f' for step {step}' if step is not None else ''} under "
+                        f"{run_dir / 'checkpoints'}", where="--run-dir")
+    try:
+        load_checkpoint_into(model, found[-1])
+    except Exception as error:  # noqa: BLE001 - DCP's errors name keys, not the user's mistake
+        raise WeftError(f"{found[-1]} does not fit this recipe's model ({error.__class__.__name__}: "
+                        f"{str(error).splitlines()[0][:200] if str(error) else ''}); evaluate with the recipe the "
+                        "run trained (its recipe.json)", where="--run-dir") from error
+    return str(found[-1])
+
+
+def render(result: dict[str, Any]) -> str:
+    """One paragraph for the terminal."""
+    skipped = sum(v for k, v in result["skipped"].items() if k.startswith("skipped"))
+    mesh = ", ".join(f"{k} {v}" for k, v in result["mesh"].items() if v > 1) or "one rank"
+    return (f"loss {result['loss']:.6f}, perplexity {result['perplexity']:.4g} over {result['label_tokens']:,} label "
+            f"tokens ({result['micro_batches']} micro-batches, {result['tokens']:,} tokens, {skipped} samples "
+            f"skipped); {result['tokens_per_s']:,.0f} tokens/s on {result['world_size']} rank(s) ({mesh}), "
+            f"{result['precision']}" + (f"; weights from {result['checkpoint']}" if result["checkpoint"] else ""))
