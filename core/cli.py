@@ -10,6 +10,7 @@ import sys
 import traceback
 from typing import Sequence
 
+from weft.core.cli_infer import add_inference_commands
 from weft.core.errors import EXIT_OK, EXIT_RUNTIME, WeftError
 from weft.core.plugin_manager import plugin_manager_from_env
 from weft.core.run_command import cmd_run
@@ -82,27 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--set", dest="overrides", action="append", default=[])
     worker.set_defaults(func=_cmd_check_worker)
 
-    evaluate = sub.add_parser("eval", help="a dataset's loss and perplexity under the recipe's plan, forward only")
-    evaluate.add_argument("recipe")
-    evaluate.add_argument("--data", type=pathlib.Path, default=None,
-                          help="JSONL chat file to evaluate (default: the recipe's own data)")
-    evaluate.add_argument("--nproc", type=_positive, default=None, help="ranks (default: parallel.nproc)")
-    evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    evaluate.add_argument("--run-dir", type=pathlib.Path, default=None,
-                          help="weights from this weft run's newest checkpoint (default: the recipe's initial ones)")
-    evaluate.add_argument("--step", type=_positive, default=None, help="with --run-dir: this step's checkpoint")
-    evaluate.add_argument("--max-batches", type=_positive, default=None, help="stop after N rounds of micro-batches")
-    evaluate.add_argument("--json", action="store_true", help="print the result as JSON")
-    evaluate.set_defaults(func=_cmd_eval)
-
-    eval_worker = sub.add_parser("_eval-worker", help=argparse.SUPPRESS)
-    eval_worker.add_argument("recipe")
-    eval_worker.add_argument("--out", type=pathlib.Path, required=True)
-    eval_worker.add_argument("--set", dest="overrides", action="append", default=[])
-    eval_worker.add_argument("--run-dir", type=pathlib.Path, default=None)
-    eval_worker.add_argument("--step", type=int, default=None)
-    eval_worker.add_argument("--max-batches", type=int, default=None)
-    eval_worker.set_defaults(func=_cmd_eval_worker)
+    add_inference_commands(sub, positive=_positive)
 
     export = sub.add_parser("export", help="write a run's newest checkpoint as a Hugging Face model directory")
     export.add_argument("run_dir", type=pathlib.Path)
@@ -128,13 +109,9 @@ def _positive(text: str) -> int:
 
 
 def _load(args) -> "object":
-    return _recipe(args.recipe, args.overrides)
-
-
-def _recipe(path: str, overrides: Sequence[str]) -> "object":
     from weft.core.recipe import Recipe
 
-    return Recipe.from_toml(path, overrides=tuple(overrides))
+    return Recipe.from_toml(args.recipe, overrides=tuple(args.overrides))
 
 
 # ---------------------------------------------------------------------------
@@ -208,42 +185,6 @@ def _cmd_check_worker(args) -> int:
     from weft.core.check import worker
 
     worker(_load(args), out=args.out)
-    return EXIT_OK
-
-
-# ---------------------------------------------------------------------------
-# weft eval
-# ---------------------------------------------------------------------------
-
-
-def _cmd_eval(args) -> int:
-    from weft.core.evaluate import render, run_eval
-
-    overrides = list(args.overrides)
-    if args.data is not None:
-        if not args.data.is_file():
-            raise WeftError(f"no such file: {args.data}; --data takes a JSONL chat file", where="--data")
-        overrides += ["data.source=jsonl", f"data.path={args.data.resolve()}"]
-    if args.step is not None and args.run_dir is None:
-        raise WeftError("--step picks a checkpoint of --run-dir; give --run-dir too", where="--step")
-    if args.run_dir is not None and not (args.run_dir / "checkpoints").is_dir():
-        raise WeftError(f"{args.run_dir} has no checkpoints/ folder; --run-dir takes a weft run directory",
-                        where="--run-dir")
-    recipe = _recipe(args.recipe, overrides)  # the recipe's own errors, before any rank starts
-    forwarded = [args.recipe, *(a for o in overrides for a in ("--set", o))]
-    if args.run_dir is not None:
-        forwarded += ["--run-dir", str(args.run_dir.resolve())] + (["--step", str(args.step)] if args.step else [])
-    if args.max_batches:
-        forwarded += ["--max-batches", str(args.max_batches)]
-    result = run_eval(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)
-    print(json.dumps(result, indent=1) if args.json else f"weft eval: {render(result)}")
-    return EXIT_OK
-
-
-def _cmd_eval_worker(args) -> int:
-    from weft.core.evaluate import worker
-
-    worker(_load(args), out=args.out, run_dir=args.run_dir, step=args.step, max_batches=args.max_batches or 0)
     return EXIT_OK
 
 

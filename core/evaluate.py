@@ -40,7 +40,7 @@ def run_eval(*, nproc: int, args: list[str]) -> dict:
 
 
 def worker(recipe: Recipe, *, out: pathlib.Path, run_dir: pathlib.Path | None, step: int | None,
-           max_batches: int) -> None:
+           max_batches: int = 0) -> None:
     from weft.core.prepare import close_process_group, init_process_group
 
     rank, world_size, local_rank, device_type, _ = init_process_group(recipe)

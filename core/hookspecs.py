@@ -114,14 +114,23 @@ def weft_attention(decision: Decision, module_path: str, plan: Plan, mesh: WeftM
 
 
 @hookspec(firstresult=True)
-def weft_kv_cache(decision: Decision, model: torch.nn.Module, plan: Plan, ctx: RunContext) -> Cache | None:
-    """Build the key/value cache used for generation and evaluation.
+def weft_kv_cache(decision: Decision, model: torch.nn.Module, plan: Plan, mesh: WeftMesh,
+                  ctx: RunContext) -> Cache | None:
+    """Build the key/value cache `weft generate` prefills and decodes from.
 
-    When: once per generation or evaluation call, never during training steps.
-    Kind: firstresult on ``decision.strategy``; return a transformers ``Cache``
-    object or ``None`` when the strategy is not yours.
+    When: once per generation, after the model is ready, before the prefill; never
+    during training steps.
+    Kind: firstresult on ``decision.strategy`` (the text decoder's); return a
+    transformers ``Cache`` object or ``None`` when the strategy is not yours. The
+    prefill runs the plan's attention (under sequence parallelism each rank's
+    layers see their part of the prompt); the core then calls the cache's
+    ``begin_decode()`` if it has one and, if the cache names a
+    ``decode_attention`` (an AttentionInterface name), decodes the text model
+    with it. A cache with ``begin_prefill(keep=, prompt=)`` is told which of this
+    rank's prompt rows are real tokens (the core pads to the split's multiple)
+    and the prompt's length.
     May change: nothing on the model.
-    Collectives: none at build time; a sequence-sharded cache may gather on use.
+    Collectives: none at build time; a sequence-sharded cache gathers on use.
     """
 
 

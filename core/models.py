@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
 from weft.core.errors import RecipeError
 
@@ -116,6 +116,13 @@ class ModelAdapter(Protocol):
 
     def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path) -> None:
         """Write a Hugging Face directory: weights, config and the processor's files."""
+
+    def prompt_inputs(self, recipe: Recipe, *, text: str, images: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Model inputs (B = 1) for one user turn (the images, then ``text``) followed by the
+        assistant's header, encoded as the training data encodes chats: `weft generate`'s prompt."""
+
+    def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
+        """Token ids as text, with the model's tokenizer ("" when the model has none)."""
 
 
 #: Key the core adds to a micro-batch without images when another data-parallel rank

@@ -301,8 +301,8 @@ def test_hook_weft_kv_cache():
     pm = make_pm()
     _, plan, ctx = make_plan(pm, [], [ROOT_MODULE, TEXT_ATTN])
     chosen = plan.modules_for("kv_cache")[0].get("kv_cache")
-    assert chosen.strategy == "dynamic"  # the default rule
-    cache = pm.call_first("weft_kv_cache", decision=chosen, model=model, plan=plan, ctx=ctx)
+    assert chosen.strategy == "auto"  # the default rule: dynamic without sequence parallelism
+    cache = pm.call_first("weft_kv_cache", decision=chosen, model=model, plan=plan, mesh=None, ctx=ctx)
     assert isinstance(cache, DynamicCache)
     assert len(cache.layers) == config.num_hidden_layers
     kv = torch.zeros(1, config.num_key_value_heads, 3,
@@ -312,7 +312,8 @@ def test_hook_weft_kv_cache():
     # Building a cache changes nothing on the model.
     assert model.config.use_cache == config.use_cache
     with pytest.raises(HookError, match=r"weft_kv_cache.*'paged'"):
-        pm.call_first("weft_kv_cache", decision=decision("kv_cache", "paged"), model=model, plan=plan, ctx=ctx)
+        pm.call_first("weft_kv_cache", decision=decision("kv_cache", "paged"), model=model, plan=plan, mesh=None,
+                      ctx=ctx)
 
 
 @attrs.frozen(kw_only=True)

@@ -7,7 +7,7 @@ a third-party family subclasses it and overrides what differs (docs/architecture
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
@@ -58,6 +58,16 @@ class TransformersAdapter:
 
     def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path) -> None:
         build.export(model, processor=self.config(recipe)[1], out_dir=out_dir)
+
+    def prompt_inputs(self, recipe: Recipe, *, text: str, images: Sequence[str]) -> dict[str, torch.Tensor]:
+        from weft.plugins.models.prompt import prompt_inputs
+
+        return prompt_inputs(processor=self.config(recipe)[1], text=text, images=images)
+
+    def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
+        from weft.plugins.models.prompt import decode_tokens
+
+        return decode_tokens(processor=self.config(recipe)[1], ids=ids)
 
     # -- describing ----------------------------------------------------------
 

@@ -1,0 +1,126 @@
+"""The inference commands of `weft`: eval (a dataset's loss) and generate (decoding)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Any, Callable
+
+from weft.core.errors import EXIT_OK, WeftError
+
+
+def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
+    evaluate = sub.add_parser("eval", help="a dataset's loss and perplexity under the recipe's plan, forward only")
+    evaluate.add_argument("recipe")
+    evaluate.add_argument("--data", type=pathlib.Path, default=None,
+                          help="JSONL chat file to evaluate (default: the recipe's own data)")
+    _common(evaluate, positive)
+    evaluate.add_argument("--max-batches", type=positive, default=None, help="stop after N rounds of micro-batches")
+    evaluate.set_defaults(func=_cmd_eval)
+
+    generate = sub.add_parser("generate", help="decode from a prompt (and images) under the recipe's plan")
+    generate.add_argument("recipe")
+    generate.add_argument("--prompt", required=True, help="the user's turn")
+    generate.add_argument("--image", dest="images", action="append", default=[], type=pathlib.Path,
+                          metavar="PATH", help="an image before the prompt (repeatable)")
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
+    generate.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
+    _common(generate, positive)
+    generate.set_defaults(func=_cmd_generate)
+
+    for name, func in (("_eval-worker", _cmd_eval_worker), ("_generate-worker", _cmd_generate_worker)):
+        worker = sub.add_parser(name, help=argparse.SUPPRESS)
+        worker.add_argument("recipe")
+        worker.add_argument("--out", type=pathlib.Path, required=True)
+        worker.add_argument("--set", dest="overrides", action="append", default=[])
+        worker.add_argument("--run-dir", type=pathlib.Path, default=None)
+        worker.add_argument("--step", type=int, default=None)
+        worker.add_argument("--options", default="{}", help="the command's own options, as JSON")
+        worker.set_defaults(func=func)
+
+
+def _common(parser: Any, positive: Callable[[str], int]) -> None:
+    parser.add_argument("--nproc", type=positive, default=None, help="ranks (default: parallel.nproc)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--run-dir", type=pathlib.Path, default=None,
+                        help="weights from this weft run's newest checkpoint (default: the recipe's initial ones)")
+    parser.add_argument("--step", type=positive, default=None, help="with --run-dir: this step's checkpoint")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _recipe(path: str, overrides: list[str]) -> Any:
+    from weft.core.recipe import Recipe
+
+    return Recipe.from_toml(path, overrides=tuple(overrides))
+
+
+def _forwarded(args: Any, overrides: list[str], options: dict) -> tuple[Any, list[str]]:
+    """Check what the ranks need, then their arguments: the recipe is read here first, so
+    its mistakes are messages before any rank starts."""
+    if args.step is not None and args.run_dir is None:
+        raise WeftError("--step picks a checkpoint of --run-dir; give --run-dir too", where="--step")
+    if args.run_dir is not None and not (args.run_dir / "checkpoints").is_dir():
+        raise WeftError(f"{args.run_dir} has no checkpoints/ folder; --run-dir takes a weft run directory",
+                        where="--run-dir")
+    recipe = _recipe(args.recipe, overrides)
+    forwarded = [args.recipe, *(a for o in overrides for a in ("--set", o)), "--options", json.dumps(options)]
+    if args.run_dir is not None:
+        forwarded += ["--run-dir", str(args.run_dir.resolve())] + (["--step", str(args.step)] if args.step else [])
+    return recipe, forwarded
+
+
+def _cmd_eval(args) -> int:
+    from weft.core.evaluate import render, run_eval
+
+    overrides = list(args.overrides)
+    if args.data is not None:
+        if not args.data.is_file():
+            raise WeftError(f"no such file: {args.data}; --data takes a JSONL chat file", where="--data")
+        overrides += ["data.source=jsonl", f"data.path={args.data.resolve()}"]
+    recipe, forwarded = _forwarded(args, overrides, {"max_batches": args.max_batches or 0})
+    result = run_eval(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)
+    print(json.dumps(result, indent=1) if args.json else f"weft eval: {render(result)}")
+    return EXIT_OK
+
+
+def _cmd_eval_worker(args) -> int:
+    from weft.core.evaluate import worker
+
+    worker(_recipe(args.recipe, args.overrides), out=args.out, run_dir=args.run_dir, step=args.step,
+           **json.loads(args.options))
+    return EXIT_OK
+
+
+def _cmd_generate(args) -> int:
+    from weft.core.generate import check_options, run_generate
+
+    check_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    for image in args.images:
+        if not image.is_file():
+            raise WeftError(f"no such file: {image}; --image takes an image file", where="--image")
+    options = {"prompt": args.prompt, "images": [str(p.resolve()) for p in args.images],
+               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+               "seed": args.seed}
+    recipe, forwarded = _forwarded(args, list(args.overrides), options)
+    result = run_generate(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(result["text"])
+        per_rank = ", ".join(f"{b / 2**20:.2f}" for b in result["cache_bytes_per_rank"])
+        print(f"weft generate: {len(result['tokens'])} tokens after a {result['prompt_tokens']}-token prompt; "
+              f"prefill {result['prefill_tokens_per_s']:,.0f} tokens/s, decode {result['decode_ms_per_token']:.1f} "
+              f"ms/token; {result['cache']} MiB per rank: {per_rank}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_generate_worker(args) -> int:
+    from weft.core.generate import worker
+
+    worker(_recipe(args.recipe, args.overrides), out=args.out, run_dir=args.run_dir, step=args.step,
+           **json.loads(args.options))
+    return EXIT_OK

@@ -1,0 +1,186 @@
+"""`weft generate RECIPE --prompt TEXT [--image PATH]...`: greedy or sampled decoding under
+the recipe's plan.
+
+The prompt (the adapter's encoding of one user turn) is prefilled by the plan's own
+forward: its sharding, its sequence-parallel attention, its precision. The KV cache comes
+from ``weft_kv_cache`` (the text decoder's ``kv_cache`` rule): under sequence parallelism
+the default is the ``sharded`` cache, where each rank keeps its part of the prompt's keys
+and values. Then the sequence split's hooks come off, and every rank runs the model on
+each new token, the text attention merging the ranks' partial results by log-sum-exp.
+All ranks choose the same token (one generator, seeded, on every rank; rank 0's choice is
+broadcast so no rounding difference can split them).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from weft.core.errors import RunFailed, WeftError
+from weft.core.recipe import Recipe
+
+
+def run_generate(*, nproc: int, args: list[str]) -> dict:
+    """Start ``nproc`` ranks of the hidden ``_generate-worker`` command; rank 0's result."""
+    from weft.core.launch import launch_local
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "generate.json"
+        code = launch_local(nproc=nproc, args=["-m", "weft", "_generate-worker", *args, "--out", str(out)])
+        if code != 0 or not out.is_file():
+            raise RunFailed(f"the {nproc}-rank `weft generate` failed (exit code {code}); its ranks' output above "
+                            "says why", where="weft generate")
+        return json.loads(out.read_text())
+
+
+def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
+    from weft.core.prepare import close_process_group, init_process_group
+
+    rank, world_size, local_rank, device_type, _ = init_process_group(recipe)
+    try:
+        result = _generate(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
+                           device_type=device_type, **options)
+    except BaseException:
+        close_process_group(clean=False)
+        raise
+    if rank == 0:
+        out.write_text(json.dumps(result, indent=1))
+    close_process_group(clean=True)
+
+
+def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str,
+              images: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
+              run_dir: pathlib.Path | None, step: int | None) -> dict:
+    from weft.core.check import _autocast
+    from weft.core.context import RunContext
+    from weft.core.evaluate import _load_weights
+    from weft.core.logging import run_logger
+    from weft.core.mesh import device_for
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.prepare import prepare_model
+    from weft.core.step import pad_to_multiple
+
+    pm = plugin_manager_from_env()
+    ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size,
+                     log=run_logger(run_dir=None, rank=rank, console=False))
+    run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
+    checkpoint = _load_weights(run.model, run_dir, step) if run_dir is not None else None
+    model, device = run.model.eval(), ctx.device
+    inputs = ctx.adapter.prompt_inputs(recipe, text=prompt, images=images)
+    length = inputs["input_ids"].shape[1]
+    text_rules = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
+    cache = pm.call_first("weft_kv_cache", decision=text_rules[0], model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
+    choose = _chooser(temperature=temperature, top_p=top_p, seed=seed)
+    eos = model.generation_config.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    autocast = _autocast(recipe.train.precision, device_type)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dist.barrier()
+    start = time.perf_counter()
+    with torch.no_grad(), autocast:
+        batch, keep, last = dict(inputs), None, torch.tensor([length - 1])
+        if run.split is not None:
+            # The split's multiple: pads at the right end, which causal attention keeps from
+            # the real tokens; the cache drops their rows; the last real token's logits come
+            # from the rank that holds it.
+            batch = pad_to_multiple(batch, multiple=run.split.multiple)
+            local = run.split.shard(torch.arange(batch["input_ids"].shape[1])[None], dim=1)[0]  # (S_local,)
+            keep = local < length
+            last = (local == length - 1).nonzero()[:, 0][:1]
+        if hasattr(cache, "begin_prefill"):
+            cache.begin_prefill(keep=None if keep is None else keep.to(device), prompt=length)
+        held = torch.tensor(len(last))
+        output = model(**{k: v.to(device) for k, v in batch.items()}, past_key_values=cache, use_cache=True,
+                       logits_to_keep=(last if len(last) else torch.tensor([0])).to(device))
+        logits = output.logits[:, -1].float() * held.to(device)  # (1, V): zero where the row is not ours
+        if run.split is not None:
+            dist.all_reduce(logits, group=run.mesh.sp.get_group())
+        tokens, logprobs = [], []
+        _pick(choose, logits, tokens, logprobs)
+        sync()
+        prefill_s = time.perf_counter() - start
+        if run.split is not None:
+            run.split.remove()  # every rank now runs the whole (one-token) sequence
+        if hasattr(cache, "begin_decode"):
+            cache.begin_decode()
+        # Decoding attends from one query to the whole cache: the cache's own attention, or
+        # transformers' SDPA over a whole-sequence cache (weft's training kernels take
+        # equal query and key lengths).
+        _text_attention(model, getattr(cache, "decode_attention", None) or "sdpa")
+        while len(tokens) < max_new_tokens and tokens[-1] not in stops:
+            position = length + len(tokens) - 1
+            # No attention mask: positions then follow the cache's (global) length, as
+            # transformers' generate slices them.
+            output = model(input_ids=torch.tensor([[tokens[-1]]], device=device),
+                           past_key_values=cache, use_cache=True, logits_to_keep=1,
+                           cache_position=torch.tensor([position], device=device))
+            _pick(choose, output.logits[:, -1].float(), tokens, logprobs)
+        sync()
+    decode_s = time.perf_counter() - start - prefill_s
+    local_bytes = [None] * world_size
+    dist.all_gather_object(local_bytes, _cache_bytes(cache))
+    return {"tokens": tokens, "logprobs": logprobs, "text": ctx.adapter.decode_tokens(recipe, tokens), "prompt_tokens": length,
+            "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9),
+            "decode_ms_per_token": 1e3 * decode_s / max(len(tokens) - 1, 1), "cache": type(cache).__name__,
+            "cache_bytes_per_rank": local_bytes, "world_size": world_size,
+            "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            "checkpoint": checkpoint}
+
+
+def _pick(choose, logits: torch.Tensor, tokens: list[int], logprobs: list[float]) -> None:
+    """Choose the next token; keep its log-probability under the model (before temperature)."""
+    token = choose(logits)
+    tokens.append(token)
+    logprobs.append(float(torch.log_softmax(logits.double(), dim=-1)[0, token]))
+
+
+def _chooser(*, temperature: float, top_p: float, seed: int):
+    """The next token from (1, V) logits: greedy at temperature 0, else nucleus sampling from
+    one seeded generator (in float64 on the host, so every rank and world size draws alike);
+    rank 0's choice is broadcast."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def choose(logits: torch.Tensor) -> int:
+        if temperature <= 0:
+            token = logits.argmax(dim=-1)
+        else:
+            probs = torch.softmax(logits.double().cpu() / temperature, dim=-1)[0]  # (V,)
+            ordered, order = probs.sort(descending=True)
+            keep = ordered.cumsum(0) - ordered < top_p  # the smallest prefix reaching top_p
+            ordered = ordered * keep
+            token = order[torch.multinomial(ordered / ordered.sum(), 1, generator=generator)]
+        token = token.reshape(1).to(logits.device)
+        dist.broadcast(token, src=0)
+        return int(token)
+
+    return choose
+
+
+def _text_attention(model: torch.nn.Module, name: str) -> None:
+    """Decode the text model with ``name``; the vision tower keeps its own."""
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        model.set_attn_implementation(name)
+    else:
+        model.set_attn_implementation({"text_config": name, "vision_config": vision._attn_implementation})
+
+
+def _cache_bytes(cache) -> int:
+    if hasattr(cache, "local_bytes"):
+        return int(cache.local_bytes())
+    return int(sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None))
+
+
+def check_options(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if max_new_tokens < 1:
+        raise WeftError(f"--max-new-tokens must be at least 1, got {max_new_tokens}", where="--max-new-tokens")
+    if temperature < 0:
+        raise WeftError(f"--temperature must be 0 (greedy) or above, got {temperature:g}", where="--temperature")
+    if not 0 < top_p <= 1:
+        raise WeftError(f"--top-p takes a value in (0, 1], got {top_p:g}", where="--top-p")

@@ -1,0 +1,40 @@
+"""`weft generate`'s prompt: one user turn and the assistant's header, as training encodes chats."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str]) -> dict[str, torch.Tensor]:
+    """(B = 1) input_ids, attention_mask, mm_token_type_ids and the image inputs of
+    ``<|im_start|>user\\n[images]text<|im_end|>\\n<|im_start|>assistant\\n``."""
+    from weft.core.errors import WeftError
+    from weft.strategies.conversation import collate, encode_conversation, load_processor
+
+    if processor is None:
+        raise WeftError("this recipe's model has no processor folder (model.processor), so a text prompt cannot be "
+                        "encoded", where="model.processor")
+    tokenizer, image_processor = load_processor(processor)
+    content = [{"type": "image", "image": path} for path in images] + [{"type": "text", "text": text}]
+    # An empty assistant turn gives the header the model continues from; its closing
+    # <|im_end|> and newline are cut off below.
+    try:
+        sample = encode_conversation([{"role": "user", "content": content}, {"role": "assistant", "content": ""}],
+                                     tokenizer=tokenizer, image_processor=image_processor)
+    except (OSError, ValueError) as error:
+        raise WeftError(f"cannot encode the prompt: {error}", where="--image" if images else "--prompt") from error
+    batch = collate([sample], pad_id=0)
+    end = int((batch["input_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_end|>")).nonzero()[-1])
+    cut = {k: v[:, :end] for k, v in batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    return cut | {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+
+
+def decode_tokens(*, processor: str | None, ids: Sequence[int]) -> str:
+    """Generated ids as text (special tokens kept: a random model emits them too)."""
+    if processor is None:
+        return ""
+    from weft.strategies.conversation import load_processor
+
+    return load_processor(processor)[0].decode(list(ids))

@@ -1,0 +1,88 @@
+"""The ``sharded`` KV cache as transformers' own Cache: one layer object per decoder layer.
+
+Prefill (``begin_prefill``): the model runs the recipe's sequence-parallel attention;
+each layer's ``update`` receives this rank's part of the keys and values, keeps the rows
+of real tokens (the core pads the prompt to the split's multiple) and hands the part back
+unchanged to the ring or Ulysses attention. Decode (``begin_decode``): every rank runs the
+whole model on the new token; ``update`` keeps its keys and values on one rank (round
+robin, strategies/sharded_kv.py) and returns this rank's shard, over which the decode
+attention (registered with transformers' AttentionInterface) attends and merges by
+log-sum-exp across the group. ``get_seq_length`` is the global length, so the model's own
+position and cache-position arithmetic is the unsharded one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+
+from weft.strategies.sharded_kv import decode_owner, sharded_decode_attention
+
+
+class ShardedLayer(DynamicLayer):
+    """One decoder layer's shard of the cache on this rank."""
+
+    def __init__(self, *, state: dict) -> None:
+        super().__init__()
+        self.state = state  # shared by the layers: phase, keep mask, prompt length, rank, world
+        self.total = 0  # tokens of the whole sequence cached so far, on every rank
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        state = self.state
+        if state["phase"] == "prefill":  # key_states: (B, Hkv, S_local, D), this rank's part
+            keep = state["keep"]
+            kept_k = key_states if keep is None else key_states[:, :, keep]
+            kept_v = value_states if keep is None else value_states[:, :, keep]
+            self.keys = torch.cat([self.keys, kept_k], dim=-2)
+            self.values = torch.cat([self.values, kept_v], dim=-2)
+            self.total += state["prompt"]
+            return key_states, value_states  # the SP attention works on the padded part
+        # decode: the same new token on every rank; one rank keeps it (the k-th decoded
+        # token of every layer goes to the same rank: k = tokens past the prompt)
+        if decode_owner(self.total - state["prompt"], state["world"]) == state["rank"]:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        self.total += key_states.shape[-2]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.total
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.total + query_length, 0
+
+
+class ShardedCache(Cache):
+    """Keys and values split over the sequence-parallel group; see the module docstring."""
+
+    def __init__(self, *, num_layers: int, rank: int, world: int, group: Any) -> None:
+        self.state = {"phase": "prefill", "keep": None, "prompt": 0, "rank": rank, "world": world}
+        self.group = group
+        super().__init__(layers=[ShardedLayer(state=self.state) for _ in range(num_layers)])
+        # The decode attention: registered under a name of this cache, selected by the core
+        # for the text model once the prefill is done.
+        self.decode_attention = f"weft_sharded_decode_{id(self):x}"
+        AttentionInterface.register(self.decode_attention, self._attend)
+
+    def begin_prefill(self, *, keep: torch.Tensor | None, prompt: int) -> None:
+        """``keep``: (S_local,) bool, this rank's rows that are real tokens (not padding);
+        ``prompt``: the prompt's real length."""
+        self.state.update(phase="prefill", keep=keep, prompt=prompt)
+
+    def begin_decode(self) -> None:
+        self.state.update(phase="decode", keep=None)
+
+    def local_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))
+
+    def _attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # query (B, Hq, Sq, D), key/value (B, Hkv, N_local, D) -> (B, Sq, Hq, D), no weights
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = sharded_decode_attention(query, key, value, scale=scale, group=self.group)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
