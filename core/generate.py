@@ -124,7 +124,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     decode_s = time.perf_counter() - start - prefill_s
     local_bytes = [None] * world_size
     dist.all_gather_object(local_bytes, _cache_bytes(cache))
-    return {"tokens": tokens, "logprobs": logprobs, "text": ctx.adapter.decode_tokens(recipe, tokens), "prompt_tokens": length,
+    return {"tokens": tokens, "logprobs": logprobs, "text": ctx.adapter.decode_tokens(recipe, tokens),
+            "prompt_tokens": length,
             "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9),
             "decode_ms_per_token": 1e3 * decode_s / max(len(tokens) - 1, 1), "cache": type(cache).__name__,
             "cache_bytes_per_rank": local_bytes, "world_size": world_size,
