@@ -22,7 +22,10 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
 
     generate = sub.add_parser("generate", help="decode from a prompt (and images) under the recipe's plan")
     generate.add_argument("recipe")
-    generate.add_argument("--prompt", required=True, help="the user's turn")
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the user's turn")
+    source.add_argument("--prompt-from-data", action="store_true",
+                        help="the first sample of the recipe's data as the prompt (e.g. long synthetic: data.tokens)")
     generate.add_argument("--image", dest="images", action="append", default=[], type=pathlib.Path,
                           metavar="PATH", help="an image before the prompt (repeatable)")
     generate.add_argument("--max-new-tokens", type=int, default=32)
@@ -102,11 +105,23 @@ def _cmd_generate(args) -> int:
     for image in args.images:
         if not image.is_file():
             raise WeftError(f"no such file: {image}; --image takes an image file", where="--image")
+    if args.prompt_from_data and args.images:
+        raise WeftError("--image goes with --prompt; --prompt-from-data takes the data's own images", where="--image")
     options = {"prompt": args.prompt, "images": [str(p.resolve()) for p in args.images],
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                "seed": args.seed}
     recipe, forwarded = _forwarded(args, list(args.overrides), options)
-    result = run_generate(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)
+    nproc = args.nproc or recipe.parallel.nproc
+    if args.prompt_from_data:
+        from weft.core.planner import plan_recipe
+        from weft.core.plugin_manager import plugin_manager_from_env
+
+        dp = plan_recipe(recipe, pm=plugin_manager_from_env(), world_size=nproc)[0].mesh.dp
+        if dp > 1:
+            raise WeftError(f"--prompt-from-data gives every rank one prompt, but the plan has {dp} data-parallel "
+                            "groups; give the ranks to sequence parallelism (parallel.ring / parallel.ulysses)",
+                            where="--prompt-from-data")
+    result = run_generate(nproc=nproc, args=forwarded)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

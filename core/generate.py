@@ -53,7 +53,7 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
     close_process_group(clean=True)
 
 
-def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str,
+def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,
               images: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
               run_dir: pathlib.Path | None, step: int | None) -> dict:
     from weft.core.check import _autocast
@@ -71,7 +71,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     checkpoint = _load_weights(run.model, run_dir, step) if run_dir is not None else None
     model, device = run.model.eval(), ctx.device
-    inputs = ctx.adapter.prompt_inputs(recipe, text=prompt, images=images)
+    inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images) if prompt is not None
+              else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))
     length = inputs["input_ids"].shape[1]
     text_rules = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
     cache = pm.call_first("weft_kv_cache", decision=text_rules[0], model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
@@ -131,6 +132,24 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
             "cache_bytes_per_rank": local_bytes, "world_size": world_size,
             "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             "checkpoint": checkpoint}
+
+
+def _prompt_from_data(recipe: Recipe, *, run, pm, ctx) -> dict[str, torch.Tensor]:
+    """The first sample of the recipe's own data as the prompt, labels dropped: long
+    synthetic prompts (data.tokens, data.images) for models without a bundled tokenizer."""
+    if run.plan.mesh.dp > 1:
+        raise WeftError(f"--prompt-from-data gives every rank one prompt, but the plan has {run.plan.mesh.dp} "
+                        "data-parallel groups; set parallel.dp_shard/dp_replicate so that all ranks share the "
+                        "sequence (ring/ulysses)", where="--prompt-from-data")
+    ctx.one_pass = True
+    steps = pm.call_first("weft_batching", decision=run.plan.decision("batching"), recipe=recipe, plan=run.plan,
+                          mesh=run.mesh, model=run.model, ctx=ctx)
+    first = next(iter(steps))[0]
+    if first["input_ids"].shape[0] != 1:
+        raise WeftError(f"the data's first micro-batch holds {first['input_ids'].shape[0]} samples; a prompt is "
+                        "one: set train.micro_batch_tokens to the sample length (data.tokens)",
+                        where="--prompt-from-data")
+    return {k: v for k, v in first.items() if k not in ("labels", "shift_labels")}
 
 
 def _pick(choose, logits: torch.Tensor, tokens: list[int], logprobs: list[float]) -> None:

@@ -27,6 +27,13 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if key.shape[2] == 0:
         return (query.new_zeros((b, hq, sq, d), dtype=torch.float32),
                 query.new_full((b, hq, sq), float("-inf"), dtype=torch.float32))
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and d <= 128:
+        # A bf16 cache of 128K tokens is not copied to float32 per layer per token: cuDNN's
+        # attention (grouped-query heads, float32 accumulation, its LSE) reads it as it is.
+        from weft.strategies.block_kernels import KERNELS
+
+        out, lse = KERNELS["cudnn"].forward(query, key, value, causal=False, scale=scale)
+        return out.float(), lse.float()
     groups = hq // key.shape[1]  # grouped-query attention: each KV head serves `groups` query heads
     q = query.float().reshape(b, key.shape[1], groups * sq, d)  # (B, Hkv, G x Sq, D)
     scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # (B, Hkv, G x Sq, N)

@@ -102,10 +102,25 @@ def test_seeded_sampling_is_the_same_on_any_world_size(image):
     assert one["tokens"] != generate(image, "--nproc", "1", *sampling[:-1], "8")["tokens"]
 
 
+def test_prompt_from_the_recipes_long_synthetic_data():
+    """A tokenizer-free prompt (the recipe's first synthetic sample, with its image): the same
+    tokens and log-probabilities with the cache sharded over a ring of 2 as on one process."""
+    data = ["--prompt-from-data", "--set", "data.tokens=300", "--set", "data.images=[[56, 56]]",
+            "--set", "train.micro_batch_tokens=300", "--max-new-tokens", "6", "--json"]
+    runs = []
+    for extra in (["--nproc", "1"], ["--nproc", "2", "--set", "parallel.ring=2"]):
+        done = weft("generate", RECIPE, *data, *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout))
+    assert runs[0]["prompt_tokens"] == 300 and runs[1]["cache"] == "ShardedCache"
+    _same(runs[1], runs[0])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompt", "hi", "--top-p", "0"], "--top-p: --top-p takes a value in (0, 1], got 0"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: --max-new-tokens must be at least 1"),
     (["--prompt", "hi", "--image", "missing.png"], "--image: no such file: missing.png"),
+    (["--prompt-from-data", "--nproc", "2"], "--prompt-from-data: --prompt-from-data gives every rank one prompt"),
 ])
 def test_mistakes_are_messages(args, message):
     done = weft("generate", RECIPE, *args)
