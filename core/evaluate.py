@@ -11,52 +11,33 @@ recipe's initial ones, or a weft run's checkpoint (``--run-dir``, any saving wor
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from weft.core.errors import RunFailed, WeftError
+from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
 
 def run_eval(*, nproc: int, args: list[str]) -> dict:
-    """Start ``nproc`` ranks of the hidden ``_eval-worker`` command with ``args`` (the recipe
-    and its options); rank 0's result."""
-    from weft.core.launch import launch_local
+    """Start ``nproc`` ranks of the hidden ``_eval-worker`` command; rank 0's result."""
+    from weft.core.rank_job import launch_job
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = pathlib.Path(tmp) / "eval.json"
-        code = launch_local(nproc=nproc, args=["-m", "weft", "_eval-worker", *args, "--out", str(out)])
-        if code != 0 or not out.is_file():
-            raise RunFailed(f"the {nproc}-rank `weft eval` failed (exit code {code}); its ranks' output above says why",
-                            where="weft eval")
-        return json.loads(out.read_text())
+    return launch_job("eval", nproc=nproc, args=args)
 
 
-def worker(recipe: Recipe, *, out: pathlib.Path, run_dir: pathlib.Path | None, step: int | None,
-           max_batches: int = 0) -> None:
-    from weft.core.prepare import close_process_group, init_process_group
+def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
+    from weft.core.rank_job import run_on_rank
 
-    rank, world_size, local_rank, device_type, _ = init_process_group(recipe)
-    try:
-        result = _evaluate(recipe, rank=rank, world_size=world_size, local_rank=local_rank, device_type=device_type,
-                           run_dir=run_dir, step=step, max_batches=max_batches)
-    except BaseException:
-        close_process_group(clean=False)
-        raise
-    if rank == 0:
-        out.write_text(json.dumps(result, indent=1))
-    close_process_group(clean=True)
+    run_on_rank(recipe, out=out, job=_evaluate, **options)
 
 
 def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
-              run_dir: pathlib.Path | None, step: int | None, max_batches: int) -> dict:
+              run_dir: pathlib.Path | None, step: int | None, max_batches: int = 0) -> dict:
     from weft.core.check import _autocast
     from weft.core.context import RunContext
     from weft.core.logging import run_logger

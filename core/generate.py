@@ -13,44 +13,27 @@ broadcast so no rounding difference can split them).
 
 from __future__ import annotations
 
-import json
 import pathlib
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-from weft.core.errors import RunFailed, WeftError
+from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
 
 def run_generate(*, nproc: int, args: list[str]) -> dict:
     """Start ``nproc`` ranks of the hidden ``_generate-worker`` command; rank 0's result."""
-    from weft.core.launch import launch_local
+    from weft.core.rank_job import launch_job
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = pathlib.Path(tmp) / "generate.json"
-        code = launch_local(nproc=nproc, args=["-m", "weft", "_generate-worker", *args, "--out", str(out)])
-        if code != 0 or not out.is_file():
-            raise RunFailed(f"the {nproc}-rank `weft generate` failed (exit code {code}); its ranks' output above "
-                            "says why", where="weft generate")
-        return json.loads(out.read_text())
+    return launch_job("generate", nproc=nproc, args=args)
 
 
 def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
-    from weft.core.prepare import close_process_group, init_process_group
+    from weft.core.rank_job import run_on_rank
 
-    rank, world_size, local_rank, device_type, _ = init_process_group(recipe)
-    try:
-        result = _generate(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
-                           device_type=device_type, **options)
-    except BaseException:
-        close_process_group(clean=False)
-        raise
-    if rank == 0:
-        out.write_text(json.dumps(result, indent=1))
-    close_process_group(clean=True)
+    run_on_rank(recipe, out=out, job=_generate, **options)
 
 
 def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,

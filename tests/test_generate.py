@@ -92,13 +92,12 @@ def test_sharded_cache_equals_transformers_generate(image, expected, single, wor
     assert max(shards) <= whole / world + 2 * per_token, shards
 
 
-def test_seeded_sampling_is_the_same_on_any_world_size(image):
+def test_seeded_sampling_is_the_same_on_any_world_size(image, single):
     sampling = ["--temperature", "1.5", "--top-p", "0.9", "--seed", "7"]
     one = generate(image, "--nproc", "1", *sampling)
     two = generate(image, "--nproc", "2", "--set", "parallel.ring=2", *sampling)
     assert one["tokens"] == two["tokens"]
-    assert len(set(one["tokens"])) > 1  # sampled, not the greedy repetition
-    assert one["tokens"] != generate(image, "--nproc", "1", *sampling[:-1], "8")["tokens"]
+    assert one["tokens"] != single["tokens"] and len(set(one["tokens"])) > 1  # sampled, not greedy
 
 
 def test_prompt_from_the_recipes_long_synthetic_data():
