@@ -109,7 +109,7 @@ def _cmd_generate(args) -> int:
         raise WeftError("--image goes with --prompt; --prompt-from-data takes the data's own images", where="--image")
     options = {"prompt": args.prompt, "images": [str(p.resolve()) for p in args.images],
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-               "seed": args.seed}
+               "seed": args.seed, "stream": not args.json}
     recipe, forwarded = _forwarded(args, list(args.overrides), options)
     nproc = args.nproc or recipe.parallel.nproc
     if args.prompt_from_data:
@@ -125,7 +125,7 @@ def _cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        print(result["text"])
+        print()  # after the streamed text
         per_rank = ", ".join(f"{b / 2**20:.2f}" for b in result["cache_bytes_per_rank"])
         print(f"weft generate: {len(result['tokens'])} tokens after a {result['prompt_tokens']}-token prompt; "
               f"prefill {result['prefill_tokens_per_s']:,.0f} tokens/s, decode {result['decode_ms_per_token']:.1f} "

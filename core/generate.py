@@ -38,7 +38,7 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 
 def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,
               images: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
-              run_dir: pathlib.Path | None, step: int | None) -> dict:
+              run_dir: pathlib.Path | None, step: int | None, stream: bool = False) -> dict:
     from weft.core.check import _autocast
     from weft.core.context import RunContext
     from weft.core.evaluate import _load_weights
@@ -60,6 +60,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     text_rules = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
     cache = pm.call_first("weft_kv_cache", decision=text_rules[0], model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
     choose = _chooser(temperature=temperature, top_p=top_p, seed=seed)
+    if stream and rank == 0:  # rank 0's stdout is the terminal's: the text as it comes
+        choose = _streaming(choose, decode=lambda ids: ctx.adapter.decode_tokens(recipe, ids))
     eos = model.generation_config.eos_token_id
     stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     autocast = _autocast(recipe.train.precision, device_type)
@@ -140,6 +142,23 @@ def _pick(choose, logits: torch.Tensor, tokens: list[int], logprobs: list[float]
     token = choose(logits)
     tokens.append(token)
     logprobs.append(float(torch.log_softmax(logits.double(), dim=-1)[0, token]))
+
+
+def _streaming(choose, *, decode):
+    """``choose``, printing the text each new token adds (decoded whole: a token may complete
+    a multi-byte character)."""
+    tokens: list[int] = []
+    shown = ""
+
+    def streamed(logits: torch.Tensor) -> int:
+        nonlocal shown
+        tokens.append(choose(logits))
+        text = decode(tokens)
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+        return tokens[-1]
+
+    return streamed
 
 
 def _chooser(*, temperature: float, top_p: float, seed: int):

@@ -92,6 +92,14 @@ def test_sharded_cache_equals_transformers_generate(image, expected, single, wor
     assert max(shards) <= whole / world + 2 * per_token, shards
 
 
+def test_terminal_streams_the_text(image, single):
+    done = weft("generate", RECIPE, "--prompt", PROMPT, "--image", str(image), "--max-new-tokens", str(NEW),
+                "--nproc", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == single["text"] + "\n"  # printed token by token by rank 0, then a newline
+    assert f"weft generate: {NEW} tokens after a " in done.stderr and "DynamicCache MiB per rank" in done.stderr
+
+
 def test_seeded_sampling_is_the_same_on_any_world_size(image, single):
     sampling = ["--temperature", "1.5", "--top-p", "0.9", "--seed", "7"]
     one = generate(image, "--nproc", "1", *sampling)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -33,8 +34,12 @@ def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str]) ->
 
 def decode_tokens(*, processor: str | None, ids: Sequence[int]) -> str:
     """Generated ids as text (special tokens kept: a random model emits them too)."""
-    if processor is None:
-        return ""
+    return "" if processor is None else _tokenizer(processor).decode(list(ids))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(processor: str):
+    """Loaded once per process: streaming decodes after every token."""
     from weft.strategies.conversation import load_processor
 
-    return load_processor(processor)[0].decode(list(ids))
+    return load_processor(processor)[0]
