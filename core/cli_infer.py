@@ -6,6 +6,7 @@ import argparse
 import json
 import pathlib
 import sys
+import tempfile
 from typing import Any, Callable
 
 from weft.core.errors import EXIT_OK, WeftError
@@ -13,7 +14,7 @@ from weft.core.errors import EXIT_OK, WeftError
 
 def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
     evaluate = sub.add_parser("eval", help="a dataset's loss and perplexity under the recipe's plan, forward only")
-    evaluate.add_argument("recipe")
+    evaluate.add_argument("recipe", nargs="?", help="recipe TOML file (or --model-dir)")
     evaluate.add_argument("--data", type=pathlib.Path, default=None,
                           help="JSONL chat file to evaluate (default: the recipe's own data)")
     _common(evaluate, positive)
@@ -21,7 +22,7 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
     evaluate.set_defaults(func=_cmd_eval)
 
     generate = sub.add_parser("generate", help="decode from a prompt (and images) under the recipe's plan")
-    generate.add_argument("recipe")
+    generate.add_argument("recipe", nargs="?", help="recipe TOML file (or --model-dir)")
     source = generate.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the user's turn")
     source.add_argument("--prompt-from-data", action="store_true",
@@ -47,6 +48,9 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
 
 
 def _common(parser: Any, positive: Callable[[str], int]) -> None:
+    parser.add_argument("--model-dir", type=pathlib.Path, default=None,
+                        help="a Hugging Face model directory (e.g. from `weft export`) instead of a recipe: "
+                             "one rank, float32, the default rules")
     parser.add_argument("--nproc", type=positive, default=None, help="ranks (default: parallel.nproc)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--run-dir", type=pathlib.Path, default=None,
@@ -59,6 +63,22 @@ def _recipe(path: str, overrides: list[str]) -> Any:
     from weft.core.recipe import Recipe
 
     return Recipe.from_toml(path, overrides=tuple(overrides))
+
+
+def _model_dir_recipe(args: Any, folder: str) -> None:
+    """``--model-dir DIR``: a recipe of just ``model.path = DIR``, written into ``folder`` (which
+    outlives the ranks), becomes the command's recipe."""
+    if (args.recipe is None) == (args.model_dir is None):
+        raise WeftError("give a recipe or --model-dir, not both" if args.recipe else "give a recipe or --model-dir",
+                        where="--model-dir")
+    if args.model_dir is None:
+        return
+    if not (args.model_dir / "config.json").is_file():
+        raise WeftError(f"{args.model_dir} has no config.json; --model-dir takes a Hugging Face model directory",
+                        where="--model-dir")
+    recipe = pathlib.Path(folder) / "model-dir.toml"
+    recipe.write_text(f"[model]\npath = {json.dumps(str(args.model_dir.resolve()))}\n")
+    args.recipe = str(recipe)
 
 
 def _forwarded(args: Any, overrides: list[str], options: dict) -> tuple[Any, list[str]]:
@@ -77,6 +97,12 @@ def _forwarded(args: Any, overrides: list[str], options: dict) -> tuple[Any, lis
 
 
 def _cmd_eval(args) -> int:
+    with tempfile.TemporaryDirectory() as folder:
+        _model_dir_recipe(args, folder)
+        return _eval(args)
+
+
+def _eval(args) -> int:
     from weft.core.evaluate import render, run_eval
 
     overrides = list(args.overrides)
@@ -99,6 +125,12 @@ def _cmd_eval_worker(args) -> int:
 
 
 def _cmd_generate(args) -> int:
+    with tempfile.TemporaryDirectory() as folder:
+        _model_dir_recipe(args, folder)
+        return _generate(args)
+
+
+def _generate(args) -> int:
     from weft.core.generate import check_options, run_generate
 
     check_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)

@@ -92,6 +92,21 @@ def test_sharded_cache_equals_transformers_generate(image, expected, single, wor
     assert max(shards) <= whole / world + 2 * per_token, shards
 
 
+def test_a_hugging_face_directory_without_a_recipe(image, expected, tmp_path):
+    """--model-dir: the same weights written as a Hugging Face directory (what `weft export`
+    writes) generate what transformers' generate gives."""
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.recipe import Recipe
+
+    recipe = Recipe.from_toml(RECIPE)
+    adapter = plugin_manager_from_env().models.for_recipe(recipe)
+    adapter.export(adapter.build(recipe, device="cpu", seed=recipe.train.seed), recipe, tmp_path / "hf")
+    done = weft("generate", "--model-dir", str(tmp_path / "hf"), "--prompt", PROMPT, "--image", str(image),
+                "--max-new-tokens", str(NEW), "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    _same(json.loads(done.stdout), expected)
+
+
 def test_terminal_streams_the_text(image, single):
     done = weft("generate", RECIPE, "--prompt", PROMPT, "--image", str(image), "--max-new-tokens", str(NEW),
                 "--nproc", "1")
@@ -127,6 +142,7 @@ def test_prompt_from_the_recipes_long_synthetic_data():
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: --max-new-tokens must be at least 1"),
     (["--prompt", "hi", "--image", "missing.png"], "--image: no such file: missing.png"),
     (["--prompt-from-data", "--nproc", "2"], "--prompt-from-data: --prompt-from-data gives every rank one prompt"),
+    (["--prompt", "hi", "--model-dir", "."], "--model-dir: give a recipe or --model-dir, not both"),
 ])
 def test_mistakes_are_messages(args, message):
     done = weft("generate", RECIPE, *args)
