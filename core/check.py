@@ -212,6 +212,9 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
     from weft.core.planner import plan_recipe
 
     plan, _ = plan_recipe(recipe, pm=pm, world_size=world_size)
+    from weft.core.rope import resolve_rope
+
+    recipe = resolve_rope(recipe, plan=plan, pm=pm)  # the reference gets the ranks' rotary scaling
     if plan.packed():
         raise WeftError("weft check compares unpacked micro-batches; set pack = false in the batching rule to check "
                         "this plan's parallelism (packed attention has its own tests)", where=f"{recipe.source} (pack)")

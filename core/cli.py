@@ -126,6 +126,9 @@ def _cmd_plan(args) -> int:
     pm = plugin_manager_from_env()
     world_size = args.world_size or recipe.parallel.nproc
     plan, model = plan_recipe(recipe, pm=pm, world_size=world_size)
+    from weft.core.rope import resolve_rope
+
+    resolved = resolve_rope(recipe, plan=plan, pm=pm)
     if args.estimate:
         from weft.core.estimate_view import estimate, render_estimate
 
@@ -136,7 +139,8 @@ def _cmd_plan(args) -> int:
             render_estimate(result)
         return EXIT_OK
     adapter = pm.models.for_recipe(recipe)
-    rope = adapter.rope_summary(model.config, recipe=recipe)
+    config = model.config if resolved is recipe else adapter.config(resolved)[0]
+    rope = adapter.rope_summary(config, recipe=resolved)
     # What the batching strategy can tell of its data: the first step's images per SP
     # rank, and with --positions the largest position id of every sample.
     decision = plan.decision("batching")

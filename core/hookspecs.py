@@ -40,8 +40,8 @@ PROJECT = "weft"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-#: The six hook points a rule can steer, in the order a step meets them.
-HOOK_POINTS: tuple[str, ...] = ("shard", "attention", "kv_cache", "batching", "grad_sync", "guard")
+#: The seven hook points a rule can steer, in the order a run meets them.
+HOOK_POINTS: tuple[str, ...] = ("rope", "shard", "attention", "kv_cache", "batching", "grad_sync", "guard")
 
 
 # ---------------------------------------------------------------------------
@@ -94,6 +94,25 @@ def weft_shard(model: torch.nn.Module, plan: Plan, mesh: WeftMesh, ctx: RunConte
     and returns ``None``. It may wrap modules in place (``fully_shard``,
     checkpoint wrappers); it must not replace the root module object.
     Collectives: FSDP2 broadcasts nothing at wrap time; sharding is local.
+    """
+
+
+@hookspec(firstresult=True)
+def weft_rope(decision: Decision, recipe: Recipe, plan: Plan) -> dict | None:
+    """Choose the text decoder's rotary scaling.
+
+    When: once per run (and per `weft plan`, `check`, `eval`, `generate`), after the
+    Plan and before the model is materialised; ``decision`` is the text attention
+    modules' ``rope`` decision.
+    Kind: firstresult on ``decision.strategy``; return the recipe's ``[model]``
+    rotary keys to build the text decoder with (any of ``rope_scaling``: none,
+    yarn, linear or dynamic; ``rope_factor``; ``rope_original_max``), ``{}`` to
+    keep the recipe's own, or ``None`` when the strategy is not yours. The model
+    is then built from those keys, so a rule and the keys give the same tables;
+    transformers computes them from its ``rope_parameters``. A rule that changes
+    keys the recipe set otherwise is a plan error naming both.
+    May change: nothing; it only answers.
+    Collectives: none.
     """
 
 

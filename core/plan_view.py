@@ -69,8 +69,8 @@ def render_plan(plan: Any, *, explain: bool, recipe: Any, rope: dict | None = No
 
 
 def _rope_line(rope: dict, *, seq_len: int) -> str:
-    how = (f"yarn x{rope['factor']:g} over {rope['trained_positions']} trained positions"
-           if rope["scaling"] == "yarn" else f"as the model ships, {rope['trained_positions']} trained positions")
+    how = (f"{rope['scaling']} x{rope['factor']:g} over {rope['trained_positions']} trained positions"
+           if rope["scaling"] != "none" else f"as the model ships, {rope['trained_positions']} trained positions")
     line = f"rotary context {rope['context']} ({how})"
     if seq_len > rope["context"]:
         # Not an error: mRoPE images and packed documents keep position ids below the token count.

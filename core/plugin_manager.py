@@ -25,6 +25,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "weft.plugins.shard",
     "weft.plugins.attention",
     "weft.plugins.kv_cache",
+    "weft.plugins.rope",
     "weft.plugins.batching",
     "weft.plugins.grad_sync",
     "weft.plugins.guard",

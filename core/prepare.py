@@ -20,6 +20,7 @@ from weft.core.mesh_spec import MESH_ORDER
 from weft.core.models import SequenceSplit
 from weft.core.planner import plan_recipe
 from weft.core.recipe import Recipe
+from weft.core.rope import resolve_rope
 from weft.core.rules import Plan
 from weft.core.step import FusedHead
 
@@ -43,6 +44,11 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     # world size and device). No process ever holds the whole model.
     model = adapter.build(recipe, device="meta", seed=recipe.train.seed)
     plan, _ = plan_recipe(recipe, pm=pm, world_size=ctx.world_size, model=model)
+    resolved = resolve_rope(recipe, plan=plan, pm=pm)
+    if resolved is not recipe:  # a rope rule: the same modules, built with its rotary keys
+        recipe = ctx.recipe = resolved
+        model = adapter.build(recipe, device="meta", seed=recipe.train.seed)
+        ctx.log.info("rope.rule", scaling=recipe.model.rope_scaling, factor=recipe.model.rope_factor)
     mesh = build_device_mesh(plan.mesh, device_type=ctx.device.type)
     ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(MESH_ORDER, plan.mesh.shape)),
                  model=adapter.name, params=sum(p.numel() for p in model.parameters()), device=str(ctx.device))

@@ -34,23 +34,22 @@ class ModelSection:
     preset: str | None = attrs.field(default=None, metadata=_doc("random init of a named shape (recipes/presets)"))
     processor: str | None = attrs.field(default=None,
                                         metadata=_doc("processor folder or bundled name; default: the model's"))
-    rope_scaling: Literal["none", "yarn"] = attrs.field(default="none",
-                                                        metadata=_doc("text decoder's rotary scaling: "
-                                                                      "none (as the model ships) or yarn"))
+    rope_scaling: Literal["none", "yarn", "linear", "dynamic"] = attrs.field(default="none", metadata=_doc(
+        "text decoder's rotary scaling: none (as the model ships), yarn, linear or dynamic (NTK); a rope rule too"))
     rope_factor: float = attrs.field(default=1.0, validator=in_range(low=1.0, high=64.0),
-                                     metadata=_doc("YaRN factor: the context grows to rope_original_max x this"))
+                                     metadata=_doc("scaling factor: the context grows to rope_original_max x this"))
     rope_original_max: int = attrs.field(default=0, validator=in_range(low=0),
                                          metadata=_doc("positions the model was trained on; 0 = from its config"))
 
     def __attrs_post_init__(self) -> None:
         if (self.path is None) == (self.preset is None):
             raise ValueError("set exactly one of model.path (a local HF directory) or model.preset (a named shape)")
-        if self.rope_scaling == "yarn" and self.rope_factor <= 1.0:
-            raise ValueError(f"model.rope_scaling = 'yarn' needs model.rope_factor above 1 (got {self.rope_factor:g}); "
-                             "a run's warning 'positions.beyond_trained' names the factor its data needs")
+        if self.rope_scaling != "none" and self.rope_factor <= 1.0:
+            raise ValueError(f"model.rope_scaling = {self.rope_scaling!r} needs model.rope_factor above 1 (got "
+                             f"{self.rope_factor:g}); a run's warning 'positions.beyond_trained' names the factor")
         if self.rope_scaling == "none" and self.rope_factor != 1.0:
             raise ValueError(f"model.rope_factor = {self.rope_factor:g} does nothing "
-                             "without model.rope_scaling = 'yarn'")
+                             "without model.rope_scaling (yarn, linear or dynamic)")
 
 
 @attrs.frozen(kw_only=True)

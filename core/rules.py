@@ -23,6 +23,7 @@ from weft.core.schema import build, did_you_mean
 
 #: Which kind of module each hook point decides for.
 POINT_KINDS: dict[str, tuple[str, ...]] = {
+    "rope": ("attention",),
     "shard": ("unit", "root"),
     "attention": ("attention",),
     "kv_cache": ("attention",),

@@ -37,6 +37,20 @@ def yarn_parameters(rope: dict[str, Any], *, factor: float, original: int) -> di
     return {**kept, "rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
 
 
+def scaled_parameters(rope: dict[str, Any], *, kind: str, factor: float, original: int) -> dict[str, Any]:
+    """``rope_parameters`` for ``kind``: yarn (above), linear (positions divided by ``factor``:
+    position interpolation) or dynamic (NTK-aware: the base grows with the sequence past
+    ``original``, computed by transformers at run time)."""
+    if kind == "yarn":
+        return yarn_parameters(rope, factor=factor, original=original)
+    if kind not in ("linear", "dynamic"):
+        raise ValueError(f"unknown rotary scaling {kind!r}; accepted: yarn, linear, dynamic")
+    if not factor > 1.0:
+        raise ValueError(f"a {kind} factor must be above 1, got {factor}")
+    kept = {k: v for k, v in rope.items() if k in ("rope_theta", "mrope_section", "partial_rotary_factor")}
+    return {**kept, "rope_type": kind, "factor": float(factor), "original_max_position_embeddings": int(original)}
+
+
 def needed_factor(largest: int, *, trained: int) -> float:
     """The smallest YaRN factor whose stretched context holds position ``largest``
     (positions 0..largest, so largest + 1 of them), rounded up to a tenth; 1.0 when

@@ -98,7 +98,7 @@ def test_hook_weft_strategies():
     pm = make_pm(("echo-plugin", EchoPlugin()))
     # Collect-all: one list per implementing plugin, built-ins included.
     lists = pm.hook.weft_strategies()
-    assert len(lists) == len(pm.hook.weft_strategies.get_hookimpls()) == 7
+    assert len(lists) == len(pm.hook.weft_strategies.get_hookimpls()) == 8
     assert all(isinstance(s, Strategy) for items in lists for s in items)
     # The registry records which plugin declared each strategy.
     echo = pm.registry.get("attention", "echo")
@@ -290,6 +290,24 @@ def test_hook_weft_attention():
     assert pm.hook.weft_attention(decision=nobody, module_path="x", plan=plan, mesh=None, ctx=ctx) is None
     with pytest.raises(HookError, match=r"weft_attention.*'nobody'.*weft\.plugins\.attention.*echo-plugin"):
         pm.call_first("weft_attention", decision=nobody, module_path="x", plan=plan, mesh=None, ctx=ctx)
+
+
+def test_hook_weft_rope():
+    pm = make_pm()
+    rule = {"name": "long", "when": {"modality": "text", "seq_len": {"gt": 1024}},
+            "rope": {"strategy": "yarn", "factor": 4.0}}
+    recipe, plan, _ = make_plan(pm, [rule], [ROOT_MODULE, TEXT_ATTN])  # seq_len 2048: the rule matches
+    chosen = plan.modules_for("rope")[0].get("rope")
+    assert (chosen.strategy, chosen.rule) == ("yarn", "long")
+    assert pm.call_first("weft_rope", decision=chosen, recipe=recipe, plan=plan) == {
+        "rope_scaling": "yarn", "rope_factor": 4.0, "rope_original_max": 0}
+    short, plan_short, _ = make_plan(pm, [dict(rule, when={"modality": "text", "seq_len": {"gt": 4096}})],
+                                     [ROOT_MODULE, TEXT_ATTN])
+    default = plan_short.modules_for("rope")[0].get("rope")
+    assert default.strategy == "auto" and pm.call_first("weft_rope", decision=default, recipe=short,
+                                                        plan=plan_short) == {}  # the [model] keys stand
+    with pytest.raises(HookError, match=r"weft_rope.*'longrope'"):
+        pm.call_first("weft_rope", decision=decision("rope", "longrope"), recipe=recipe, plan=plan)
 
 
 def test_hook_weft_kv_cache():

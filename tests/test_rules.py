@@ -226,7 +226,7 @@ def test_points_only_apply_to_their_module_kinds(tmp_path):
     plan = plan_of(Recipe.from_toml(path))
     by_path = {m.info.path: {d.point for d in m.decisions} for m in plan.modules}
     assert by_path[""] == {"shard", "batching", "grad_sync", "guard"}
-    assert by_path[TEXT_ATTN.path] == {"attention", "kv_cache"}
+    assert by_path[TEXT_ATTN.path] == {"rope", "attention", "kv_cache"}
     assert by_path[TEXT_LAYER.path] == {"shard"}
     assert [m.info.path for m in plan.modules_for("attention", "eager")] == [VISION_ATTN.path, TEXT_ATTN.path]
     assert len(plan.modules_for("shard", "none")) == 6  # root + five units

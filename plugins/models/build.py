@@ -14,7 +14,7 @@ from weft.core.errors import RecipeError, WeftError
 from weft.core.models import ties_embeddings
 from weft.core.presets import build_config, load_preset, preset_location
 from weft.core.recipe import Recipe
-from weft.strategies.yarn import trained_positions, yarn_parameters
+from weft.strategies.yarn import scaled_parameters, trained_positions
 
 #: Files of a processor folder that travel with an exported model (not weights).
 PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -38,8 +38,9 @@ def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | N
             raise RecipeError(f"{path / 'config.json'}: transformers cannot read it: {error}",
                               where=f"{recipe.source} (model.path)") from None
         processor = str(path)
-    if recipe.model.rope_scaling == "yarn":
-        apply_yarn(config, factor=recipe.model.rope_factor, original=recipe.model.rope_original_max)
+    if recipe.model.rope_scaling != "none":
+        apply_rope_scaling(config, kind=recipe.model.rope_scaling, factor=recipe.model.rope_factor,
+                           original=recipe.model.rope_original_max)
     return config, recipe.model.processor or processor
 
 
@@ -53,20 +54,23 @@ def trained_context(config: transformers.PretrainedConfig, *, original: int = 0)
     positions it was trained on). ``original``: model.rope_original_max, 0 = the config's."""
     text = text_config(config)
     rope = text.rope_parameters or {}
-    if rope.get("rope_type") == "yarn":
+    if rope.get("rope_type") in ("yarn", "linear"):
         trained = int(rope["original_max_position_embeddings"])
         return int(trained * rope["factor"]), trained
     trained = trained_positions(rope, max_position_embeddings=text.max_position_embeddings, original=original)
     return trained, trained
 
 
-def apply_yarn(config: transformers.PretrainedConfig, *, factor: float, original: int) -> None:
-    """YaRN on the text decoder's rotary embedding, in place; transformers computes it."""
+def apply_rope_scaling(config: transformers.PretrainedConfig, *, kind: str, factor: float, original: int) -> None:
+    """YaRN, linear or dynamic-NTK scaling of the text decoder's rotary embedding, in place;
+    transformers computes the tables from ``rope_parameters``. Dynamic NTK keeps the trained
+    context as the config's (it stretches at run time past it); the others announce the
+    stretched one."""
     text = text_config(config)
     rope = dict(text.rope_parameters or {})
     original = trained_positions(rope, max_position_embeddings=text.max_position_embeddings, original=original)
-    text.rope_parameters = yarn_parameters(rope, factor=factor, original=original)
-    text.max_position_embeddings = int(original * factor)
+    text.rope_parameters = scaled_parameters(rope, kind=kind, factor=factor, original=original)
+    text.max_position_embeddings = int(original * factor) if kind != "dynamic" else original
 
 
 def from_pretrained(recipe: Recipe, *, auto_class: str, config: Any, device: torch.device | str) -> torch.nn.Module:
