@@ -33,6 +33,8 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
     generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
     generate.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
+    generate.add_argument("--warmup", action="store_true",
+                          help="one untimed prefill first (compiled modules compile there): benchmarks")
     _common(generate, positive)
     generate.set_defaults(func=_cmd_generate)
 
@@ -141,7 +143,7 @@ def _generate(args) -> int:
         raise WeftError("--image goes with --prompt; --prompt-from-data takes the data's own images", where="--image")
     options = {"prompt": args.prompt, "images": [str(p.resolve()) for p in args.images],
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-               "seed": args.seed, "stream": not args.json}
+               "seed": args.seed, "stream": not args.json, "warmup": args.warmup}
     recipe, forwarded = _forwarded(args, list(args.overrides), options)
     nproc = args.nproc or recipe.parallel.nproc
     if args.prompt_from_data:

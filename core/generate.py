@@ -13,6 +13,7 @@ broadcast so no rounding difference can split them).
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import time
 
@@ -38,7 +39,7 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 
 def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,
               images: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
-              run_dir: pathlib.Path | None, step: int | None, stream: bool = False) -> dict:
+              run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False) -> dict:
     from weft.core.check import _autocast
     from weft.core.context import RunContext
     from weft.core.evaluate import _load_weights
@@ -46,8 +47,6 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     from weft.core.mesh import device_for
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.prepare import prepare_model
-    from weft.core.step import pad_to_multiple
-
     pm = plugin_manager_from_env()
     ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size,
                      log=run_logger(run_dir=None, rank=rank, console=False))
@@ -58,7 +57,6 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
               else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))
     length = inputs["input_ids"].shape[1]
     text_rules = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
-    cache = pm.call_first("weft_kv_cache", decision=text_rules[0], model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
     choose = _chooser(temperature=temperature, top_p=top_p, seed=seed)
     if stream and rank == 0:  # rank 0's stdout is the terminal's: the text as it comes
         choose = _streaming(choose, decode=lambda ids: ctx.adapter.decode_tokens(recipe, ids))
@@ -66,26 +64,16 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     autocast = _autocast(recipe.train.precision, device_type)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    new_cache = functools.partial(pm.call_first, "weft_kv_cache", decision=text_rules[0], model=model,
+                                  plan=run.plan, mesh=run.mesh, ctx=ctx)
+    if warmup:  # one untimed prefill first: compiled modules compile there, not in the figure
+        with torch.no_grad(), autocast:
+            _prefill(model, run=run, inputs=inputs, cache=new_cache(), device=device)
+    cache = new_cache()
     dist.barrier()
     start = time.perf_counter()
     with torch.no_grad(), autocast:
-        batch, keep, last = dict(inputs), None, torch.tensor([length - 1])
-        if run.split is not None:
-            # The split's multiple: pads at the right end, which causal attention keeps from
-            # the real tokens; the cache drops their rows; the last real token's logits come
-            # from the rank that holds it.
-            batch = pad_to_multiple(batch, multiple=run.split.multiple)
-            local = run.split.shard(torch.arange(batch["input_ids"].shape[1])[None], dim=1)[0]  # (S_local,)
-            keep = local < length
-            last = (local == length - 1).nonzero()[:, 0][:1]
-        if hasattr(cache, "begin_prefill"):
-            cache.begin_prefill(keep=None if keep is None else keep.to(device), prompt=length)
-        held = torch.tensor(len(last))
-        output = model(**{k: v.to(device) for k, v in batch.items()}, past_key_values=cache, use_cache=True,
-                       logits_to_keep=(last if len(last) else torch.tensor([0])).to(device))
-        logits = output.logits[:, -1].float() * held.to(device)  # (1, V): zero where the row is not ours
-        if run.split is not None:
-            dist.all_reduce(logits, group=run.mesh.sp.get_group())
+        logits = _prefill(model, run=run, inputs=inputs, cache=cache, device=device)
         tokens, logprobs = [], []
         _pick(choose, logits, tokens, logprobs)
         sync()
@@ -117,6 +105,31 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
             "cache_bytes_per_rank": local_bytes, "world_size": world_size,
             "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             "checkpoint": checkpoint}
+
+
+def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.device) -> torch.Tensor:
+    """The prompt through the plan's forward into ``cache``; the last real token's logits (1, V)."""
+    from weft.core.step import pad_to_multiple
+
+    length = inputs["input_ids"].shape[1]
+    batch, keep, last = dict(inputs), None, torch.tensor([length - 1])
+    if run.split is not None:
+        # The split's multiple: pads at the right end, which causal attention keeps from the
+        # real tokens; the cache drops their rows; the last real token's logits come from the
+        # rank that holds it.
+        batch = pad_to_multiple(batch, multiple=run.split.multiple)
+        local = run.split.shard(torch.arange(batch["input_ids"].shape[1])[None], dim=1)[0]  # (S_local,)
+        keep = local < length
+        last = (local == length - 1).nonzero()[:, 0][:1]
+    if hasattr(cache, "begin_prefill"):
+        cache.begin_prefill(keep=None if keep is None else keep.to(device), prompt=length)
+    held = torch.tensor(len(last))
+    output = model(**{k: v.to(device) for k, v in batch.items()}, past_key_values=cache, use_cache=True,
+                   logits_to_keep=(last if len(last) else torch.tensor([0])).to(device))
+    logits = output.logits[:, -1].float() * held.to(device)  # (1, V): zero where the row is not ours
+    if run.split is not None:
+        dist.all_reduce(logits, group=run.mesh.sp.get_group())
+    return logits
 
 
 def _prompt_from_data(recipe: Recipe, *, run, pm, ctx) -> dict[str, torch.Tensor]:
