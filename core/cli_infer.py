@@ -1,4 +1,4 @@
-"""The inference commands of `weft`: eval (a dataset's loss) and generate (decoding)."""
+"""`weft` commands beside training: eval (a dataset's loss), generate (decoding), report (a run's curves)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,12 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
                           help="one untimed prefill first (compiled modules compile there): benchmarks")
     _common(generate, positive)
     generate.set_defaults(func=_cmd_generate)
+
+    report = sub.add_parser("report", help="a run's curves (loss, tokens/s, MFU, memory, grad norm, lr) and summary")
+    report.add_argument("run_dirs", nargs="+", type=pathlib.Path, metavar="RUN_DIR")
+    report.add_argument("--out", type=pathlib.Path, default=None,
+                        help="FILE.png or FILE.html (default: report.png in the first run directory)")
+    report.set_defaults(func=_cmd_report)
 
     for name, func in (("_eval-worker", _cmd_eval_worker), ("_generate-worker", _cmd_generate_worker)):
         worker = sub.add_parser(name, help=argparse.SUPPRESS)
@@ -172,4 +178,17 @@ def _cmd_generate_worker(args) -> int:
 
     worker(_recipe(args.recipe, args.overrides), out=args.out, run_dir=args.run_dir, step=args.step,
            **json.loads(args.options))
+    return EXIT_OK
+
+
+def _cmd_report(args) -> int:
+    from weft.core.report import plot, read_run, summary_lines
+
+    out = args.out or args.run_dirs[0] / "report.png"
+    if out.suffix.lower() not in (".png", ".html"):
+        raise WeftError(f"--out {out}: the report is written as .png or .html", where="--out")
+    runs = [read_run(run_dir) for run_dir in args.run_dirs]
+    for line in summary_lines(runs):
+        print(line)
+    print(f"weft report: {plot(runs, out)}", file=sys.stderr)
     return EXIT_OK

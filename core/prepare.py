@@ -50,8 +50,10 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
         model = adapter.build(recipe, device="meta", seed=recipe.train.seed)
         ctx.log.info("rope.rule", scaling=recipe.model.rope_scaling, factor=recipe.model.rope_factor)
     mesh = build_device_mesh(plan.mesh, device_type=ctx.device.type)
+    gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None  # for weft report's MFU
     ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(MESH_ORDER, plan.mesh.shape)),
-                 model=adapter.name, params=sum(p.numel() for p in model.parameters()), device=str(ctx.device))
+                 model=adapter.name, params=sum(p.numel() for p in model.parameters()), device=str(ctx.device),
+                 gpu=gpu)
     pm.call_all("weft_shard", model=model, plan=plan, mesh=mesh, ctx=ctx)
     adapter.materialize(model, recipe, device=ctx.device, seed=recipe.train.seed, log=ctx.log)
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
