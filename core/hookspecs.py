@@ -4,12 +4,14 @@ The core calls these hooks in this order, once per run unless said otherwise:
 
 1. ``weft_strategies``   when the plugin manager is built: collect named strategies;
    ``weft_models``       likewise: collect model-family adapters.
-2. ``weft_shard``        once, after the model is built and the mesh exists.
+2. ``weft_rope``         once, after the Plan: the text decoder's rotary keys (the model is
+                         built again from them if they changed);
+   ``weft_shard``        once, after the model is built and the mesh exists.
 3. ``weft_attention``    once per (strategy, module) pair the Plan names.
 4. ``weft_batching``     once: returns this rank's iterator of optimizer steps.
 5. per optimizer step:   ``weft_guard(event="step_start")`` -> forward/backward for each
    micro-batch -> ``weft_grad_sync`` -> ``weft_guard(event="step_end")`` -> optimizer.
-6. ``weft_guard(event="error")`` when a step raises; ``weft_kv_cache`` for generation/eval.
+6. ``weft_guard(event="error")`` when a step raises; ``weft_kv_cache`` once per `weft generate`.
 
 Arguments are frozen objects (Plan, Decision, Recipe) or the live model/mesh; a plugin
 returns what it makes instead of mutating shared arguments. Firstresult hooks are
