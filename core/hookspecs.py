@@ -42,8 +42,11 @@ PROJECT = "weft"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-#: The seven hook points a rule can steer, in the order a run meets them.
-HOOK_POINTS: tuple[str, ...] = ("rope", "shard", "attention", "kv_cache", "batching", "grad_sync", "guard")
+#: The hook points a rule can steer, in the order a run meets them.
+HOOK_POINTS: tuple[str, ...] = ("rope", "shard", "attention", "kv_cache", "batching", "grad_sync", "guard",
+                                "metrics")
+#: The collect-all points: a rule may give them a list of strategies, all of which apply.
+MULTI_POINTS: tuple[str, ...] = ("grad_sync", "guard", "metrics")
 
 
 # ---------------------------------------------------------------------------
@@ -212,4 +215,23 @@ def weft_guard(event: str, state: StepState, plan: Plan, ctx: RunContext) -> Ver
     The strongest verdict wins: abort > skip > checkpoint > continue.
     Collectives: a guard that decides from local values must all-reduce them,
     so every rank reaches the same verdict.
+    """
+
+
+@hookspec
+def weft_metrics(event: str, row: dict, plan: Plan, ctx: RunContext) -> None:
+    """Write the run's metrics somewhere: a file, TensorBoard, an experiment tracker.
+
+    When: on rank 0 only; ``event="step"`` with each step's metrics row (``step``,
+    ``loss``, ``tokens``, ``tokens_per_s``, ``lr``, ``grad_norm``, ``step_s``,
+    ``skipped``, phase times, ``max_memory_gib`` on a GPU; a guard's abort adds
+    ``aborted``), then ``event="end"`` once with the run's summary (as
+    summary.json) when it completes or is interrupted.
+    Kind: collect-all; each implementation acts for its strategies among
+    ``plan.decisions_of("metrics")`` and returns nothing. Several sinks may run
+    together (``metrics = [{ strategy = "jsonl" }, { strategy = "tensorboard" }]``).
+    A sink keeps what it opens in ``ctx.plugin_state`` (per run) and flushes on
+    every row, so a killed run keeps what it logged.
+    May change: nothing but its own outputs.
+    Collectives: none (rank 0 alone calls it).
     """

@@ -9,6 +9,7 @@ weft_grad_sync, guard(step_end), optimizer step, metrics, checkpoint.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import pathlib
 import sys
@@ -88,10 +89,11 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
                 else contextlib.nullcontext())
     totals = ending.totals
     state = StepState(step=ctx.start_step)
-    metrics = (ctx.run_dir / "metrics.jsonl").open("a") if ctx.rank == 0 else None
+    # Each metrics row goes to the run's metrics sinks (weft_metrics: metrics.jsonl by default), on rank 0.
+    metrics = functools.partial(pm.call_all, "weft_metrics", event="step", plan=run.plan, ctx=ctx) \
+        if ctx.rank == 0 else None
     bar_on = console and ctx.rank == 0 and sys.stderr.isatty()
-    with (progress_bar(bar_on, total=recipe.train.max_steps, start=ctx.start_step) as bar,
-          metrics or contextlib.nullcontext()):
+    with progress_bar(bar_on, total=recipe.train.max_steps, start=ctx.start_step) as bar:
         for step in range(ctx.start_step + 1, recipe.train.max_steps + 1):
             state = StepState(step=step, consecutive_skips=state.consecutive_skips, memory=state.memory)
             watch.step_started(step)
@@ -106,8 +108,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
                 raise out_of_memory(step=step, local_tokens=state.local_tokens, ctx=ctx, plan=run.plan) from error
             watch.step_finished()
             if metrics is not None:
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
+                metrics(row=row)
             if step % recipe.train.log_every == 0 or step == recipe.train.max_steps:
                 ctx.log.info("step.end", **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})
             bar.advance(step, row)
@@ -122,7 +123,10 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
             if interrupted:
                 ending.status, ending.reason = "interrupted", f"{stop.signal or 'a signal to another rank'}"
                 break
-    return ending.record(recipe, ctx, positions=True)
+    summary = ending.record(recipe, ctx, positions=True)
+    if ctx.rank == 0:
+        pm.call_all("weft_metrics", event="end", row=summary, plan=run.plan, ctx=ctx)
+    return summary
 
 
 def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, autocast, pm, ctx: RunContext,
@@ -187,9 +191,7 @@ def _aborted(abort: GuardAbort, *, state: StepState, metrics, run: Prepared, opt
     """A guard stopped the run at this step: its row says so, and the state before the step
     (no optimizer step was taken) is saved as the previous step's checkpoint."""
     if metrics is not None:
-        metrics.write(json.dumps({"step": state.step, "loss": state.loss, "grad_norm": state.grad_norm,
-                                  "aborted": abort.message}) + "\n")
-        metrics.flush()
+        metrics(row={"step": state.step, "loss": state.loss, "grad_norm": state.grad_norm, "aborted": abort.message})
     last_good = state.step - 1
     saved = checkpoint.checkpoint_dirs(ctx.run_dir)
     if ctx.recipe.train.checkpoint_every != -1 and last_good >= 1 and not (saved and saved[-1].name ==

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from weft.core.errors import RecipeError
-from weft.core.hookspecs import HOOK_POINTS
+from weft.core.hookspecs import HOOK_POINTS, MULTI_POINTS
 from weft.core.schema import Where, did_you_mean
 
 if sys.version_info >= (3, 11):
@@ -113,8 +113,8 @@ def _parse_rule(item: Any, *, where: Where, prefix: str, index: int) -> Rule:
 
 
 def _parse_actions(value: Any, *, where: Where, prefix: str, point: str) -> tuple[Action, ...]:
-    # Collect-all points (guard, grad_sync) may list several strategies.
-    tables = value if isinstance(value, list) and point in ("guard", "grad_sync") else [value]
+    # Collect-all points (guard, grad_sync, metrics) may list several strategies.
+    tables = value if isinstance(value, list) and point in MULTI_POINTS else [value]
     if not tables:
         # An empty list would silently drop the point (e.g. no gradient all-reduce at all).
         raise RecipeError(f"{point} = [] chooses no strategy; give at least one (e.g. {point} = [\"...\"])",
@@ -125,7 +125,7 @@ def _parse_actions(value: Any, *, where: Where, prefix: str, point: str) -> tupl
         if isinstance(table, str):
             table = {"strategy": table}
         if not isinstance(table, dict) or not isinstance(table.get("strategy"), str):
-            listing = " or a list of them" if point in ("guard", "grad_sync") else ""
+            listing = " or a list of them" if point in MULTI_POINTS else ""
             raise RecipeError(
                 f"{point} must be a table with a 'strategy' string "
                 f"(e.g. {point} = {{ strategy = \"...\" }}){listing}; got {value!r}",

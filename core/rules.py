@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import attrs
 
 from weft.core.errors import PlanError, RecipeError
-from weft.core.hookspecs import HOOK_POINTS
+from weft.core.hookspecs import HOOK_POINTS, MULTI_POINTS
 from weft.core.mesh_spec import MeshSpec
 from weft.core.recipe import Recipe
 from weft.core.registry import StrategyRegistry
@@ -30,9 +30,8 @@ POINT_KINDS: dict[str, tuple[str, ...]] = {
     "batching": ("root",),
     "grad_sync": ("root",),
     "guard": ("root",),
+    "metrics": ("root",),
 }
-#: Points whose implementations are collect-all and may take several strategies.
-MULTI_POINTS: tuple[str, ...] = ("grad_sync", "guard")
 
 _OPS = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "ge": operator.ge, "lt": operator.lt,
         "le": operator.le}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import inspect
+import json
 import math
 import pathlib
 import re
@@ -98,7 +99,7 @@ def test_hook_weft_strategies():
     pm = make_pm(("echo-plugin", EchoPlugin()))
     # Collect-all: one list per implementing plugin, built-ins included.
     lists = pm.hook.weft_strategies()
-    assert len(lists) == len(pm.hook.weft_strategies.get_hookimpls()) == 8
+    assert len(lists) == len(pm.hook.weft_strategies.get_hookimpls()) == 9
     assert all(isinstance(s, Strategy) for items in lists for s in items)
     # The registry records which plugin declared each strategy.
     echo = pm.registry.get("attention", "echo")
@@ -290,6 +291,19 @@ def test_hook_weft_attention():
     assert pm.hook.weft_attention(decision=nobody, module_path="x", plan=plan, mesh=None, ctx=ctx) is None
     with pytest.raises(HookError, match=r"weft_attention.*'nobody'.*weft\.plugins\.attention.*echo-plugin"):
         pm.call_first("weft_attention", decision=nobody, module_path="x", plan=plan, mesh=None, ctx=ctx)
+
+
+def test_hook_weft_metrics(tmp_path):
+    pm = make_pm()
+    recipe, plan, ctx = make_plan(pm, [])  # the default rules: the jsonl sink
+    assert [d.strategy for d in plan.decisions_of("metrics")] == ["jsonl"]
+    ctx.run_dir = tmp_path
+    # Collect-all, nothing returned; the jsonl sink appends each step's row, ignores the end.
+    assert pm.hook.weft_metrics(event="step", row={"step": 1, "loss": 2.5}, plan=plan, ctx=ctx) == []
+    pm.hook.weft_metrics(event="step", row={"step": 2, "loss": 2.0}, plan=plan, ctx=ctx)
+    pm.hook.weft_metrics(event="end", row={"status": "completed"}, plan=plan, ctx=ctx)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.0}]
 
 
 def test_hook_weft_rope():
