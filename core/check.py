@@ -122,13 +122,16 @@ def _autocast(precision: str, device_type: str):
 
 
 def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: float | None, device: str,
-              precisions: tuple[str, ...] = ("fp32",)) -> dict[str, dict]:
+              precisions: tuple[str, ...] = ("fp32",), frozen: tuple[str, ...] = ()) -> dict[str, dict]:
     """Loss and gradients of the unsharded model on every rank's micro-batches, in each of
-    ``precisions`` (float32, bf16 autocast): one model, built once, its gradients cleared between."""
+    ``precisions`` (float32, bf16 autocast): one model, built once, its gradients cleared between.
+    ``frozen``: module paths whose parameters take no gradient (the plan's frozen units)."""
     from weft.core.loss import label_count, targets, token_loss_sum
 
     _exact_matmuls()
     model = adapter.build(recipe, device=device, seed=recipe.train.seed)
+    for path in frozen:
+        model.get_submodule(path).requires_grad_(False)
     count = sum(label_count(targets(b)) for b in batches)
     results = {}
     for precision in precisions:
@@ -182,6 +185,8 @@ def compare(ref: dict, got: dict, *, floor: dict | None = None) -> dict:
         grad_tol = max(GRAD_TOL, BF16_FACTOR * floor["grad_max_rel_diff"])
     ok = loss_rel <= loss_tol and worst <= grad_tol and (norm_rel is None or norm_rel <= grad_tol)
     ok = ok and (clipped is None or clipped <= grad_tol)
+    # The same parameters take gradients on both sides (a frozen unit's take none on either).
+    ok = ok and len(got["grads"]) == len(ref["grads"])
     return {
         "loss_ref": ref["loss"],
         "loss": got["loss"],
@@ -193,6 +198,7 @@ def compare(ref: dict, got: dict, *, floor: dict | None = None) -> dict:
         "grad_norm": got.get("grad_norm"),
         "grad_norm_rel_diff": norm_rel,
         "clipped_grad_max_rel_diff": clipped,
+        "grad_params": {"reference": len(ref["grads"]), "plan": len(got["grads"])},
         "ok": ok,
         "tolerances": {"loss": loss_tol, "grad": grad_tol},
         **({"bf16_floor": {k: floor[k] for k in ("loss_rel_diff", "grad_max_rel_diff")}} if floor else {}),
@@ -237,7 +243,7 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
     # bf16: the unsharded model's own bf16 difference from float32 is the yardstick.
     precisions = ("fp32", "bf16") if recipe.train.precision == "bf16" else ("fp32",)
     refs = reference(recipe, adapter=pm.models.for_recipe(recipe), batches=batches, max_norm=clip,
-                     device=device_type_for(recipe), precisions=precisions)
+                     device=device_type_for(recipe), precisions=precisions, frozen=tuple(plan.frozen_units()))
     ref = refs["fp32"]
     floor = compare(ref, refs["bf16"]) if "bf16" in refs else None
     # After grad sync the built-in clip's result is known; a third-party grad sync's is not.
@@ -251,5 +257,5 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
                for key in ("param_dtype", "storage_dtype"))
     )
     result.update({"world_size": world_size, "mesh": dict(zip(MESH_ORDER, plan.mesh.shape)),
-                   "micro_batches": len(batches)})
+                   "micro_batches": len(batches), "frozen_units": plan.frozen_units()})
     return result

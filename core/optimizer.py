@@ -36,7 +36,7 @@ def torchao_missing() -> str | None:
 def make_optimizer(recipe: Any, model: torch.nn.Module) -> tuple[Any, Any]:
     """The optimizer ``train.optimizer`` names and the warmup + cosine schedule of ``[train]``."""
     train = recipe.train
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]  # frozen units (trainable = false): no state
     common = {"betas": (train.beta1, train.beta2), "weight_decay": train.weight_decay}
     if train.optimizer == "adamw_bf16_sr":
         missing = torchao_missing()

@@ -108,6 +108,11 @@ class Plan:
         module = next((m for m in self.modules_for("attention") if m.info.modality == "vision"), None)
         return getattr(module.get("attention").params, "min_patches", None) if module else None
 
+    def frozen_units(self) -> list[str]:
+        """Paths of the units whose shard rule says ``trainable = false``."""
+        return [m.info.path for m in self.modules if m.info.kind == "unit" and m.get("shard") is not None
+                and not getattr(m.get("shard").params, "trainable", True)]
+
     def modules_for(self, point: str, strategy: str | None = None) -> list[ModulePlan]:
         return [
             m

@@ -32,6 +32,9 @@ class KeepParams:
     mlp_tile_tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata={
         "doc": "apply the unit's MLP to the sequence in tiles of this many tokens (its intermediates never exist "
                "for the whole sequence; its forward runs twice); 0 = off"})
+    trainable: bool = attrs.field(default=True, metadata={
+        "doc": "false: the unit's parameters are frozen (no gradients, no optimizer state, no gradient reduction); "
+               "its forward still runs and gradients still flow through it to the units before"})
 
 
 @attrs.frozen(kw_only=True)
@@ -70,6 +73,12 @@ def weft_shard(model, plan, mesh, ctx):
     # its sharding: torch's order is checkpointing, then FSDP.
     _check_storage(plan)
     _cast_storage(model, plan)
+    frozen = plan.frozen_units()
+    for path in frozen:
+        model.get_submodule(path).requires_grad_(False)
+    if frozen:
+        ctx.log.info("shard.frozen", units=len(frozen), parameters=sum(
+            p.numel() for path in frozen for p in model.get_submodule(path).parameters()))
     checkpointed = sum(
         apply_checkpointing(model.get_submodule(unit.info.path), mode=unit.get("shard").params.checkpoint)
         for unit in plan.modules_for("shard")
