@@ -93,7 +93,7 @@ def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, 
     micro_batches = next(iter(steps))
     if run.mesh.sp.get_local_rank() == 0:
         torch.save(micro_batches, out.with_name(f"batches-dp{run.mesh.dp_rank()}.pt"))
-    autocast = _autocast(recipe.train.precision, device_type)
+    autocast = autocast_for(recipe.train.precision, device_type)
     loss_sum, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
                                          keep_vision=run.keep_vision, autocast=autocast, ctx=ctx, fused=run.fused)
     before = {}
@@ -114,7 +114,7 @@ def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, 
         torch.save({"loss": state.loss, "grad_norm": state.grad_norm, "grads": before, "clipped": after}, out)
 
 
-def _autocast(precision: str, device_type: str):
+def autocast_for(precision: str, device_type: str):
     """A run's own autocast: bf16 where it trains in bf16, none in float32."""
     if precision == "bf16":
         return torch.autocast(device_type, dtype=torch.bfloat16)
@@ -139,7 +139,7 @@ def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: fl
         loss = torch.zeros((), device=device)
         for batch in batches:
             inputs = {k: v.to(device) for k, v in batch.items() if k not in ("labels", "shift_labels")}
-            with _autocast(precision, device):
+            with autocast_for(precision, device):
                 logits = model(**inputs, use_cache=False).logits
             part = token_loss_sum(logits, targets(batch).to(device)) / count
             part.backward()

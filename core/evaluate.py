@@ -38,27 +38,18 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 
 def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
               run_dir: pathlib.Path | None, step: int | None, max_batches: int = 0) -> dict:
-    from weft.core.check import _autocast
-    from weft.core.context import RunContext
-    from weft.core.logging import run_logger
+    from weft.core.check import autocast_for
     from weft.core.loss import IGNORE, targets
-    from weft.core.mesh import device_for
     from weft.core.mesh_spec import MESH_ORDER
-    from weft.core.plugin_manager import plugin_manager_from_env
-    from weft.core.prepare import prepare_model
+    from weft.core.rank_job import prepare_inference
     from weft.core.step import run_micro_batches
 
-    pm = plugin_manager_from_env()
-    log = run_logger(run_dir=None, rank=rank, console=False)  # the parent prints the result
-    ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size,
-                     log=log, one_pass=True)
-    run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
-    checkpoint = _load_weights(run.model, run_dir, step) if run_dir is not None else None
-    run.model.eval()
+    pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
+                                                 device_type=device_type, run_dir=run_dir, step=step, one_pass=True)
     decision = run.plan.decision("batching")
     steps = pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
                           model=run.model, ctx=ctx)
-    autocast = _autocast(recipe.train.precision, device_type)
+    autocast = autocast_for(recipe.train.precision, device_type)
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     seen = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # this rank's tokens, micro-batches
     labels = 0.0  # global label tokens: run_micro_batches reduces them over every rank
@@ -92,24 +83,6 @@ def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
             "tokens_per_s": tokens / max(seconds, 1e-9), "skipped": dict(ctx.counters),
             "world_size": world_size, "mesh": dict(zip(MESH_ORDER, run.plan.mesh.shape)),
             "precision": recipe.train.precision, "checkpoint": checkpoint, "data": recipe.data.path}
-
-
-def _load_weights(model: torch.nn.Module, run_dir: pathlib.Path, step: int | None) -> str:
-    """A weft run's checkpoint (the newest, or step ``step``) into this plan's model."""
-    from weft.core.checkpoint import checkpoint_dirs
-    from weft.core.export import load_checkpoint_into
-
-    found = [p for p in checkpoint_dirs(run_dir) if step is None or p.name == f"step-{step}"]
-    if not found:
-        raise WeftError(f"no checkpoint{f' for step {step}' if step is not None else ''} under "
-                        f"{run_dir / 'checkpoints'}", where="--run-dir")
-    try:
-        load_checkpoint_into(model, found[-1])
-    except Exception as error:  # noqa: BLE001 - DCP's errors name keys, not the user's mistake
-        raise WeftError(f"{found[-1]} does not fit this recipe's model ({error.__class__.__name__}: "
-                        f"{str(error).splitlines()[0][:200] if str(error) else ''}); evaluate with the recipe the "
-                        "run trained (its recipe.json)", where="--run-dir") from error
-    return str(found[-1])
 
 
 def render(result: dict[str, Any]) -> str:

@@ -40,19 +40,12 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,
               images: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
               run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False) -> dict:
-    from weft.core.check import _autocast
-    from weft.core.context import RunContext
-    from weft.core.evaluate import _load_weights
-    from weft.core.logging import run_logger
-    from weft.core.mesh import device_for
-    from weft.core.plugin_manager import plugin_manager_from_env
-    from weft.core.prepare import prepare_model
-    pm = plugin_manager_from_env()
-    ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size,
-                     log=run_logger(run_dir=None, rank=rank, console=False))
-    run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
-    checkpoint = _load_weights(run.model, run_dir, step) if run_dir is not None else None
-    model, device = run.model.eval(), ctx.device
+    from weft.core.check import autocast_for
+    from weft.core.rank_job import prepare_inference
+
+    pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
+                                                 device_type=device_type, run_dir=run_dir, step=step)
+    model, device = run.model, ctx.device
     inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images) if prompt is not None
               else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))
     length = inputs["input_ids"].shape[1]
@@ -62,7 +55,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         choose = _streaming(choose, decode=lambda ids: ctx.adapter.decode_tokens(recipe, ids))
     eos = model.generation_config.eos_token_id
     stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    autocast = _autocast(recipe.train.precision, device_type)
+    autocast = autocast_for(recipe.train.precision, device_type)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     new_cache = functools.partial(pm.call_first, "weft_kv_cache", decision=text_rules[0], model=model,
                                   plan=run.plan, mesh=run.mesh, ctx=ctx)
@@ -206,8 +199,7 @@ def _text_attention(model: torch.nn.Module, name: str) -> None:
 
 
 def _cache_bytes(cache) -> int:
-    if hasattr(cache, "local_bytes"):
-        return int(cache.local_bytes())
+    """This rank's cached keys and values (any transformers cache of per-layer tensors)."""
     return int(sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None))
 

@@ -77,10 +77,6 @@ class ShardedCache(Cache):
     def begin_decode(self) -> None:
         self.state.update(phase="decode", keep=None)
 
-    def local_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values))
-
     def _attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query (B, Hq, Sq, D), key/value (B, Hkv, N_local, D) -> (B, Sq, Hq, D), no weights
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
