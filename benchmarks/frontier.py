@@ -56,15 +56,18 @@ def measure(recipe: str, length: int, gpus: int, steps: int, timeout: int, scrat
                "--set", f"train.max_steps={steps}", "--set", "train.checkpoint_every=-1"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     start = time.monotonic()
+    log = scratch / f"log-{length}.txt"  # written as the run goes: a run cut by the timeout still tells how far
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=scratch)
+        with log.open("w") as sink:
+            done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout, env=env,
+                                  cwd=scratch)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "wall_s": time.monotonic() - start}
     host_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the largest child so far
     metrics = run_dir / "metrics.jsonl"
     if done.returncode != 0 or not metrics.is_file():
-        oom = "out of GPU memory" in done.stderr or "OutOfMemoryError" in done.stderr
-        (scratch / f"stderr-{length}.txt").write_text(done.stderr[-20000:])
+        text = log.read_text(errors="replace")
+        oom = "out of GPU memory" in text or "OutOfMemoryError" in text
         return {"status": "OOM" if oom else "failed", "wall_s": time.monotonic() - start}
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     timed = rows[1:] or rows  # the first step compiles

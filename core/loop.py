@@ -26,7 +26,7 @@ from weft.core.interrupt import StopRequest
 from weft.core.logging import run_logger
 from weft.core.mesh import device_for
 from weft.core.oom import out_of_memory
-from weft.core.optimizer import make_optimizer
+from weft.core.optimizer import make_optimizer, state_gib
 from weft.core.peer_watch import PeerWatch, peers_lost, watch_peers
 from weft.core.prepare import Prepared, close_process_group, init_process_group, prepare_model
 from weft.core.progress import progress_bar
@@ -170,6 +170,8 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
         optimizer.step()
         timer.stop("optimizer")
         state.consecutive_skips = 0
+    if verdict.action != "skip" and "state_gib" not in totals:  # once, while gradients and states both exist
+        totals["state_gib"] = state_gib(run.model, optimizer)
     optimizer.zero_grad(set_to_none=True)
     lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao (a CPU one: no sync)
     scheduler.step()

@@ -78,3 +78,19 @@ def lr_lambda(recipe: Any):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+def state_gib(model: torch.nn.Module, optimizer: Any) -> dict[str, float]:
+    """This rank's bytes (GiB) of weights, gradients and optimizer states, as they stand:
+    read after a backward and an optimizer step, it shows what frozen units and sharding
+    save. A DTensor counts its local shard."""
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"weights": sum(local(p) for p in params) / 2**30,
+            "gradients": sum(local(p.grad) for p in params if p.grad is not None) / 2**30,
+            "optimizer": sum(local(v) for v in states) / 2**30,
+            "trainable_params": sum(p.numel() for p in params if p.requires_grad)}

@@ -61,6 +61,8 @@ class Ending:
             # Over every rank's batches: how close the data came to the rotary context.
             "largest_position": largest,
             "rope_context": watch.context if watch is not None else None,
+            # rank 0's weights, gradients and optimizer states after the first step (GiB)
+            "state_gib": self.totals.get("state_gib"),
         }
         if self.written:
             return summary

@@ -48,6 +48,12 @@ def test_frozen_weights_stay_and_get_no_optimizer_state(tmp_path):
     (tmp_path / "frozen.toml").write_text(FROZEN)
     done = weft("run", "frozen.toml", "--nproc", "1", "--run-dir", "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    # The summary's state memory: AdamW's two float32 moments (and a step count) per trained
+    # parameter only, and no gradient for a frozen one.
+    state = json.loads((tmp_path / "run" / "summary.json").read_text())["state_gib"]
+    trained_bytes = state["trainable_params"] * 4
+    assert abs(state["optimizer"] * 2**30 - 2 * trained_bytes) < 4096
+    assert state["gradients"] * 2**30 == trained_bytes < state["weights"] * 2**30
     assert weft("export", "run", "hf", cwd=tmp_path).returncode == 0
     from transformers import Qwen2_5_VLForConditionalGeneration
 
