@@ -79,14 +79,18 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         # transformers' SDPA over a whole-sequence cache (weft's training kernels take
         # equal query and key lengths).
         _text_attention(model, getattr(cache, "decode_attention", None) or "sdpa")
-        while len(tokens) < max_new_tokens and tokens[-1] not in stops:
-            position = length + len(tokens) - 1
-            # No attention mask: positions then follow the cache's (global) length, as
-            # transformers' generate slices them.
-            output = model(input_ids=torch.tensor([[tokens[-1]]], device=device),
-                           past_key_values=cache, use_cache=True, logits_to_keep=1,
-                           cache_position=torch.tensor([position], device=device))
-            _pick(choose, output.logits[:, -1].float(), tokens, logprobs)
+        # Units a rule compiles (for training and the prefill) run eagerly while decoding:
+        # each one-token step would otherwise recompile on the growing cache (its length,
+        # each layer's cache object) until torch's recompile limit, seconds a token.
+        with torch.compiler.set_stance("force_eager"):
+            while len(tokens) < max_new_tokens and tokens[-1] not in stops:
+                position = length + len(tokens) - 1
+                # No attention mask: positions then follow the cache's (global) length, as
+                # transformers' generate slices them.
+                output = model(input_ids=torch.tensor([[tokens[-1]]], device=device),
+                               past_key_values=cache, use_cache=True, logits_to_keep=1,
+                               cache_position=torch.tensor([position], device=device))
+                _pick(choose, output.logits[:, -1].float(), tokens, logprobs)
         sync()
     decode_s = time.perf_counter() - start - prefill_s
     local_bytes = [None] * world_size

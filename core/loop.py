@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import pathlib
+import resource
 import sys
 import threading
 import time
@@ -185,6 +186,8 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
     row.update({k: round(v, 6) for k, v in phases.items()})
     if ctx.device.type == "cuda":
         row["max_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+    # This process's largest resident set so far (pinned offload buffers included): the host's side.
+    row["host_max_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return row, verdict
 
 
