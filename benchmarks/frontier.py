@@ -62,27 +62,33 @@ def measure(recipe: str, length: int, gpus: int, steps: int, timeout: int, scrat
             done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout, env=env,
                                   cwd=scratch)
     except subprocess.TimeoutExpired:
-        return {"status": "timeout", "wall_s": time.monotonic() - start}
+        done = None  # the step may have finished and only the exit been cut: its metrics tell
     host_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the largest child so far
     metrics = run_dir / "metrics.jsonl"
-    if done.returncode != 0 or not metrics.is_file():
+    if done is None and not (metrics.is_file() and metrics.read_text().strip()):
+        return {"status": "timeout", "wall_s": time.monotonic() - start}
+    if done is not None and (done.returncode != 0 or not metrics.is_file()):
         text = log.read_text(errors="replace")
         oom = "out of GPU memory" in text or "OutOfMemoryError" in text
         return {"status": "OOM" if oom else "failed", "wall_s": time.monotonic() - start}
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     timed = rows[1:] or rows  # the first step compiles
     step_s = sum(r["step_s"] for r in timed) / len(timed)
-    return {"status": "ok", "step_s": step_s, "first_step_s": rows[0]["step_s"],
+    host = [r["host_max_gib"] for r in rows if "host_max_gib" in r]  # the run's own (rank 0's) resident set
+    return {"status": "ok", "step_s": step_s, "first_step_s": rows[0]["step_s"], "steps": len(rows),
             "tokens_per_s_per_gpu": length / step_s / gpus,
             "max_memory_gib": max(r.get("max_memory_gib", 0.0) for r in rows),
-            "host_peak_gib": host_kib / 2**20 if host_kib > before else None,
+            "host_peak_gib": max(host) if host else host_kib / 2**20 if host_kib > before else None,
             "loss": [r["loss"] for r in rows], "wall_s": time.monotonic() - start}
 
 
 def row(recipe: str, length: int, gpus: int, steps: int, timeout: int, scratch: pathlib.Path) -> dict:
     guess = predict(recipe, length, gpus)
     got = measure(recipe, length, gpus, steps, timeout, scratch)
-    predicted = {"gpu_gib": guess["memory_gib"]["total"], "host_gib": guess["host_gib"] * guess["ranks_per_host"],
+    # One step measured: its peak is a first step's (AdamW makes its states at the step's end).
+    first = got["status"] == "ok" and got["steps"] == 1
+    predicted = {"gpu_gib": guess["memory_gib"]["first step" if first else "total"],
+                 "host_gib": guess["host_gib"] * guess["ranks_per_host"],
                  "step_s": guess["step_s"]["total"], "mfu": guess["mfu"], "fits": guess["fits"],
                  "longest_tokens": guess["longest_tokens"]}
     out = {"length": length, "gpus": gpus, "recipe": recipe, "measured": got, "predicted": predicted}

@@ -34,6 +34,11 @@ MLP_SAVED = 3.0
 #: "full" and "except_attention".
 RECOMPUTE_ATTENTION = 4.0
 RECOMPUTE_MLP = 1.6
+#: The same for a layer whose input comes back from host memory (``offload_activations``,
+#: the frontier recipes, MLP tiled): ~10 layer inputs at once (the restored input, the
+#: next one's prefetch, the recomputed layer's float32 norm work and attention's), fitted
+#: to 7B on one H200 at 128K and 256K (steady steps) and 512K (its backward).
+RECOMPUTE_OFFLOADED = 10.0
 #: The fused loss's working memory beyond its two gradients besides the float32 sum's
 #: surplus over the bf16 head gradient (256 MiB chunks; measured 1.57 GiB at 128K).
 FUSED_LOSS_CHUNKS = 0.55 * GIB
@@ -100,6 +105,7 @@ class Unit:
     offload_activations: bool = False
     offload: bool = False
     mlp_tile_tokens: int = 0
+    trainable: bool = True  # False: a frozen unit (no gradients, no optimizer states)
     source: str = ""
 
 
@@ -133,11 +139,12 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
         shard = setup.fsdp if u.strategy == "fsdp2" else 1
         size = u.params * u.storage_bytes / shard
         if u.offload:  # FSDP2 offload: shards, gradients and states live on the CPU
-            host_static += 4 * size
+            host_static += (4 if u.trainable else 1) * size
             continue
         part["weights"] += size
-        part["gradients"] += size
-        part["optimizer"] += 2 * size
+        if u.trainable:
+            part["gradients"] += size
+            part["optimizer"] += 2 * size
     fsdp = [u for u in units if u.strategy == "fsdp2"]
     largest = max((u.params * 2 for u in fsdp if u.modality is not None), default=0)
     root = next((u for u in fsdp if u.modality is None), None)
@@ -156,7 +163,8 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
         part["vision"] = sum(layer_saved(u.checkpoint, v_shape, v_in, patches) for u in vision)
     else:
         part["vision"] = 0.0
-    recompute = max((RECOMPUTE_ATTENTION * layer_in + RECOMPUTE_MLP * _mlp_rows(u, tokens) * shape.intermediate * 2
+    recompute = max(((RECOMPUTE_OFFLOADED if u.offload_activations else RECOMPUTE_ATTENTION) * layer_in
+                     + RECOMPUTE_MLP * _mlp_rows(u, tokens) * shape.intermediate * 2
                      for u in text if u.checkpoint != "off"), default=0.0)
     if setup.loss == "fused":
         loss = shape.vocab * shape.hidden * 2 + FUSED_LOSS_CHUNKS
@@ -166,6 +174,10 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
     part["loss or recomputation"] = max(loss, recompute) + layer_in
     part["communication"] = _comm_buffers(shape, setup, tokens, largest)
     part["total"] = sum(part.values())
+    # The first step: AdamW makes its states in its first optimizer step, after the backward,
+    # so that step's peak is the larger of the backward's (without states) and the states'.
+    states = part["weights"] + part["gradients"] + part["optimizer"]
+    part["first step"] = max(part["total"] - part["optimizer"], states)
     part["host"] = host_static + _host(units, layer_in) + 8 * GIB
     return part
 

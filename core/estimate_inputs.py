@@ -33,7 +33,8 @@ def units_of(plan: Any, model: Any) -> list[Unit]:
             checkpoint=getattr(params, "checkpoint", "off") if m.info.kind == "unit" else "off",
             offload_activations=getattr(params, "offload_activations", False),
             offload=getattr(params, "offload", False),
-            mlp_tile_tokens=getattr(params, "mlp_tile_tokens", 0), source=decision.source,
+            mlp_tile_tokens=getattr(params, "mlp_tile_tokens", 0), trainable=getattr(params, "trainable", True),
+            source=decision.source,
         ))
     return units
 
