@@ -128,9 +128,11 @@ def plot(runs: list[dict], out: pathlib.Path) -> pathlib.Path:
 
 
 def _flops_per_token(run_dir: pathlib.Path) -> float | None:
-    """Training FLOPs per token, 6 N + 6 layers hidden L (N without the embedding; L the
-    samples' length: data.tokens, else train.seq_len, an upper bound for chat data), from
-    the run's recipe on the meta device; None if it cannot be built."""
+    """Training FLOPs per token, 6 N + 6 layers hidden L (N: the text model's parameters
+    without the embedding, the head included, as BENCHMARKS.md counts: the vision tower
+    sees only the image patches, not every token; L the samples' length: data.tokens,
+    else train.seq_len, an upper bound for chat data), from the run's recipe on the meta
+    device; None if it cannot be built."""
     try:
         from weft.core.export import run_recipe
         from weft.core.plugin_manager import plugin_manager_from_env
@@ -140,7 +142,9 @@ def _flops_per_token(run_dir: pathlib.Path) -> float | None:
     except Exception:  # noqa: BLE001 - MFU is a courtesy: without the model the report still stands
         return None
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name and "visual" not in name)
+    if getattr(text, "tie_word_embeddings", False) or getattr(model.config, "tie_word_embeddings", False):
+        n += model.get_output_embeddings().weight.numel()  # the head shares the embedding's weight
     length = recipe.data.tokens or recipe.train.seq_len
     return 6 * n + 6 * text.num_hidden_layers * text.hidden_size * length
 
