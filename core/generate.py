@@ -95,11 +95,14 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     decode_s = time.perf_counter() - start - prefill_s
     local_bytes = [None] * world_size
     dist.all_gather_object(local_bytes, _cache_bytes(cache))
+    partitions = [None] * world_size  # the paged cache's vision pool and text pages, in bytes
+    dist.all_gather_object(partitions, cache.partition_bytes() if hasattr(cache, "partition_bytes") else None)
     return {"tokens": tokens, "logprobs": logprobs, "text": ctx.adapter.decode_tokens(recipe, tokens),
             "prompt_tokens": length,
             "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9),
             "decode_ms_per_token": 1e3 * decode_s / max(len(tokens) - 1, 1), "cache": type(cache).__name__,
             "cache_bytes_per_rank": local_bytes, "world_size": world_size,
+            **({"cache_partitions_per_rank": partitions} if partitions[0] is not None else {}),
             "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             "checkpoint": checkpoint}
 
@@ -119,7 +122,8 @@ def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.
         keep = local < length
         last = (local == length - 1).nonzero()[:, 0][:1]
     if hasattr(cache, "begin_prefill"):
-        cache.begin_prefill(keep=None if keep is None else keep.to(device), prompt=length)
+        cache.begin_prefill(keep=None if keep is None else keep.to(device), prompt=length,
+                            vision=_vision_rows(model, batch["input_ids"][0], run=run).to(device))
     held = torch.tensor(len(last))
     output = model(**{k: v.to(device) for k, v in batch.items()}, past_key_values=cache, use_cache=True,
                    logits_to_keep=(last if len(last) else torch.tensor([0])).to(device))
@@ -127,6 +131,14 @@ def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.
     if run.split is not None:
         dist.all_reduce(logits, group=run.mesh.sp.get_group())
     return logits
+
+
+def _vision_rows(model: torch.nn.Module, ids: torch.Tensor, *, run) -> torch.Tensor:
+    """(S_local,) bool: this rank's rows of the (padded) prompt ``ids`` (S,) that are image or
+    video tokens, for caches that keep them apart."""
+    marks = [getattr(model.config, key, None) for key in ("image_token_id", "video_token_id")]
+    rows = torch.isin(ids, torch.tensor([m for m in marks if m is not None], dtype=ids.dtype))
+    return rows if run.split is None else run.split.shard(rows[None], dim=1)[0]
 
 
 def _prompt_from_data(recipe: Recipe, *, run, pm, ctx) -> dict[str, torch.Tensor]:
@@ -203,7 +215,11 @@ def _text_attention(model: torch.nn.Module, name: str) -> None:
 
 
 def _cache_bytes(cache) -> int:
-    """This rank's cached keys and values (any transformers cache of per-layer tensors)."""
+    """This rank's cached keys and values (any transformers cache of per-layer tensors; a
+    paged cache's vision pool and text pages as allocated)."""
+    if hasattr(cache, "partition_bytes"):
+        parts = cache.partition_bytes()
+        return parts["vision"] + parts["text_capacity"]
     return int(sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None))
 

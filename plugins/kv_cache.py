@@ -4,13 +4,20 @@
 - ``sharded``: each sequence-parallel rank keeps the keys and values of its part of the
   prompt (as the SP prefill leaves them) and every W-th decoded token; decoding merges the
   ranks' partial attention by log-sum-exp (plugins/sharded_cache.py);
+- ``paged``: each layer's keys and values in two partitions, a vision pool sized by the
+  prompt's images and videos and text pages written in place (``page_tokens`` rows each),
+  split over the sequence-parallel ranks as ``sharded`` splits them; decoding merges the
+  partitions and the ranks by log-sum-exp (plugins/paged_cache.py);
 - ``auto`` (the default rules'): ``sharded`` when the plan splits the sequence, else ``dynamic``.
 """
 
 from __future__ import annotations
 
+import attrs
+
 from weft.core.hookspecs import hookimpl
 from weft.core.registry import NoParams, Strategy
+from weft.core.schema import in_range
 
 
 @hookimpl
@@ -22,7 +29,15 @@ def weft_strategies():
                  summary="transformers' DynamicCache, whole sequence on each rank"),
         Strategy(point="kv_cache", name="sharded", params=NoParams,
                  summary="each SP rank keeps its part of the sequence; decoding merges partial attention by LSE"),
+        Strategy(point="kv_cache", name="paged", params=PagedParams,
+                 summary="a vision pool and text pages per layer (split over SP ranks); merged by LSE"),
     ]
+
+
+@attrs.frozen(kw_only=True)
+class PagedParams:
+    page_tokens: int = attrs.field(default=256, validator=in_range(low=1), metadata={
+        "doc": "rows of one text page: a full text buffer grows by a page (one copy per page_tokens tokens)"})
 
 
 @hookimpl
@@ -41,4 +56,11 @@ def weft_kv_cache(decision, model, plan, mesh, ctx):
         group = mesh.sp.get_group() if plan.mesh.sp > 1 else None
         rank, world = (mesh.sp.get_local_rank(), plan.mesh.sp) if group is not None else (0, 1)
         return ShardedCache(num_layers=config.num_hidden_layers, rank=rank, world=world, group=group)
+    if strategy == "paged":
+        from weft.plugins.paged_cache import PagedCache
+
+        group = mesh.sp.get_group() if plan.mesh.sp > 1 else None
+        rank, world = (mesh.sp.get_local_rank(), plan.mesh.sp) if group is not None else (0, 1)
+        return PagedCache(num_layers=config.num_hidden_layers, rank=rank, world=world, group=group,
+                          page_tokens=decision.params.page_tokens)
     return None

@@ -69,9 +69,9 @@ class ShardedCache(Cache):
         self.decode_attention = f"weft_sharded_decode_{id(self):x}"
         AttentionInterface.register(self.decode_attention, self._attend)
 
-    def begin_prefill(self, *, keep: torch.Tensor | None, prompt: int) -> None:
+    def begin_prefill(self, *, keep: torch.Tensor | None, prompt: int, vision: torch.Tensor | None = None) -> None:
         """``keep``: (S_local,) bool, this rank's rows that are real tokens (not padding);
-        ``prompt``: the prompt's real length."""
+        ``prompt``: the prompt's real length; ``vision``: not used here (one partition)."""
         self.state.update(phase="prefill", keep=keep, prompt=prompt)
 
     def begin_decode(self) -> None:

@@ -54,7 +54,21 @@ def sharded_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     """Attention of ``query`` over the union of every rank's shard in ``group``: (B, Hq, Sq, D)
     in float32. One all-gather of each rank's (out, lse): O(Hq x D) per token, whatever the
     cache's length. ``group`` None: one rank holds the whole cache."""
-    out, lse = partial_attention(query, key, value, scale=scale)
+    return partitioned_decode_attention(query, [(key, value)], scale=scale, group=group)
+
+
+def partitioned_decode_attention(query: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], *,
+                                 scale: float, group) -> torch.Tensor:
+    """Attention of ``query`` over the union of this rank's cache ``parts`` ((key, value)
+    pairs, e.g. a vision pool and the text's pages) and every other rank's: each part's
+    partial result, merged here by log-sum-exp, then across ``group``. (B, Hq, Sq, D) float32."""
+    partials = [partial_attention(query, k, v, scale=scale) for k, v in parts]
+    if len(partials) == 1:
+        out, lse = partials[0]
+    else:
+        lses = torch.stack([lse for _, lse in partials])  # (P, B, Hq, Sq)
+        out = merge_partials(torch.stack([o for o, _ in partials]), lses)
+        lse = torch.logsumexp(lses, dim=0)
     world = 1 if group is None else dist.get_world_size(group)
     if world == 1:
         return out
@@ -63,6 +77,12 @@ def sharded_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     dist.all_gather(gathered, packed.contiguous(), group=group)
     stacked = torch.stack(gathered)  # (W, B, Hq, Sq, D + 1)
     return merge_partials(stacked[..., :-1], stacked[..., -1])
+
+
+def grown_capacity(needed: int, *, page: int) -> int:
+    """Rows a text buffer holds for ``needed`` rows: whole pages, so a buffer that fills grows
+    by a page (one copy per ``page`` tokens) instead of by a token (a copy per token)."""
+    return max(1, -(-needed // page)) * page
 
 
 def decode_owner(index: int, world: int) -> int:

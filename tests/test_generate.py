@@ -57,7 +57,9 @@ def expected(image) -> dict:
                              return_dict_in_generate=True)
     tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
     logprobs = [float(torch.log_softmax(s.double(), dim=-1)[0, t]) for s, t in zip(out.scores, tokens)]
-    return {"tokens": tokens, "logprobs": logprobs, "prompt_tokens": inputs["input_ids"].shape[1]}
+    image_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    return {"tokens": tokens, "logprobs": logprobs, "prompt_tokens": inputs["input_ids"].shape[1],
+            "image_tokens": image_tokens}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,28 @@ def test_sharded_cache_equals_transformers_generate(image, expected, single, wor
     per_token = whole / (expected["prompt_tokens"] + NEW - 1)
     assert sum(shards) == pytest.approx(whole, abs=per_token * world)  # prompt pads are dropped
     assert max(shards) <= whole / world + 2 * per_token, shards
+
+
+@pytest.mark.parametrize("world, mesh", [(1, []), (2, ["--set", "parallel.ring=2"])], ids=["one", "ring2"])
+def test_paged_cache_equals_transformers_generate(image, expected, single, tmp_path, world, mesh):
+    """The modality-partitioned cache (a vision pool, text pages of 4 rows: the text buffer
+    grows while decoding) gives transformers' tokens; the pool holds the image's tokens."""
+    recipe = tmp_path / "paged.toml"
+    text = pathlib.Path(RECIPE).read_text().replace('include = ["rules/', f'include = ["{ROOT}/recipes/rules/')
+    recipe.write_text(text + '\n[[rules]]\nname = "paged cache"\nwhen = { modality = "text" }\n'
+                      'kv_cache = { strategy = "paged", page_tokens = 4 }\n')
+    done = weft("generate", str(recipe), "--prompt", PROMPT, "--image", str(image), "--max-new-tokens", str(NEW),
+                "--json", "--nproc", str(world), *mesh)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["cache"] == "PagedCache"
+    _same(got, expected)
+    parts = got["cache_partitions_per_rank"]
+    per_token = single["cache_bytes_per_rank"][0] / (expected["prompt_tokens"] + NEW - 1)
+    whole = per_token * (expected["prompt_tokens"] + NEW - 1)
+    assert sum(p["vision"] + p["text"] for p in parts) == pytest.approx(whole)
+    assert sum(p["vision"] for p in parts) == per_token * expected["image_tokens"]
+    assert all(p["text_capacity"] - p["text"] < 4 * per_token for p in parts)  # less than a page spare
 
 
 def test_a_hugging_face_directory_without_a_recipe(image, expected, tmp_path):

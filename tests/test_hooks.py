@@ -343,9 +343,22 @@ def test_hook_weft_kv_cache():
     assert cache.get_seq_length() == 3
     # Building a cache changes nothing on the model.
     assert model.config.use_cache == config.use_cache
-    with pytest.raises(HookError, match=r"weft_kv_cache.*'paged'"):
-        pm.call_first("weft_kv_cache", decision=decision("kv_cache", "paged"), model=model, plan=plan, mesh=None,
-                      ctx=ctx)
+    # The paged cache: a vision pool and text pages (2 rows each) that grow in place.
+    from weft.plugins.kv_cache import PagedParams
+
+    paged = Decision(point="kv_cache", strategy="paged", params=PagedParams(page_tokens=2), source="test",
+                     rule="test")
+    cache = pm.call_first("weft_kv_cache", decision=paged, model=model, plan=plan, mesh=None, ctx=ctx)
+    cache.begin_prefill(keep=None, prompt=3, vision=torch.tensor([False, True, False]))
+    cache.update(kv, kv, layer_idx=0)
+    row = 2 * kv[:, :, :1].numel() * kv.element_size()  # one token's keys and values
+    assert cache.layers[0].partition_bytes() == {"vision": row, "text": 2 * row, "text_capacity": 2 * row}
+    cache.begin_decode()
+    cache.update(kv[:, :, :1], kv[:, :, :1], layer_idx=0)
+    assert cache.layers[0].partition_bytes()["text_capacity"] == 4 * row and cache.get_seq_length() == 4
+    with pytest.raises(HookError, match=r"weft_kv_cache.*'quantized'"):
+        pm.call_first("weft_kv_cache", decision=decision("kv_cache", "quantized"), model=model, plan=plan,
+                      mesh=None, ctx=ctx)
 
 
 @attrs.frozen(kw_only=True)
