@@ -88,6 +88,7 @@ def row(recipe: str, length: int, gpus: int, steps: int, timeout: int, scratch: 
     # One step measured: its peak is a first step's (AdamW makes its states at the step's end).
     first = got["status"] == "ok" and got["steps"] == 1
     predicted = {"gpu_gib": guess["memory_gib"]["first step" if first else "total"],
+                 "gpu_gib_steady": guess["memory_gib"]["total"], "first_step": first,
                  "host_gib": guess["host_gib"] * guess["ranks_per_host"],
                  "step_s": guess["step_s"]["total"], "mfu": guess["mfu"], "fits": guess["fits"],
                  "longest_tokens": guess["longest_tokens"]}
@@ -157,9 +158,17 @@ def plot(table: list[dict], path: pathlib.Path) -> None:
         rows = sorted((r for r in table if r["gpus"] == gpus), key=lambda r: r["length"])
         ok = [r for r in rows if r["measured"]["status"] == "ok"]
         lengths = [r["length"] for r in rows]
-        memory.plot(lengths, [r["predicted"]["gpu_gib"] for r in rows], "--", label=f"{gpus} GPU predicted")
-        memory.plot([r["length"] for r in ok], [r["measured"]["max_memory_gib"] for r in ok], "o-",
+        memory.plot(lengths, [r["predicted"].get("gpu_gib_steady", r["predicted"]["gpu_gib"]) for r in rows], "--",
+                    label=f"{gpus} GPU predicted")
+        steady = [r for r in ok if not r["predicted"].get("first_step")]
+        first = [r for r in ok if r["predicted"].get("first_step")]
+        memory.plot([r["length"] for r in steady], [r["measured"]["max_memory_gib"] for r in steady], "o-",
                     label=f"{gpus} GPU measured")
+        if first:  # one step measured: AdamW's states not yet made during its backward
+            memory.plot([r["length"] for r in first], [r["measured"]["max_memory_gib"] for r in first], "s",
+                        fillstyle="none", label=f"{gpus} GPU, a first step")
+            memory.plot([r["length"] for r in first], [r["predicted"]["gpu_gib"] for r in first], "x",
+                        label=f"{gpus} GPU, a first step predicted")
         speed.plot(lengths, [r["length"] / r["predicted"]["step_s"] / gpus for r in rows], "--",
                    label=f"{gpus} GPU predicted")
         speed.plot([r["length"] for r in ok], [r["measured"]["tokens_per_s_per_gpu"] for r in ok], "o-",
