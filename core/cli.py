@@ -155,9 +155,10 @@ def _cmd_plan(args) -> int:
         extra = {"positions": positions} if positions else {}
         print(json.dumps(dict(plan.to_json(), model=adapter.name, vision_split=images, rope=rope, **extra), indent=1))
         return EXIT_OK
-    from weft.core.plan_view import render_plan, render_positions, render_vision_split
+    from weft.core.plan_view import render_plan, render_positions, render_trainable, render_vision_split
 
     render_plan(plan, explain=args.explain, recipe=recipe, rope=rope)
+    render_trainable(plan, model)
     if positions is not None:
         render_positions(positions)
     if images:

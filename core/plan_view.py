@@ -68,6 +68,19 @@ def render_plan(plan: Any, *, explain: bool, recipe: Any, rope: dict | None = No
     console.print(table)
 
 
+def render_trainable(plan: Any, model: Any) -> None:
+    """What trains: the parameters outside frozen units (``trainable = false``), and those units."""
+    frozen = plan.frozen_units()
+    total = sum(p.numel() for p in model.parameters())
+    held = {id(p) for path in frozen for p in model.get_submodule(path).parameters()}
+    still = sum(p.numel() for p in model.parameters() if id(p) not in held)
+    line = f"trains {still:,} of {total:,} parameters"
+    if frozen:
+        line += f"; frozen by rule (no gradients, no optimizer states): {len(frozen)} units, {frozen[0]}"
+        line += f" ... {frozen[-1]}" if len(frozen) > 1 else ""
+    _console().print(line)
+
+
 def _rope_line(rope: dict, *, seq_len: int) -> str:
     how = (f"{rope['scaling']} x{rope['factor']:g} over {rope['trained_positions']} trained positions"
            if rope["scaling"] != "none" else f"as the model ships, {rope['trained_positions']} trained positions")

@@ -72,3 +72,19 @@ def test_frozen_weights_stay_and_get_no_optimizer_state(tmp_path):
     optimizer, _ = make_optimizer(recipe, model)
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert not any(id(p) in held for p in model.model.visual.blocks.parameters())
+
+
+def test_plan_says_what_trains(tmp_path):
+    """`weft plan` counts the parameters outside frozen units (the tiny tower's two blocks)."""
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.recipe import Recipe
+
+    (tmp_path / "frozen.toml").write_text(FROZEN)
+    done = weft("plan", "frozen.toml", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recipe = Recipe.from_toml(str(tmp_path / "frozen.toml"))
+    model = plugin_manager_from_env().models.for_recipe(recipe).build(recipe, device="meta", seed=0)
+    total = sum(p.numel() for p in model.parameters())
+    tower = sum(p.numel() for p in model.model.visual.blocks.parameters())
+    assert f"trains {total - tower:,} of {total:,} parameters" in " ".join(done.stdout.split())
+    assert "2 units, model.visual.blocks.0 ... model.visual.blocks.1" in " ".join(done.stdout.split())
