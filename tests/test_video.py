@@ -170,3 +170,10 @@ def test_a_broken_video_is_skipped_and_counted_like_a_broken_image(tmp_path):
     assert sorted(reasons) == ["10", "7", "8", "9"], reasons
     assert "cannot be decoded" in reasons["7"] and "cannot be decoded" in reasons["8"]
     assert "not found" in reasons["10"]
+
+
+def test_the_bundled_video_recipe_trains_on_synthetic_videos(tmp_path):
+    done = weft("run", "tiny-vl-video", "--set", "train.max_steps=4", "--run-dir", "run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 4 and summary["skipped_samples"] == 0
