@@ -15,6 +15,7 @@ import attrs
 
 from weft.core.errors import RecipeError
 from weft.core.presets import is_preset_path, preset_names
+from weft.core.recipe_data import DataSection, _doc
 from weft.core.rule_syntax import Rule, bundled_path, load_includes, parse_rules, parse_toml, read_toml_text
 from weft.core.schema import Where, build, did_you_mean, in_range
 
@@ -22,10 +23,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 is not supported, kept for clarity
     import tomli as tomllib
-
-
-def _doc(text: str) -> dict[str, str]:
-    return {"doc": text}
 
 
 @attrs.frozen(kw_only=True)
@@ -50,51 +47,6 @@ class ModelSection:
         if self.rope_scaling == "none" and self.rope_factor != 1.0:
             raise ValueError(f"model.rope_factor = {self.rope_factor:g} does nothing "
                              "without model.rope_scaling (yarn, linear or dynamic)")
-
-
-@attrs.frozen(kw_only=True)
-class DataSection:
-    source: Literal["synthetic", "jsonl"] = attrs.field(default="synthetic",
-                                                        metadata=_doc("synthetic conversations or a JSONL chat file"))
-    path: str | None = attrs.field(default=None, metadata=_doc(
-        "JSONL file (chat format), relative to the recipe (with --set: to the current folder)"))
-    num_samples: int = attrs.field(default=256, validator=in_range(low=1), metadata=_doc("synthetic samples"))
-    min_side: int = attrs.field(default=28, validator=in_range(low=28),
-                                metadata=_doc("smallest synthetic image side, px"))
-    max_side: int = attrs.field(default=112, validator=in_range(low=28),
-                                metadata=_doc("largest synthetic image side, px"))
-    strict: bool = attrs.field(default=False, metadata=_doc("a bad sample stops the run instead of being skipped"))
-    max_pixels: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
-        "an image of more pixels (width x height) is skipped and counted before it is decoded; "
-        "0 = PIL's decompression-bomb limit (~89M)"))
-    workers: int = attrs.field(default=-1, validator=in_range(low=-1),
-                               metadata=_doc("preprocessing processes; -1 = min(8, cores - 1), 0/1 = in-process"))
-    cache: bool = attrs.field(default=True,
-                              metadata=_doc("cache tokenized samples next to the dataset (<file>.weft-cache/)"))
-    tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
-        "synthetic: samples of exactly this many tokens, ids from the model's vocabulary, no tokenizer needed "
-        "(0: short chat conversations through the model's processor)"))
-    tokens_max: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
-        "synthetic with tokens: each sample's length drawn from [tokens, tokens_max]; 0 = exactly tokens"))
-    images: tuple[tuple[int, ...], ...] = attrs.field(default=(), metadata=_doc(
-        "synthetic with tokens: the images of every sample as [height, width] pixels, e.g. [[448, 448]]"))
-
-    def __attrs_post_init__(self) -> None:
-        if self.source == "jsonl" and self.path is None:
-            raise ValueError("data.source = 'jsonl' needs data.path")
-        if self.source == "synthetic" and self.path is not None:
-            # Training on synthetic data while the user meant their file is the worst silent failure.
-            raise ValueError(f"data.path = {self.path!r} is read only with data.source = 'jsonl'; "
-                             "data.source is 'synthetic' (the default): set data.source = 'jsonl' or drop data.path")
-        if self.tokens_max and self.tokens_max < self.tokens:
-            raise ValueError(f"data.tokens_max ({self.tokens_max}) is below data.tokens ({self.tokens})")
-        if self.images and not self.tokens:
-            raise ValueError("data.images sizes the images of long synthetic samples: set data.tokens too")
-        for size in self.images:
-            if len(size) != 2 or min(size) < 28:
-                raise ValueError(f"data.images takes [height, width] pairs of at least 28 px, got {list(size)}")
-        if self.min_side > self.max_side:
-            raise ValueError(f"data.min_side ({self.min_side}) is larger than data.max_side ({self.max_side})")
 
 
 @attrs.frozen(kw_only=True)

@@ -32,6 +32,8 @@ PAD_VALUES: dict[str, int] = {
     "input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX,
     "mm_token_type_ids": 0, "position_ids": 0,
 }
+#: Patch rows, not sequence positions (their width may happen to equal the length).
+VISION_ROWS = ("pixel_values", "pixel_values_videos")
 #: Packed documents' ids: padding becomes one more document that attends only to itself.
 DOC_IDS = "weft_doc_ids"
 
@@ -44,7 +46,7 @@ def pad_to_multiple(batch: dict[str, torch.Tensor], *, multiple: int) -> dict[st
         return batch
     out = dict(batch)
     for key, value in batch.items():
-        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-1] != seq or key == "pixel_values":
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-1] != seq or key in VISION_ROWS:
             continue
         if key == DOC_IDS:
             fill = int(value.max()) + 1
@@ -101,8 +103,19 @@ class FusedHead:
         return linear_cross_entropy_sum(hidden, head.weight, target, bias=head.bias)
 
 
-def _has_images(batch: dict) -> bool:
-    return batch.get("pixel_values") is not None
+def _tower_calls(batch: dict) -> list[bool]:
+    """Which of the model's vision-tower calls this micro-batch makes: one for its images,
+    one for its videos (Qwen2.5-VL encodes each modality in a call of its own)."""
+    return [batch.get("pixel_values") is not None, batch.get("pixel_values_videos") is not None]
+
+
+def _keep_alive(batch: dict, ranks_with: list[float]) -> dict:
+    """The micro-batch marked with one blank tower call for each modality some rank of the
+    round encodes and this one does not, so every rank calls the tower as often."""
+    missing = sum(1 for others, mine in zip(ranks_with, _tower_calls(batch)) if others and not mine)
+    if not missing:
+        return batch
+    return dict(batch, **{VISION_FLAG: torch.ones((missing,), dtype=torch.bool)})  # its length: the blank calls
 
 
 def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], split: SequenceSplit | None,
@@ -116,16 +129,15 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
     # One collective for the step's divisor: label tokens over every rank, so the loss
     # equals the unsharded model's mean over the global batch. Tokens are this rank's
     # positions (its part of the sequence under SP). With keep_vision, one count per
-    # micro-batch of the ranks with images rides along.
+    # micro-batch of the ranks with images, and of those with videos, rides along.
     counts = [sum(label_count(targets(mb)) for mb in local), torch.tensor(sum(targets(mb).numel() for mb in local))]
     if keep_vision:
-        counts += [torch.tensor(float(_has_images(mb))) for mb in local]
+        counts += [torch.tensor(float(call)) for mb in local for call in _tower_calls(mb)]
     totals = torch.stack([torch.as_tensor(c, dtype=torch.float64) for c in counts]).to(ctx.device)
     dist.all_reduce(totals)
     if keep_vision:
-        with_images = totals[2:].tolist()  # host sync: which rounds need the tower on every rank
-        local = [dict(mb, **{VISION_FLAG: torch.ones((), dtype=torch.bool)}) if n and not _has_images(mb) else mb
-                 for mb, n in zip(local, with_images)]
+        with_vision = totals[2:].tolist()  # host sync: which rounds need the tower on every rank, how often
+        local = [_keep_alive(mb, with_vision[2 * i : 2 * i + 2]) for i, mb in enumerate(local)]
     global_labels = totals[0].clamp(min=1)
     loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float32)
     # FSDP2: reduce-scatter gradients once, after the last micro-batch; earlier ones

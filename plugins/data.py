@@ -24,16 +24,20 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
         return tokenizer, datasets.synthetic_samples(
             seed=recipe.train.seed, num_samples=recipe.data.num_samples, min_side=recipe.data.min_side,
             max_side=recipe.data.max_side, tokenizer=tokenizer, image_processor=image_processor,
+            videos=tuple(tuple(size) for size in recipe.data.videos),
         )
     path = recipe.data_file()
     if not path.is_file():
         raise WeftError(f"data.path {str(path)!r} does not exist", where=f"{recipe.source} (data.path)")
     from weft.strategies.preprocess import default_workers
+    from weft.strategies.video import VideoLimits
 
     workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
     cache = path.with_name(path.name + ".weft-cache") if recipe.data.cache else None
     return tokenizer, datasets.jsonl_samples(path, processor=processor, workers=workers, cache_dir=cache,
-                                             max_pixels=recipe.data.max_pixels)
+                                             max_pixels=recipe.data.max_pixels,
+                                             videos=VideoLimits(fps=recipe.data.video_fps,
+                                                                max_frames=recipe.data.max_frames))
 
 
 def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
@@ -128,8 +132,9 @@ def truncate(samples, *, limit, tokenizer, ctx, on_bad) -> list:
 
 
 def check_vision(samples, *, config, ctx, on_bad) -> list:
-    """Samples whose image tokens match their image grids; the others named and passed to
-    ``on_bad``. Logs the share of image tokens (a dataset whose ratio drops to 0 lost its images)."""
+    """Samples whose image and video tokens match their grids; the others named and passed to
+    ``on_bad``. Logs the share of image and video tokens (a dataset whose ratio drops to 0 lost
+    its images)."""
     from weft.strategies.datasets import BadSample
     from weft.strategies.vision_integrity import vision_mismatch
 
@@ -137,15 +142,20 @@ def check_vision(samples, *, config, ctx, on_bad) -> list:
     vision = getattr(config, "vision_config", None)
     if token is None or vision is None:
         return samples  # a text model
+    video_token = getattr(config, "video_token_id", None)
+    merge = getattr(vision, "spatial_merge_size", 2)
     kept, image_tokens, tokens = [], 0, 0
     for index, sample in enumerate(samples):
-        reason = vision_mismatch(sample.input_ids, sample.image_grid_thw, image_token_id=token,
-                                 merge_size=getattr(vision, "spatial_merge_size", 2))
+        reason = vision_mismatch(sample.input_ids, sample.image_grid_thw, image_token_id=token, merge_size=merge)
+        if reason is None and video_token is not None:
+            reason = vision_mismatch(sample.input_ids, sample.video_grid_thw, image_token_id=video_token,
+                                     merge_size=merge, kind="video")
         if reason is not None:
             on_bad(BadSample(f"sample {index}", f"vision integrity: {reason}"))
             continue
         kept.append(sample)
         image_tokens += int((sample.input_ids == token).sum())
+        image_tokens += int((sample.input_ids == video_token).sum()) if video_token is not None else 0
         tokens += sample.num_tokens
     ctx.log.info("data.vision", samples=len(kept), image_token_ratio=round(image_tokens / max(tokens, 1), 4))
     return kept

@@ -8,8 +8,10 @@ system prompt):
 where each image in `content` becomes
 `<|vision_start|>` + `<|image_pad|>` * n + `<|vision_end|>` with
 n = grid_t * grid_h * grid_w // merge_size**2, the number of features the vision
-tower's patch merger returns for it. Text between two special tokens is tokenized as
-one string, so `input_ids` equal what the tokenizer gives for the rendered text.
+tower's patch merger returns for it; each video likewise becomes
+`<|vision_start|>` + `<|video_pad|>` * n + `<|vision_end|>` (strategies/video.py).
+Text between two special tokens is tokenized as one string, so `input_ids` equal
+what the tokenizer gives for the rendered text.
 
 Labels are aligned with input_ids (not shifted; transformers' loss shifts) and are
 -100 except on assistant content and the assistant's closing `<|im_end|>`, which the
@@ -31,7 +33,7 @@ from PIL import Image
 
 IGNORE_INDEX = -100
 # Values of mm_token_type_ids, as transformers' Qwen2.5-VL processor writes them.
-TEXT_TYPE, IMAGE_TYPE = 0, 1
+TEXT_TYPE, IMAGE_TYPE, VIDEO_TYPE = 0, 1, 2
 
 _RECIPES_PACKAGE = "weft.recipes"
 _ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
@@ -46,6 +48,9 @@ class Sample:
     labels: torch.Tensor  # (S,) long, IGNORE_INDEX where no loss
     pixel_values: torch.Tensor | None = None  # (N_patches, C*T*P*P) float
     image_grid_thw: torch.Tensor | None = None  # (n_images, 3) long
+    pixel_values_videos: torch.Tensor | None = None  # (N_video_patches, C*T*P*P) float
+    video_grid_thw: torch.Tensor | None = None  # (n_videos, 3) long
+    second_per_grid_ts: torch.Tensor | None = None  # (n_videos,) float: seconds one temporal patch spans
     # (S,) long: 0 text, 1 image. Qwen2.5-VL only builds its 3D (mRoPE) position ids
     # when this is passed; without it image tokens silently get 1D text positions.
     # May be omitted only for text-only samples, where it is all zeros.
@@ -53,8 +58,8 @@ class Sample:
 
     @mm_token_type_ids.default
     def _text_only_types(self) -> torch.Tensor:
-        if self.image_grid_thw is not None:
-            raise ValueError("a Sample with images needs mm_token_type_ids")
+        if self.image_grid_thw is not None or self.video_grid_thw is not None:
+            raise ValueError("a Sample with images or videos needs mm_token_type_ids")
         return torch.zeros_like(self.input_ids)
 
     def __attrs_post_init__(self) -> None:
@@ -70,6 +75,16 @@ class Sample:
             n_patches = int(self.image_grid_thw.prod(-1).sum())
             if self.pixel_values.shape[0] != n_patches:
                 raise ValueError(f"pixel_values has {self.pixel_values.shape[0]} rows, grids say {n_patches}")
+        video_keys = (self.pixel_values_videos, self.video_grid_thw, self.second_per_grid_ts)
+        if len({value is None for value in video_keys}) != 1:
+            raise ValueError("pixel_values_videos, video_grid_thw and second_per_grid_ts come together")
+        if self.video_grid_thw is not None:
+            n_patches = int(self.video_grid_thw.prod(-1).sum())
+            if self.pixel_values_videos.shape[0] != n_patches:
+                raise ValueError(f"pixel_values_videos has {self.pixel_values_videos.shape[0]} rows, "
+                                 f"grids say {n_patches}")
+            if self.second_per_grid_ts.shape != (self.video_grid_thw.shape[0],):
+                raise ValueError("second_per_grid_ts needs one value per video")
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +102,7 @@ class _SpecialIds:
     vision_start: int
     vision_end: int
     image_pad: int
+    video_pad: int | None = None  # a tokenizer without one reads no videos
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> _SpecialIds:
@@ -103,6 +119,9 @@ class _SpecialIds:
             if token_id is None or token_id == tokenizer.unk_token_id:
                 raise ValueError(f"tokenizer has no {token}: not a Qwen2-VL style tokenizer")
             ids[field] = token_id
+        video = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+        if video is not None and video != tokenizer.unk_token_id:
+            ids["video_pad"] = video
         return cls(**ids)
 
 
@@ -120,12 +139,15 @@ def encode_conversation(
     images = [_to_rgb(_open_image(part)) for m in messages for part in _parts(m) if part["type"] == "image"]
     pixel_values = image_grid_thw = None
     pads_per_image: list[int] = []
+    merge = int(getattr(image_processor, "merge_size", 2))
     if images:
         processed = image_processor(images=images, return_tensors="pt")
         pixel_values = processed["pixel_values"].to(torch.float32)  # (N_patches, C*T*P*P)
         image_grid_thw = processed["image_grid_thw"].to(torch.long)  # (n_images, 3)
-        merge = int(image_processor.merge_size)
         pads_per_image = [int(n) // merge**2 for n in image_grid_thw.prod(-1)]
+    videos = _encode_videos([p for m in messages for p in _parts(m) if p["type"] == "video"],
+                            image_processor=image_processor, special=special)
+    pads_per_video = [int(n) // merge**2 for n in videos["video_grid_thw"].prod(-1)] if videos else []
 
     ids: list[int] = []
     train: list[bool] = []
@@ -147,7 +169,7 @@ def encode_conversation(
             train.append(train_from is not None and end > train_from)
             types.append(TEXT_TYPE)
 
-    image_iter = iter(pads_per_image)
+    image_iter, video_iter = iter(pads_per_image), iter(pads_per_video)
     for message in messages:
         role = message["role"]
         is_assistant = role == "assistant"
@@ -159,33 +181,65 @@ def encode_conversation(
         for part in _parts(message):
             if part["type"] == "text":
                 text += part["text"]
-            elif part["type"] == "image":
+            elif part["type"] in ("image", "video"):
                 add_text(text, train_from=train_from)
                 text, train_from = "", (0 if is_assistant else None)
                 add_special(special.vision_start)
-                for _ in range(next(image_iter)):
-                    add_special(special.image_pad, type_id=IMAGE_TYPE)
+                if part["type"] == "image":
+                    for _ in range(next(image_iter)):
+                        add_special(special.image_pad, type_id=IMAGE_TYPE)
+                else:
+                    for _ in range(next(video_iter)):
+                        add_special(special.video_pad, type_id=VIDEO_TYPE)
                 add_special(special.vision_end)
             else:
-                raise ValueError(f"unsupported content type {part['type']!r} (text and image only)")
+                raise ValueError(f"unsupported content type {part['type']!r} (text, image and video only)")
         add_text(text, train_from=train_from)
         add_special(special.im_end, trained=is_assistant)
         add_text("\n", train_from=None)
 
     input_ids = torch.tensor(ids, dtype=torch.long)  # (S,)
     labels = torch.where(torch.tensor(train, dtype=torch.bool), input_ids, IGNORE_INDEX)  # (S,)
-    _validate(input_ids, labels, special=special, pads_per_image=pads_per_image)
+    _validate(input_ids, labels, special=special, pads_per_image=pads_per_image, pads_per_video=pads_per_video)
     return Sample(
         input_ids=input_ids,
         labels=labels,
         pixel_values=pixel_values,
         image_grid_thw=image_grid_thw,
         mm_token_type_ids=torch.tensor(types, dtype=torch.long),
+        **videos,
     )
 
 
+def _encode_videos(parts: list, *, image_processor: Any, special: _SpecialIds) -> dict[str, torch.Tensor]:
+    """The Sample's video tensors for video parts (``{"type": "video", "video": [frames],
+    "fps": sampled frames per second}``), or {} when there are none."""
+    from weft.strategies.video import DEFAULT_FPS, sample_indices, seconds_per_patch, video_patches
+
+    if not parts:
+        return {}
+    if special.video_pad is None:
+        raise ValueError("a video, but the tokenizer has no <|video_pad|>")
+    temporal = int(image_processor.temporal_patch_size)
+    pixels, grids, seconds = [], [], []
+    for part in parts:
+        frames = part.get("video")
+        if not isinstance(frames, (list, tuple)) or not frames:
+            raise TypeError("a video part holds its frames (a list of PIL images); data_formats loads files")
+        count = max(temporal, -(-len(frames) // temporal) * temporal)  # whole temporal patches
+        frames = [_to_rgb(_open_image({"image": frames[i]})) for i in sample_indices(len(frames), count)]
+        values, grid = video_patches(frames, image_processor=image_processor)
+        pixels.append(values)
+        grids.append(grid)
+        seconds.append(seconds_per_patch(temporal=temporal, sampled_fps=float(part.get("fps") or DEFAULT_FPS)))
+    return {"pixel_values_videos": torch.cat(pixels),  # (N_video_patches, C*T*P*P)
+            "video_grid_thw": torch.cat(grids),  # (n_videos, 3)
+            "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32)}  # (n_videos,)
+
+
 def _validate(
-    input_ids: torch.Tensor, labels: torch.Tensor, *, special: "_SpecialIds", pads_per_image: list[int]
+    input_ids: torch.Tensor, labels: torch.Tensor, *, special: "_SpecialIds", pads_per_image: list[int],
+    pads_per_video: list[int] = (),
 ) -> None:
     """Refuse a sample the model would fail on mid-run, or learn nothing from.
 
@@ -200,9 +254,13 @@ def _validate(
             "(a special token in the text?)"
         )
 
+    if special.video_pad is not None and int((input_ids == special.video_pad).sum()) != sum(pads_per_video):
+        raise ValueError(f"video-token count {int((input_ids == special.video_pad).sum())} does not match the "
+                         f"videos' {sum(pads_per_video)} features (a special token in the text?)")
     starts = int((input_ids == special.vision_start).sum())
-    if starts != len(pads_per_image):
-        raise ValueError(f"{starts} <|vision_start|> tokens for {len(pads_per_image)} images")
+    if starts != len(pads_per_image) + len(pads_per_video):
+        raise ValueError(f"{starts} <|vision_start|> tokens for {len(pads_per_image)} images "
+                         f"and {len(pads_per_video)} videos")
     if not bool((labels != IGNORE_INDEX).any()):
         raise ValueError("no assistant reply: nothing to learn")
 
@@ -230,11 +288,26 @@ def collate(samples: Sequence[Sample], *, pad_id: int, pad_to_multiple_of: int =
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     # Images are concatenated in sample order: the model scatters image features into
     # the image-pad positions in row-major (batch, sequence) order, which matches.
+    out.update(vision_keys(samples, mm_token_type_ids=mm_token_type_ids))
+    return out
+
+
+def vision_keys(samples: Sequence[Sample], *, mm_token_type_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A batch's vision inputs, each modality concatenated in sample order (the order in
+    which the model scatters features into the pad tokens, and in which its rope index
+    reads grids and ``second_per_grid_ts``); {} for a text-only batch."""
+    out = {}
     with_images = [s for s in samples if s.pixel_values is not None]
-    if with_images:
+    with_videos = [s for s in samples if s.pixel_values_videos is not None]
+    if with_images or with_videos:
         out["mm_token_type_ids"] = mm_token_type_ids
+    if with_images:
         out["pixel_values"] = torch.cat([s.pixel_values for s in with_images])  # (sum N_patches, D)
         out["image_grid_thw"] = torch.cat([s.image_grid_thw for s in with_images])  # (n_images, 3)
+    if with_videos:
+        out["pixel_values_videos"] = torch.cat([s.pixel_values_videos for s in with_videos])  # (sum N, D)
+        out["video_grid_thw"] = torch.cat([s.video_grid_thw for s in with_videos])  # (n_videos, 3)
+        out["second_per_grid_ts"] = torch.cat([s.second_per_grid_ts for s in with_videos])  # (n_videos,)
     return out
 
 
@@ -310,23 +383,33 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def truncate_sample(sample: Sample, max_len: int, *, tokenizer: Any) -> Sample:
-    """The first ``max_len`` tokens of a sample, never cutting inside an image span.
+    """A sample of at most ``max_len`` tokens: its videos subsampled first, then its head.
 
-    A cut that would fall inside ``<|vision_start|> ... <|vision_end|>`` moves to just
-    before that span; images past the cut leave with their patches. Raises ValueError
-    when nothing to learn is left.
+    Videos keep every s-th whole temporal patch (the smallest stride s that fits; their
+    ``second_per_grid_ts`` times s, so each kept patch keeps its time), and the text after
+    them stays. When that is not enough (or there is no video), the first ``max_len``
+    tokens are kept, never cutting inside a vision span: a cut that would fall inside
+    ``<|vision_start|> ... <|vision_end|>`` moves to just before it, and images and videos
+    past the cut leave with their patches. Raises ValueError when nothing to learn is left.
     """
     if sample.num_tokens <= max_len:
         return sample
     special = _SpecialIds.from_tokenizer(tokenizer)
+    if sample.video_grid_thw is not None:
+        longest = int(sample.video_grid_thw[:, 0].max())
+        for stride in range(2, longest + 1):
+            thinner = subsample_videos(sample, stride=stride)
+            if thinner.num_tokens <= max_len:
+                return thinner
+        sample = subsample_videos(sample, stride=longest)
     ids = sample.input_ids
     starts = (ids == special.vision_start).nonzero().flatten().tolist()
     ends = (ids == special.vision_end).nonzero().flatten().tolist()
     cut = max_len
-    kept = 0
+    kept = {IMAGE_TYPE: 0, VIDEO_TYPE: 0}
     for start, end in zip(starts, ends):
         if end < cut:
-            kept += 1
+            kept[int(sample.mm_token_type_ids[start + 1])] += 1
         elif start < cut:
             cut = start  # the span would be cut: stop before it
             break
@@ -335,12 +418,33 @@ def truncate_sample(sample: Sample, max_len: int, *, tokenizer: Any) -> Sample:
     labels = sample.labels[:cut]
     if not bool((labels != IGNORE_INDEX).any()):
         raise ValueError(f"truncated to {cut} tokens (limit {max_len}), no assistant reply is left")
-    pixel_values = image_grid_thw = None
-    if kept:
-        grid = sample.image_grid_thw[:kept]
-        pixel_values = sample.pixel_values[: int(grid.prod(-1).sum())]
-        image_grid_thw = grid
+    media: dict[str, torch.Tensor] = {}
+    if kept[IMAGE_TYPE]:
+        grid = sample.image_grid_thw[: kept[IMAGE_TYPE]]
+        media.update(pixel_values=sample.pixel_values[: int(grid.prod(-1).sum())], image_grid_thw=grid)
+    if kept[VIDEO_TYPE]:
+        grid = sample.video_grid_thw[: kept[VIDEO_TYPE]]
+        media.update(pixel_values_videos=sample.pixel_values_videos[: int(grid.prod(-1).sum())], video_grid_thw=grid,
+                     second_per_grid_ts=sample.second_per_grid_ts[: kept[VIDEO_TYPE]])
+    return Sample(input_ids=ids[:cut], labels=labels, mm_token_type_ids=sample.mm_token_type_ids[:cut], **media)
+
+
+def subsample_videos(sample: Sample, *, stride: int) -> Sample:
+    """Every video of the sample keeping temporal patches 0, stride, 2 x stride, ...: their
+    pad tokens and pixel rows together, whole patches only."""
+    is_video = sample.mm_token_type_ids == VIDEO_TYPE  # (S,)
+    starts = (is_video & ~torch.cat([is_video.new_zeros(1), is_video[:-1]])).nonzero().flatten().tolist()
+    keep_token = torch.ones_like(is_video)  # (S,)
+    keep_rows, grids = [], []
+    for (t, h, w), start in zip(sample.video_grid_thw.tolist(), starts):
+        kept = torch.arange(t) % stride == 0  # (t,) whole temporal patches
+        pads = int(is_video[start:].long().cumprod(0).sum())  # this span's pad tokens: t groups of equal size
+        keep_token[start : start + pads] = kept.repeat_interleave(pads // t)
+        keep_rows.append(kept.repeat_interleave(h * w))  # rows run temporal patch outermost
+        grids.append([int(kept.sum()), h, w])
     return Sample(
-        input_ids=ids[:cut], labels=labels, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-        mm_token_type_ids=sample.mm_token_type_ids[:cut],
+        input_ids=sample.input_ids[keep_token], labels=sample.labels[keep_token],
+        mm_token_type_ids=sample.mm_token_type_ids[keep_token], pixel_values=sample.pixel_values,
+        image_grid_thw=sample.image_grid_thw, pixel_values_videos=sample.pixel_values_videos[torch.cat(keep_rows)],
+        video_grid_thw=torch.tensor(grids, dtype=torch.long), second_per_grid_ts=sample.second_per_grid_ts * stride,
     )

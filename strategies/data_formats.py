@@ -5,6 +5,9 @@
 - sharegpt-style (LLaMA-Factory, ms-swift): ``{"messages": [{"role": "user", "content": "<image>What is it?"}, ...],
   "images": ["rel/path.png"]}``: each ``<image>`` placeholder takes the next image of the list, in order.
   ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}`` is read too.
+- videos mirror images: a ``{"type": "video", "video": "clip.mp4"}`` part (or a list of frame
+  files, ``"video": ["f0.png", "f1.png"]``; optional ``fps`` and ``max_frames`` keys), or
+  ``<video>`` placeholders taking the paths of a ``"videos"`` list (strategies/video.py).
 
 Image paths are relative to the dataset file. Every problem raises ``ValueError`` or
 ``OSError`` with a reason; the caller skips and counts the sample.
@@ -13,18 +16,24 @@ Image paths are relative to the dataset file. Every problem raises ``ValueError`
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Any
 
 from PIL import Image
 
+from weft.strategies.video import VideoLimits, load_video
+
 ROLES = ("system", "user", "assistant")
 PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
-def record_to_messages(record: Any, *, base: pathlib.Path, max_pixels: int = 0) -> list[dict]:
+def record_to_messages(record: Any, *, base: pathlib.Path, max_pixels: int = 0,
+                       videos: VideoLimits = VideoLimits()) -> list[dict]:
     """A JSONL record as chat messages with their images opened (each at most ``max_pixels``
-    pixels when > 0; always within PIL's limit). A bad record or image is a ValueError."""
+    pixels when > 0; always within PIL's limit) and their videos decoded and sampled
+    (``videos``). A bad record, image or video is a ValueError."""
     if not isinstance(record, dict):
         raise ValueError(f"a line must hold a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -37,10 +46,10 @@ def record_to_messages(record: Any, *, base: pathlib.Path, max_pixels: int = 0) 
     else:
         raise ValueError("no 'messages' (or sharegpt 'conversations') key")
     messages = _turns(messages)
-    images = record.get("images")
-    if images is not None:
-        return _sharegpt(messages, images, base=base, max_pixels=max_pixels)
-    return [_chat_message(m, base=base, max_pixels=max_pixels) for m in messages]
+    images, clips = record.get("images"), record.get("videos")
+    if images is not None or clips is not None:
+        return _sharegpt(messages, images or [], clips or [], base=base, max_pixels=max_pixels, videos=videos)
+    return [_chat_message(m, base=base, max_pixels=max_pixels, videos=videos) for m in messages]
 
 
 def _turns(value: Any) -> list:
@@ -56,7 +65,8 @@ def _role(message: Any) -> str:
     return message["role"]
 
 
-def _chat_message(message: Any, *, base: pathlib.Path, max_pixels: int = 0) -> dict:
+def _chat_message(message: Any, *, base: pathlib.Path, max_pixels: int = 0,
+                  videos: VideoLimits = VideoLimits()) -> dict:
     role = _role(message)
     content = message.get("content")
     if isinstance(content, str):
@@ -71,31 +81,41 @@ def _chat_message(message: Any, *, base: pathlib.Path, max_pixels: int = 0) -> d
         elif kind == "image":
             image = load_image(part.get("image", part.get("path")), base=base, max_pixels=max_pixels)
             parts.append({"type": "image", "image": image})
+        elif kind == "video":
+            parts.append(_video_part(part.get("video", part.get("path")), base=base, limits=videos.for_part(part)))
         else:
-            raise ValueError(f"unsupported content part {kind!r} (text and image are supported)")
+            raise ValueError(f"unsupported content part {kind!r} (text, image and video are supported)")
     return {"role": role, "content": parts}
 
 
-def _sharegpt(messages: list, images: Any, *, base: pathlib.Path, max_pixels: int = 0) -> list[dict]:
-    if not isinstance(images, list):
-        raise ValueError("'images' must be a list of paths")
-    placeholders = sum(str(m.get("content", "")).count(PLACEHOLDER) for m in messages if isinstance(m, dict))
-    if placeholders != len(images):
-        raise ValueError(f"{placeholders} {PLACEHOLDER} placeholders but {len(images)} images")
-    queue = iter(images)
+def _video_part(source: Any, *, base: pathlib.Path, limits: VideoLimits) -> dict:
+    frames, fps = load_video(source, base=base, limits=limits)
+    return {"type": "video", "video": frames, "fps": fps}
+
+
+def _sharegpt(messages: list, images: Any, clips: Any, *, base: pathlib.Path, max_pixels: int = 0,
+              videos: VideoLimits = VideoLimits()) -> list[dict]:
+    for key, value, placeholder in (("images", images, PLACEHOLDER), ("videos", clips, VIDEO_PLACEHOLDER)):
+        if not isinstance(value, list):
+            raise ValueError(f"'{key}' must be a list of paths")
+        count = sum(str(m.get("content", "")).count(placeholder) for m in messages if isinstance(m, dict))
+        if count != len(value):
+            raise ValueError(f"{count} {placeholder} placeholders but {len(value)} {key}")
+    queue, clip_queue = iter(images), iter(clips)
     out = []
     for message in messages:
         role = _role(message)
         content = message.get("content")
         if not isinstance(content, str):
-            raise ValueError("sharegpt-style messages hold string contents with <image> placeholders")
-        pieces = content.split(PLACEHOLDER)
+            raise ValueError("sharegpt-style messages hold string contents with <image> / <video> placeholders")
         parts: list[dict] = []
-        for i, piece in enumerate(pieces):
-            if piece:
-                parts.append({"type": "text", "text": piece})
-            if i < len(pieces) - 1:
+        for piece in re.split(f"({re.escape(PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})", content):
+            if piece == PLACEHOLDER:
                 parts.append({"type": "image", "image": load_image(next(queue), base=base, max_pixels=max_pixels)})
+            elif piece == VIDEO_PLACEHOLDER:
+                parts.append(_video_part(next(clip_queue), base=base, limits=videos))
+            elif piece:
+                parts.append({"type": "text", "text": piece})
         out.append({"role": role, "content": parts})
     return out
 

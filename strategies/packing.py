@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from weft.strategies.conversation import vision_keys
+
 IGNORE = -100
 
 
@@ -64,11 +66,7 @@ def collate_packed(
         "weft_doc_ids": torch.cat(docs)[None],  # (1, S)
         "position_ids": torch.cat(pos, dim=-1),  # (1, S) text; (3, 1, S) mRoPE
     }
-    with_images = [s for s in samples if s.pixel_values is not None]
-    if with_images:
-        out["mm_token_type_ids"] = torch.cat(types)[None]
-        out["pixel_values"] = torch.cat([s.pixel_values for s in with_images])
-        out["image_grid_thw"] = torch.cat([s.image_grid_thw for s in with_images])
+    out.update(vision_keys(samples, mm_token_type_ids=torch.cat(types)[None]))  # images and videos, in order
     return out
 
 

@@ -1,7 +1,7 @@
 """Encode dataset lines in worker processes, with an on-disk cache of tokenized samples.
 
 A line's cache key covers its text, the processor's files and the size and
-modification time of every image it names, so a resumed run, or a second rank,
+modification time of every image and video it names, so a resumed run, or a second rank,
 reads the tokenized sample back instead of preprocessing it again; a change to any
 of them makes a new entry. Entries are written to a temporary name and renamed, so a
 crash never leaves a half-written one.
@@ -21,6 +21,7 @@ import torch
 
 from weft.strategies.conversation import Sample
 from weft.strategies.datasets import MAX_LINE_BYTES
+from weft.strategies.video import VideoLimits
 
 # One processor per worker process, loaded by the pool's initializer: the standard
 # way to give pool workers a heavy object without pickling it per task.
@@ -38,13 +39,17 @@ def processor_fingerprint(folder: pathlib.Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str, max_pixels: int = 0) -> None:
+def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str, max_pixels: int = 0,
+          videos: VideoLimits = VideoLimits()) -> None:
     from weft.strategies.conversation import load_processor
 
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
     tokenizer, image_processor = load_processor(processor)
+    # Frames are grouped by the processor's own temporal patch size.
+    videos = attrs.evolve(videos, temporal=int(getattr(image_processor, "temporal_patch_size", 2)))
     _WORKER.update(tokenizer=tokenizer, image_processor=image_processor, base=pathlib.Path(base),
-                   cache=pathlib.Path(cache_dir) if cache_dir else None, fingerprint=fingerprint, max_pixels=max_pixels)
+                   cache=pathlib.Path(cache_dir) if cache_dir else None, fingerprint=fingerprint, max_pixels=max_pixels,
+                   videos=videos)
 
 
 def _key(line: str, record: Any, base: pathlib.Path, fingerprint: str) -> str:
@@ -59,14 +64,20 @@ def _key(line: str, record: Any, base: pathlib.Path, fingerprint: str) -> str:
 
 
 def _image_paths(record: Any) -> list[str]:
+    """Every image, video and video-frame file a record names."""
     paths = []
     if isinstance(record, dict):
-        if isinstance(record.get("images"), list):
-            paths += [p for p in record["images"] if isinstance(p, str)]
+        for key in ("images", "videos"):
+            if isinstance(record.get(key), list):
+                paths += [p for p in record[key] if isinstance(p, str)]
         for message in record.get("messages", []) if isinstance(record.get("messages"), list) else []:
             content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):
-                paths += [p.get("image") for p in content if isinstance(p, dict) and isinstance(p.get("image"), str)]
+            for part in content if isinstance(content, list) else []:
+                for value in (part.get("image"), part.get("video")) if isinstance(part, dict) else ():
+                    if isinstance(value, str):
+                        paths.append(value)
+                    elif isinstance(value, list):  # a video as frame files
+                        paths += [p for p in value if isinstance(p, str)]
     return paths
 
 
@@ -92,7 +103,8 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
         except Exception:  # a damaged or planted entry is re-made below
             pass
     try:
-        messages = record_to_messages(record, base=_WORKER["base"], max_pixels=_WORKER["max_pixels"])
+        messages = record_to_messages(record, base=_WORKER["base"], max_pixels=_WORKER["max_pixels"],
+                                      videos=_WORKER["videos"])
         sample = encode_conversation(
             messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"]
         )
@@ -106,15 +118,17 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
 
 
 def encode_lines(lines: Iterable[tuple[str, str]], *, processor: str, processor_folder: pathlib.Path,
-                 base: pathlib.Path, workers: int, cache_dir: pathlib.Path | None, max_pixels: int = 0
-                 ) -> Iterator[tuple[str, Any]]:
+                 base: pathlib.Path, workers: int, cache_dir: pathlib.Path | None, max_pixels: int = 0,
+                 videos: VideoLimits = VideoLimits()) -> Iterator[tuple[str, Any]]:
 
     """Encode (where, JSON line) jobs in order; yields (where, Sample) or (where, reason)."""
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
     # The pixel limit is part of the cache key: a sample cached under a looser one is not reused.
-    fingerprint = f"{processor_fingerprint(processor_folder)}:max_pixels={max_pixels}"
-    args = (processor, str(base), str(cache_dir) if cache_dir else None, fingerprint, max_pixels)
+    # So are the video limits: a sample cached at another frame rate is not reused.
+    fingerprint = (f"{processor_fingerprint(processor_folder)}:max_pixels={max_pixels}:"
+                   f"fps={videos.fps:g}:max_frames={videos.max_frames}")
+    args = (processor, str(base), str(cache_dir) if cache_dir else None, fingerprint, max_pixels, videos)
     if workers <= 1:
         _init(*args)
         yield from map(_encode, lines)

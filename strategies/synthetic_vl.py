@@ -6,6 +6,11 @@ square?" -> "The square is red.". A tiny model therefore has to use its vision t
 to push the loss down, which makes the data a real end-to-end check, not just a
 shape check. Images go through a PNG encode/decode round trip so downstream code sees
 the same objects (PngImageFile, real modes) as it would from files on disk.
+
+With ``videos`` ([frames, height, width] each), samples mix the modalities: every third
+is the image conversation above, the others show a video of a shape moving one way
+("Which way does the red square move?" -> "It moves left."), one of them with an image
+as well, so any batch of three or more holds images, videos and both.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ BACKGROUND_COLOURS: dict[str, tuple[int, int, int]] = {
     "black": (15, 15, 15),
 }
 SHAPES = ("square", "circle", "triangle")
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 
 # Every 4th sample has two images; every 3rd image is RGBA. Fixed periods (rather than
 # random draws) guarantee both cases appear in any batch of >= 4 samples.
@@ -66,7 +72,8 @@ class _Scene:
 
 
 def synthetic_conversations(
-    *, seed: int, num_samples: int, min_side: int = 28, max_side: int = 112
+    *, seed: int, num_samples: int, min_side: int = 28, max_side: int = 112,
+    videos: tuple[tuple[int, int, int], ...] = (),
 ) -> list[Conversation]:
     """`num_samples` conversations; the same arguments always give equal output."""
     # 8 px is the least that still fits a recognisable shape (at least 4 px wide).
@@ -92,12 +99,53 @@ def synthetic_conversations(
             image_index += 1
         question, answer = _question_answer(scenes, rgba_last=images[-1].mode == "RGBA", rng=rng)
         user_content: list[dict[str, Any]] = [{"type": "image", "image": im} for im in images]
+        if videos and sample_index % 3:
+            clips, question, answer = _video_question(videos, rng=rng)
+            user_content = user_content[: sample_index % 3 - 1] + clips  # % 3 == 2: an image, then the videos
         user_content.append({"type": "text", "text": question})
         messages = [
             {"role": "user", "content": user_content},
             {"role": "assistant", "content": [{"type": "text", "text": answer}]},
         ]
         out.append(Conversation(messages=messages))
+    return out
+
+
+def _video_question(videos: tuple[tuple[int, int, int], ...], *, rng: random.Random
+                    ) -> tuple[list[dict[str, Any]], str, str]:
+    """Video parts (frames as RGB images, 2 frames per second) of one shape moving one way, and
+    a question about the last video that only its motion answers."""
+    parts, scene, direction = [], None, None
+    for frames, height, width in videos:
+        scene = _Scene(shape=rng.choice(SHAPES), colour=rng.choice(sorted(SHAPE_COLOURS)),
+                       background=rng.choice(sorted(BACKGROUND_COLOURS)))
+        direction = rng.choice(sorted(DIRECTIONS))
+        parts.append({"type": "video", "video": _moving(scene, frames=frames, size=(width, height),
+                                                        step=DIRECTIONS[direction]), "fps": 2.0})
+    return parts, f"Which way does the {scene.colour} {scene.shape} move?", f"It moves {direction}."
+
+
+def _moving(scene: _Scene, *, frames: int, size: tuple[int, int], step: tuple[int, int]) -> list[Image.Image]:
+    """``frames`` RGB frames of a shape (a third of the short side) crossing the picture along ``step``."""
+    width, height = size
+    side = max(4, min(width, height) // 3)
+    out = []
+    for index in range(frames):
+        share = index / max(frames - 1, 1)  # 0 -> 1 over the clip
+        # Along the motion's axis the shape travels from one edge to the other; across it, it stays centred.
+        x = (width - side) * (share if step[0] > 0 else 1 - share if step[0] < 0 else 0.5)
+        y = (height - side) * (share if step[1] > 0 else 1 - share if step[1] < 0 else 0.5)
+        image = Image.new("RGB", size, BACKGROUND_COLOURS[scene.background])
+        box = (int(x), int(y), int(x) + side - 1, int(y) + side - 1)
+        draw = ImageDraw.Draw(image)
+        fill = SHAPE_COLOURS[scene.colour]
+        if scene.shape == "square":
+            draw.rectangle(box, fill=fill)
+        elif scene.shape == "circle":
+            draw.ellipse(box, fill=fill)
+        else:
+            draw.polygon([(box[0] + side // 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
+        out.append(image)
     return out
 
 

@@ -14,18 +14,19 @@ import torch
 
 
 def vision_mismatch(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, *, image_token_id: int,
-                    merge_size: int) -> str | None:
+                    merge_size: int, kind: str = "image") -> str | None:
     """Why this sample's image tokens disagree with its image grids, or None.
 
     input_ids (S,); image_grid_thw (n_images, 3) of (t, h, w) patches or None. Each image
-    takes t * h * w / merge_size**2 tokens after the vision merge."""
+    takes t * h * w / merge_size**2 tokens after the vision merge. Videos are checked the
+    same way (``kind="video"``, their token id and video grids)."""
     have = int((input_ids == image_token_id).sum())
     need = 0 if image_grid_thw is None else int(image_grid_thw.prod(dim=-1).sum()) // (merge_size * merge_size)
     if have == need:
         return None
     images = 0 if image_grid_thw is None else int(image_grid_thw.shape[0])
     if need == 0:
-        return f"{have} image tokens but no image (a stripped image, or image tokens typed as text)"
+        return f"{have} {kind} tokens but no {kind} (a stripped {kind}, or {kind} tokens typed as text)"
     if have == 0:
-        return f"{images} image(s) but no image tokens (vision tokens stripped from the text?)"
-    return f"{have} image tokens, but its {images} image(s) need {need} (a cut or stripped vision span?)"
+        return f"{images} {kind}(s) but no {kind} tokens (vision tokens stripped from the text?)"
+    return f"{have} {kind} tokens, but its {images} {kind}(s) need {need} (a cut or stripped vision span?)"

@@ -118,7 +118,7 @@ class DeepStackKeepAlive(VisionKeepAlive):
         self.handles.append(self.visual.register_forward_hook(self._fold))
 
     def _blank_image(self, module, args, output):
-        self._blank = self._armed
+        self._blank = bool(self._blank_calls)
         try:
             return super()._blank_image(module, args, output)
         finally:

@@ -8,7 +8,10 @@ step's one count all-reduce) that some rank of the round has images and this one
 none, it marks the micro-batch (``weft.core.models.VISION_FLAG``). A forward pre-hook
 on the model takes the mark; a forward hook on the text embedding, which the model
 runs just before its vision tower, runs the tower on one blank image and adds its
-output to the embeddings with weight zero. The tower then runs where it runs on the
+output to the embeddings with weight zero. The model calls the tower once for its images
+and once for its videos: the mark's length is the number of calls this rank lacks (with
+images only, in a round where another rank has videos too, one blank call), so every
+rank calls the tower equally often. The tower then runs where it runs on the
 other ranks, forward and backward, and nothing changes numerically.
 """
 
@@ -24,7 +27,7 @@ class VisionKeepAlive:
 
     def __init__(self, *, visual: torch.nn.Module, embed: torch.nn.Module, model: torch.nn.Module) -> None:
         self.visual = visual
-        self._armed = False
+        self._blank_calls = 0
         self.handles = [
             model.register_forward_pre_hook(self._take_flag, with_kwargs=True),
             embed.register_forward_hook(self._blank_image),
@@ -32,18 +35,21 @@ class VisionKeepAlive:
 
     def _take_flag(self, module, args, kwargs):
         needs = kwargs.pop(FLAG, None)
-        self._armed = needs is not None and kwargs.get("pixel_values") is None
+        # The mark's shape, not its value, says how many calls: no device sync.
+        self._blank_calls = needs.numel() if isinstance(needs, torch.Tensor) else int(bool(needs))
         return args, kwargs
 
     def _blank_image(self, module, args, output):
-        if not self._armed:
+        if not self._blank_calls:
             return None
-        self._armed = False
+        calls, self._blank_calls = self._blank_calls, 0
         config = self.visual.config
         merge = self.visual.spatial_merge_size
         width = config.in_channels * config.temporal_patch_size * config.patch_size**2
         pixels = torch.zeros(merge * merge, width, device=output.device)  # merge x merge patches: one merged token
         grid = torch.tensor([[1, merge, merge]], device=output.device)
-        merged = self.visual(pixels, grid_thw=grid)
-        merged = merged.pooler_output if hasattr(merged, "pooler_output") else merged
-        return output + 0.0 * merged.sum().to(output.dtype)  # joins the graph, adds nothing
+        for _ in range(calls):
+            merged = self.visual(pixels, grid_thw=grid)
+            merged = merged.pooler_output if hasattr(merged, "pooler_output") else merged
+            output = output + 0.0 * merged.sum().to(output.dtype)  # joins the graph, adds nothing
+        return output

@@ -1,0 +1,139 @@
+"""Videos for Qwen2-VL-style models: frames decoded with PyAV, sampled to a frame rate, and
+cut into the vision tower's temporal patches.
+
+A video is a file (decoded with PyAV, ``av`` on PyPI: FFmpeg's decoders in a wheel, what
+transformers' own video utilities use) or a list of frame images. Frames are sampled
+uniformly to ``fps`` frames per second, at most ``max_frames``, and the count is made a
+multiple of the temporal patch size (2 for Qwen2.5-VL): rounded down, or, for fewer
+frames than one patch, padded by repeating the last frame, as transformers' video
+processor pads.
+
+Each frame goes through the model's own image processor (the same resize and
+normalisation as images, at the size of the first frame), and consecutive frames are
+paired into temporal patches here: the image processor fills a patch's temporal slots
+with copies of one frame, so slot 0 of each frame's rows, stacked, is the video's patch.
+transformers' Qwen2-VL video processor does the same pairing but imports torchvision,
+which weft does not depend on.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import attrs
+import torch
+from PIL import Image
+
+#: Frame rate and frame limit when neither the sample nor the recipe gives one (Qwen2.5-VL's defaults).
+DEFAULT_FPS = 2.0
+DEFAULT_MAX_FRAMES = 768
+
+
+@attrs.frozen(kw_only=True)
+class VideoLimits:
+    """How videos are sampled: ``fps`` frames per second, at most ``max_frames``, in groups
+    of ``temporal`` frames (the model's temporal patch). A video part's own ``fps`` and
+    ``max_frames`` keys take precedence."""
+
+    fps: float = DEFAULT_FPS
+    max_frames: int = DEFAULT_MAX_FRAMES
+    temporal: int = 2
+
+    def for_part(self, part: dict) -> VideoLimits:
+        fps, most = part.get("fps", self.fps), part.get("max_frames", self.max_frames)
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0:
+            raise ValueError(f"a video's 'fps' must be a positive number, got {fps!r}")
+        if isinstance(most, bool) or not isinstance(most, int) or most < self.temporal:
+            raise ValueError(f"a video's 'max_frames' must be an integer of at least {self.temporal}, got {most!r}")
+        return attrs.evolve(self, fps=float(fps), max_frames=most)
+
+
+def frame_count(*, available: int, native_fps: float | None, fps: float, max_frames: int, temporal: int) -> int:
+    """Frames to keep: ``available`` frames at ``native_fps`` resampled to ``fps``, at most
+    ``max_frames``, a multiple of ``temporal`` (at least one temporal patch)."""
+    wanted = available if not native_fps else round(available / native_fps * fps)
+    wanted = min(wanted, available, max_frames)
+    return max(temporal, wanted // temporal * temporal)
+
+
+def sample_indices(available: int, count: int) -> list[int]:
+    """``count`` frame indices spread evenly over ``available`` frames; past the end (a video
+    shorter than one temporal patch) the last frame repeats."""
+    if count <= available:
+        return torch.linspace(0, available - 1, count).round().long().tolist()
+    return list(range(available)) + [available - 1] * (count - available)
+
+
+def load_video(source: Any, *, base: pathlib.Path, limits: VideoLimits) -> tuple[list[Image.Image], float]:
+    """(RGB frames, the sampled frames per second) of a video file or a list of frame files.
+
+    A file's own frame rate is read from its stream; a list of frames is taken to be at
+    ``fps`` already. A missing, empty or undecodable video is a ValueError."""
+    from weft.strategies.data_formats import load_image
+
+    fps, max_frames, temporal = limits.fps, limits.max_frames, limits.temporal
+    if isinstance(source, list):
+        if not source:
+            raise ValueError("a video given as frames needs at least one frame path")
+        count = frame_count(available=len(source), native_fps=None, fps=fps, max_frames=max_frames,
+                            temporal=temporal)
+        picked = sample_indices(len(source), count)
+        frames = [load_image(source[i], base=base) for i in picked]
+        # Frames dropped to max_frames stretch the time each kept frame stands for.
+        return frames, fps * min(count, len(source)) / len(source)
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"a video part needs a file path or a list of frame paths, got {source!r}")
+    path = base / source
+    if not path.is_file():
+        raise ValueError(f"video file {source!r} not found")
+    decoded, native = _decode(path, name=source)
+    count = frame_count(available=len(decoded), native_fps=native, fps=fps, max_frames=max_frames, temporal=temporal)
+    picked = sample_indices(len(decoded), count)
+    sampled_fps = native * min(count, len(decoded)) / len(decoded) if native else fps
+    return [decoded[i] for i in picked], sampled_fps
+
+
+def _decode(path: pathlib.Path, *, name: str) -> tuple[list[Image.Image], float | None]:
+    """Every frame of the first video stream as RGB, and the stream's frame rate (None if unknown)."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ValueError(f"video {name!r} has no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            frames = [frame.to_image() for frame in container.decode(stream)]
+    except av.FFmpegError as error:  # truncated, corrupt or not a video: skipped and counted by the caller
+        raise ValueError(f"video {name!r} cannot be decoded: {error}") from None
+    if not frames:
+        raise ValueError(f"video {name!r} has no frames")
+    return frames, float(rate) if rate else None
+
+
+def video_patches(frames: list[Image.Image], *, image_processor: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values_videos (N, C*T*P*P), video_grid_thw (1, 3)) of one video's frames
+    (a multiple of the temporal patch size T), through the model's image processor."""
+    temporal = int(image_processor.temporal_patch_size)
+    if len(frames) % temporal:
+        raise ValueError(f"{len(frames)} frames is not a multiple of the temporal patch size {temporal}")
+    size = frames[0].size
+    frames = [f if f.size == size else f.resize(size, Image.Resampling.BICUBIC) for f in frames]
+    processed = image_processor(images=frames, return_tensors="pt")
+    pixels = processed["pixel_values"].to(torch.float32)  # (F * R, C*T*P*P), each frame copied into T slots
+    grid = processed["image_grid_thw"][0].to(torch.long)  # (3,) = (1, h, w), equal for every frame
+    rows = int(grid[1] * grid[2])
+    patch = int(image_processor.patch_size)
+    channels = pixels.shape[1] // (temporal * patch * patch)
+    per_frame = pixels.view(len(frames), rows, channels, temporal, patch, patch)[:, :, :, 0]  # (F, R, C, P, P)
+    grouped = per_frame.view(len(frames) // temporal, temporal, rows, channels, patch, patch)  # (G, T, R, C, P, P)
+    # Rows keep the image processor's order within a frame; groups of T frames go outermost.
+    video = grouped.permute(0, 2, 3, 1, 4, 5).reshape(-1, channels * temporal * patch * patch)  # (G*R, C*T*P*P)
+    grid_thw = torch.tensor([[len(frames) // temporal, int(grid[1]), int(grid[2])]], dtype=torch.long)  # (1, 3)
+    return video, grid_thw
+
+
+def seconds_per_patch(*, temporal: int, sampled_fps: float) -> float:
+    """Qwen2.5-VL's ``second_per_grid_ts``: the seconds one temporal patch spans."""
+    return temporal / sampled_fps if sampled_fps > 0 else float(temporal) / DEFAULT_FPS
