@@ -13,9 +13,6 @@ import pytest
 import torch
 
 from video_files import write_mp4
-
-pytest.importorskip("av")
-
 from weft.strategies.conversation import collate, encode_conversation, load_processor, truncate_sample  # noqa: E402
 from weft.strategies.data_formats import record_to_messages  # noqa: E402
 from weft.strategies.video import VideoLimits, frame_count, load_video  # noqa: E402

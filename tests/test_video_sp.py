@@ -9,10 +9,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-
-pytest.importorskip("av")
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny-vl-video.toml")
 FROZEN = ('\n[[rules]]\nname = "vision tower frozen"\nwhen = { path = "*.visual.blocks.*" }\n'
@@ -46,3 +42,19 @@ def test_check_is_exact_with_videos_and_the_vision_tower_frozen(tmp_path):
     result = check("parallel.ring=2", "parallel.dp_shard=2", recipe="frozen.toml", cwd=tmp_path)
     assert result["frozen_units"] == ["model.visual.blocks.0", "model.visual.blocks.1"]
     assert result["grad_params"]["plan"] == result["grad_params"]["reference"]
+
+
+def test_a_rank_without_videos_calls_the_tower_as_often_as_one_with():
+    """The data-parallel keep-alive's marks: one blank tower call for each modality that some
+    rank of the round encodes and this one does not (Qwen2.5-VL calls the tower once for the
+    images and once for the videos)."""
+    import torch
+
+    from weft.core.models import VISION_FLAG
+    from weft.core.step import _keep_alive
+
+    images_only, both = {"pixel_values": torch.zeros(4, 8)}, {"pixel_values": 0, "pixel_values_videos": 0}
+    assert _keep_alive(images_only, [2.0, 1.0])[VISION_FLAG].numel() == 1  # another rank has videos
+    assert VISION_FLAG not in _keep_alive(images_only, [2.0, 0.0])  # nobody has videos
+    assert _keep_alive({}, [1.0, 1.0])[VISION_FLAG].numel() == 2  # a text-only rank: both calls blank
+    assert VISION_FLAG not in _keep_alive(both, [2.0, 2.0])
