@@ -44,6 +44,17 @@ def test_check_is_exact_with_videos_and_the_vision_tower_frozen(tmp_path):
     assert result["grad_params"]["plan"] == result["grad_params"]["reference"]
 
 
+def test_check_is_exact_with_a_video_shared_by_the_sp_ranks(tmp_path):
+    """A video of 32 patches, over the rule's 24: both SP ranks of each data-parallel group
+    share its tower call (vision Ulysses; the tiny tower's 2 heads) instead of one rank
+    encoding it whole."""
+    shared = ('\n[[rules]]\nname = "vision: share the tower for long videos"\nwhen = { modality = "vision" }\n'
+              'attention = { strategy = "vision_ulysses", min_patches = 24 }\n')
+    (tmp_path / "shared.toml").write_text(pathlib.Path(RECIPE).read_text() + shared)
+    result = check("parallel.ulysses=2", "parallel.dp_shard=2", recipe="shared.toml", cwd=tmp_path)
+    assert result["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "ring": 1, "ulysses": 2}
+
+
 def test_a_rank_without_videos_calls_the_tower_as_often_as_one_with():
     """The data-parallel keep-alive's marks: one blank tower call for each modality that some
     rank of the round encodes and this one does not (Qwen2.5-VL calls the tower once for the
