@@ -87,15 +87,26 @@ def load_video(source: Any, *, base: pathlib.Path, limits: VideoLimits) -> tuple
     path = base / source
     if not path.is_file():
         raise ValueError(f"video file {source!r} not found")
-    decoded, native = _decode(path, name=source)
-    count = frame_count(available=len(decoded), native_fps=native, fps=fps, max_frames=max_frames, temporal=temporal)
-    picked = sample_indices(len(decoded), count)
-    sampled_fps = native * min(count, len(decoded)) / len(decoded) if native else fps
-    return [decoded[i] for i in picked], sampled_fps
+    declared, native = _stream_info(path, name=source)
+    if declared:
+        # The container says how many frames: only the sampled ones become images (an hour
+        # at 30 fps is 108,000 frames; at 2 fps 7,200 are kept), and decoding stops after
+        # the last. A container that said more frames than it holds is decoded whole below.
+        count = frame_count(available=declared, native_fps=native, fps=fps, max_frames=max_frames, temporal=temporal)
+        picked = sample_indices(declared, count)
+        kept = _decode(path, name=source, wanted=set(picked))
+        if all(i in kept for i in picked):
+            return [kept[i] for i in picked], native * min(count, declared) / declared if native else fps
+    decoded = _decode(path, name=source, wanted=None)
+    frames = [decoded[i] for i in range(len(decoded))]
+    count = frame_count(available=len(frames), native_fps=native, fps=fps, max_frames=max_frames, temporal=temporal)
+    picked = sample_indices(len(frames), count)
+    sampled_fps = native * min(count, len(frames)) / len(frames) if native else fps
+    return [frames[i] for i in picked], sampled_fps
 
 
-def _decode(path: pathlib.Path, *, name: str) -> tuple[list[Image.Image], float | None]:
-    """Every frame of the first video stream as RGB, and the stream's frame rate (None if unknown)."""
+def _stream_info(path: pathlib.Path, *, name: str) -> tuple[int, float | None]:
+    """(frames the first video stream declares, 0 if it does not say; its frame rate or None)."""
     import av
 
     try:
@@ -104,12 +115,30 @@ def _decode(path: pathlib.Path, *, name: str) -> tuple[list[Image.Image], float 
                 raise ValueError(f"video {name!r} has no video stream")
             stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate
-            frames = [frame.to_image() for frame in container.decode(stream)]
+            return int(stream.frames or 0), float(rate) if rate else None
+    except av.FFmpegError as error:  # truncated, corrupt or not a video: skipped and counted by the caller
+        raise ValueError(f"video {name!r} cannot be decoded: {error}") from None
+
+
+def _decode(path: pathlib.Path, *, name: str, wanted: set[int] | None) -> dict[int, Image.Image]:
+    """Frame index -> RGB image of the first video stream: the ``wanted`` indices (decoding
+    stops after the last), or every frame."""
+    import av
+
+    frames: dict[int, Image.Image] = {}
+    last = max(wanted) if wanted else None
+    try:
+        with av.open(str(path)) as container:
+            for index, frame in enumerate(container.decode(container.streams.video[0])):
+                if wanted is None or index in wanted:
+                    frames[index] = frame.to_image()
+                if last is not None and index >= last:
+                    break
     except av.FFmpegError as error:  # truncated, corrupt or not a video: skipped and counted by the caller
         raise ValueError(f"video {name!r} cannot be decoded: {error}") from None
     if not frames:
         raise ValueError(f"video {name!r} has no frames")
-    return frames, float(rate) if rate else None
+    return frames
 
 
 def video_patches(frames: list[Image.Image], *, image_processor: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,6 +56,25 @@ def test_a_file_is_sampled_to_the_frame_rate_in_whole_temporal_patches(tmp_path)
     assert frame_count(available=1, native_fps=4.0, fps=2.0, max_frames=768, temporal=2) == 2  # one patch at least
 
 
+def test_only_the_sampled_frames_are_decoded_into_images(tmp_path):
+    """A file that declares its frame count: only the sampled frames become images, and
+    decoding stops after the last one; they equal the same frames of a whole decode."""
+    import av
+
+    from weft.strategies import video
+
+    write_mp4(tmp_path / "long.mp4", frames=40, fps=8)  # 5 s
+    with av.open(str(tmp_path / "long.mp4")) as container:
+        assert container.streams.video[0].frames == 40  # the container says: the sampled path is taken
+        whole = [f.to_image() for f in container.decode(container.streams.video[0])]
+    kept = video._decode(tmp_path / "long.mp4", name="long.mp4", wanted={0, 13, 26})
+    assert sorted(kept) == [0, 13, 26]  # no other frame becomes an image
+    frames, fps = load_video("long.mp4", base=tmp_path, limits=VideoLimits(fps=2.0))
+    picked = video.sample_indices(40, 10)
+    assert len(frames) == 10 and fps == 2.0
+    assert all(frames[k].tobytes() == whole[i].tobytes() for k, i in enumerate(picked))
+
+
 def test_video_sample_tensors_and_second_per_grid_ts(tmp_path, processor):
     write_mp4(tmp_path / "clip.mp4", frames=8, fps=4)
     sample = encode(video_chat("clip.mp4"), processor, tmp_path)
