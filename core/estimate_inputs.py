@@ -69,8 +69,10 @@ def setup_of(recipe: Any, plan: Any, *, tokens: int | None = None) -> Setup:
 
 def patches_of(recipe: Any) -> int:
     """Vision patches of one sample of synthetic data (its ``data.images`` sides over 14-pixel
-    patches); other sources: 0 (their images are known only once read: ``weft plan`` shows them)."""
+    patches, and its ``data.videos``' in temporal patches of 2 frames); other sources: 0
+    (their images are known only once read: ``weft plan`` shows them)."""
     data = recipe.data
     if getattr(data, "source", "") != "synthetic":
         return 0
-    return sum((h // 14) * (w // 14) for h, w in (getattr(data, "images", None) or []))
+    images = sum((h // 14) * (w // 14) for h, w in (getattr(data, "images", None) or []))
+    return images + sum(max(1, f // 2) * (h // 14) * (w // 14) for f, h, w in (getattr(data, "videos", None) or []))

@@ -40,8 +40,9 @@ class DataSection:
     images: tuple[tuple[int, ...], ...] = attrs.field(default=(), metadata=_doc(
         "synthetic with tokens: the images of every sample as [height, width] pixels, e.g. [[448, 448]]"))
     videos: tuple[tuple[int, ...], ...] = attrs.field(default=(), metadata=_doc(
-        "synthetic conversations: videos as [frames, height, width] (a moving shape; samples then mix images, "
-        "videos and both), e.g. [[4, 56, 56]]"))
+        "synthetic videos as [frames, height, width], e.g. [[4, 56, 56]]: without data.tokens, conversations about "
+        "a moving shape (samples then mix images, videos and both); with data.tokens, every long sample opens with "
+        "these videos (random frames, after data.images)"))
     video_fps: float = attrs.field(default=2.0, validator=in_range(low=0.01), metadata=_doc(
         "frames per second sampled from a video file (a list of frames is taken to be at this rate); "
         "a video part's own 'fps' key overrides it"))
@@ -66,8 +67,7 @@ class DataSection:
             if len(size) != 3 or size[0] < 1 or min(size[1:]) < 28:
                 raise ValueError(f"data.videos takes [frames, height, width] of at least 1 frame and 28 px, got "
                                  f"{list(size)}")
-        if self.videos and (self.tokens or self.source != "synthetic"):
-            raise ValueError("data.videos makes synthetic conversations with videos: data.source = 'synthetic' "
-                             "without data.tokens")
+        if self.videos and self.source != "synthetic":
+            raise ValueError("data.videos makes synthetic samples with videos: data.source = 'synthetic'")
         if self.min_side > self.max_side:
             raise ValueError(f"data.min_side ({self.min_side}) is larger than data.max_side ({self.max_side})")

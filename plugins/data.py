@@ -48,9 +48,10 @@ def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
 
     data = recipe.data
     vision = getattr(config, "vision_config", None)
-    if data.images and vision is None:
-        raise WeftError(f"data.images: model_type {config.model_type!r} has no vision tower",
-                        where=f"{recipe.source} (data.images)")
+    for key in ("images", "videos"):
+        if getattr(data, key) and vision is None:
+            raise WeftError(f"data.{key}: model_type {config.model_type!r} has no vision tower",
+                            where=f"{recipe.source} (data.{key})")
     tokenizer = image_processor = None
     if processor is not None:
         from weft.strategies.conversation import load_processor
@@ -61,7 +62,8 @@ def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
         seed=recipe.train.seed, num_samples=data.num_samples,
         tokens=(data.tokens, data.tokens_max) if data.tokens_max else data.tokens,
         vocab_size=text.vocab_size, special=special_ids(config), images=[tuple(size) for size in data.images],
-        image_processor=image_processor if data.images else None,
+        image_processor=image_processor if data.images or data.videos else None,
+        videos=[tuple(size) for size in data.videos], video_fps=data.video_fps,
         patch_size=getattr(vision, "patch_size", 14), merge_size=getattr(vision, "spatial_merge_size", 2),
         temporal_patch_size=getattr(vision, "temporal_patch_size", 2), in_channels=getattr(vision, "in_channels", 3),
     )

@@ -1,7 +1,10 @@
 """Long synthetic samples for any model shape, without a tokenizer: benchmarks at 32K-128K tokens.
 
-Each sample is ``[<|vision_start|> <|image_pad|> * n <|vision_end|>] * images + text``
-with exactly the requested number of tokens. Text ids are uniform over the vocabulary
+Each sample is ``[<|vision_start|> <|image_pad|> * n <|vision_end|>] * images``, then
+``[<|vision_start|> <|video_pad|> * m <|vision_end|>] * videos``, then text, with exactly
+the requested number of tokens. A video is ``frames`` random frames (a multiple of the
+temporal patch), ``second_per_grid_ts`` from ``video_fps``: long-video benchmarks at
+128K without a decoder in the loop. Text ids are uniform over the vocabulary
 minus every special id, so no stray image token can break the image-feature count; the
 loss is on the text (plain next-token prediction), never on the image span. Pixel values
 come from the model's image processor when one is given, or else are made directly in
@@ -21,7 +24,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from weft.strategies.conversation import IGNORE_INDEX, IMAGE_TYPE, TEXT_TYPE, Sample
+from weft.strategies.conversation import IGNORE_INDEX, IMAGE_TYPE, TEXT_TYPE, VIDEO_TYPE, Sample
 
 #: OpenAI CLIP's per-channel mean and std, which Qwen2-VL/2.5-VL/3-VL processors normalise with.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -45,7 +48,8 @@ def special_ids(config: Any) -> dict[str, int | list[int]]:
 def long_samples(*, seed: int, num_samples: int, tokens: int | tuple[int, int], vocab_size: int,
                  special: dict[str, int | Sequence[int]], images: list[tuple[int, int]] | None,
                  image_processor: Any | None, patch_size: int, merge_size: int, temporal_patch_size: int,
-                 in_channels: int = 3) -> Iterator[Sample]:
+                 in_channels: int = 3, videos: list[tuple[int, int, int]] | None = None,
+                 video_fps: float = 2.0) -> Iterator[Sample]:
     """``num_samples`` Samples of exactly ``tokens`` tokens (or a length drawn uniformly
     from the inclusive range), each starting with one image of every (height, width) in
     ``images``. ``special``: name -> id (or ids) to keep out of the text, e.g.
@@ -59,10 +63,17 @@ def long_samples(*, seed: int, num_samples: int, tokens: int | tuple[int, int], 
     sizes = list(images or [])
     if any(h < 1 or w < 1 for h, w in sizes):
         raise ValueError(f"image sizes must be positive (height, width), got {sizes}")
+    clips = list(videos or [])
+    if any(f < 1 or h < 1 or w < 1 for f, h, w in clips) or video_fps <= 0:
+        raise ValueError(f"videos take positive (frames, height, width) and a positive fps, got {clips}, {video_fps}")
     if sizes:
         missing = [k for k in ("image", "vision_start", "vision_end") if not isinstance(special.get(k), int)]
         if missing:
             raise ValueError(f"images need the special ids {missing} (an int each)")
+    if clips:
+        missing = [k for k in ("video", "vision_start", "vision_end") if not isinstance(special.get(k), int)]
+        if missing:
+            raise ValueError(f"videos need the special ids {missing} (an int each)")
     if image_processor is not None:
         _check_processor(image_processor, patch_size=patch_size, merge_size=merge_size,
                          temporal_patch_size=temporal_patch_size, in_channels=in_channels)
@@ -81,14 +92,14 @@ def long_samples(*, seed: int, num_samples: int, tokens: int | tuple[int, int], 
             generator = _generator(seed, index)
             length = lo if lo == hi else int(torch.randint(lo, hi + 1, (1,), generator=generator))
             yield _sample(generator, length=length, sizes=sizes, special=special, allowed=allowed, shifted=shifted,
-                          image_processor=image_processor, **layout)
+                          image_processor=image_processor, clips=clips, video_fps=video_fps, **layout)
 
     return samples()
 
 
 def _sample(generator: torch.Generator, *, length: int, sizes: list[tuple[int, int]], special: dict,
             allowed: int, shifted: torch.Tensor, image_processor: Any | None, patch_size: int, merge_size: int,
-            temporal_patch_size: int, in_channels: int) -> Sample:
+            temporal_patch_size: int, in_channels: int, clips: list[tuple[int, int, int]], video_fps: float) -> Sample:
     pixel_values = grid_thw = None
     prefix: list[int] = []
     types: list[int] = []
@@ -110,16 +121,49 @@ def _sample(generator: torch.Generator, *, length: int, sizes: list[tuple[int, i
             pads = grid[0] * grid[1] * grid[2] // merge_size**2
             prefix += [special["vision_start"], *[special["image"]] * pads, special["vision_end"]]
             types += [TEXT_TYPE, *[IMAGE_TYPE] * pads, TEXT_TYPE]
+    video = _videos(generator, clips=clips, video_fps=video_fps, image_processor=image_processor,
+                    patch_size=patch_size, merge_size=merge_size, temporal_patch_size=temporal_patch_size,
+                    in_channels=in_channels) if clips else {}
+    for grid in video.get("video_grid_thw", torch.zeros(0, 3)).tolist():
+        pads = int(grid[0] * grid[1] * grid[2]) // merge_size**2
+        prefix += [special["vision_start"], *[special["video"]] * pads, special["vision_end"]]
+        types += [TEXT_TYPE, *[VIDEO_TYPE] * pads, TEXT_TYPE]
     n_text = length - len(prefix)
     if n_text < 1:
-        raise ValueError(f"the images take {len(prefix)} tokens: no room for text in a sample of {length}")
+        raise ValueError(f"the images and videos take {len(prefix)} tokens: no room for text in a sample of {length}")
     draws = torch.randint(0, allowed, (n_text,), generator=generator)  # (T,) ranks among the allowed ids
     text = draws + torch.searchsorted(shifted, draws, right=True)  # (T,) ids, no special among them
     input_ids = torch.cat([torch.tensor(prefix, dtype=torch.long), text])  # (S,)
     labels = torch.cat([torch.full((len(prefix),), IGNORE_INDEX, dtype=torch.long), text])  # (S,)
     mm_token_type_ids = torch.tensor(types + [TEXT_TYPE] * n_text, dtype=torch.long)  # (S,)
     return Sample(input_ids=input_ids, labels=labels, pixel_values=pixel_values, image_grid_thw=grid_thw,
-                  mm_token_type_ids=mm_token_type_ids)
+                  mm_token_type_ids=mm_token_type_ids, **video)
+
+
+def _videos(generator: torch.Generator, *, clips: list[tuple[int, int, int]], video_fps: float,
+            image_processor: Any | None, patch_size: int, merge_size: int, temporal_patch_size: int,
+            in_channels: int) -> dict[str, torch.Tensor]:
+    """Random videos in the model's layout: pixel_values_videos (N, C*T*P*P), video_grid_thw
+    (n, 3) and second_per_grid_ts (n,); each video's frames rounded down to whole temporal
+    patches (at least one)."""
+    values, grids = [], []
+    for frames, height, width in clips:
+        count = max(temporal_patch_size, frames // temporal_patch_size * temporal_patch_size)
+        h, w = rounded_size(height, width, patch_size=patch_size, merge_size=merge_size)
+        shape = (count, h, w, in_channels)  # (F, H, W, C)
+        pixels = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+        if image_processor is not None:
+            from weft.strategies.video import video_patches
+
+            rows, grid = video_patches([Image.fromarray(f.numpy()) for f in pixels], image_processor=image_processor)
+            grid = tuple(grid[0].tolist())
+        else:
+            rows, grid = patchify_frames(pixels, patch_size=patch_size, merge_size=merge_size,
+                                         temporal_patch_size=temporal_patch_size)
+        values.append(rows)
+        grids.append(grid)
+    return {"pixel_values_videos": torch.cat(values), "video_grid_thw": torch.tensor(grids, dtype=torch.long),
+            "second_per_grid_ts": torch.full((len(clips),), temporal_patch_size / video_fps, dtype=torch.float32)}
 
 
 def rounded_size(height: int, width: int, *, patch_size: int, merge_size: int) -> tuple[int, int]:
@@ -133,23 +177,33 @@ def patchify(pixels: torch.Tensor, *, patch_size: int, merge_size: int,
              temporal_patch_size: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """One (H, W, C) uint8 image, H and W multiples of patch*merge -> (pixel_values
     (h*w, C*T*P*P), grid (1, h, w)), as Qwen2-VL's image processor makes them (which
-    would first resize to such a size)."""
-    height, width, channels = pixels.shape
+    would first resize to such a size): a still image is its own frame T times."""
+    frames = pixels[None].expand(temporal_patch_size, -1, -1, -1)  # (T, H, W, C)
+    return patchify_frames(frames, patch_size=patch_size, merge_size=merge_size,
+                           temporal_patch_size=temporal_patch_size)
+
+
+def patchify_frames(frames: torch.Tensor, *, patch_size: int, merge_size: int,
+                    temporal_patch_size: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(F, H, W, C) uint8 frames, F a multiple of T and H, W of patch*merge -> (pixel_values
+    (G*h*w, C*T*P*P), grid (G, h, w)) with G = F / T, in the processor's row order."""
+    count, height, width, channels = frames.shape
     if height % (patch_size * merge_size) or width % (patch_size * merge_size):
         raise ValueError(f"image {height}x{width} is not in multiples of {patch_size * merge_size}: see rounded_size")
-    image = pixels.permute(2, 0, 1).to(torch.float32) / 255.0  # (C, H, W) in [0, 1]
+    if count % temporal_patch_size:
+        raise ValueError(f"{count} frames is not a multiple of the temporal patch size {temporal_patch_size}")
+    video = frames.permute(0, 3, 1, 2).to(torch.float32) / 255.0  # (F, C, H, W) in [0, 1]
     mean, std = (CLIP_MEAN, CLIP_STD) if channels == 3 else ((0.5,) * channels, (0.5,) * channels)
-    image = (image - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
-    grid_h, grid_w = height // patch_size, width // patch_size
-    # A still image is its own frame temporal_patch_size times (what the processor does).
-    frames = image[None].expand(temporal_patch_size, -1, -1, -1)  # (T, C, H, W)
-    patches = frames.reshape(1, temporal_patch_size, channels, grid_h // merge_size, merge_size, patch_size,
-                             grid_w // merge_size, merge_size, patch_size)
-    # Rows in the processor's order: merge windows (2x2 patches) together, so the vision
-    # tower's merger sees the neighbours it expects; each row is (C, T, P, P) flattened.
-    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (1, h/m, w/m, m, m, C, T, P, P)
-    values = patches.reshape(grid_h * grid_w, channels * temporal_patch_size * patch_size**2)
-    return values, (1, grid_h, grid_w)
+    video = (video - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    groups, grid_h, grid_w = count // temporal_patch_size, height // patch_size, width // patch_size
+    patches = video.reshape(groups, temporal_patch_size, channels, grid_h // merge_size, merge_size, patch_size,
+                            grid_w // merge_size, merge_size, patch_size)
+    # Rows in the processor's order: temporal groups outermost, then merge windows (2x2
+    # patches) together, so the vision tower's merger sees the neighbours it expects; each
+    # row is (C, T, P, P) flattened.
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (G, h/m, w/m, m, m, C, T, P, P)
+    values = patches.reshape(groups * grid_h * grid_w, channels * temporal_patch_size * patch_size**2)
+    return values, (groups, grid_h, grid_w)
 
 
 def _random_pixels(generator: torch.Generator, *, height: int, width: int, channels: int) -> torch.Tensor:

@@ -98,6 +98,29 @@ def test_tiny_model_accepts_the_samples(with_processor, processor):
     assert torch.isfinite(loss)
 
 
+def test_videos_in_the_processors_layout_and_the_model_takes_them(processor):
+    """Long samples with a video after the image: 5 frames -> 2 temporal patches; the direct
+    layout equals the model's image processor paired into temporal patches (weft's video
+    path), the tiny model's rope index and vision tower accept them, and the seconds per
+    patch follow video_fps."""
+    import transformers
+
+    from weft.strategies.conversation import VIDEO_TYPE
+
+    clips = [(5, 56, 84)]
+    direct, processed = (tiny(tokens=200, images=[(56, 84)], videos=clips, video_fps=4.0, image_processor=p)[0]
+                         for p in (None, processor))
+    assert direct.video_grid_thw.tolist() == [[2, 4, 6]] and direct.second_per_grid_ts.tolist() == [0.5]
+    torch.testing.assert_close(direct.pixel_values_videos, processed.pixel_values_videos, atol=1e-5, rtol=0)
+    assert torch.equal(direct.input_ids, processed.input_ids) and direct.num_tokens == 200
+    videos = direct.input_ids == TINY.video_token_id
+    assert int(videos.sum()) == 2 * 4 * 6 // 4 and torch.equal(direct.mm_token_type_ids == VIDEO_TYPE, videos)
+    assert (direct.labels[: image_span(direct)] == IGNORE_INDEX).all()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(TINY, dtype=torch.float32)
+    assert torch.isfinite(model(**collate([direct, processed], pad_id=306)).loss)
+
+
 def test_deterministic_by_seed_and_index():
     first = tiny(num_samples=3, tokens=(60, 120))
     again = tiny(num_samples=5, tokens=(60, 120))[:3]  # sample i does not depend on num_samples

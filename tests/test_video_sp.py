@@ -55,6 +55,19 @@ def test_check_is_exact_with_a_video_shared_by_the_sp_ranks(tmp_path):
     assert result["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "ring": 1, "ulysses": 2}
 
 
+def test_check_is_exact_on_long_synthetic_samples_with_a_video(tmp_path):
+    """The long synthetic source (data.tokens, what the GPU benchmarks use) with an image and
+    a 48-patch video per sample, under Ulysses 2 with the tower shared for large calls."""
+    sets = ["parallel.ring=1", "parallel.ulysses=2", "data.tokens=512", "data.images=[[56, 56]]",
+            "data.videos=[[4, 56, 84]]"]
+    done = subprocess.run([sys.executable, "-m", "weft", "check", "tiny-vl-sp", "--world-size", "2",
+                           *[a for s in sets for a in ("--set", s)], "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
+
+
 def test_a_rank_without_videos_calls_the_tower_as_often_as_one_with():
     """The data-parallel keep-alive's marks: one blank tower call for each modality that some
     rank of the round encodes and this one does not (Qwen2.5-VL calls the tower once for the
