@@ -246,7 +246,7 @@ def test_host_memory_bounds_offloaded_activations(tmp_path):
 
 # The bundled recipes, and the benchmarks' real-size recipes that GPU runs take as they stand.
 REAL_SIZE = sorted([*(ROOT / "recipes").glob("qwen2.5-*.toml"), *(ROOT / "benchmarks").glob("frontier-*.toml"),
-                    *(ROOT / "benchmarks").glob("slice-*.toml")])
+                    *(ROOT / "benchmarks").glob("slice-*.toml"), *(ROOT / "benchmarks").glob("video-*.toml")])
 
 
 @pytest.mark.parametrize("recipe", REAL_SIZE, ids=lambda p: p.stem)
