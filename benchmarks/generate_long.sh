@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 15's GPU rows: Qwen2.5-VL-7B (random init) prefilling a 128K-token prompt (one
 # 448x448 image, the rest synthetic text: the bundled 128K recipe's own first sample) and
-# decoding 100 tokens, on one H200 (dynamic cache) and over two (ring 2, sharded cache).
+# decoding 100 tokens, on one H200 (dynamic cache) and over two (ring 2, sharded cache); then
+# the same with the paged cache (benchmarks/variants/7b-128k-paged-cache.toml).
 # Run from a scratch folder with weft installed (the checkout's weft/ would shadow it):
 #   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh      # OUT=... for the JSON
 set -uo pipefail
@@ -10,11 +11,15 @@ mkdir -p "$out"
 common=(qwen2.5-vl-7b-128k-1gpu --prompt-from-data --max-new-tokens 100 --warmup --json)
 python3 -m weft generate "${common[@]}" --nproc 1 > "$out/one.json" 2> "$out/one.err"
 python3 -m weft generate "${common[@]}" --nproc 2 --set parallel.ring=2 > "$out/two.json" 2> "$out/two.err"
+here=$(cd "$(dirname "$0")" && pwd)
+paged=("$here/variants/7b-128k-paged-cache.toml" "${common[@]:1}")
+python3 -m weft generate "${paged[@]}" --nproc 1 > "$out/one-paged.json" 2> "$out/one-paged.err"
+python3 -m weft generate "${paged[@]}" --nproc 2 --set parallel.ring=2 > "$out/two-paged.json" 2> "$out/two-paged.err"
 python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rows = {}
-for name in ("one", "two"):
+for name in ("one", "two", "one-paged", "two-paged"):
     try:
         rows[name] = json.loads((out / f"{name}.json").read_text())
     except ValueError:
@@ -25,7 +30,10 @@ for name, r in rows.items():
     cache = ", ".join(f"{b / 2**30:.2f}" for b in r["cache_bytes_per_rank"])
     print(f"| {r['world_size']} | {r['cache']} | {r['prompt_tokens']:,} | {r['prefill_s']:.2f} | "
           f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_ms_per_token']:.1f} | {cache} | {r['max_memory_gib']:.1f} |")
-if len(rows) == 2:
+if "one" in rows and "two" in rows:
     print(f"prefill speed-up on two: {rows['one']['prefill_s'] / rows['two']['prefill_s']:.2f}x; "
           f"same tokens: {rows['one']['tokens'] == rows['two']['tokens']}")
+for name in ("one-paged", "two-paged"):
+    if name in rows and "one" in rows:
+        print(f"{name}: same tokens as the dynamic cache: {rows[name]['tokens'] == rows['one']['tokens']}")
 PY
