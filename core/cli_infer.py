@@ -29,6 +29,8 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
                         help="the first sample of the recipe's data as the prompt (e.g. long synthetic: data.tokens)")
     generate.add_argument("--image", dest="images", action="append", default=[], type=pathlib.Path,
                           metavar="PATH", help="an image before the prompt (repeatable)")
+    generate.add_argument("--video", dest="videos", action="append", default=[], type=pathlib.Path,
+                          metavar="PATH", help="a video file after the images, sampled at data.video_fps (repeatable)")
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
@@ -142,12 +144,15 @@ def _generate(args) -> int:
     from weft.core.generate import check_options, run_generate
 
     check_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
-    for image in args.images:
-        if not image.is_file():
-            raise WeftError(f"no such file: {image}; --image takes an image file", where="--image")
-    if args.prompt_from_data and args.images:
-        raise WeftError("--image goes with --prompt; --prompt-from-data takes the data's own images", where="--image")
+    for flag, paths in (("--image", args.images), ("--video", args.videos)):
+        for path in paths:
+            if not path.is_file():
+                raise WeftError(f"no such file: {path}; {flag} takes a{'n image' if flag == '--image' else ' video'} "
+                                "file", where=flag)
+        if args.prompt_from_data and paths:
+            raise WeftError(f"{flag} goes with --prompt; --prompt-from-data takes the data's own", where=flag)
     options = {"prompt": args.prompt, "images": [str(p.resolve()) for p in args.images],
+               "videos": [str(p.resolve()) for p in args.videos],
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                "seed": args.seed, "stream": not args.json, "warmup": args.warmup}
     recipe, forwarded = _forwarded(args, list(args.overrides), options)

@@ -38,7 +38,7 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 
 
 def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,
-              images: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
+              images: list[str], videos: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
               run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False) -> dict:
     from weft.core.check import autocast_for
     from weft.core.rank_job import prepare_inference
@@ -46,7 +46,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
                                                  device_type=device_type, run_dir=run_dir, step=step)
     model, device = run.model, ctx.device
-    inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images) if prompt is not None
+    inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None
               else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))
     length = inputs["input_ids"].shape[1]
     text_rules = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]

@@ -117,9 +117,11 @@ class ModelAdapter(Protocol):
     def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path) -> None:
         """Write a Hugging Face directory: weights, config and the processor's files."""
 
-    def prompt_inputs(self, recipe: Recipe, *, text: str, images: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Model inputs (B = 1) for one user turn (the images, then ``text``) followed by the
-        assistant's header, encoded as the training data encodes chats: `weft generate`'s prompt."""
+    def prompt_inputs(self, recipe: Recipe, *, text: str, images: Sequence[str],
+                      videos: Sequence[str] = ()) -> dict[str, torch.Tensor]:
+        """Model inputs (B = 1) for one user turn (the images, the videos, then ``text``)
+        followed by the assistant's header, encoded as the training data encodes chats
+        (videos sampled by ``data.video_fps`` / ``data.max_frames``): `weft generate`'s prompt."""
 
     def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
         """Token ids as text, with the model's tokenizer ("" when the model has none)."""

@@ -116,6 +116,30 @@ def test_paged_cache_equals_transformers_generate(image, expected, single, tmp_p
     assert all(p["text_capacity"] - p["text"] < 4 * per_token for p in parts)  # less than a page spare
 
 
+def test_a_video_prompt_over_ring2_equals_transformers_generate(tmp_path):
+    """`--video`: a 2-second clip sampled at the recipe's 2 fps (4 frames, 2 temporal
+    patches) before the prompt; prefill under ring 2 (the video's tower call spread over
+    the ranks), the sharded cache, transformers' tokens on the same inputs."""
+    from video_files import write_mp4
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.recipe import Recipe
+
+    clip = write_mp4(tmp_path / "clip.mp4", frames=8, fps=4)
+    recipe = Recipe.from_toml(RECIPE)
+    adapter = plugin_manager_from_env().models.for_recipe(recipe)
+    model = adapter.build(recipe, device="cpu", seed=recipe.train.seed).eval()
+    inputs = adapter.prompt_inputs(recipe, text=PROMPT, images=[], videos=[str(clip)])
+    assert inputs["video_grid_thw"].tolist() == [[2, 4, 4]] and inputs["second_per_grid_ts"].tolist() == [1.0]
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+    want = out[0, inputs["input_ids"].shape[1]:].tolist()
+    done = weft("generate", RECIPE, "--prompt", PROMPT, "--video", str(clip), "--max-new-tokens", str(NEW), "--json",
+                "--nproc", "2", "--set", "parallel.ring=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["tokens"] == want and got["prompt_tokens"] == inputs["input_ids"].shape[1]
+
+
 def test_a_hugging_face_directory_without_a_recipe(image, expected, tmp_path):
     """--model-dir: the same weights written as a Hugging Face directory (what `weft export`
     writes) generate what transformers' generate gives."""

@@ -59,10 +59,14 @@ class TransformersAdapter:
     def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path) -> None:
         build.export(model, processor=self.config(recipe)[1], out_dir=out_dir)
 
-    def prompt_inputs(self, recipe: Recipe, *, text: str, images: Sequence[str]) -> dict[str, torch.Tensor]:
+    def prompt_inputs(self, recipe: Recipe, *, text: str, images: Sequence[str],
+                      videos: Sequence[str] = ()) -> dict[str, torch.Tensor]:
         from weft.plugins.models.prompt import prompt_inputs
+        from weft.strategies.video import VideoLimits
 
-        return prompt_inputs(processor=self.config(recipe)[1], text=text, images=images)
+        limits = VideoLimits(fps=recipe.data.video_fps, max_frames=recipe.data.max_frames)
+        return prompt_inputs(processor=self.config(recipe)[1], text=text, images=images, videos=videos,
+                             video_limits=limits)
 
     def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
         from weft.plugins.models.prompt import decode_tokens

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 
-def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str]) -> dict[str, torch.Tensor]:
-    """(B = 1) input_ids, attention_mask, mm_token_type_ids and the image inputs of
-    ``<|im_start|>user\\n[images]text<|im_end|>\\n<|im_start|>assistant\\n``."""
+def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str], videos: Sequence[str] = (),
+                  video_limits: Any = None) -> dict[str, torch.Tensor]:
+    """(B = 1) input_ids, attention_mask, mm_token_type_ids and the image and video inputs of
+    ``<|im_start|>user\\n[images][videos]text<|im_end|>\\n<|im_start|>assistant\\n``; videos
+    sampled by ``video_limits`` (strategies.video.VideoLimits) as training samples them."""
     from weft.core.errors import WeftError
     from weft.strategies.conversation import collate, encode_conversation, load_processor
 
@@ -18,18 +20,38 @@ def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str]) ->
         raise WeftError("this recipe's model has no processor folder (model.processor), so a text prompt cannot be "
                         "encoded", where="model.processor")
     tokenizer, image_processor = load_processor(processor)
-    content = [{"type": "image", "image": path} for path in images] + [{"type": "text", "text": text}]
+    content = [{"type": "image", "image": path} for path in images] + _video_parts(videos, video_limits) \
+        + [{"type": "text", "text": text}]
     # An empty assistant turn gives the header the model continues from; its closing
     # <|im_end|> and newline are cut off below.
     try:
         sample = encode_conversation([{"role": "user", "content": content}, {"role": "assistant", "content": ""}],
                                      tokenizer=tokenizer, image_processor=image_processor)
     except (OSError, ValueError) as error:
-        raise WeftError(f"cannot encode the prompt: {error}", where="--image" if images else "--prompt") from error
+        where = "--image" if images else "--video" if videos else "--prompt"
+        raise WeftError(f"cannot encode the prompt: {error}", where=where) from error
     batch = collate([sample], pad_id=0)
     end = int((batch["input_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_end|>")).nonzero()[-1])
     cut = {k: v[:, :end] for k, v in batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
-    return cut | {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+    vision = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+    return cut | {k: batch[k] for k in vision if k in batch}
+
+
+def _video_parts(videos: Sequence[str], limits: Any) -> list[dict]:
+    """Each video file (an absolute path) decoded and sampled as training samples videos."""
+    import pathlib
+
+    from weft.core.errors import WeftError
+    from weft.strategies.video import VideoLimits, load_video
+
+    parts = []
+    for path in videos:
+        try:
+            frames, fps = load_video(path, base=pathlib.Path("/"), limits=limits or VideoLimits())
+        except ValueError as error:
+            raise WeftError(f"cannot read the video: {error}", where="--video") from error
+        parts.append({"type": "video", "video": frames, "fps": fps})
+    return parts
 
 
 def decode_tokens(*, processor: str | None, ids: Sequence[int]) -> str:
