@@ -94,16 +94,20 @@ def test_sharded_cache_equals_transformers_generate(image, expected, single, wor
     assert max(shards) <= whole / world + 2 * per_token, shards
 
 
-@pytest.mark.parametrize("world, mesh", [(1, []), (2, ["--set", "parallel.ring=2"])], ids=["one", "ring2"])
-def test_paged_cache_equals_transformers_generate(image, expected, single, tmp_path, world, mesh):
-    """The modality-partitioned cache (a vision pool, text pages of 4 rows: the text buffer
-    grows while decoding) gives transformers' tokens; the pool holds the image's tokens."""
+def paged_recipe(tmp_path) -> pathlib.Path:
+    """tiny-vl with the paged cache, pages of 4 rows (the text buffer grows while decoding)."""
     recipe = tmp_path / "paged.toml"
     text = pathlib.Path(RECIPE).read_text().replace('include = ["rules/', f'include = ["{ROOT}/recipes/rules/')
     recipe.write_text(text + '\n[[rules]]\nname = "paged cache"\nwhen = { modality = "text" }\n'
                       'kv_cache = { strategy = "paged", page_tokens = 4 }\n')
-    done = weft("generate", str(recipe), "--prompt", PROMPT, "--image", str(image), "--max-new-tokens", str(NEW),
-                "--json", "--nproc", str(world), *mesh)
+    return recipe
+
+
+def test_paged_cache_equals_transformers_generate(image, expected, single, tmp_path):
+    """The modality-partitioned cache on one process gives transformers' tokens; its pool
+    holds exactly the image's tokens (under ring 2: the video test below)."""
+    done = weft("generate", str(paged_recipe(tmp_path)), "--prompt", PROMPT, "--image", str(image),
+                "--max-new-tokens", str(NEW), "--json", "--nproc", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout)
     assert got["cache"] == "PagedCache"
@@ -118,8 +122,8 @@ def test_paged_cache_equals_transformers_generate(image, expected, single, tmp_p
 
 def test_a_video_prompt_over_ring2_equals_transformers_generate(tmp_path):
     """`--video`: a 2-second clip sampled at the recipe's 2 fps (4 frames, 2 temporal
-    patches) before the prompt; prefill under ring 2 (the video's tower call spread over
-    the ranks), the sharded cache, transformers' tokens on the same inputs."""
+    patches) before the prompt; prefill under ring 2, the paged cache split over the two
+    ranks (its vision pools hold the video's tokens), transformers' tokens on the same inputs."""
     from video_files import write_mp4
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe
@@ -133,11 +137,17 @@ def test_a_video_prompt_over_ring2_equals_transformers_generate(tmp_path):
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
     want = out[0, inputs["input_ids"].shape[1]:].tolist()
-    done = weft("generate", RECIPE, "--prompt", PROMPT, "--video", str(clip), "--max-new-tokens", str(NEW), "--json",
-                "--nproc", "2", "--set", "parallel.ring=2")
+    done = weft("generate", str(paged_recipe(tmp_path)), "--prompt", PROMPT, "--video", str(clip), "--max-new-tokens",
+                str(NEW), "--json", "--nproc", "2", "--set", "parallel.ring=2")
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout)
     assert got["tokens"] == want and got["prompt_tokens"] == inputs["input_ids"].shape[1]
+    assert got["cache"] == "PagedCache"
+    parts = got["cache_partitions_per_rank"]
+    per_token = sum(p["vision"] + p["text"] for p in parts) / (got["prompt_tokens"] + NEW - 1)
+    video_tokens = int((inputs["input_ids"] == model.config.video_token_id).sum())
+    assert sum(p["vision"] for p in parts) == per_token * video_tokens
+    assert all(p["vision"] > 0 for p in parts)  # ring 2's zigzag halves both hold video rows
 
 
 def test_a_hugging_face_directory_without_a_recipe(image, expected, tmp_path):

@@ -44,20 +44,11 @@ def test_check_is_exact_with_videos_and_the_vision_tower_frozen(tmp_path):
     assert result["grad_params"]["plan"] == result["grad_params"]["reference"]
 
 
-def test_check_is_exact_with_a_video_shared_by_the_sp_ranks(tmp_path):
-    """A video of 32 patches, over the rule's 24: both SP ranks of each data-parallel group
-    share its tower call (vision Ulysses; the tiny tower's 2 heads) instead of one rank
-    encoding it whole."""
-    shared = ('\n[[rules]]\nname = "vision: share the tower for long videos"\nwhen = { modality = "vision" }\n'
-              'attention = { strategy = "vision_ulysses", min_patches = 24 }\n')
-    (tmp_path / "shared.toml").write_text(pathlib.Path(RECIPE).read_text() + shared)
-    result = check("parallel.ulysses=2", "parallel.dp_shard=2", recipe="shared.toml", cwd=tmp_path)
-    assert result["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "ring": 1, "ulysses": 2}
-
-
 def test_check_is_exact_on_long_synthetic_samples_with_a_video(tmp_path):
     """The long synthetic source (data.tokens, what the GPU benchmarks use) with an image and
-    a 48-patch video per sample, under Ulysses 2 with the tower shared for large calls."""
+    a 48-patch video per sample, under Ulysses 2: the video is over tiny-vl-sp's rule
+    (vision_ulysses, min_patches = 24), so both SP ranks share its tower call instead of
+    one rank encoding it whole."""
     sets = ["parallel.ring=1", "parallel.ulysses=2", "data.tokens=512", "data.images=[[56, 56]]",
             "data.videos=[[4, 56, 84]]"]
     done = subprocess.run([sys.executable, "-m", "weft", "check", "tiny-vl-sp", "--world-size", "2",
