@@ -144,11 +144,10 @@ def _generate(args) -> int:
     from weft.core.generate import check_options, run_generate
 
     check_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
-    for flag, paths in (("--image", args.images), ("--video", args.videos)):
+    for flag, paths, kind in (("--image", args.images, "an image"), ("--video", args.videos, "a video")):
         for path in paths:
             if not path.is_file():
-                raise WeftError(f"no such file: {path}; {flag} takes a{'n image' if flag == '--image' else ' video'} "
-                                "file", where=flag)
+                raise WeftError(f"no such file: {path}; {flag} takes {kind} file", where=flag)
         if args.prompt_from_data and paths:
             raise WeftError(f"{flag} goes with --prompt; --prompt-from-data takes the data's own", where=flag)
     options = {"prompt": args.prompt, "images": [str(p.resolve()) for p in args.images],

@@ -93,10 +93,10 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                 _pick(choose, output.logits[:, -1].float(), tokens, logprobs)
         sync()
     decode_s = time.perf_counter() - start - prefill_s
-    local_bytes = [None] * world_size
-    dist.all_gather_object(local_bytes, _cache_bytes(cache))
-    partitions = [None] * world_size  # the paged cache's vision pool and text pages, in bytes
-    dist.all_gather_object(partitions, cache.partition_bytes() if hasattr(cache, "partition_bytes") else None)
+    # Each rank's cache bytes, and a paged cache's vision pool and text pages: one gather.
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, (_cache_bytes(cache), getattr(cache, "partition_bytes", lambda: None)()))
+    local_bytes, partitions = [g[0] for g in gathered], [g[1] for g in gathered]
     return {"tokens": tokens, "logprobs": logprobs, "text": ctx.adapter.decode_tokens(recipe, tokens),
             "prompt_tokens": length,
             "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9),

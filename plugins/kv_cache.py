@@ -50,17 +50,15 @@ def weft_kv_cache(decision, model, plan, mesh, ctx):
         from transformers import DynamicCache
 
         return DynamicCache(config=config)
+    if strategy not in ("sharded", "paged"):
+        return None
+    group = mesh.sp.get_group() if plan.mesh.sp > 1 else None
+    sp = {"num_layers": config.num_hidden_layers, "group": group,
+          "rank": mesh.sp.get_local_rank() if group is not None else 0, "world": plan.mesh.sp if group else 1}
     if strategy == "sharded":
         from weft.plugins.sharded_cache import ShardedCache
 
-        group = mesh.sp.get_group() if plan.mesh.sp > 1 else None
-        rank, world = (mesh.sp.get_local_rank(), plan.mesh.sp) if group is not None else (0, 1)
-        return ShardedCache(num_layers=config.num_hidden_layers, rank=rank, world=world, group=group)
-    if strategy == "paged":
-        from weft.plugins.paged_cache import PagedCache
+        return ShardedCache(**sp)
+    from weft.plugins.paged_cache import PagedCache
 
-        group = mesh.sp.get_group() if plan.mesh.sp > 1 else None
-        rank, world = (mesh.sp.get_local_rank(), plan.mesh.sp) if group is not None else (0, 1)
-        return PagedCache(num_layers=config.num_hidden_layers, rank=rank, world=world, group=group,
-                          page_tokens=decision.params.page_tokens)
-    return None
+    return PagedCache(**sp, page_tokens=decision.params.page_tokens)

@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 
-from weft.strategies.sharded_kv import decode_owner, grown_capacity, partitioned_decode_attention
+from weft.plugins.sharded_cache import ShardedCache
+from weft.strategies.sharded_kv import decode_owner, grown_capacity
 
 
 class PagedLayer(DynamicLayer):
@@ -88,33 +88,19 @@ class PagedLayer(DynamicLayer):
                 "text_capacity": size(self.keys, self.values)}
 
 
-class PagedCache(Cache):
+class PagedCache(ShardedCache):
     """Vision pool and text pages per layer, split over the sequence-parallel group when there is one."""
 
+    layer_class = PagedLayer
+
     def __init__(self, *, num_layers: int, rank: int, world: int, group: Any, page_tokens: int) -> None:
-        self.state = {"phase": "prefill", "keep": None, "vision": None, "prompt": 0, "rank": rank, "world": world,
-                      "page": page_tokens}
-        self.group = group
-        super().__init__(layers=[PagedLayer(state=self.state) for _ in range(num_layers)])
-        self.decode_attention = f"weft_paged_decode_{id(self):x}"
-        AttentionInterface.register(self.decode_attention, self._attend)
-
-    def begin_prefill(self, *, keep: torch.Tensor | None, prompt: int, vision: torch.Tensor | None = None) -> None:
-        """``keep``: (S_local,) bool, this rank's real rows; ``vision``: (S_local,) bool, its rows
-        of image or video tokens; ``prompt``: the prompt's real length."""
-        self.state.update(phase="prefill", keep=keep, vision=vision, prompt=prompt)
-
-    def begin_decode(self) -> None:
-        self.state.update(phase="decode", keep=None, vision=None)
+        super().__init__(num_layers=num_layers, rank=rank, world=world, group=group, page=page_tokens)
 
     def partition_bytes(self) -> dict[str, int]:
         parts = [layer.partition_bytes() for layer in self.layers]
         return {key: sum(p[key] for p in parts) for key in ("vision", "text", "text_capacity")}
 
-    def _attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        # query (B, Hq, Sq, D); key/value: this rank's filled text rows -> (B, Sq, Hq, D)
+    def decode_parts(self, module, key: torch.Tensor, value: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # The layer's vision pool beside its filled text rows (what update returned).
         layer = self.layers[module.layer_idx]
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        parts = [(layer.vision_keys, layer.vision_values), (key, value)]
-        out = partitioned_decode_attention(query, parts, scale=scale, group=self.group)
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        return [(layer.vision_keys, layer.vision_values), (key, value)]

@@ -19,7 +19,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
-from weft.strategies.sharded_kv import decode_owner, sharded_decode_attention
+from weft.strategies.sharded_kv import decode_owner, partitioned_decode_attention
 
 
 class ShardedLayer(DynamicLayer):
@@ -58,27 +58,38 @@ class ShardedLayer(DynamicLayer):
 
 
 class ShardedCache(Cache):
-    """Keys and values split over the sequence-parallel group; see the module docstring."""
+    """Keys and values split over the sequence-parallel group; see the module docstring.
+    ``extra``: more shared layer state (a subclass's, e.g. the paged cache's page size)."""
 
-    def __init__(self, *, num_layers: int, rank: int, world: int, group: Any) -> None:
-        self.state = {"phase": "prefill", "keep": None, "prompt": 0, "rank": rank, "world": world}
+    layer_class = ShardedLayer
+
+    def __init__(self, *, num_layers: int, rank: int, world: int, group: Any, **extra: Any) -> None:
+        self.state = {"phase": "prefill", "keep": None, "vision": None, "prompt": 0, "rank": rank, "world": world,
+                      **extra}
         self.group = group
-        super().__init__(layers=[ShardedLayer(state=self.state) for _ in range(num_layers)])
+        super().__init__(layers=[self.layer_class(state=self.state) for _ in range(num_layers)])
         # The decode attention: registered under a name of this cache, selected by the core
         # for the text model once the prefill is done.
-        self.decode_attention = f"weft_sharded_decode_{id(self):x}"
+        self.decode_attention = f"weft_{type(self).__name__.lower()}_decode_{id(self):x}"
         AttentionInterface.register(self.decode_attention, self._attend)
 
     def begin_prefill(self, *, keep: torch.Tensor | None, prompt: int, vision: torch.Tensor | None = None) -> None:
         """``keep``: (S_local,) bool, this rank's rows that are real tokens (not padding);
-        ``prompt``: the prompt's real length; ``vision``: not used here (one partition)."""
-        self.state.update(phase="prefill", keep=keep, prompt=prompt)
+        ``prompt``: the prompt's real length; ``vision``: (S_local,) bool, its rows of image
+        or video tokens (for layers that keep them apart)."""
+        self.state.update(phase="prefill", keep=keep, vision=vision, prompt=prompt)
 
     def begin_decode(self) -> None:
-        self.state.update(phase="decode", keep=None)
+        self.state.update(phase="decode", keep=None, vision=None)
+
+    def decode_parts(self, module, key: torch.Tensor, value: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (key, value) partitions the decode attends over: here one, what
+        ``update`` returned."""
+        return [(key, value)]
 
     def _attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query (B, Hq, Sq, D), key/value (B, Hkv, N_local, D) -> (B, Sq, Hq, D), no weights
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = sharded_decode_attention(query, key, value, scale=scale, group=self.group)
+        out = partitioned_decode_attention(query, self.decode_parts(module, key, value), scale=scale,
+                                           group=self.group)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None

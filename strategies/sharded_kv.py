@@ -49,14 +49,6 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     return (weights.unsqueeze(-1) * outs).sum(dim=0)
 
 
-def sharded_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,
-                             group) -> torch.Tensor:
-    """Attention of ``query`` over the union of every rank's shard in ``group``: (B, Hq, Sq, D)
-    in float32. One all-gather of each rank's (out, lse): O(Hq x D) per token, whatever the
-    cache's length. ``group`` None: one rank holds the whole cache."""
-    return partitioned_decode_attention(query, [(key, value)], scale=scale, group=group)
-
-
 def partitioned_decode_attention(query: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], *,
                                  scale: float, group) -> torch.Tensor:
     """Attention of ``query`` over the union of this rank's cache ``parts`` ((key, value)
