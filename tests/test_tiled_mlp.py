@@ -2,9 +2,11 @@
 layers' inputs offloaded to host memory: the same loss and gradients as the untiled,
 non-offloaded step in float64, on one rank and under ring attention over 2 gloo ranks.
 
-Bit for bit, except the MLP weights' gradients: those are sums over the tiles, the same
-products added in another order (the untiled GEMM sums over all rows at once), so they
-agree to float64 rounding; every other gradient, the loss and the outputs are identical.
+Equal to float64 rounding (relative 1e-12), not bit for bit: the MLP weights' gradients
+are sums over the tiles (the same products added in another order), and the MLP's input
+gradient is computed tile by tile, so a CPU BLAS that blocks a GEMM by its shape (MKL on
+AMD EPYC) rounds it differently and the difference flows into every gradient upstream.
+No claim holds on one machine only.
 """
 
 from __future__ import annotations
@@ -49,12 +51,12 @@ def _compare(rank: int, world: int, strategy: str) -> None:
     for offload in (False, True):
         tiled, tiled_grads = _run(_model(rank, world, tile=7, offload=offload, strategy=strategy)[0], local,
                                   split is not None)
-        assert torch.equal(tiled, plain), (offload, tiled, plain)
+        torch.testing.assert_close(tiled, plain, rtol=1e-12, atol=0, msg=lambda m: f"loss, offload={offload}: {m}")
         for name, grad in plain_grads.items():
-            if ".mlp." in name:  # sums over tiles: the same terms in another order
-                torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-13, atol=1e-16, msg=name)
-            else:
-                assert torch.equal(tiled_grads[name], grad), (offload, name)
+            # Tiles change the order of the sums, not the terms: float64 rounding is the bar.
+            scale = grad.abs().max().item()
+            torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-12, atol=1e-12 * scale,
+                                       msg=lambda m, name=name: f"{name}, offload={offload}: {m}")
 
 
 @pytest.mark.parametrize(("world", "strategy"), [(1, "none"), (2, "none"), (2, "fsdp2")])
