@@ -30,6 +30,7 @@ class RunContext:
     plugin_state: dict = attrs.field(factory=dict)  # what a plugin keeps between calls in this run, by its own keys
     adapter: ModelAdapter | None = None  # the model family's adapter (weft_models)
     positions: PositionWatch | None = None  # largest position id seen, vs the rotary context
+    optimizer: Any = None  # the run's optimizer (weft_optimizer), once made; guards may read its state
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n

@@ -8,7 +8,8 @@ The core calls these hooks in this order, once per run unless said otherwise:
                          built again from them if they changed);
    ``weft_shard``        once, after the model is built and the mesh exists.
 3. ``weft_attention``    once per (strategy, module) pair the Plan names.
-4. ``weft_batching``     once: returns this rank's iterator of optimizer steps.
+4. ``weft_optimizer``    once per run (training only): the optimizer over the Plan's parameter groups;
+   ``weft_batching``     once: returns this rank's iterator of optimizer steps.
 5. per optimizer step:   ``weft_guard(event="step_start")`` -> forward/backward for each
    micro-batch -> ``weft_grad_sync`` -> ``weft_guard(event="step_end")`` -> optimizer.
 6. ``weft_guard(event="error")`` when a step raises; ``weft_kv_cache`` once per `weft generate`.
@@ -34,7 +35,7 @@ if TYPE_CHECKING:  # the contract's types, as pytest's hookspec.py does: no impo
     from weft.core.mesh import WeftMesh
     from weft.core.models import ModelAdapter
     from weft.core.recipe import Recipe
-    from weft.core.registry import AttentionBinding, Strategy, Verdict
+    from weft.core.registry import AttentionBinding, OptimizerGroup, Strategy, Verdict
     from weft.core.rules import Decision, Plan
 
 PROJECT = "weft"
@@ -44,7 +45,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 #: The hook points a rule can steer, in the order a run meets them.
 HOOK_POINTS: tuple[str, ...] = ("rope", "shard", "attention", "kv_cache", "batching", "grad_sync", "guard",
-                                "metrics")
+                                "optimizer", "metrics")
 #: The collect-all points: a rule may give them a list of strategies, all of which apply.
 MULTI_POINTS: tuple[str, ...] = ("grad_sync", "guard", "metrics")
 
@@ -215,6 +216,29 @@ def weft_guard(event: str, state: StepState, plan: Plan, ctx: RunContext) -> Ver
     The strongest verdict wins: abort > skip > checkpoint > continue.
     Collectives: a guard that decides from local values must all-reduce them,
     so every rank reaches the same verdict.
+    """
+
+
+@hookspec(firstresult=True)
+def weft_optimizer(decision: Decision, groups: list[OptimizerGroup], recipe: Recipe,
+                   ctx: RunContext) -> torch.optim.Optimizer | None:
+    """Make the run's optimizer.
+
+    When: once per training run, after ``weft_shard`` and the weights are in place,
+    before the first step (and before a resumed run loads its checkpoint).
+    Kind: firstresult on ``decision.strategy``; return a ``torch.optim.Optimizer`` or
+    ``None`` when the strategy is not yours. ``groups`` are the trainable parameters
+    split by the ``optimizer`` rule that decides their module (the innermost shard unit
+    holding them, else the root), each an :class:`weft.core.registry.OptimizerGroup`
+    with its decision, its peak ``lr`` and ``weight_decay`` already resolved from the
+    rule's ``lr`` / ``lr_scale`` / ``weight_decay`` and ``[train]``; make one torch
+    param group per group, in this order, with those values (the core's warmup + cosine
+    schedule scales each group's ``lr``). One optimizer strategy per run: rules may give
+    modules different settings, not different strategies. An optimizer whose bf16
+    updates are not lost to round-to-nearest says so with ``bf16_rounding =
+    "stochastic"`` (the ``update`` guard reads it).
+    May change: nothing but the optimizer it makes (no parameter is replaced).
+    Collectives: none at build time; a step may issue its own (sharded states).
     """
 
 

@@ -73,7 +73,8 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     if ctx.rank == 0:
         (ctx.run_dir / "plan.json").write_text(json.dumps(run.plan.to_json(), indent=1))
-    optimizer, scheduler = make_optimizer(recipe, run.model)
+    optimizer, scheduler = make_optimizer(recipe, run.model, plan=run.plan, pm=pm, ctx=ctx)
+    ctx.optimizer = optimizer
     if resume:
         ctx.start_step = _resume(ctx, run.model, optimizer, scheduler)
         if ctx.rank == 0:

@@ -1,15 +1,11 @@
-"""The run's optimizer and learning-rate schedule, from ``[train]``.
+"""The run's optimizer and learning-rate schedule: parameter groups from the Plan, the
+optimizer from the ``weft_optimizer`` hook, the warmup + cosine schedule from ``[train]``.
 
-``adamw``: torch's AdamW in the parameters' own dtype (fused on CUDA: a few kernels per
-chunk of tensors instead of one per operation; foreach elsewhere).
-
-``adamw_bf16_sr``: torchao's AdamW with bf16 stochastic rounding, for weights stored in
-bf16 (shard rule ``storage_dtype = "bfloat16"``): the update is computed in float32 and
-rounded to bf16 up or down at random, in proportion to the remainder, so an update
-smaller than half a bf16 step (2^-9 of the weight: a 0.02 weight moves by no less than
-~4e-5) still moves the weight on average instead of vanishing; torch's AdamW in bf16
-rounds it away. Chosen from torchao (a well-kept library of this field) rather than
-written here; its per-parameter step is compiled once per parameter shape.
+Each trainable parameter belongs to the ``optimizer`` decision of the innermost shard
+unit that holds it, else of the module that holds it directly (kind ``params``: a patch
+embedding, a final norm), else the root's: one parameter group per decision, with the
+rule's ``lr`` (else ``train.lr``) times its ``lr_scale`` and its ``weight_decay`` (else
+``train.weight_decay``). The strategies themselves live in plugins/optimizer.py.
 """
 
 from __future__ import annotations
@@ -19,52 +15,52 @@ from typing import Any
 
 import torch
 
-from weft.core.errors import WeftError
-
-OPTIMIZERS = ("adamw", "adamw_bf16_sr")
+from weft.core.registry import OptimizerGroup
 
 
-def torchao_missing() -> str | None:
-    """Why torchao's optimizer cannot be used here, or None."""
-    try:
-        from torchao.optim import _AdamW  # noqa: F401 - optional extra: pip install weft[sr]
-    except Exception as error:  # ImportError, or a broken install
-        return f"{type(error).__name__}: {error}"
-    return None
-
-
-def make_optimizer(recipe: Any, model: torch.nn.Module) -> tuple[Any, Any]:
-    """The optimizer ``train.optimizer`` names and the warmup + cosine schedule of ``[train]``."""
+def optimizer_groups(model: torch.nn.Module, plan: Any, recipe: Any) -> list[OptimizerGroup]:
+    """The trainable parameters split by their module's optimizer decision, in module order."""
+    owner: dict[int, tuple[Any, str]] = {}
+    root = plan.root().get("optimizer")
+    owners = [m for m in plan.modules if m.info.kind in ("unit", "params") and m.get("optimizer") is not None]
+    for unit in sorted(owners, key=lambda u: u.info.path.count(".")):  # deeper modules overwrite shallower ones
+        module = model.get_submodule(unit.info.path)
+        for p in module.parameters(recurse=unit.info.kind == "unit"):  # "params": its own, outside every unit
+            owner[id(p)] = (unit.get("optimizer"), unit.info.path)
+    grouped: dict[Any, tuple[list, list]] = {}
+    for p in model.parameters():
+        if not p.requires_grad:  # frozen units (trainable = false): no group, no state
+            continue
+        decision, path = owner.get(id(p), (root, ""))
+        params, paths = grouped.setdefault(decision, ([], []))
+        params.append(p)
+        if path not in paths:
+            paths.append(path)
     train = recipe.train
-    params = [p for p in model.parameters() if p.requires_grad]  # frozen units (trainable = false): no state
-    common = {"betas": (train.beta1, train.beta2), "weight_decay": train.weight_decay}
-    if train.optimizer == "adamw_bf16_sr":
-        missing = torchao_missing()
-        if missing is not None:
-            raise WeftError(f"train.optimizer = 'adamw_bf16_sr' needs torchao (pip install 'weft[sr]'): {missing}",
-                            where="train.optimizer")
-        # torchao keeps lr as a tensor (its step is compiled); the schedule fills it in place.
-        optimizer = _reproducible_sr_adamw()(params, lr=torch.tensor(train.lr), bf16_stochastic_round=True,
-                                             **common)
-    else:
-        fused = bool(params) and all(p.device.type == "cuda" for p in params)
-        optimizer = torch.optim.AdamW(params, lr=train.lr, **common,
-                                      **({"fused": True} if fused else {"foreach": True}))
+    groups = []
+    for decision, (params, paths) in grouped.items():
+        settings = decision.params
+        lr = getattr(settings, "lr", None)
+        decay = getattr(settings, "weight_decay", None)
+        groups.append(OptimizerGroup(decision=decision, params=tuple(params), modules=tuple(paths),
+                                     lr=(train.lr if lr is None else lr) * getattr(settings, "lr_scale", 1.0),
+                                     weight_decay=train.weight_decay if decay is None else decay))
+    return groups
+
+
+def make_optimizer(recipe: Any, model: torch.nn.Module, *, plan: Any, pm: Any, ctx: Any) -> tuple[Any, Any]:
+    """The optimizer the plan's ``optimizer`` decisions name, and the schedule of ``[train]``."""
+    groups = optimizer_groups(model, plan, recipe)
+    decision = groups[0].decision if groups else plan.root().get("optimizer")
+    optimizer = pm.call_first("weft_optimizer", decision=decision, groups=groups, recipe=recipe, ctx=ctx)
+    for torch_group, group in zip(optimizer.param_groups, groups):
+        torch_group.setdefault("rule", f"{group.decision.rule} ({group.decision.source})")  # what guards name
+    if ctx.log is not None:
+        for group in groups:
+            ctx.log.info("optimizer.group", strategy=group.decision.strategy, rule=group.decision.source,
+                         lr=group.lr, weight_decay=group.weight_decay, tensors=len(group.params),
+                         parameters=sum(p.numel() for p in group.params), modules=len(group.modules))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
-
-
-def _reproducible_sr_adamw() -> type:
-    """torchao's AdamW whose stochastic rounding draws from torch's generator as eager code
-    would (inductor's ``fallback_random``), so a run is reproducible from its seed and a
-    resumed run (whose checkpoint restores the generators) equals one never stopped."""
-    from torchao.optim import _AdamW
-
-    class AdamWBf16SR(_AdamW):
-        def step(self, closure=None):
-            with torch._inductor.config.patch(fallback_random=True):
-                return super().step(closure)
-
-    return AdamWBf16SR
 
 
 def lr_lambda(recipe: Any):

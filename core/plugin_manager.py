@@ -29,6 +29,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "weft.plugins.batching",
     "weft.plugins.grad_sync",
     "weft.plugins.guard",
+    "weft.plugins.optimizer",
     "weft.plugins.metrics",
 )
 

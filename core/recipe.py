@@ -71,9 +71,10 @@ class TrainSection:
     weight_decay: float = attrs.field(default=0.0, validator=in_range(low=0.0), metadata=_doc("AdamW weight decay"))
     beta1: float = attrs.field(default=0.9, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta1"))
     beta2: float = attrs.field(default=0.95, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta2"))
-    optimizer: Literal["adamw", "adamw_bf16_sr"] = attrs.field(default="adamw", metadata=_doc(
-        "adamw: torch's, in the weights' dtype; adamw_bf16_sr: torchao's, float32 math and bf16 stochastic "
-        "rounding of bf16 weights (small updates are kept on average, not rounded away; pip install 'weft[sr]')"))
+    optimizer: str = attrs.field(default="adamw_sr", metadata=_doc(
+        "the run's optimizer strategy (an optimizer rule's default): adamw_sr (float32 math, stochastic rounding of "
+        "bf16 weights and moments: no update lost; torch's AdamW for float32 weights), adamw (torch's fused, "
+        "round-to-nearest in the weights' dtype), adamw_8bit (torchao's 8-bit moments); `weft plugins` lists all"))
     precision: Literal["fp32", "bf16"] = attrs.field(default="fp32", metadata=_doc("fp32, or bf16 autocast"))
     loss: Literal["logits", "fused"] = attrs.field(default="logits", metadata=_doc(
         "logits: the model's logits, then a chunked float32 cross-entropy; fused: lm_head and the loss by chunks "

@@ -34,6 +34,9 @@ _COMPARISON_ALIASES: dict[str, str] = {
 }
 SELECTOR_KEYS: tuple[str, ...] = ("path", "class", "modality", *NUMERIC_SELECTORS)
 RULE_KEYS: tuple[str, ...] = ("name", "when", *HOOK_POINTS)
+#: Points whose rule may leave out ``strategy``: the run's own (train.optimizer), until the planner fills it in.
+DEFAULTED_POINTS: tuple[str, ...] = ("optimizer",)
+RUN_STRATEGY = "<train.optimizer>"
 
 
 @attrs.frozen(kw_only=True)
@@ -124,6 +127,9 @@ def _parse_actions(value: Any, *, where: Where, prefix: str, point: str) -> tupl
         here = f"{prefix}[{i}]" if len(tables) > 1 or isinstance(value, list) else prefix
         if isinstance(table, str):
             table = {"strategy": table}
+        if point in DEFAULTED_POINTS and isinstance(table, dict) and "strategy" not in table:
+            # optimizer = { lr = 2e-5 }: settings for these modules, the run's optimizer (train.optimizer).
+            table = {"strategy": RUN_STRATEGY, **table}
         if not isinstance(table, dict) or not isinstance(table.get("strategy"), str):
             listing = " or a list of them" if point in MULTI_POINTS else ""
             raise RecipeError(

@@ -18,7 +18,7 @@ from weft.core.hookspecs import HOOK_POINTS, MULTI_POINTS
 from weft.core.mesh_spec import MeshSpec
 from weft.core.recipe import Recipe
 from weft.core.registry import StrategyRegistry
-from weft.core.rule_syntax import Action, Rule, Selector, default_rules
+from weft.core.rule_syntax import RUN_STRATEGY, Action, Rule, Selector, default_rules
 from weft.core.schema import build, did_you_mean
 
 #: Which kind of module each hook point decides for.
@@ -30,6 +30,7 @@ POINT_KINDS: dict[str, tuple[str, ...]] = {
     "batching": ("root",),
     "grad_sync": ("root",),
     "guard": ("root",),
+    "optimizer": ("unit", "params", "root"),
     "metrics": ("root",),
 }
 
@@ -43,7 +44,7 @@ class ModuleInfo:
 
     path: str  # "" is the root
     class_name: str
-    kind: str  # "attention", "unit" (a shard unit) or "root"
+    kind: str  # "attention", "unit" (a shard unit), "params" (own parameters outside every unit) or "root"
     modality: str | None = None
     heads: int | None = None
     kv_heads: int | None = None
@@ -188,6 +189,38 @@ def matches(selector: Selector, info: ModuleInfo, *, seq_len: int, world_size: i
     return True
 
 
+def _one_optimizer(plans: list[ModulePlan]) -> None:
+    """One optimizer per run: rules may give modules other settings, not another strategy."""
+    chosen = {}
+    for m in plans:
+        if (d := m.get("optimizer")) is not None:
+            chosen.setdefault(d.strategy, d)
+    if len(chosen) > 1:
+        a, b = list(chosen.values())[:2]
+        raise PlanError(f"optimizer rules choose two strategies, {a.strategy!r} ({a.source}) and {b.strategy!r} "
+                        f"({b.source}); a run has one optimizer: give these modules settings (lr, lr_scale, "
+                        "weight_decay) without a strategy, or the same strategy")
+
+
+#: Accepted train.optimizer names that stand for another strategy (kept for older recipes).
+OPTIMIZER_ALIASES = {"adamw_bf16_sr": "adamw_sr"}
+
+
+def run_optimizer(recipe: Recipe) -> str:
+    """The optimizer strategy ``train.optimizer`` names."""
+    return OPTIMIZER_ALIASES.get(recipe.train.optimizer, recipe.train.optimizer)
+
+
+def _run_optimizer(rule: Rule, recipe: Recipe) -> Rule:
+    """An ``optimizer`` action without a strategy takes the run's (train.optimizer)."""
+    actions = rule.action("optimizer")
+    if not actions or all(a.strategy != RUN_STRATEGY for a in actions):
+        return rule
+    fixed = tuple(attrs.evolve(a, strategy=run_optimizer(recipe)) if a.strategy == RUN_STRATEGY else a
+                  for a in actions)
+    return attrs.evolve(rule, actions=tuple((p, fixed if p == "optimizer" else a) for p, a in rule.actions))
+
+
 def build_plan(
     *,
     recipe: Recipe,
@@ -197,7 +230,7 @@ def build_plan(
     world_size: int,
 ) -> Plan:
     """Decide every (module, hook point) pair. Raises RecipeError/PlanError for bad rules."""
-    rules = list(recipe.rules) + default_rules()
+    rules = [_run_optimizer(rule, recipe) for rule in (*recipe.rules, *default_rules())]
     try:
         params = validate_rules(rules, registry)
     except RecipeError as error:
@@ -226,4 +259,5 @@ def build_plan(
                 raise PlanError(f"no rule decides hook point {point!r} for module {info.path or '(root)'}; "
                                 "the defaults should")
         plans.append(ModulePlan(info=info, decisions=tuple(decisions)))
+    _one_optimizer(plans)
     return Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size)

@@ -66,12 +66,6 @@ def cmd_run(args) -> int:
 
 
 def _check_inputs(recipe, pm) -> None:
-    if recipe.train.optimizer == "adamw_bf16_sr":
-        from weft.core.optimizer import torchao_missing
-
-        if (missing := torchao_missing()) is not None:
-            raise WeftError(f"train.optimizer = 'adamw_bf16_sr' needs torchao (pip install 'weft[sr]'): {missing}",
-                            where=f"{recipe.source} (train.optimizer)")
     if recipe.data.source == "jsonl":
         path = recipe.data_file()
         if not path.is_file():

@@ -119,7 +119,8 @@ def points_table() -> str:
     from weft.core.hookspecs import HOOK_POINTS
     from weft.core.rules import MULTI_POINTS, POINT_KINDS
 
-    kinds = {"unit": "each shard unit", "root": "the root", "attention": "each attention module"}
+    kinds = {"unit": "each shard unit", "root": "the root", "attention": "each attention module",
+             "params": "each module outside the units holding parameters"}
     rows = ["| rule key | hook | decides for | value |", "| --- | --- | --- | --- |"]
     for point in HOOK_POINTS:
         value = "a table or a list of tables (all apply)" if point in MULTI_POINTS else "a table"

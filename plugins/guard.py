@@ -2,7 +2,9 @@
 
 Built-in: ``finite`` (skip steps with a non-finite loss or gradient), ``spike`` (a loss or
 gradient norm far above the recent median: skip, warn or abort, by rule), ``memory``
-(warn when a rank's GPU memory passes a share of the device, with allocated and reserved).
+(warn when a rank's GPU memory passes a share of the device, with allocated and reserved),
+``update`` (the share of bf16 updates round-to-nearest would lose; warns when the optimizer
+rounds to nearest and the share is large: the learning rate is too small for bf16 storage).
 """
 
 from __future__ import annotations
@@ -46,6 +48,16 @@ class MemoryParams:
                              metadata={"doc": "steps between repeated warnings while it stays above"})
 
 
+@attrs.frozen(kw_only=True)
+class UpdateParams:
+    every: int = attrs.field(default=200, validator=in_range(low=1), metadata={
+        "doc": "steps between checks (and at step 2, the first with optimizer moments)"})
+    warn_fraction: float = attrs.field(default=0.25, validator=in_range(low=0.0, high=1.0), metadata={
+        "doc": "warn when more than this share of a group's sampled bf16 updates would be rounded away"})
+    samples: int = attrs.field(default=1024, validator=in_range(low=1),
+                               metadata={"doc": "elements sampled per tensor (strided)"})
+
+
 @hookimpl
 def weft_strategies():
     return [
@@ -55,6 +67,9 @@ def weft_strategies():
                  summary="a loss (or grad norm) over ratio x the recent median: skip, warn or abort"),
         Strategy(point="guard", name="memory", params=MemoryParams,
                  summary="warn when a rank's GPU memory passes a share of the device (allocated, reserved)"),
+        Strategy(point="guard", name="update", params=UpdateParams,
+                 summary="report the share of bf16 updates round-to-nearest loses; warn when the optimizer "
+                         "rounds to nearest and it is large"),
     ]
 
 
@@ -121,4 +136,24 @@ def _memory(params: MemoryParams, state, ctx) -> Verdict:
     return Verdict(action="continue", guard="memory")
 
 
-_VERDICTS = {"finite": _finite, "spike": _spike, "memory": _memory}
+def _update(params: UpdateParams, state, ctx) -> Verdict:
+    optimizer = ctx.optimizer
+    if optimizer is None or not (state.step == 2 or state.step % params.every == 0):
+        return Verdict(action="continue", guard="update")
+    from weft.strategies.update_audit import lost_fractions
+
+    # torch's AdamW (and any optimizer that does not say otherwise) rounds bf16 to nearest.
+    rounding = getattr(optimizer, "bf16_rounding", "nearest")
+    for index, fraction, sampled in lost_fractions(optimizer, per_tensor=params.samples):
+        group = optimizer.param_groups[index]
+        fields = {"step": state.step, "group": index, "rule": group.get("rule", "?"), "lr": float(group["lr"]),
+                  "below_half_step": round(fraction, 4), "sampled": sampled, "rounding": rounding}
+        if rounding == "nearest" and fraction > params.warn_fraction:
+            ctx.log.warning("guard.update.lost", **fields, advice="round-to-nearest drops these updates: use the "
+                            "optimizer 'adamw_sr' (stochastic rounding), or store these modules in float32")
+        else:
+            ctx.log.info("guard.update", **fields)
+    return Verdict(action="continue", guard="update")
+
+
+_VERDICTS = {"finite": _finite, "spike": _spike, "memory": _memory, "update": _update}

@@ -11,3 +11,17 @@ def adapter_of(recipe):
 
 def build_model(recipe, *, device="cpu", seed=0):
     return adapter_of(recipe).build(recipe, device=device, seed=seed)
+
+
+def optimizer_for(recipe, model, *, world_size=1):
+    """The optimizer and schedule a run of ``recipe`` makes for ``model`` (its plan's groups)."""
+    import torch
+
+    from weft.core.context import RunContext
+    from weft.core.optimizer import make_optimizer
+    from weft.core.planner import plan_recipe
+
+    pm = build_plugin_manager(entry_points=False)
+    plan, _ = plan_recipe(recipe, pm=pm, world_size=world_size, model=model)
+    ctx = RunContext(recipe=recipe, device=torch.device("cpu"))
+    return make_optimizer(recipe, model, plan=plan, pm=pm, ctx=ctx)

@@ -41,7 +41,7 @@ def test_a_side_that_does_not_freeze_fails_the_check():
 
 
 def test_frozen_weights_stay_and_get_no_optimizer_state(tmp_path):
-    from weft.core.optimizer import make_optimizer
+    from model_helpers import optimizer_for
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe
 
@@ -69,7 +69,7 @@ def test_frozen_weights_stay_and_get_no_optimizer_state(tmp_path):
     model = adapter.build(recipe, device="cpu", seed=0)
     for block in model.model.visual.blocks:
         block.requires_grad_(False)
-    optimizer, _ = make_optimizer(recipe, model)
+    optimizer, _ = optimizer_for(recipe, model)
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert not any(id(p) in held for p in model.model.visual.blocks.parameters())
 

@@ -99,7 +99,7 @@ def test_hook_weft_strategies():
     pm = make_pm(("echo-plugin", EchoPlugin()))
     # Collect-all: one list per implementing plugin, built-ins included.
     lists = pm.hook.weft_strategies()
-    assert len(lists) == len(pm.hook.weft_strategies.get_hookimpls()) == 9
+    assert len(lists) == len(pm.hook.weft_strategies.get_hookimpls()) == 10
     assert all(isinstance(s, Strategy) for items in lists for s in items)
     # The registry records which plugin declared each strategy.
     echo = pm.registry.get("attention", "echo")
@@ -122,10 +122,11 @@ def test_hook_weft_strategies():
         make_pm(("clash", Clash())).registry
 
     # Replacing a built-in: block it and declare the same strategy name elsewhere.
-    class MyFinite:
+    class MyFinite:  # a replacement declares every guard the default rules name
         @hookimpl
         def weft_strategies(self):
-            return [Strategy(point="guard", name="finite", params=EchoParams)]
+            return [Strategy(point="guard", name="finite", params=EchoParams),
+                    Strategy(point="guard", name="update", params=NoParams)]
 
     replaced = build_plugin_manager(block=["weft.plugins.guard"], extra=[("my-finite", MyFinite())], entry_points=False)
     assert replaced.registry.get("guard", "finite").plugin == "my-finite"
@@ -460,6 +461,51 @@ class CheckpointGuard:
         if event != "step_end" or not any(d.strategy == "every_step_checkpoint" for d in plan.decisions_of("guard")):
             return None
         return Verdict(action="checkpoint", guard="every_step_checkpoint")
+
+
+@attrs.frozen(kw_only=True)
+class SgdParams:
+    lr: float | None = None
+    lr_scale: float = 1.0
+    weight_decay: float | None = None
+    momentum: float = 0.9
+
+
+class SgdPlugin:
+    @hookimpl
+    def weft_strategies(self):
+        return [Strategy(point="optimizer", name="test_sgd", params=SgdParams, summary="SGD"),
+                Strategy(point="optimizer", name="test_mute", params=SgdParams, summary="answers nothing")]
+
+    @hookimpl
+    def weft_optimizer(self, decision, groups, recipe, ctx):
+        if decision.strategy != "test_sgd":
+            return None
+        return torch.optim.SGD([{"params": list(g.params), "lr": g.lr, "weight_decay": g.weight_decay}
+                                for g in groups], lr=recipe.train.lr, momentum=decision.params.momentum)
+
+
+def test_hook_weft_optimizer():
+    """A third-party optimizer by rule: the core resolves each group's peak lr (rule lr or
+    train.lr, times lr_scale) and weight decay, wraps it in the schedule; nobody answering is
+    a HookError naming the strategy."""
+    from weft.core.optimizer import make_optimizer
+
+    pm = make_pm(("sgd-plugin", SgdPlugin()))
+    rule = {"optimizer": {"strategy": "test_sgd", "momentum": 0.5, "lr_scale": 2.0, "weight_decay": 0.1}}
+    recipe, plan, ctx = make_plan(pm, [rule])
+    model = torch.nn.Linear(2, 2)
+    optimizer, scheduler = make_optimizer(recipe, model, plan=plan, pm=pm, ctx=ctx)
+    (group,) = optimizer.param_groups
+    assert isinstance(optimizer, torch.optim.SGD) and group["momentum"] == 0.5
+    assert group["initial_lr"] == 2 * recipe.train.lr and group["weight_decay"] == 0.1
+    assert group["params"] == list(model.parameters()) and group["rule"].startswith("rule 1 (")
+    assert ("optimizer.group", "test_sgd") in [(e, f.get("strategy")) for e, f in ctx.log.events]
+    scheduler.step()
+    assert group["lr"] == 2 * recipe.train.lr * scheduler.lr_lambdas[0](1)
+    recipe, plan, ctx = make_plan(pm, [{"optimizer": {"strategy": "test_mute"}}])
+    with pytest.raises(HookError, match="no plugin answered hook weft_optimizer for strategy 'test_mute'"):
+        make_optimizer(recipe, model, plan=plan, pm=pm, ctx=ctx)
 
 
 def test_hook_weft_guard():

@@ -77,11 +77,12 @@ def test_storage_dtype_reaches_the_optimizer_states(strategy):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger())
-        run = prepare_model(recipe=recipe, pm=build_plugin_manager(entry_points=False), ctx=ctx)
+        pm = build_plugin_manager(entry_points=False)
+        run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
         assert {p.dtype for p in run.model.parameters()} == {torch.bfloat16}
         sharded = {type(p).__name__ == "DTensor" for p in run.model.parameters()}
         assert sharded == {strategy == "fsdp2"}
-        optimizer, _ = make_optimizer(recipe, run.model)
+        optimizer, _ = make_optimizer(recipe, run.model, plan=run.plan, pm=pm, ctx=ctx)
         ids = torch.randint(0, 300, (1, 16))
         run.model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()

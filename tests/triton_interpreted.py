@@ -154,8 +154,37 @@ def check_packed_ring(*, world, layout, lengths, heads, kv_heads, head_dim) -> N
     print(case, "ok", [f"{e:.1e}" for e in errors])
 
 
+def check_adamw_sr() -> None:
+    """The stochastic-rounding AdamW kernel: its float32 arithmetic equals the torch path's, and
+    rounding onto the bf16 grid lands on a neighbour, unbiased (float32 storage: no bf16 here)."""
+    from weft.strategies import stochastic_round, stochastic_round_triton
+
+    g = torch.randn(5000)
+    tensors = [torch.randn(5000), g, torch.randn(5000) * 0.1, torch.rand(5000) * 0.01]
+    ours, ref = [t.clone() for t in tensors], [t.clone() for t in tensors]
+    settings = {"step": 3, "lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "seed": 7}
+    stochastic_round_triton.adamw_step_(*ours, **settings)
+    stochastic_round.adamw_step_(*ref, **settings)
+    errors = [rel(a, b) for a, b in zip(ours, ref)]
+    assert max(errors) <= 1e-6, f"adamw_sr kernel vs torch: {errors}"
+    print("adamw_sr arithmetic", "ok", [f"{e:.1e}" for e in errors])
+    # A weight of 1 + 2^-10 (a quarter of bf16's spacing above 1) with a zero update.
+    n = 100_000
+    p, zero = torch.full((n,), 1.0 + 2**-10), torch.zeros(n)
+    stochastic_round_triton.adamw_step_(p, zero, zero.clone(), zero.clone(), **{**settings, "weight_decay": 0.0},
+                                        to_bf16=(True, False, False))
+    assert set(p.unique().tolist()) == {1.0, 1.0 + 2**-7}, p.unique()
+    assert abs(p.mean().item() - (1.0 + 2**-10)) < 3e-5, p.mean().item()
+    again = torch.full((n,), 1.0 + 2**-10)
+    stochastic_round_triton.adamw_step_(again, zero, zero.clone(), zero.clone(), **{**settings, "weight_decay": 0.0},
+                                        to_bf16=(True, False, False))
+    assert torch.equal(again, p), "the same seed must round the same way"
+    print("adamw_sr rounding", "ok", f"mean {p.mean().item():.7f}")
+
+
 def main() -> None:
     torch.manual_seed(0)
+    check_adamw_sr()
     check_block(batch=1, heads=2, kv_heads=2, sq=64, sk=64, head_dim=16, causal=True, config=SMALL)
     # ragged tiles, padded head_dim
     check_block(batch=2, heads=4, kv_heads=2, sq=80, sk=80, head_dim=24, causal=True, config=SMALL)

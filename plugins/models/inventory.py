@@ -37,8 +37,12 @@ def describe_modules(
     model: torch.nn.Module, *, modality_of: Callable[[str], str] = modality_of,
     unit_patterns: tuple[str, ...] = UNIT_PATTERNS,
 ) -> list[ModuleInfo]:
-    """Root first, then attention modules and shard units in module order."""
+    """Root first, then attention modules, shard units and (kind ``params``) the modules
+    outside every unit that hold parameters of their own (a patch embedding, a final norm:
+    FSDP2 keeps them in the root's unit, the optimizer rules still see their modality), in
+    module order."""
     infos = [ModuleInfo(path="", class_name=type(model).__name__, kind="root")]
+    units: list[str] = []
     block_lists = {name for name, m in model.named_modules()
                    if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("blocks", "layers")}
     for path, module in model.named_modules():
@@ -48,7 +52,13 @@ def describe_modules(
         if parent in block_lists or any(fnmatch.fnmatchcase(path, p) for p in unit_patterns):
             infos.append(ModuleInfo(path=path, class_name=type(module).__name__, kind="unit",
                                     modality=modality_of(path)))
-        elif _is_attention(module):
+            units.append(path)
+            continue
+        if next(module.parameters(recurse=False), None) is not None and \
+                not any(path.startswith(f"{unit}.") for unit in units):
+            infos.append(ModuleInfo(path=path, class_name=type(module).__name__, kind="params",
+                                    modality=modality_of(path)))
+        if _is_attention(module):
             heads = int(module.num_heads if hasattr(module, "num_heads") else module.config.num_attention_heads)
             groups = int(getattr(module, "num_key_value_groups", 1) or 1)
             kv_heads = int(getattr(module, "num_key_value_heads", heads // groups))
