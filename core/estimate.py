@@ -106,6 +106,7 @@ class Unit:
     offload: bool = False
     mlp_tile_tokens: int = 0
     trainable: bool = True  # False: a frozen unit (no gradients, no optimizer states)
+    state_bytes: float | None = None  # optimizer state per parameter; None: two moments in the storage dtype
     source: str = ""
 
 
@@ -144,7 +145,8 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
         part["weights"] += size
         if u.trainable:
             part["gradients"] += size
-            part["optimizer"] += 2 * size
+            per = 2 * u.storage_bytes if u.state_bytes is None else u.state_bytes
+            part["optimizer"] += u.params * per / shard
     fsdp = [u for u in units if u.strategy == "fsdp2"]
     largest = max((u.params * 2 for u in fsdp if u.modality is not None), default=0)
     root = next((u for u in fsdp if u.modality is None), None)

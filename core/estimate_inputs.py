@@ -34,9 +34,17 @@ def units_of(plan: Any, model: Any) -> list[Unit]:
             offload_activations=getattr(params, "offload_activations", False),
             offload=getattr(params, "offload", False),
             mlp_tile_tokens=getattr(params, "mlp_tile_tokens", 0), trainable=getattr(params, "trainable", True),
+            state_bytes=_state_bytes(m, storage=_BYTES[getattr(params, "storage_dtype", None) or "float32"]),
             source=decision.source,
         ))
     return units
+
+
+def _state_bytes(module: Any, *, storage: int) -> float | None:
+    """The optimizer's state bytes per parameter, as its rule's parameters say (``state_bytes``)."""
+    optimizer = module.get("optimizer")
+    answer = getattr(getattr(optimizer, "params", None), "state_bytes", None)
+    return answer(storage) if callable(answer) else None
 
 
 def shape_of(model: Any, units: list[Unit]) -> Shape:

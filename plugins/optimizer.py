@@ -30,6 +30,10 @@ class GroupSettings:
     weight_decay: float | None = attrs.field(default=None, validator=attrs.validators.optional(in_range(low=0.0)),
                                              metadata={"doc": "decoupled weight decay; default train.weight_decay"})
 
+    def state_bytes(self, storage: int) -> float:
+        """Optimizer state per parameter stored in ``storage`` bytes (`weft plan --estimate`)."""
+        return 2 * storage  # AdamW's two moments in the weights' dtype
+
 
 @attrs.frozen(kw_only=True)
 class AdamWParams(GroupSettings):
@@ -42,10 +46,14 @@ class AdamWSRParams(GroupSettings):
         "doc": "the moments' dtype: param (bf16 for bf16 weights, rounded stochastically) or float32 "
                "(4 more bytes per parameter, exact moments)"})
 
+    def state_bytes(self, storage: int) -> float:
+        return 8 if self.state_dtype == "float32" else 2 * storage
+
 
 @attrs.frozen(kw_only=True)
 class AdamW8bitParams(GroupSettings):
-    pass
+    def state_bytes(self, storage: int) -> float:
+        return 2 + 2 * 4 / 256  # two 8-bit moments and a float32 scale per block of 256 (torchao)
 
 
 def _torchao_missing(params, *, recipe, plan) -> str | None:
