@@ -24,6 +24,10 @@ class DataSection:
                                 metadata=_doc("smallest synthetic image side, px"))
     max_side: int = attrs.field(default=112, validator=in_range(low=28),
                                 metadata=_doc("largest synthetic image side, px"))
+    system: str | None = attrs.field(default=None, metadata=_doc(
+        "default system prompt: the system message of every conversation that does not open with one (training, "
+        "eval and weft generate), in place of the chat template's default (Qwen2.5-VL's: \"You are a helpful "
+        "assistant.\"); unset: the template's own"))
     strict: bool = attrs.field(default=False, metadata=_doc("a bad sample stops the run instead of being skipped"))
     max_pixels: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
         "an image of more pixels (width x height) is skipped and counted before it is decoded; "

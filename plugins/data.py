@@ -24,7 +24,7 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
         return tokenizer, datasets.synthetic_samples(
             seed=recipe.train.seed, num_samples=recipe.data.num_samples, min_side=recipe.data.min_side,
             max_side=recipe.data.max_side, tokenizer=tokenizer, image_processor=image_processor,
-            videos=tuple(tuple(size) for size in recipe.data.videos),
+            videos=tuple(tuple(size) for size in recipe.data.videos), system=recipe.data.system,
         )
     path = recipe.data_file()
     if not path.is_file():
@@ -35,7 +35,7 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
     workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
     cache = path.with_name(path.name + ".weft-cache") if recipe.data.cache else None
     return tokenizer, datasets.jsonl_samples(path, processor=processor, workers=workers, cache_dir=cache,
-                                             max_pixels=recipe.data.max_pixels,
+                                             max_pixels=recipe.data.max_pixels, system=recipe.data.system,
                                              videos=VideoLimits(fps=recipe.data.video_fps,
                                                                 max_frames=recipe.data.max_frames))
 

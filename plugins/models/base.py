@@ -66,7 +66,7 @@ class TransformersAdapter:
 
         limits = VideoLimits(fps=recipe.data.video_fps, max_frames=recipe.data.max_frames)
         return prompt_inputs(processor=self.config(recipe)[1], text=text, images=images, videos=videos,
-                             video_limits=limits)
+                             video_limits=limits, system=recipe.data.system)
 
     def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
         from weft.plugins.models.prompt import decode_tokens
