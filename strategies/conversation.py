@@ -125,36 +125,40 @@ class _SpecialIds:
 
 def encode_conversation(
     conversation_messages: Sequence[Mapping[str, Any]], *, tokenizer: Any, image_processor: Any,
-    system: str | None = None,
+    system: str | None = None, video_sizing: Any = None,
 ) -> Sample:
     """Tokenize one chat (transformers message format) into a training Sample.
 
     `conversation_messages` may also be an object with a `.messages` attribute
     (e.g. synthetic_vl.Conversation). `system` is the system message of a conversation
     that has none (the recipe's ``data.system``); None keeps the template's default.
+    `video_sizing` (strategies.video_size.VideoSizing, from the processor folder's
+    video_preprocessor_config.json) sizes video frames; None: the image processor does.
     """
     messages = getattr(conversation_messages, "messages", conversation_messages)
     special = _SpecialIds.from_tokenizer(tokenizer)
     rendered = render_chat(messages, tokenizer=tokenizer, system=system)
     sample, pads_per_image, pads_per_video = _tokenized(rendered, messages, tokenizer=tokenizer,
-                                                        image_processor=image_processor, special=special)
+                                                        image_processor=image_processor, special=special,
+                                                        video_sizing=video_sizing)
     _validate(sample.input_ids, sample.labels, special=special, pads_per_image=pads_per_image,
               pads_per_video=pads_per_video)
     return sample
 
 
 def encode_prompt(messages: Sequence[Mapping[str, Any]], *, tokenizer: Any, image_processor: Any,
-                  system: str | None = None) -> Sample:
+                  system: str | None = None, video_sizing: Any = None) -> Sample:
     """The conversation so far and the header the assistant's reply continues from (the
     template's generation prompt, ``<|im_start|>assistant\\n`` for Qwen), as `weft generate`
     feeds it; no labels."""
     special = _SpecialIds.from_tokenizer(tokenizer)
     rendered = render_chat(messages, tokenizer=tokenizer, system=system, generation_prompt=True)
-    return _tokenized(rendered, messages, tokenizer=tokenizer, image_processor=image_processor, special=special)[0]
+    return _tokenized(rendered, messages, tokenizer=tokenizer, image_processor=image_processor, special=special,
+                      video_sizing=video_sizing)[0]
 
 
 def _tokenized(rendered: Rendered, messages: Sequence[Mapping[str, Any]], *, tokenizer: Any, image_processor: Any,
-               special: _SpecialIds) -> tuple[Sample, list[int], list[int]]:
+               special: _SpecialIds, video_sizing: Any = None) -> tuple[Sample, list[int], list[int]]:
     """(Sample, pads per image, pads per video) of rendered text: tokenized as transformers'
     ``apply_chat_template(tokenize=True)`` tokenizes it, then each image and video placeholder
     pad widened to the n = grid_t * grid_h * grid_w // merge_size**2 features the vision tower
@@ -171,7 +175,7 @@ def _tokenized(rendered: Rendered, messages: Sequence[Mapping[str, Any]], *, tok
         image_grid_thw = processed["image_grid_thw"].to(torch.long)  # (n_images, 3)
         pads_per_image = [int(n) // merge**2 for n in image_grid_thw.prod(-1)]
     videos = _encode_videos([p for m in messages for p in _parts(m) if p["type"] == "video"],
-                            image_processor=image_processor, special=special)
+                            image_processor=image_processor, special=special, video_sizing=video_sizing)
     pads_per_video = [int(n) // merge**2 for n in videos["video_grid_thw"].prod(-1)] if videos else []
 
     enc = tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
@@ -208,7 +212,8 @@ def _tokenized(rendered: Rendered, messages: Sequence[Mapping[str, Any]], *, tok
     return sample, pads_per_image, pads_per_video
 
 
-def _encode_videos(parts: list, *, image_processor: Any, special: _SpecialIds) -> dict[str, torch.Tensor]:
+def _encode_videos(parts: list, *, image_processor: Any, special: _SpecialIds,
+                   video_sizing: Any = None) -> dict[str, torch.Tensor]:
     """The Sample's video tensors for video parts (``{"type": "video", "video": [frames],
     "fps": sampled frames per second}``), or {} when there are none."""
     from weft.strategies.video import DEFAULT_FPS, sample_indices, seconds_per_patch, video_patches
@@ -225,7 +230,7 @@ def _encode_videos(parts: list, *, image_processor: Any, special: _SpecialIds) -
             raise TypeError("a video part holds its frames (a list of PIL images); data_formats loads files")
         count = max(temporal, -(-len(frames) // temporal) * temporal)  # whole temporal patches
         frames = [_to_rgb(_open_image({"image": frames[i]})) for i in sample_indices(len(frames), count)]
-        values, grid = video_patches(frames, image_processor=image_processor)
+        values, grid = video_patches(frames, image_processor=image_processor, sizing=video_sizing)
         pixels.append(values)
         grids.append(grid)
         seconds.append(seconds_per_patch(temporal=temporal, sampled_fps=float(part.get("fps") or DEFAULT_FPS)))
@@ -341,6 +346,14 @@ def load_processor(path_or_bundled_name: str | os.PathLike[str], *, backend: str
     if not folder.is_dir():
         raise FileNotFoundError(f"no processor folder {text!r} (neither bundled in {_RECIPES_PACKAGE} nor on disk)")
     return _load_from(folder, backend, AutoTokenizer, AutoImageProcessor)
+
+
+def load_video_sizing(path_or_bundled_name: str | os.PathLike[str]) -> Any:
+    """The processor folder's video sizing (strategies.video_size.VideoSizing), or None when
+    it has no video_preprocessor_config.json (frames are then sized as images are)."""
+    from weft.strategies.video_size import VideoSizing
+
+    return VideoSizing.from_folder(processor_dir(path_or_bundled_name))
 
 
 def _load_from(folder: pathlib.Path, backend: str | None, auto_tok: Any, auto_image: Any) -> tuple[Any, Any]:

@@ -19,7 +19,7 @@ class BadSample(Exception):
 
 def synthetic_samples(
     *, seed: int, num_samples: int, min_side: int, max_side: int, tokenizer: Any, image_processor: Any,
-    videos: tuple[tuple[int, int, int], ...] = (), system: str | None = None,
+    videos: tuple[tuple[int, int, int], ...] = (), system: str | None = None, video_sizing: Any = None,
 ) -> Iterator[Sample | BadSample]:
     from weft.strategies.synthetic_vl import synthetic_conversations
 
@@ -27,7 +27,7 @@ def synthetic_samples(
         seed=seed, num_samples=num_samples, min_side=min_side, max_side=max_side, videos=videos
     ):
         yield encode_conversation(conversation.messages, tokenizer=tokenizer, image_processor=image_processor,
-                                  system=system)
+                                  system=system, video_sizing=video_sizing)
 
 
 def jsonl_samples(

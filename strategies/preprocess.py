@@ -49,15 +49,16 @@ def processor_fingerprint(folder: pathlib.Path) -> str:
 
 def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str, max_pixels: int = 0,
           videos: VideoLimits = VideoLimits(), system: str | None = None) -> None:
-    from weft.strategies.conversation import load_processor
+    from weft.strategies.conversation import load_processor, load_video_sizing
 
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
     tokenizer, image_processor = load_processor(processor)
+    video_sizing = load_video_sizing(processor)
     # Frames are grouped by the processor's own temporal patch size.
     videos = attrs.evolve(videos, temporal=int(getattr(image_processor, "temporal_patch_size", 2)))
     _WORKER.update(tokenizer=tokenizer, image_processor=image_processor, base=pathlib.Path(base),
                    cache=pathlib.Path(cache_dir) if cache_dir else None, fingerprint=fingerprint, max_pixels=max_pixels,
-                   videos=videos, system=system)
+                   videos=videos, system=system, video_sizing=video_sizing)
 
 
 def _key(line: str, record: Any, base: pathlib.Path, fingerprint: str) -> str:
@@ -115,7 +116,7 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
                                       videos=_WORKER["videos"])
         sample = encode_conversation(
             messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"],
-            system=_WORKER["system"],
+            system=_WORKER["system"], video_sizing=_WORKER["video_sizing"],
         )
     except (ValueError, KeyError, TypeError, OSError) as error:
         return where, f"{type(error).__name__}: {error}"

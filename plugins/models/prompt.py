@@ -17,7 +17,7 @@ def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str], vi
     for Qwen); videos sampled by ``video_limits`` (strategies.video.VideoLimits) as training
     samples them."""
     from weft.core.errors import WeftError
-    from weft.strategies.conversation import collate, encode_prompt, load_processor
+    from weft.strategies.conversation import collate, encode_prompt, load_processor, load_video_sizing
 
     if processor is None:
         raise WeftError("this recipe's model has no processor folder (model.processor), so a text prompt cannot be "
@@ -27,7 +27,8 @@ def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str], vi
         + [{"type": "text", "text": text}]
     try:
         sample = encode_prompt([{"role": "user", "content": content}], tokenizer=tokenizer,
-                               image_processor=image_processor, system=system)
+                               image_processor=image_processor, system=system,
+                               video_sizing=load_video_sizing(processor) if videos else None)
     except (OSError, ValueError) as error:
         where = "--image" if images else "--video" if videos else "--prompt"
         raise WeftError(f"cannot encode the prompt: {error}", where=where) from error
