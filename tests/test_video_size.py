@@ -96,3 +96,17 @@ def test_a_broken_video_config_is_a_reason(tmp_path):
     folder = _folder(tmp_path, {"size": {"shortest_edge": "many"}})
     with pytest.raises(ValueError, match="video_preprocessor_config.json: cannot read its pixel bounds"):
         load_video_sizing(folder)
+
+
+def test_jsonl_samples_are_sized_by_the_folder_too(tmp_path):
+    from weft.strategies.datasets import jsonl_samples
+
+    folder = _folder(tmp_path, VIDEO_CONFIG)
+    for i in range(4):
+        Image.new("RGB", (56, 56), (60 * i, 80, 120)).save(tmp_path / f"f{i}.png")
+    record = {"messages": [{"role": "user", "content": [{"type": "video", "video": [f"f{i}.png" for i in range(4)]},
+                                                        {"type": "text", "text": "What moves?"}]},
+                           {"role": "assistant", "content": "A colour."}]}
+    (tmp_path / "clips.jsonl").write_text(json.dumps(record) + "\n", encoding="utf-8")
+    sample = next(jsonl_samples(tmp_path / "clips.jsonl", processor=str(folder)))
+    assert sample.video_grid_thw.tolist() == [[2, 8, 8]]
