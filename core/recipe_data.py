@@ -24,6 +24,10 @@ class DataSection:
                                 metadata=_doc("smallest synthetic image side, px"))
     max_side: int = attrs.field(default=112, validator=in_range(low=28),
                                 metadata=_doc("largest synthetic image side, px"))
+    system: str | None = attrs.field(default=None, metadata=_doc(
+        "default system prompt: the system message of every conversation that does not open with one (training, "
+        "eval and weft generate), in place of the chat template's default (Qwen2.5-VL's: \"You are a helpful "
+        "assistant.\"); unset: the template's own"))
     strict: bool = attrs.field(default=False, metadata=_doc("a bad sample stops the run instead of being skipped"))
     max_pixels: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
         "an image of more pixels (width x height) is skipped and counted before it is decoded; "
@@ -43,9 +47,11 @@ class DataSection:
         "synthetic videos as [frames, height, width], e.g. [[4, 56, 56]]: without data.tokens, conversations about "
         "a moving shape (samples then mix images, videos and both); with data.tokens, every long sample opens with "
         "these videos (random frames, after data.images)"))
-    video_fps: float = attrs.field(default=2.0, validator=in_range(low=0.01), metadata=_doc(
-        "frames per second sampled from a video file (a list of frames is taken to be at this rate); "
-        "a video part's own 'fps' key overrides it"))
+    video_fps: float | None = attrs.field(default=None, validator=attrs.validators.optional(in_range(low=0.01)),
+                                          metadata=_doc(
+        "frames per second (at least 0.01) sampled from a video file (a list of frames is taken to be at this rate); "
+        "a video part's own 'fps' key overrides it; unset: the model folder's video_preprocessor_config.json "
+        "'fps' when it has one, else 2 (Qwen2.5-VL's)"))
     max_frames: int = attrs.field(default=768, validator=in_range(low=2), metadata=_doc(
         "most frames kept of one video (sampled evenly); a video part's own 'max_frames' key overrides it"))
 

@@ -11,7 +11,7 @@ from weft.core.errors import WeftError
 def sample_source(recipe, adapter) -> tuple[Any, Any]:
     """(tokenizer, iterator of Sample | BadSample) for the recipe's data, as a run reads it."""
     from weft.strategies import datasets
-    from weft.strategies.conversation import load_processor
+    from weft.strategies.conversation import load_processor, load_video_sizing
 
     config, processor = adapter.config(recipe)
     if recipe.data.source == "synthetic" and recipe.data.tokens:
@@ -24,20 +24,19 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
         return tokenizer, datasets.synthetic_samples(
             seed=recipe.train.seed, num_samples=recipe.data.num_samples, min_side=recipe.data.min_side,
             max_side=recipe.data.max_side, tokenizer=tokenizer, image_processor=image_processor,
-            videos=tuple(tuple(size) for size in recipe.data.videos),
+            videos=tuple(tuple(size) for size in recipe.data.videos), system=recipe.data.system,
+            video_sizing=load_video_sizing(processor),
         )
     path = recipe.data_file()
     if not path.is_file():
         raise WeftError(f"data.path {str(path)!r} does not exist", where=f"{recipe.source} (data.path)")
     from weft.strategies.preprocess import default_workers
-    from weft.strategies.video import VideoLimits
 
     workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
     cache = path.with_name(path.name + ".weft-cache") if recipe.data.cache else None
     return tokenizer, datasets.jsonl_samples(path, processor=processor, workers=workers, cache_dir=cache,
-                                             max_pixels=recipe.data.max_pixels,
-                                             videos=VideoLimits(fps=recipe.data.video_fps,
-                                                                max_frames=recipe.data.max_frames))
+                                             max_pixels=recipe.data.max_pixels, system=recipe.data.system,
+                                             videos=video_limits(recipe, processor))
 
 
 def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
@@ -63,11 +62,24 @@ def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
         tokens=(data.tokens, data.tokens_max) if data.tokens_max else data.tokens,
         vocab_size=text.vocab_size, special=special_ids(config), images=[tuple(size) for size in data.images],
         image_processor=image_processor if data.images or data.videos else None,
-        videos=[tuple(size) for size in data.videos], video_fps=data.video_fps,
+        videos=[tuple(size) for size in data.videos], video_fps=video_limits(recipe, processor).fps,
         patch_size=getattr(vision, "patch_size", 14), merge_size=getattr(vision, "spatial_merge_size", 2),
         temporal_patch_size=getattr(vision, "temporal_patch_size", 2), in_channels=getattr(vision, "in_channels", 3),
     )
     return tokenizer, samples
+
+
+def video_limits(recipe, processor):
+    """How the recipe's videos are sampled (strategies.video.VideoLimits): ``data.video_fps``,
+    else the processor folder's video_preprocessor_config.json frame rate, else 2 fps."""
+    from weft.strategies.conversation import load_video_sizing
+    from weft.strategies.video import DEFAULT_FPS, VideoLimits
+
+    fps = recipe.data.video_fps
+    if fps is None:
+        sizing = load_video_sizing(processor) if processor is not None else None
+        fps = sizing.fps if sizing is not None and sizing.fps else DEFAULT_FPS
+    return VideoLimits(fps=fps, max_frames=recipe.data.max_frames)
 
 
 def pad_id_of(tokenizer, config) -> int:

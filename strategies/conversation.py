@@ -1,17 +1,13 @@
-"""Qwen2.5-VL chat preprocessing: messages -> token ids, labels and image patches.
+"""Qwen-VL chat preprocessing: messages -> token ids, labels and image patches.
 
-Layout per message (what Qwen2.5-VL's chat template renders, minus its default
-system prompt):
-
-    <|im_start|>{role}\\n{content}<|im_end|>\\n
-
-where each image in `content` becomes
+The conversation is rendered by the processor's chat template, or by weft's built-in
+layout (Qwen2.5-VL's template) when the processor has none (strategies/chat_format.py),
+and tokenized as ``apply_chat_template(tokenize=True)`` tokenizes it. Each image's
+placeholder pad then becomes
 `<|vision_start|>` + `<|image_pad|>` * n + `<|vision_end|>` with
 n = grid_t * grid_h * grid_w // merge_size**2, the number of features the vision
 tower's patch merger returns for it; each video likewise becomes
 `<|vision_start|>` + `<|video_pad|>` * n + `<|vision_end|>` (strategies/video.py).
-Text between two special tokens is tokenized as one string, so `input_ids` equal
-what the tokenizer gives for the rendered text.
 
 Labels are aligned with input_ids (not shifted; transformers' loss shifts) and are
 -100 except on assistant content and the assistant's closing `<|im_end|>`, which the
@@ -30,6 +26,8 @@ from typing import Any
 import attrs
 import torch
 from PIL import Image
+
+from weft.strategies.chat_format import Rendered, processor_chat_template, render_chat
 
 IGNORE_INDEX = -100
 # Values of mm_token_type_ids, as transformers' Qwen2.5-VL processor writes them.
@@ -126,16 +124,47 @@ class _SpecialIds:
 
 
 def encode_conversation(
-    conversation_messages: Sequence[Mapping[str, Any]], *, tokenizer: Any, image_processor: Any
+    conversation_messages: Sequence[Mapping[str, Any]], *, tokenizer: Any, image_processor: Any,
+    system: str | None = None, video_sizing: Any = None,
 ) -> Sample:
     """Tokenize one chat (transformers message format) into a training Sample.
 
     `conversation_messages` may also be an object with a `.messages` attribute
-    (e.g. synthetic_vl.Conversation).
+    (e.g. synthetic_vl.Conversation). `system` is the system message of a conversation
+    that has none (the recipe's ``data.system``); None keeps the template's default.
+    `video_sizing` (strategies.video_size.VideoSizing, from the processor folder's
+    video_preprocessor_config.json) sizes video frames; None: the image processor does.
     """
     messages = getattr(conversation_messages, "messages", conversation_messages)
     special = _SpecialIds.from_tokenizer(tokenizer)
+    rendered = render_chat(messages, tokenizer=tokenizer, system=system)
+    sample, pads_per_image, pads_per_video = _tokenized(rendered, messages, tokenizer=tokenizer,
+                                                        image_processor=image_processor, special=special,
+                                                        video_sizing=video_sizing)
+    _validate(sample.input_ids, sample.labels, special=special, pads_per_image=pads_per_image,
+              pads_per_video=pads_per_video)
+    return sample
 
+
+def encode_prompt(messages: Sequence[Mapping[str, Any]], *, tokenizer: Any, image_processor: Any,
+                  system: str | None = None, video_sizing: Any = None) -> Sample:
+    """The conversation so far and the header the assistant's reply continues from (the
+    template's generation prompt, ``<|im_start|>assistant\\n`` for Qwen), as `weft generate`
+    feeds it; no labels."""
+    special = _SpecialIds.from_tokenizer(tokenizer)
+    rendered = render_chat(messages, tokenizer=tokenizer, system=system, generation_prompt=True)
+    return _tokenized(rendered, messages, tokenizer=tokenizer, image_processor=image_processor, special=special,
+                      video_sizing=video_sizing)[0]
+
+
+def _tokenized(rendered: Rendered, messages: Sequence[Mapping[str, Any]], *, tokenizer: Any, image_processor: Any,
+               special: _SpecialIds, video_sizing: Any = None) -> tuple[Sample, list[int], list[int]]:
+    """(Sample, pads per image, pads per video) of rendered text: tokenized as transformers'
+    ``apply_chat_template(tokenize=True)`` tokenizes it, then each image and video placeholder
+    pad widened to the n = grid_t * grid_h * grid_w // merge_size**2 features the vision tower
+    returns for it (what the processor does to the text before tokenizing; the pads are special
+    tokens, so widening after gives the same ids). Labels on tokens that overlap a reply span,
+    never on vision tokens: the model cannot fill an image it emits."""
     images = [_to_rgb(_open_image(part)) for m in messages for part in _parts(m) if part["type"] == "image"]
     pixel_values = image_grid_thw = None
     pads_per_image: list[int] = []
@@ -146,72 +175,45 @@ def encode_conversation(
         image_grid_thw = processed["image_grid_thw"].to(torch.long)  # (n_images, 3)
         pads_per_image = [int(n) // merge**2 for n in image_grid_thw.prod(-1)]
     videos = _encode_videos([p for m in messages for p in _parts(m) if p["type"] == "video"],
-                            image_processor=image_processor, special=special)
+                            image_processor=image_processor, special=special, video_sizing=video_sizing)
     pads_per_video = [int(n) // merge**2 for n in videos["video_grid_thw"].prod(-1)] if videos else []
 
+    enc = tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
+    vision = {special.vision_start, special.vision_end, special.image_pad, special.video_pad}
+    widths = {special.image_pad: (pads_per_image, IMAGE_TYPE, "image")}
+    if special.video_pad is not None:
+        widths[special.video_pad] = (pads_per_video, VIDEO_TYPE, "video")
+    for token_id, (pads, _, kind) in widths.items():
+        if (rendered_count := enc["input_ids"].count(token_id)) != len(pads):
+            hint = ("a special token in the text?" if rendered_count > len(pads)
+                    else f"the chat template leaves out {kind}s outside user turns?")
+            raise ValueError(f"{kind}-token count: the chat text holds {rendered_count} {kind} placeholders for "
+                             f"{len(pads)} {kind}s ({hint})")
+    queues = {token_id: iter(pads) for token_id, (pads, _, _) in widths.items()}
     ids: list[int] = []
     train: list[bool] = []
     types: list[int] = []
-
-    def add_special(token_id: int, *, trained: bool = False, type_id: int = TEXT_TYPE) -> None:
+    for token_id, (start, end) in zip(enc["input_ids"], enc["offset_mapping"]):
+        if token_id in widths:
+            count = next(queues[token_id])
+            ids += [token_id] * count
+            train += [False] * count
+            types += [widths[token_id][1]] * count
+            continue
         ids.append(token_id)
-        train.append(trained)
-        types.append(type_id)
-
-    def add_text(text: str, *, train_from: int | None) -> None:
-        # train_from: char offset from which tokens get labels (None: no labels).
-        if not text:
-            return
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        for token_id, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]):
-            ids.append(token_id)
-            # A token that ends past the boundary carries trained text: label it.
-            train.append(train_from is not None and end > train_from)
-            types.append(TEXT_TYPE)
-
-    image_iter, video_iter = iter(pads_per_image), iter(pads_per_video)
-    for message in messages:
-        role = message["role"]
-        is_assistant = role == "assistant"
-        header = f"{role}\n"
-        add_special(special.im_start)
-        # The header and the text after it sit between the same two specials, so they
-        # are tokenized together (as in the rendered string); labels start after it.
-        text, train_from = header, (len(header) if is_assistant else None)
-        for part in _parts(message):
-            if part["type"] == "text":
-                text += part["text"]
-            elif part["type"] in ("image", "video"):
-                add_text(text, train_from=train_from)
-                text, train_from = "", (0 if is_assistant else None)
-                add_special(special.vision_start)
-                if part["type"] == "image":
-                    for _ in range(next(image_iter)):
-                        add_special(special.image_pad, type_id=IMAGE_TYPE)
-                else:
-                    for _ in range(next(video_iter)):
-                        add_special(special.video_pad, type_id=VIDEO_TYPE)
-                add_special(special.vision_end)
-            else:
-                raise ValueError(f"unsupported content type {part['type']!r} (text, image and video only)")
-        add_text(text, train_from=train_from)
-        add_special(special.im_end, trained=is_assistant)
-        add_text("\n", train_from=None)
+        # A token that overlaps a reply (even one that starts in its header) carries trained text.
+        train.append(token_id not in vision and any(start < b and end > a for a, b in rendered.trained))
+        types.append(TEXT_TYPE)
 
     input_ids = torch.tensor(ids, dtype=torch.long)  # (S,)
     labels = torch.where(torch.tensor(train, dtype=torch.bool), input_ids, IGNORE_INDEX)  # (S,)
-    _validate(input_ids, labels, special=special, pads_per_image=pads_per_image, pads_per_video=pads_per_video)
-    return Sample(
-        input_ids=input_ids,
-        labels=labels,
-        pixel_values=pixel_values,
-        image_grid_thw=image_grid_thw,
-        mm_token_type_ids=torch.tensor(types, dtype=torch.long),
-        **videos,
-    )
+    sample = Sample(input_ids=input_ids, labels=labels, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                    mm_token_type_ids=torch.tensor(types, dtype=torch.long), **videos)
+    return sample, pads_per_image, pads_per_video
 
 
-def _encode_videos(parts: list, *, image_processor: Any, special: _SpecialIds) -> dict[str, torch.Tensor]:
+def _encode_videos(parts: list, *, image_processor: Any, special: _SpecialIds,
+                   video_sizing: Any = None) -> dict[str, torch.Tensor]:
     """The Sample's video tensors for video parts (``{"type": "video", "video": [frames],
     "fps": sampled frames per second}``), or {} when there are none."""
     from weft.strategies.video import DEFAULT_FPS, sample_indices, seconds_per_patch, video_patches
@@ -228,7 +230,7 @@ def _encode_videos(parts: list, *, image_processor: Any, special: _SpecialIds) -
             raise TypeError("a video part holds its frames (a list of PIL images); data_formats loads files")
         count = max(temporal, -(-len(frames) // temporal) * temporal)  # whole temporal patches
         frames = [_to_rgb(_open_image({"image": frames[i]})) for i in sample_indices(len(frames), count)]
-        values, grid = video_patches(frames, image_processor=image_processor)
+        values, grid = video_patches(frames, image_processor=image_processor, sizing=video_sizing)
         pixels.append(values)
         grids.append(grid)
         seconds.append(seconds_per_patch(temporal=temporal, sampled_fps=float(part.get("fps") or DEFAULT_FPS)))
@@ -326,7 +328,9 @@ def load_processor(path_or_bundled_name: str | os.PathLike[str], *, backend: str
 
     A bare name such as "tiny_vl" means the folder shipped in `weft.recipes`; a path
     (anything with a separator, or a PathLike) is used as is. `backend="pil"` by default
-    so pixel values do not depend on whether torchvision happens to be installed.
+    so pixel values do not depend on whether torchvision happens to be installed. The
+    tokenizer carries the folder's chat template (``chat_template.jinja``, else
+    ``chat_template.json``, else its own), which encode_conversation renders with.
     """
     from transformers import AutoImageProcessor, AutoTokenizer
 
@@ -344,8 +348,19 @@ def load_processor(path_or_bundled_name: str | os.PathLike[str], *, backend: str
     return _load_from(folder, backend, AutoTokenizer, AutoImageProcessor)
 
 
+def load_video_sizing(path_or_bundled_name: str | os.PathLike[str]) -> Any:
+    """The processor folder's video sizing (strategies.video_size.VideoSizing), or None when
+    it has no video_preprocessor_config.json (frames are then sized as images are)."""
+    from weft.strategies.video_size import VideoSizing
+
+    return VideoSizing.from_folder(processor_dir(path_or_bundled_name))
+
+
 def _load_from(folder: pathlib.Path, backend: str | None, auto_tok: Any, auto_image: Any) -> tuple[Any, Any]:
     tokenizer = auto_tok.from_pretrained(str(folder))
+    template = processor_chat_template(folder)
+    if template is not None:  # the processor's template is the one the model is served with
+        tokenizer.chat_template = template
     kwargs = {} if backend is None else {"backend": backend}
     image_processor = auto_image.from_pretrained(str(folder), **kwargs)
     return tokenizer, image_processor

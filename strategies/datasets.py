@@ -19,19 +19,20 @@ class BadSample(Exception):
 
 def synthetic_samples(
     *, seed: int, num_samples: int, min_side: int, max_side: int, tokenizer: Any, image_processor: Any,
-    videos: tuple[tuple[int, int, int], ...] = (),
+    videos: tuple[tuple[int, int, int], ...] = (), system: str | None = None, video_sizing: Any = None,
 ) -> Iterator[Sample | BadSample]:
     from weft.strategies.synthetic_vl import synthetic_conversations
 
     for conversation in synthetic_conversations(
         seed=seed, num_samples=num_samples, min_side=min_side, max_side=max_side, videos=videos
     ):
-        yield encode_conversation(conversation.messages, tokenizer=tokenizer, image_processor=image_processor)
+        yield encode_conversation(conversation.messages, tokenizer=tokenizer, image_processor=image_processor,
+                                  system=system, video_sizing=video_sizing)
 
 
 def jsonl_samples(
     path: pathlib.Path, *, processor: str, workers: int = 1, cache_dir: pathlib.Path | None = None,
-    max_pixels: int = 0, videos: Any = None,
+    max_pixels: int = 0, videos: Any = None, system: str | None = None,
 ) -> Iterator[Sample | BadSample]:
     """JSONL in the chat or sharegpt-style format (``data_formats``), one record per line,
     encoded in ``workers`` processes (``preprocess``), tokenized samples cached in ``cache_dir``.
@@ -52,7 +53,7 @@ def jsonl_samples(
 
     for where, result in encode_lines(lines(), processor=processor, processor_folder=processor_dir(processor),
                                       base=path.parent, workers=workers, cache_dir=cache_dir,
-                                      max_pixels=max_pixels, videos=videos or VideoLimits()):
+                                      max_pixels=max_pixels, videos=videos or VideoLimits(), system=system):
 
         yield result if isinstance(result, Sample) else BadSample(where, result)
 

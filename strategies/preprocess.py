@@ -32,24 +32,33 @@ def default_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 1) - 1))
 
 
+# Changed whenever encode_conversation gives other tokens for the same record and processor, so
+# samples cached by an older weft are made again. "chat-template": rendered by the processor's
+# chat template, with its default system prompt (before, weft's layout without one).
+ENCODING = "chat-template"
+
+
 def processor_fingerprint(folder: pathlib.Path) -> str:
+    """A digest of the processor's files: its JSON configs and its chat template (.jinja),
+    which decides every token of a sample."""
     digest = hashlib.sha256()
-    for path in sorted(folder.glob("*.json")):
+    for path in sorted([*folder.glob("*.json"), *folder.glob("*.jinja")]):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
 def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str, max_pixels: int = 0,
-          videos: VideoLimits = VideoLimits()) -> None:
-    from weft.strategies.conversation import load_processor
+          videos: VideoLimits = VideoLimits(), system: str | None = None) -> None:
+    from weft.strategies.conversation import load_processor, load_video_sizing
 
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
     tokenizer, image_processor = load_processor(processor)
+    video_sizing = load_video_sizing(processor)
     # Frames are grouped by the processor's own temporal patch size.
     videos = attrs.evolve(videos, temporal=int(getattr(image_processor, "temporal_patch_size", 2)))
     _WORKER.update(tokenizer=tokenizer, image_processor=image_processor, base=pathlib.Path(base),
                    cache=pathlib.Path(cache_dir) if cache_dir else None, fingerprint=fingerprint, max_pixels=max_pixels,
-                   videos=videos)
+                   videos=videos, system=system, video_sizing=video_sizing)
 
 
 def _key(line: str, record: Any, base: pathlib.Path, fingerprint: str) -> str:
@@ -106,7 +115,8 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
         messages = record_to_messages(record, base=_WORKER["base"], max_pixels=_WORKER["max_pixels"],
                                       videos=_WORKER["videos"])
         sample = encode_conversation(
-            messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"]
+            messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"],
+            system=_WORKER["system"], video_sizing=_WORKER["video_sizing"],
         )
     except (ValueError, KeyError, TypeError, OSError) as error:
         return where, f"{type(error).__name__}: {error}"
@@ -119,16 +129,17 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
 
 def encode_lines(lines: Iterable[tuple[str, str]], *, processor: str, processor_folder: pathlib.Path,
                  base: pathlib.Path, workers: int, cache_dir: pathlib.Path | None, max_pixels: int = 0,
-                 videos: VideoLimits = VideoLimits()) -> Iterator[tuple[str, Any]]:
+                 videos: VideoLimits = VideoLimits(), system: str | None = None) -> Iterator[tuple[str, Any]]:
 
     """Encode (where, JSON line) jobs in order; yields (where, Sample) or (where, reason)."""
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
     # The pixel limit is part of the cache key: a sample cached under a looser one is not reused.
-    # So are the video limits: a sample cached at another frame rate is not reused.
-    fingerprint = (f"{processor_fingerprint(processor_folder)}:max_pixels={max_pixels}:"
-                   f"fps={videos.fps:g}:max_frames={videos.max_frames}")
-    args = (processor, str(base), str(cache_dir) if cache_dir else None, fingerprint, max_pixels, videos)
+    # So are the video limits (a sample cached at another frame rate is not reused), the system
+    # prompt, and the version of the encoding itself.
+    fingerprint = (f"{ENCODING}:{processor_fingerprint(processor_folder)}:max_pixels={max_pixels}:"
+                   f"fps={videos.fps:g}:max_frames={videos.max_frames}:system={system!r}")
+    args = (processor, str(base), str(cache_dir) if cache_dir else None, fingerprint, max_pixels, videos, system)
     if workers <= 1:
         _init(*args)
         yield from map(_encode, lines)

@@ -141,15 +141,23 @@ def _decode(path: pathlib.Path, *, name: str, wanted: set[int] | None) -> dict[i
     return frames
 
 
-def video_patches(frames: list[Image.Image], *, image_processor: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def video_patches(frames: list[Image.Image], *, image_processor: Any,
+                  sizing: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(pixel_values_videos (N, C*T*P*P), video_grid_thw (1, 3)) of one video's frames
-    (a multiple of the temporal patch size T), through the model's image processor."""
+    (a multiple of the temporal patch size T), through the model's image processor; frames
+    sized by ``sizing`` (strategies.video_size.VideoSizing: the folder's video processor)
+    when given, else by the image processor's own bounds."""
     temporal = int(image_processor.temporal_patch_size)
     if len(frames) % temporal:
         raise ValueError(f"{len(frames)} frames is not a multiple of the temporal patch size {temporal}")
-    size = frames[0].size
+    size, bounds = frames[0].size, {}
+    if sizing is not None:
+        height, width = sizing.frame_size(frames=len(frames), height=size[1], width=size[0])
+        size = (width, height)
+        # Bounds of exactly this size: the image processor keeps frames that already have it.
+        bounds = {"size": {"shortest_edge": width * height, "longest_edge": width * height}}
     frames = [f if f.size == size else f.resize(size, Image.Resampling.BICUBIC) for f in frames]
-    processed = image_processor(images=frames, return_tensors="pt")
+    processed = image_processor(images=frames, return_tensors="pt", **bounds)
     pixels = processed["pixel_values"].to(torch.float32)  # (F * R, C*T*P*P), each frame copied into T slots
     grid = processed["image_grid_thw"][0].to(torch.long)  # (3,) = (1, h, w), equal for every frame
     rows = int(grid[1] * grid[2])

@@ -117,7 +117,8 @@ def test_data_parallel_rank_without_images_keeps_the_tower_in_step(tmp_path):
     text = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."}]}
     image = {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "Red."}],
              "images": ["red.png"]}
-    # Two samples too long to share a micro-batch of 40 tokens: one per data-parallel rank.
+    # Two samples too long to share a micro-batch of 80 tokens (60 and 63, the chat template's
+    # default system prompt included): one per data-parallel rank.
     (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in (text, image)) + "\n")
     recipe = tmp_path / "mixed.toml"
     recipe.write_text(textwrap.dedent(f'''
@@ -128,7 +129,7 @@ def test_data_parallel_rank_without_images_keeps_the_tower_in_step(tmp_path):
         source = "jsonl"
         path = "mixed.jsonl"
         [train]
-        micro_batch_tokens = 40
+        micro_batch_tokens = 80
     '''))
     done = check(str(recipe), "--world-size", "2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

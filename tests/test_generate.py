@@ -19,6 +19,11 @@ from PIL import Image
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny-vl.toml")
 PROMPT = "What colour is this picture, and why?"
+# Long enough (158 tokens with the chat template's default system prompt) that the video's
+# tokens, at 36-43, straddle the first quarter of the sequence: ring 2's zigzag gives rank 0
+# the first and last quarters, rank 1 the middle two, so both hold video rows.
+VIDEO_PROMPT = (PROMPT + " Describe the colours, the shapes and how they move, frame by frame, in as much detail as "
+                "you can, and be precise.")
 NEW = 10
 
 
@@ -132,13 +137,16 @@ def test_a_video_prompt_over_ring2_equals_transformers_generate(tmp_path):
     recipe = Recipe.from_toml(RECIPE)
     adapter = plugin_manager_from_env().models.for_recipe(recipe)
     model = adapter.build(recipe, device="cpu", seed=recipe.train.seed).eval()
-    inputs = adapter.prompt_inputs(recipe, text=PROMPT, images=[], videos=[str(clip)])
+    inputs = adapter.prompt_inputs(recipe, text=VIDEO_PROMPT, images=[], videos=[str(clip)])
     assert inputs["video_grid_thw"].tolist() == [[2, 4, 4]] and inputs["second_per_grid_ts"].tolist() == [1.0]
+    video_at = (inputs["input_ids"][0] == model.config.video_token_id).nonzero().flatten()
+    quarter = inputs["input_ids"].shape[1] / 4
+    assert video_at[0] < quarter < video_at[-1]  # the premise of the last assertion below
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
     want = out[0, inputs["input_ids"].shape[1]:].tolist()
-    done = weft("generate", str(paged_recipe(tmp_path)), "--prompt", PROMPT, "--video", str(clip), "--max-new-tokens",
-                str(NEW), "--json", "--nproc", "2", "--set", "parallel.ring=2")
+    done = weft("generate", str(paged_recipe(tmp_path)), "--prompt", VIDEO_PROMPT, "--video", str(clip),
+                "--max-new-tokens", str(NEW), "--json", "--nproc", "2", "--set", "parallel.ring=2")
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout)
     assert got["tokens"] == want and got["prompt_tokens"] == inputs["input_ids"].shape[1]

@@ -59,9 +59,10 @@ def _fingerprint(conversation):
 
 
 def _rendered(conversation, grids, merge):
-    """The chat layout as one string, image pads expanded."""
+    """The chat layout as one string, image pads expanded; the conversation has no system
+    message, so Qwen2.5-VL's template (which tiny_vl carries) opens with its default one."""
     pads = iter(int(g.prod()) // merge**2 for g in grids)
-    text = ""
+    text = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
     for message in conversation.messages:
         text += f"<|im_start|>{message['role']}\n"
         for part in message["content"]:

@@ -36,8 +36,9 @@ def test_cut_inside_an_image_moves_before_its_span(processor):
 
 def test_truncation_keeps_whole_images_and_their_patches(processor):
     tokenizer, image_processor = processor
-    # Put the reply first, so a cut in the second image still leaves something to learn.
-    messages = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": [
+    # Put the reply before the images, so a cut in the second image still leaves something to learn.
+    messages = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": [
         {"type": "image", "image": Image.new("RGB", (56, 56), "red")},
         {"type": "image", "image": Image.new("RGB", (84, 56), "blue")}]}]
 

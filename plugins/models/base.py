@@ -61,12 +61,12 @@ class TransformersAdapter:
 
     def prompt_inputs(self, recipe: Recipe, *, text: str, images: Sequence[str],
                       videos: Sequence[str] = ()) -> dict[str, torch.Tensor]:
+        from weft.plugins.data import video_limits
         from weft.plugins.models.prompt import prompt_inputs
-        from weft.strategies.video import VideoLimits
 
-        limits = VideoLimits(fps=recipe.data.video_fps, max_frames=recipe.data.max_frames)
-        return prompt_inputs(processor=self.config(recipe)[1], text=text, images=images, videos=videos,
-                             video_limits=limits)
+        processor = self.config(recipe)[1]
+        return prompt_inputs(processor=processor, text=text, images=images, videos=videos,
+                             video_limits=video_limits(recipe, processor), system=recipe.data.system)
 
     def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
         from weft.plugins.models.prompt import decode_tokens

@@ -1,4 +1,4 @@
-"""`weft generate`'s prompt: one user turn and the assistant's header, as training encodes chats."""
+"""`weft generate`'s prompt: one user turn and the generation prompt, rendered as training renders chats."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import torch
 
 
 def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str], videos: Sequence[str] = (),
-                  video_limits: Any = None) -> dict[str, torch.Tensor]:
-    """(B = 1) input_ids, attention_mask, mm_token_type_ids and the image and video inputs of
-    ``<|im_start|>user\\n[images][videos]text<|im_end|>\\n<|im_start|>assistant\\n``; videos
-    sampled by ``video_limits`` (strategies.video.VideoLimits) as training samples them."""
+                  video_limits: Any = None, system: str | None = None) -> dict[str, torch.Tensor]:
+    """(B = 1) input_ids, attention_mask, mm_token_type_ids and the image and video inputs of one
+    user turn ([images][videos]text) rendered as training renders conversations (the processor's
+    chat template, else weft's layout), with ``system`` (``data.system``) as its system message
+    when given, and ending with the template's generation prompt (``<|im_start|>assistant\\n``
+    for Qwen); videos sampled by ``video_limits`` (strategies.video.VideoLimits) as training
+    samples them."""
     from weft.core.errors import WeftError
-    from weft.strategies.conversation import collate, encode_conversation, load_processor
+    from weft.strategies.conversation import collate, encode_prompt, load_processor, load_video_sizing
 
     if processor is None:
         raise WeftError("this recipe's model has no processor folder (model.processor), so a text prompt cannot be "
@@ -22,19 +25,17 @@ def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str], vi
     tokenizer, image_processor = load_processor(processor)
     content = [{"type": "image", "image": path} for path in images] + _video_parts(videos, video_limits) \
         + [{"type": "text", "text": text}]
-    # An empty assistant turn gives the header the model continues from; its closing
-    # <|im_end|> and newline are cut off below.
     try:
-        sample = encode_conversation([{"role": "user", "content": content}, {"role": "assistant", "content": ""}],
-                                     tokenizer=tokenizer, image_processor=image_processor)
+        sample = encode_prompt([{"role": "user", "content": content}], tokenizer=tokenizer,
+                               image_processor=image_processor, system=system,
+                               video_sizing=load_video_sizing(processor) if videos else None)
     except (OSError, ValueError) as error:
         where = "--image" if images else "--video" if videos else "--prompt"
         raise WeftError(f"cannot encode the prompt: {error}", where=where) from error
     batch = collate([sample], pad_id=0)
-    end = int((batch["input_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_end|>")).nonzero()[-1])
-    cut = {k: v[:, :end] for k, v in batch.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
-    vision = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-    return cut | {k: batch[k] for k in vision if k in batch}
+    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
+            "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+    return {k: batch[k] for k in keys if k in batch}
 
 
 def _video_parts(videos: Sequence[str], limits: Any) -> list[dict]:

@@ -1,8 +1,8 @@
 """Regenerate the tiny Qwen2.5-VL-style processor files in this folder.
 
 Run from anywhere:  python recipes/tiny_vl/build_assets.py
-Writes tokenizer.json, tokenizer_config.json and preprocessor_config.json next to this
-script. The output is deterministic: the BPE merges are learnt by a small pure-Python
+Writes tokenizer.json, tokenizer_config.json, preprocessor_config.json and
+chat_template.jinja next to this script. The output is deterministic: the BPE merges are learnt by a small pure-Python
 loop over a fixed corpus (ties broken by symbol order), not by a trainer whose internal
 hash maps could reorder equal-count merges. This script is not imported at runtime.
 """
@@ -59,6 +59,28 @@ MIN_PIXELS = 56 * 56
 MAX_PIXELS = 140 * 140
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+# Qwen2.5-VL's chat template (Qwen/Qwen2.5-VL-7B-Instruct's chat_template.json, the same text
+# as Qwen2-VL's; tests/data/chat_templates.json says where it was read), so the bundled
+# processor takes the template path that downloaded Qwen2.5-VL folders take. Data, not code:
+# it opens every conversation without a system message with "You are a helpful assistant.".
+QWEN2_5_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: "
+    "{% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
 
 
 def _learn_merges(words: collections.Counter[tuple[str, ...]], num_merges: int) -> list[tuple[str, str]]:
@@ -169,6 +191,8 @@ def render_assets() -> dict[str, str]:
         "tokenizer.json": _json_text(json.loads(tok.to_str()), sort_keys=False),
         "tokenizer_config.json": _json_text(tokenizer_config()),
         "preprocessor_config.json": _json_text(preprocessor_config()),
+        # The file transformers 5 saves a template in; AutoTokenizer and AutoProcessor read it.
+        "chat_template.jinja": QWEN2_5_VL_CHAT_TEMPLATE,
     }
 
 
