@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", type=pathlib.Path, default=None,
                      help="run directory (default runs/<recipe>-<timestamp>)")
     run.add_argument("--locked", action="store_true", help=argparse.SUPPRESS)  # set by weft's own launcher
+    run.add_argument("--launcher-pid", type=int, default=None, help=argparse.SUPPRESS)  # ditto: the ranks die with it
     run.add_argument("--max-restarts", type=int, default=0, metavar="N",
                      help="restart the ranks up to N times after one dies; they resume from the newest checkpoint")
     run.add_argument("--resume", action="store_true",

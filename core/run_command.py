@@ -12,7 +12,7 @@ import sys
 
 from weft.core.errors import EXIT_OK, WeftError
 from weft.core.plugin_manager import plugin_manager_from_env
-from weft.core.run_lock import run_lock
+from weft.core.run_lock import join_run, run_lock
 
 
 def _under_launcher() -> bool:
@@ -23,6 +23,8 @@ def cmd_run(args) -> int:
     from weft.core.planner import plan_recipe
     from weft.core.recipe import Recipe
 
+    # First thing in a rank weft's launcher started: it must not outlive that launcher.
+    launcher = _watch_launcher(args.launcher_pid) if _under_launcher() and args.launcher_pid else None
     recipe = Recipe.from_toml(args.recipe, overrides=tuple(args.overrides))
     pm = plugin_manager_from_env()
     if _under_launcher():
@@ -35,8 +37,10 @@ def cmd_run(args) -> int:
 
         # After a lost rank the launcher starts every rank again: they continue from the newest checkpoint.
         resume = args.resume or (restarted() and bool(checkpoint_dirs(run_dir)))
+        if launcher is not None:  # in the lock before anything is written: a new run sees this rank
+            join_run(run_dir, launcher_pid=args.launcher_pid, rank=launcher.rank)
         with contextlib.nullcontext() if held else run_lock(run_dir):
-            return _train(recipe, pm, run_dir=run_dir, resume=resume)
+            return _train(recipe, pm, run_dir=run_dir, resume=resume, launcher=launcher)
     nproc = args.nproc or recipe.parallel.nproc
     run_dir = _run_dir(args, recipe)
     if args.resume:
@@ -57,7 +61,8 @@ def cmd_run(args) -> int:
             return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
         from weft.core.launch import launch_local
 
-        child_args = ["-m", "weft", "run", args.recipe, "--run-dir", str(run_dir), "--locked"]
+        child_args = ["-m", "weft", "run", args.recipe, "--run-dir", str(run_dir), "--locked",
+                      "--launcher-pid", str(os.getpid())]
         for override in args.overrides:
             child_args += ["--set", override]
         if args.resume:
@@ -100,11 +105,17 @@ def _run_dir(args, recipe) -> pathlib.Path:
     return pathlib.Path("runs") / f"{stem}-{stamp}"
 
 
-def _train(recipe, pm, *, run_dir: pathlib.Path, resume: bool) -> int:
+def _watch_launcher(launcher_pid: int):
+    from weft.core.launcher_watch import LauncherWatch
+
+    return LauncherWatch(launcher_pid=launcher_pid, rank=int(os.environ["RANK"])).start()
+
+
+def _train(recipe, pm, *, run_dir: pathlib.Path, resume: bool, launcher=None) -> int:
     from weft.core.loop import train
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = train(recipe=recipe, pm=pm, run_dir=run_dir, resume=resume, console=True)
+    summary = train(recipe=recipe, pm=pm, run_dir=run_dir, resume=resume, console=True, launcher=launcher)
     if summary["status"] == "interrupted" and os.environ.get("RANK", "0") == "0":
         saved = summary["last_checkpoint"] or "none (train.checkpoint_every = -1)"
         print(f"weft: interrupted by {summary['reason']} after step {summary['last_step']}; checkpoint: {saved}; "

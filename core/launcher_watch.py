@@ -1,0 +1,113 @@
+"""A rank whose launcher is gone stops within a second, its ending recorded.
+
+Ranks run in sessions of their own (torch's elastic launcher starts each with
+``start_new_session``), so nothing the kernel does to the launcher's process group
+reaches them: after SIGKILL of `weft run` (``kill -9``, the OOM killer, a scheduler that
+signals one pid) they would train on as orphans, writing metrics and checkpoints into a
+directory a new run may take. Two mechanisms, because each alone has a gap:
+
+- The parent-death signal (``prctl(PR_SET_PDEATHSIG)``, Linux): the kernel sends SIGTERM
+  when the thread that started this process exits. With `weft run`, torch's elastic agent
+  runs in the launcher's own main thread (``elastic_launch`` calls the agent in-process,
+  and it starts every rank, restarts included, from there), so that thread exits only
+  with the launcher itself. It works where Python does not run: during imports, or in C
+  code that holds the GIL. SIGTERM, not SIGKILL: if a torch version ever started ranks
+  from a short-lived thread, the signal would only ask for a stop after the step (the
+  preemption path, docs/faults.md), never kill a healthy run.
+- A watch thread: every ``interval`` it compares ``os.getppid()`` with the launcher's pid.
+  A process whose parent died is re-parented at once (to init or a subreaper), so the
+  change is certain and tied to the process, not to a thread; the check costs one system
+  call. Once the training loop has attached its ending, the thread records it (summary
+  "failed", a ``run.launcher_gone`` event) before it ends the process with exit code 1:
+  the launcher that would have stopped the others is gone, so each rank ends itself.
+
+Checkpoints already written stay (each is written whole before it is renamed into place):
+`weft run --resume` continues from the newest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from weft.core.errors import EXIT_RUNTIME, WeftError
+
+#: linux/prctl.h
+PR_SET_PDEATHSIG = 1
+
+
+class LauncherGone(WeftError):
+    """The process that started this rank has ended: a run-time failure, not a user error."""
+
+    exit_code = EXIT_RUNTIME
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
+    """Ask the kernel for ``sig`` when this process's parent (thread) exits; False where there
+    is no prctl (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    return True
+
+
+class LauncherWatch:
+    def __init__(self, *, launcher_pid: int, rank: int, interval: float = 0.2) -> None:
+        self.launcher_pid, self.rank, self.interval = launcher_pid, rank, interval
+        self.pdeathsig = False
+        self._attached: tuple[Any, Any, Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> LauncherWatch:
+        """Signal and thread on; a launcher already gone (it died between starting this process
+        and this call, when no parent-death signal was set yet) is LauncherGone at once."""
+        self.pdeathsig = set_parent_death_signal()
+        if self.gone():
+            raise LauncherGone(self._message(), where="weft run")
+        self._thread = threading.Thread(target=self._run, name="weft-launcher-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def gone(self) -> bool:
+        return os.getppid() != self.launcher_pid
+
+    def attach(self, *, recipe: Any, ctx: Any, ending: Any) -> None:
+        """From now on, the run's ending is recorded (summary.json on rank 0, the log) before
+        the process ends."""
+        self._attached = (recipe, ctx, ending)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval + 1)
+
+    def _message(self) -> str:
+        return (f"rank {self.rank}: its launcher (pid {self.launcher_pid}) is gone, so the run stops; continue it "
+                "from the newest checkpoint with weft run --resume")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self.gone():
+                self._end()
+                return
+
+    def _end(self) -> None:
+        error = LauncherGone(self._message(), where="weft run")
+        try:
+            if self._attached is not None:
+                recipe, ctx, ending = self._attached
+                ctx.log.error("run.launcher_gone", launcher_pid=self.launcher_pid, rank=self.rank,
+                              parent=os.getppid())
+                ending.record(recipe, ctx, error=error)
+        finally:
+            with contextlib.suppress(Exception):  # stderr may be a pipe nobody reads any more
+                print(f"weft: error: {error}", file=sys.stderr, flush=True)
+            os._exit(EXIT_RUNTIME)
