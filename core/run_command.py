@@ -23,8 +23,7 @@ def cmd_run(args) -> int:
     from weft.core.planner import plan_recipe
     from weft.core.recipe import Recipe
 
-    # First thing in a rank weft's launcher started: it must not outlive that launcher.
-    launcher = _watch_launcher(args.launcher_pid) if _under_launcher() and args.launcher_pid else None
+    launcher = getattr(args, "launcher", None)  # a rank weft's launcher started: main() watches that launcher
     recipe = Recipe.from_toml(args.recipe, overrides=tuple(args.overrides))
     pm = plugin_manager_from_env()
     if _under_launcher():
@@ -38,7 +37,7 @@ def cmd_run(args) -> int:
         # After a lost rank the launcher starts every rank again: they continue from the newest checkpoint.
         resume = args.resume or (restarted() and bool(checkpoint_dirs(run_dir)))
         if launcher is not None:  # in the lock before anything is written: a new run sees this rank
-            join_run(run_dir, launcher_pid=args.launcher_pid, rank=launcher.rank)
+            join_run(run_dir, launcher_pid=launcher.launcher_pid, rank=launcher.rank)
         with contextlib.nullcontext() if held else run_lock(run_dir):
             return _train(recipe, pm, run_dir=run_dir, resume=resume, launcher=launcher)
     nproc = args.nproc or recipe.parallel.nproc
@@ -61,8 +60,7 @@ def cmd_run(args) -> int:
             return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
         from weft.core.launch import launch_local
 
-        child_args = ["-m", "weft", "run", args.recipe, "--run-dir", str(run_dir), "--locked",
-                      "--launcher-pid", str(os.getpid())]
+        child_args = ["-m", "weft", "run", args.recipe, "--run-dir", str(run_dir), "--locked"]
         for override in args.overrides:
             child_args += ["--set", override]
         if args.resume:
@@ -103,12 +101,6 @@ def _run_dir(args, recipe) -> pathlib.Path:
         return runs[-1]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return pathlib.Path("runs") / f"{stem}-{stamp}"
-
-
-def _watch_launcher(launcher_pid: int):
-    from weft.core.launcher_watch import LauncherWatch
-
-    return LauncherWatch(launcher_pid=launcher_pid, rank=int(os.environ["RANK"])).start()
 
 
 def _train(recipe, pm, *, run_dir: pathlib.Path, resume: bool, launcher=None) -> int:
