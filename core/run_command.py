@@ -12,6 +12,7 @@ import sys
 
 from weft.core.errors import EXIT_OK, WeftError
 from weft.core.plugin_manager import plugin_manager_from_env
+from weft.core.processor_files import check_processor_files, data_needs
 from weft.core.run_lock import join_run, run_lock
 
 
@@ -81,7 +82,10 @@ def _check_inputs(recipe, pm) -> None:
             raise WeftError(f"data.path {str(path)!r} does not exist (relative to the recipe; with --set, to here)",
                             where=f"{recipe.source} (data.path)")
     tokenized = recipe.data.source == "jsonl" or not recipe.data.tokens
-    if tokenized and pm.models.for_recipe(recipe).config(recipe)[1] is None:
+    processor = pm.models.for_recipe(recipe).config(recipe)[1]
+    # A downloaded directory without a file the data reads: one message, not a traceback per rank.
+    check_processor_files(recipe, processor, needs=data_needs(recipe))
+    if tokenized and processor is None:
         # Before any rank builds the model: a 7B preset has no tokenizer to read chat data with.
         raise WeftError(
             f"model.preset {recipe.model.preset!r} comes with no processor (tokenizer and image processor), which "
