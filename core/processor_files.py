@@ -9,8 +9,8 @@ the key that points at the folder, and what needs it (exit 2).
 What needs what mirrors how the data is read (plugins/data.py, the prompt of `weft
 generate`): chat conversations (``data.source = "jsonl"``, or synthetic without
 ``data.tokens``) go through the tokenizer and the image processor; long synthetic samples
-(``data.tokens``) read the tokenizer of a folder that has one, and the image processor only
-for ``data.images`` / ``data.videos``; a text prompt needs both. Bundled processor names
+(``data.tokens``) read the tokenizer of a folder that has one, and for ``data.images`` /
+``data.videos`` the image processor with the tokenizer; a text prompt needs both. Bundled processor names
 ("tiny_vl") ship complete and are not checked.
 """
 
@@ -34,8 +34,9 @@ def data_needs(recipe: Any) -> dict[str, str]:
     data = recipe.data
     if data.source == "synthetic" and data.tokens:
         if data.images or data.videos:
-            return {"image processor": "data.images / data.videos with data.tokens (long synthetic samples with "
-                                       "images made through the image processor)"}
+            why = ("data.images / data.videos with data.tokens (long synthetic samples whose images go through "
+                   "the image processor, read with the tokenizer)")
+            return {"tokenizer": why, "image processor": why}
         return {}
     why = ("data.source = 'jsonl' (chat conversations through the tokenizer and the image processor)"
            if data.source == "jsonl" else
