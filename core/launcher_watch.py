@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from weft.core.errors import EXIT_RUNTIME, WeftError
@@ -63,17 +64,15 @@ class LauncherWatch:
         self.launcher_pid, self.rank, self.interval = launcher_pid, rank, interval
         self.pdeathsig = False
         self._attached: tuple[Any, Any, Any] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> LauncherWatch:
         """Signal and thread on; a launcher already gone (it died between starting this process
         and this call, when no parent-death signal was set yet) is LauncherGone at once."""
         self.pdeathsig = set_parent_death_signal()
         if self.gone():
-            raise LauncherGone(self._message(), where="weft run")
-        self._thread = threading.Thread(target=self._run, name="weft-launcher-watch", daemon=True)
-        self._thread.start()
+            raise LauncherGone(self._message())
+        # A daemon: it never holds the process up, and it watches until the process ends.
+        threading.Thread(target=self._run, name="weft-launcher-watch", daemon=True).start()
         return self
 
     def gone(self) -> bool:
@@ -84,28 +83,22 @@ class LauncherWatch:
         the process ends."""
         self._attached = (recipe, ctx, ending)
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.interval + 1)
-
     def _message(self) -> str:
-        return (f"rank {self.rank}: its launcher (pid {self.launcher_pid}) is gone, so the run stops; continue it "
-                "from the newest checkpoint with weft run --resume")
+        resume = "; continue the run from its newest checkpoint with weft run --resume" if self._attached else ""
+        return f"rank {self.rank}: its launcher (pid {self.launcher_pid}) is gone, so this rank stops{resume}"
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            if self.gone():
-                self._end()
-                return
+        while not self.gone():
+            time.sleep(self.interval)
+        self._end()
 
     def _end(self) -> None:
-        error = LauncherGone(self._message(), where="weft run")
+        error = LauncherGone(self._message())
         try:
             if self._attached is not None:
                 recipe, ctx, ending = self._attached
                 ctx.log.error("run.launcher_gone", launcher_pid=self.launcher_pid, rank=self.rank,
-                              parent=os.getppid())
+                              parent=os.getppid(), parent_death_signal=self.pdeathsig)
                 ending.record(recipe, ctx, error=error)
         finally:
             with contextlib.suppress(Exception):  # stderr may be a pipe nobody reads any more
