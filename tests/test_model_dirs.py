@@ -18,6 +18,23 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: image processor standing in for the real ones).
 CARRIED = ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "chat_template.jinja",
            "chat_template.json")
+#: config.json in the layout Qwen2.5-VL's Hub repositories ship (written by transformers 4.x: the
+#: text keys at the top, mRoPE as rope_scaling), for the tiny preset's shape: transformers 5
+#: reads it as its own nested layout.
+HUB_CONFIG = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "torch_dtype": "bfloat16",
+    "transformers_version": "4.41.2", "attention_dropout": 0.0, "bos_token_id": 306, "eos_token_id": 308,
+    "vision_start_token_id": 315, "vision_end_token_id": 316, "vision_token_id": 317, "image_token_id": 318,
+    "video_token_id": 319, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+    "intermediate_size": 128, "max_position_embeddings": 4096, "max_window_layers": 80, "num_attention_heads": 4,
+    "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 4096, "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 320, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+    "vision_config": {"depth": 2, "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                      "in_chans": 3, "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                      "spatial_patch_size": 14, "window_size": 56, "fullatt_block_indexes": [1],
+                      "tokens_per_second": 2, "temporal_patch_size": 2},
+}
 TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -34,6 +51,7 @@ def hub_dir(tmp_path_factory) -> pathlib.Path:
     model.generation_config = transformers.GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8,
                                                             repetition_penalty=1.05, eos_token_id=308)
     model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="150KB")  # bf16, as Qwen's are published
+    (folder / "config.json").write_text(json.dumps(HUB_CONFIG, indent=2))
     for name in CARRIED[:3]:
         shutil.copy(ROOT / "recipes" / "tiny_vl" / name, folder / name)
     (folder / "chat_template.jinja").write_text(TEMPLATE)
@@ -60,8 +78,12 @@ def _recipe(tmp_path: pathlib.Path, model_dir: pathlib.Path, **train) -> pathlib
 
 
 def test_the_fixture_is_sharded_as_downloaded(hub_dir):
-    index = json.loads((hub_dir / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) > 1 and not (hub_dir / "model.safetensors").exists()
+    """Several shards and their index, the tensors under the checkpoints' legacy names
+    (``model.layers.*``, ``visual.*``), the config in the 4.x layout."""
+    index = json.loads((hub_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1 and not (hub_dir / "model.safetensors").exists()
+    assert "model.layers.0.self_attn.q_proj.weight" in index and "visual.blocks.0.attn.qkv.weight" in index
+    assert "text_config" not in json.loads((hub_dir / "config.json").read_text())
 
 
 def test_a_directory_without_preprocessor_config_is_exit_2_naming_it(hub_dir, tmp_path, capsys):
