@@ -11,8 +11,8 @@ import pathlib
 import sys
 
 from weft.core.errors import EXIT_OK, WeftError
+from weft.core.model_files import check_processor_files, check_weight_files, data_needs
 from weft.core.plugin_manager import plugin_manager_from_env
-from weft.core.processor_files import check_processor_files, data_needs
 from weft.core.run_lock import join_run, run_lock
 
 
@@ -83,7 +83,8 @@ def _check_inputs(recipe, pm) -> None:
                             where=f"{recipe.source} (data.path)")
     tokenized = recipe.data.source == "jsonl" or not recipe.data.tokens
     processor = pm.models.for_recipe(recipe).config(recipe)[1]
-    # A downloaded directory without a file the data reads: one message, not a traceback per rank.
+    # A downloaded directory without a file the run reads: one message, not one error per rank.
+    check_weight_files(recipe)
     check_processor_files(recipe, processor, needs=data_needs(recipe))
     if tokenized and processor is None:
         # Before any rank builds the model: a 7B preset has no tokenizer to read chat data with.

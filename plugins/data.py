@@ -76,7 +76,7 @@ def _tokenizer_if_any(processor: str) -> Any:
     """The folder's tokenizer, or None when it has none (ids come from the vocabulary anyway)."""
     import transformers
 
-    from weft.core.processor_files import TOKENIZER_FILES
+    from weft.core.model_files import TOKENIZER_FILES
     from weft.strategies.conversation import processor_dir
 
     folder = processor_dir(processor)

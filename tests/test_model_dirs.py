@@ -114,7 +114,7 @@ def test_a_directory_without_preprocessor_config_is_exit_2_naming_it(hub_dir, tm
 def test_long_synthetic_text_reads_no_image_processor(hub_dir, tmp_path):
     """data.tokens without images: nothing of the image processor is needed, so its file may
     be missing (a text model's directory has none)."""
-    from weft.core.processor_files import check_processor_files, data_needs
+    from weft.core.model_files import check_processor_files, data_needs
     from weft.core.recipe import Recipe
 
     recipe = Recipe.from_toml(str(_recipe(tmp_path, tmp_path)), overrides=("data.tokens=64",))
@@ -155,3 +155,26 @@ def test_a_hub_directory_trains_and_exports_with_its_files(hub_dir, tmp_path, ca
     assert transformers.AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("<|im_end|>") == 308
     assert transformers.AutoImageProcessor.from_pretrained(out).to_dict()["patch_size"] == \
         json.loads((hub_dir / "preprocessor_config.json").read_text())["patch_size"]
+
+
+def test_a_shard_missing_from_the_index_is_exit_2_naming_it(hub_dir, tmp_path, capsys):
+    """An interrupted download: the index lists a shard the directory lacks; named before any
+    rank starts (weft run and weft eval), not found by each rank as it reads."""
+    from weft.core.cli import main
+
+    partial = tmp_path / "partial"
+    shutil.copytree(hub_dir, partial)
+    shard = sorted(partial.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    recipe = _recipe(tmp_path, partial)
+    assert main(["run", str(recipe), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"(model.path): {partial} lacks 1 of the " in err and shard.name in err and "Traceback" not in err
+    assert main(["eval", "--model-dir", str(partial)]) == 2
+    assert shard.name in capsys.readouterr().err
+
+    (partial / "model.safetensors.index.json").unlink()
+    for other in partial.glob("*.safetensors"):
+        other.unlink()
+    assert main(["run", str(recipe), "--run-dir", str(tmp_path / "run")]) == 2
+    assert f"{partial} has no model.safetensors" in capsys.readouterr().err

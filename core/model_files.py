@@ -1,4 +1,8 @@
-"""The files a run reads from its processor folder, checked before any rank starts.
+"""The files a run reads from its model directory and processor folder, checked before any rank starts.
+
+Weights: ``model.path``'s safetensors, one file or the shards its
+``model.safetensors.index.json`` lists; a shard the index names but the directory lacks (an
+interrupted download) is named here, not found by every rank as it reads.
 
 A model directory as downloaded is the processor folder too (unless ``model.processor``
 names another): the tokenizer's files and the image processor's ``preprocessor_config.json``.
@@ -17,6 +21,7 @@ generate`): chat conversations (``data.source = "jsonl"``, or synthetic without
 from __future__ import annotations
 
 import importlib.resources
+import json
 import os
 import pathlib
 from typing import Any
@@ -75,3 +80,29 @@ def _bundled(processor: str) -> bool:
     if os.sep in processor or "/" in processor:
         return False
     return (importlib.resources.files("weft.recipes") / processor).is_dir()
+
+
+def check_weight_files(recipe: Any) -> None:
+    """``model.path`` has its safetensors: every shard its index names, or one file at least."""
+    if recipe.model.path is None:
+        return
+    folder = recipe.model_dir().resolve()
+    where = f"{recipe.source} (model.path)"
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise WeftError(f"{index} is not a safetensors index (a weight_map of tensor names to files): "
+                            f"{type(error).__name__}: {error}", where=where) from None
+        missing = [name for name in shards if not (folder / name).is_file()]
+        if missing:
+            raise WeftError(f"{folder} lacks {len(missing)} of the {len(shards)} weight files its "
+                            f"model.safetensors.index.json lists: {', '.join(missing[:4])}"
+                            f"{', ...' if len(missing) > 4 else ''} (an interrupted download?); download them again",
+                            where=where)
+    elif not any(folder.glob("*.safetensors")):
+        others = sorted(p.name for p in folder.glob("*.bin"))[:2]
+        found = f"; it has {', '.join(others)}: weft reads safetensors only" if others else ""
+        raise WeftError(f"{folder} has no model.safetensors (nor shards with model.safetensors.index.json){found}",
+                        where=where)
