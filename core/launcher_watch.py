@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from weft.core.errors import EXIT_RUNTIME, WeftError
+from weft.core.run_lock import process_alive, process_start
 
 #: linux/prctl.h
 PR_SET_PDEATHSIG = 1
@@ -64,19 +65,31 @@ class LauncherWatch:
         self.launcher_pid, self.rank, self.interval = launcher_pid, rank, interval
         self.pdeathsig = False
         self._attached: tuple[Any, Any, Any] | None = None
+        self._parent, self._start = launcher_pid, None
 
     def start(self) -> LauncherWatch:
         """Signal and thread on; a launcher already gone (it died between starting this process
         and this call, when no parent-death signal was set yet) is LauncherGone at once."""
         self.pdeathsig = set_parent_death_signal()
-        if self.gone():
-            raise LauncherGone(self._message())
+        self.resolve()
         # A daemon: it never holds the process up, and it watches until the process ends.
         threading.Thread(target=self._run, name="weft-launcher-watch", daemon=True).start()
         return self
 
+    def resolve(self) -> None:
+        """Whom to watch. The parent is the launcher (torch's agent runs inside it); were it
+        another process between them (an agent of its own), the parent is watched and the
+        launcher's pid too. A parent that is not the launcher while the launcher is gone means
+        this process was already re-parented: LauncherGone."""
+        self._parent = os.getppid()
+        self._start = process_start(self.launcher_pid)
+        if self._parent != self.launcher_pid and not process_alive(self.launcher_pid, self._start):
+            raise LauncherGone(self._message())
+
     def gone(self) -> bool:
-        return os.getppid() != self.launcher_pid
+        if os.getppid() != self._parent:
+            return True
+        return self._parent != self.launcher_pid and not process_alive(self.launcher_pid, self._start)
 
     def attach(self, *, recipe: Any, ctx: Any, ending: Any) -> None:
         """From now on, the run's ending is recorded (summary.json on rank 0, the log) before

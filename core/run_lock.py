@@ -33,7 +33,7 @@ LOCK = "run.lock"
 @contextlib.contextmanager
 def run_lock(run_dir: pathlib.Path) -> Iterator[None]:
     path = run_dir / LOCK
-    mine = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()),
+    mine = {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid()),
             "started": datetime.datetime.now().isoformat(timespec="seconds"), "ranks": {}}
     run_dir.mkdir(parents=True, exist_ok=True)
     with _guarded(run_dir):
@@ -63,7 +63,7 @@ def join_run(run_dir: pathlib.Path, *, launcher_pid: int, rank: int) -> None:
             raise LockLost(f"{path} is not held by this rank's launcher (pid {launcher_pid}) but by "
                            f"{_describe(holder)}: this rank stops", where=str(run_dir))
         ranks = dict(holder.get("ranks") or {})
-        ranks[str(rank)] = {"pid": os.getpid(), "start": _start_time(os.getpid())}
+        ranks[str(rank)] = {"pid": os.getpid(), "start": process_start(os.getpid())}
         _write(path, {**holder, "ranks": ranks})
 
 
@@ -74,7 +74,7 @@ def live_processes(holder: dict) -> dict[str, int]:
     found = {"weft run": (holder.get("pid"), holder.get("start"))}
     for rank, entry in sorted((holder.get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
         found[f"rank {rank}"] = (entry.get("pid"), entry.get("start"))
-    return {who: pid for who, (pid, start) in found.items() if _alive(pid, start)}
+    return {who: pid for who, (pid, start) in found.items() if process_alive(pid, start)}
 
 
 def _take(path: pathlib.Path, mine: dict) -> None:
@@ -138,7 +138,7 @@ def _holder(path: pathlib.Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def _start_time(pid: int) -> int | None:
+def process_start(pid: int) -> int | None:
     """The process's start (clock ticks since boot, /proc/PID/stat field 22): with the pid, it
     names one process, so a pid reused since by another is not mistaken for the run's."""
     try:
@@ -156,7 +156,7 @@ def _state(pid: int) -> str | None:
     return stat[stat.rindex(")") + 2]
 
 
-def _alive(pid, start=None) -> bool:
+def process_alive(pid, start=None) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -167,5 +167,5 @@ def _alive(pid, start=None) -> bool:
         return True  # someone else's process
     if _state(pid) in ("Z", "X"):
         return False  # exited, not yet reaped by its (new) parent: it writes nothing any more
-    found = _start_time(pid)
+    found = process_start(pid)
     return start is None or found is None or found == start

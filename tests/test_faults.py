@@ -394,7 +394,7 @@ def test_ranks_die_with_their_launcher(recipe, tmp_path):
     within 10 s, its ending recorded; while another rank still lives (frozen here, so that
     "meanwhile" lasts), a second `weft run` into the directory is exit 2 naming that rank's
     pid; once it is let go it is gone within 10 s too, and the directory can be taken."""
-    from weft.core.run_lock import _alive, run_lock
+    from weft.core.run_lock import process_alive, run_lock
 
     run_dir = tmp_path / "run"
     log = (tmp_path / "launcher.err").open("w")  # a file, not a pipe: orphaned ranks must never block on it
@@ -417,9 +417,9 @@ def test_ranks_die_with_their_launcher(recipe, tmp_path):
         launcher.kill()
         launcher.wait()
         killed = time.monotonic()
-        while _alive(ranks[0]) and time.monotonic() - killed < 10:
+        while process_alive(ranks[0]) and time.monotonic() - killed < 10:
             time.sleep(0.05)
-        assert not _alive(ranks[0]), f"rank 0 outlived its launcher by {time.monotonic() - killed:.1f} s"
+        assert not process_alive(ranks[0]), f"rank 0 outlived its launcher by {time.monotonic() - killed:.1f} s"
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "failed" and f"launcher (pid {launcher.pid}) is gone" in summary["reason"]
         assert "run.launcher_gone" in (run_dir / "log.jsonl").read_text()
@@ -431,9 +431,9 @@ def test_ranks_die_with_their_launcher(recipe, tmp_path):
 
         os.kill(ranks[1], signal.SIGCONT)
         released = time.monotonic()
-        while _alive(ranks[1]) and time.monotonic() - released < 10:
+        while process_alive(ranks[1]) and time.monotonic() - released < 10:
             time.sleep(0.05)
-        assert not _alive(ranks[1]), "rank 1 outlived its launcher"
+        assert not process_alive(ranks[1]), "rank 1 outlived its launcher"
         with run_lock(run_dir):  # everyone gone: taken over
             assert _lock(run_dir)["pid"] == os.getpid()
     finally:
@@ -451,14 +451,14 @@ def test_lock_names_live_ranks_and_refuses_strangers(tmp_path):
     import socket
 
     from weft.core.errors import WeftError
-    from weft.core.run_lock import LockLost, _start_time, join_run, run_lock
+    from weft.core.run_lock import LockLost, join_run, process_start, run_lock
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(gone.stdout)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     here = {"host": socket.gethostname(), "started": "earlier"}
-    me = {"pid": os.getpid(), "start": _start_time(os.getpid())}
+    me = {"pid": os.getpid(), "start": process_start(os.getpid())}
     (run_dir / "run.lock").write_text(json.dumps({**here, "pid": dead, "ranks": {"0": me}}))
     with pytest.raises(WeftError, match=rf"rank 0 \(pid {os.getpid()}\) .* after its weft run \(pid {dead}\) ended"):
         with run_lock(run_dir):
@@ -472,3 +472,25 @@ def test_lock_names_live_ranks_and_refuses_strangers(tmp_path):
     with run_lock(run_dir):
         assert _lock(run_dir)["pid"] == os.getpid()
     assert not run_dir.exists()  # released, and the empty directory removed
+
+
+def test_the_launcher_watch_knows_whom_to_watch():
+    """In-process, without the thread (it would end pytest): with the launcher as the parent,
+    gone means re-parented; with a process between them, the launcher's pid is watched too;
+    a launcher gone before the watch began is LauncherGone at once."""
+    from weft.core.launcher_watch import LauncherGone, LauncherWatch
+
+    parent = LauncherWatch(launcher_pid=os.getppid(), rank=0)
+    parent.resolve()
+    assert not parent.gone()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        between = LauncherWatch(launcher_pid=other.pid, rank=1)  # alive, but not this process's parent
+        between.resolve()
+        assert not between.gone()
+    finally:
+        other.kill()
+        other.wait()
+    assert between.gone()
+    with pytest.raises(LauncherGone, match=f"rank 1: its launcher \\(pid {other.pid}\\) is gone"):
+        LauncherWatch(launcher_pid=other.pid, rank=1).resolve()
