@@ -14,10 +14,13 @@ directory a new run may take. Two mechanisms, because each alone has a gap:
   code that holds the GIL. SIGTERM, not SIGKILL: if a torch version ever started ranks
   from a short-lived thread, the signal would only ask for a stop after the step (the
   preemption path, docs/faults.md), never kill a healthy run.
-- A watch thread: every ``interval`` it compares ``os.getppid()`` with the launcher's pid.
-  A process whose parent died is re-parented at once (to init or a subreaper), so the
-  change is certain and tied to the process, not to a thread; the check costs one system
-  call. Once the training loop has attached its ending, the thread records it (summary
+- A watch thread: every ``interval`` it compares ``os.getppid()`` with the parent it had
+  (the launcher). A process whose parent died is re-parented at once (to init or a
+  subreaper), so the change is certain and tied to the process, not to a thread; the check
+  costs one system call. (A parent other than the launcher, an agent process between
+  them, is watched with the launcher's pid and start time.) In training, while the main
+  thread waits in a collective for a peer, only this thread can act: measured, SIGTERM
+  alone leaves such a rank waiting. Once the training loop has attached its ending, the thread records it (summary
   "failed", a ``run.launcher_gone`` event) before it ends the process with exit code 1:
   the launcher that would have stopped the others is gone, so each rank ends itself.
 
