@@ -20,6 +20,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        if args.launcher_pid is not None:  # a rank weft's launcher started: first thing, it must not outlive it
+            from weft.core.launcher_watch import LauncherWatch
+
+            args.launcher = LauncherWatch(launcher_pid=args.launcher_pid,
+                                          rank=int(os.environ.get("RANK", "0"))).start()
         return args.func(args)
     except WeftError as error:
         if os.environ.get("RANK", "0") == "0":  # once per run, not once per rank (the others log it)
@@ -35,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weft",
                                      description="Plugin-based parallelism for long-sequence VLM training.")
+    # Given by weft's own launcher to the ranks it starts (core/launch.py): they die with it.
+    parser.add_argument("--launcher-pid", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="train a recipe on N local ranks (or under torchrun)")

@@ -91,15 +91,23 @@ def _model_dir_recipe(args: Any, folder: str) -> None:
     args.recipe = str(recipe)
 
 
-def _forwarded(args: Any, overrides: list[str], options: dict) -> tuple[Any, list[str]]:
+def _forwarded(args: Any, overrides: list[str], options: dict, *,
+               needs: Callable[[Any], dict]) -> tuple[Any, list[str]]:
     """Check what the ranks need, then their arguments: the recipe is read here first, so
-    its mistakes are messages before any rank starts."""
+    its mistakes are messages before any rank starts. ``needs(recipe)``: what the command
+    reads from the processor folder (core/model_files.py)."""
     if args.step is not None and args.run_dir is None:
         raise WeftError("--step picks a checkpoint of --run-dir; give --run-dir too", where="--step")
     if args.run_dir is not None and not (args.run_dir / "checkpoints").is_dir():
         raise WeftError(f"{args.run_dir} has no checkpoints/ folder; --run-dir takes a weft run directory",
                         where="--run-dir")
     recipe = _recipe(args.recipe, overrides)
+    from weft.core.model_files import check_processor_files, check_weight_files
+    from weft.core.plugin_manager import plugin_manager_from_env
+
+    processor = plugin_manager_from_env().models.for_recipe(recipe).config(recipe)[1]
+    check_processor_files(recipe, processor, needs=needs(recipe))
+    check_weight_files(recipe)  # read by every rank, with --run-dir too (its checkpoint's weights replace them)
     forwarded = [args.recipe, *(a for o in overrides for a in ("--set", o)), "--options", json.dumps(options)]
     if args.run_dir is not None:
         forwarded += ["--run-dir", str(args.run_dir.resolve())] + (["--step", str(args.step)] if args.step else [])
@@ -120,7 +128,9 @@ def _eval(args) -> int:
         if not args.data.is_file():
             raise WeftError(f"no such file: {args.data}; --data takes a JSONL chat file", where="--data")
         overrides += ["data.source=jsonl", f"data.path={args.data.resolve()}"]
-    recipe, forwarded = _forwarded(args, overrides, {"max_batches": args.max_batches or 0})
+    from weft.core.model_files import data_needs
+
+    recipe, forwarded = _forwarded(args, overrides, {"max_batches": args.max_batches or 0}, needs=data_needs)
     result = run_eval(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)
     print(json.dumps(result, indent=1) if args.json else f"weft eval: {render(result)}")
     return EXIT_OK
@@ -154,7 +164,10 @@ def _generate(args) -> int:
                "videos": [str(p.resolve()) for p in args.videos],
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                "seed": args.seed, "stream": not args.json, "warmup": args.warmup}
-    recipe, forwarded = _forwarded(args, list(args.overrides), options)
+    from weft.core.model_files import prompt_needs
+
+    # The prompt, and the decoding of what is generated, read the tokenizer and the image processor.
+    recipe, forwarded = _forwarded(args, list(args.overrides), options, needs=lambda recipe: prompt_needs())
     nproc = args.nproc or recipe.parallel.nproc
     if args.prompt_from_data:
         from weft.core.planner import plan_recipe

@@ -14,13 +14,16 @@ from weft.core.errors import EXIT_GUARD, EXIT_RUNTIME, EXIT_USER
 def launch_local(*, nproc: int, args: list[str], run_dir: pathlib.Path | None = None, max_restarts: int = 0) -> int:
     """Start ``nproc`` ranks running ``python args``; with ``max_restarts``, torch's elastic agent
     restarts all of them after a rank dies (the restarted ranks resume by themselves: see
-    ``restarted``)."""
+    ``restarted``). A weft command (``-m weft ...``) is given this process's pid, so each rank
+    ends when this process does (core/launcher_watch.py)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # One thread per rank unless the user chose: N ranks on N cores must not oversubscribe.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if args[:2] == ["-m", "weft"]:
+        args = [*args[:2], "--launcher-pid", str(os.getpid()), *args[2:]]
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -38,7 +38,9 @@ from weft.core.step import finish_step, run_micro_batches
 from weft.core.timing import PhaseTimer
 
 
-def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, console: bool) -> dict:
+def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, console: bool,
+          launcher: Any = None) -> dict:
+    """``launcher``: the LauncherWatch of a rank weft's launcher started (core/launcher_watch.py)."""
     rank, world_size, local_rank, device_type, store = init_process_group(recipe)
     device = device_for(device_type, local_rank)
     log = run_logger(run_dir=run_dir, rank=rank, console=console)
@@ -48,6 +50,8 @@ def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, conso
         stop.install()
     ending = Ending(t_start=time.perf_counter())
     watch = watch_peers(store=store, recipe=recipe, ctx=ctx, ending=ending)
+    if launcher is not None:
+        launcher.attach(recipe=recipe, ctx=ctx, ending=ending)  # its death from now on recorded as the ending
     try:
         result = _train(recipe=recipe, pm=pm, ctx=ctx, resume=resume, console=console, stop=stop, ending=ending,
                         watch=watch)

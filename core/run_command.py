@@ -11,8 +11,9 @@ import pathlib
 import sys
 
 from weft.core.errors import EXIT_OK, WeftError
+from weft.core.model_files import check_processor_files, check_weight_files, data_needs
 from weft.core.plugin_manager import plugin_manager_from_env
-from weft.core.run_lock import run_lock
+from weft.core.run_lock import join_run, run_lock
 
 
 def _under_launcher() -> bool:
@@ -23,6 +24,7 @@ def cmd_run(args) -> int:
     from weft.core.planner import plan_recipe
     from weft.core.recipe import Recipe
 
+    launcher = getattr(args, "launcher", None)  # a rank weft's launcher started: main() watches that launcher
     recipe = Recipe.from_toml(args.recipe, overrides=tuple(args.overrides))
     pm = plugin_manager_from_env()
     if _under_launcher():
@@ -35,8 +37,10 @@ def cmd_run(args) -> int:
 
         # After a lost rank the launcher starts every rank again: they continue from the newest checkpoint.
         resume = args.resume or (restarted() and bool(checkpoint_dirs(run_dir)))
+        if launcher is not None:  # in the lock before anything is written: a new run sees this rank
+            join_run(run_dir, launcher_pid=launcher.launcher_pid, rank=launcher.rank)
         with contextlib.nullcontext() if held else run_lock(run_dir):
-            return _train(recipe, pm, run_dir=run_dir, resume=resume)
+            return _train(recipe, pm, run_dir=run_dir, resume=resume, launcher=launcher)
     nproc = args.nproc or recipe.parallel.nproc
     run_dir = _run_dir(args, recipe)
     if args.resume:
@@ -72,7 +76,11 @@ def _check_inputs(recipe, pm) -> None:
             raise WeftError(f"data.path {str(path)!r} does not exist (relative to the recipe; with --set, to here)",
                             where=f"{recipe.source} (data.path)")
     tokenized = recipe.data.source == "jsonl" or not recipe.data.tokens
-    if tokenized and pm.models.for_recipe(recipe).config(recipe)[1] is None:
+    processor = pm.models.for_recipe(recipe).config(recipe)[1]
+    # A downloaded directory without a file the run reads: one message, not one error per rank.
+    check_weight_files(recipe)
+    check_processor_files(recipe, processor, needs=data_needs(recipe))
+    if tokenized and processor is None:
         # Before any rank builds the model: a 7B preset has no tokenizer to read chat data with.
         raise WeftError(
             f"model.preset {recipe.model.preset!r} comes with no processor (tokenizer and image processor), which "
@@ -94,11 +102,11 @@ def _run_dir(args, recipe) -> pathlib.Path:
     return pathlib.Path("runs") / f"{stem}-{stamp}"
 
 
-def _train(recipe, pm, *, run_dir: pathlib.Path, resume: bool) -> int:
+def _train(recipe, pm, *, run_dir: pathlib.Path, resume: bool, launcher=None) -> int:
     from weft.core.loop import train
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = train(recipe=recipe, pm=pm, run_dir=run_dir, resume=resume, console=True)
+    summary = train(recipe=recipe, pm=pm, run_dir=run_dir, resume=resume, console=True, launcher=launcher)
     if summary["status"] == "interrupted" and os.environ.get("RANK", "0") == "0":
         saved = summary["last_checkpoint"] or "none (train.checkpoint_every = -1)"
         print(f"weft: interrupted by {summary['reason']} after step {summary['last_step']}; checkpoint: {saved}; "

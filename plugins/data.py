@@ -52,10 +52,12 @@ def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
             raise WeftError(f"data.{key}: model_type {config.model_type!r} has no vision tower",
                             where=f"{recipe.source} (data.{key})")
     tokenizer = image_processor = None
-    if processor is not None:
+    if processor is not None and (data.images or data.videos):
         from weft.strategies.conversation import load_processor
 
         tokenizer, image_processor = load_processor(processor)
+    elif processor is not None:  # text only: a text model's directory has no image processor to read
+        tokenizer = _tokenizer_if_any(processor)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     samples = long_samples(
         seed=recipe.train.seed, num_samples=data.num_samples,
@@ -80,6 +82,19 @@ def video_limits(recipe, processor):
         sizing = load_video_sizing(processor) if processor is not None else None
         fps = sizing.fps if sizing is not None and sizing.fps else DEFAULT_FPS
     return VideoLimits(fps=fps, max_frames=recipe.data.max_frames)
+
+
+def _tokenizer_if_any(processor: str) -> Any:
+    """The folder's tokenizer, or None when it has none (ids come from the vocabulary anyway)."""
+    import transformers
+
+    from weft.core.model_files import TOKENIZER_FILES
+    from weft.strategies.conversation import processor_dir
+
+    folder = processor_dir(processor)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return transformers.AutoTokenizer.from_pretrained(str(folder))
 
 
 def pad_id_of(tokenizer, config) -> int:

@@ -263,3 +263,33 @@ def test_bundled_real_size_recipes_fit_their_gpus_as_the_planner_sizes_them(reci
     result = estimate(loaded, plan, model, gpu="h200")
     assert result["fits"], (recipe.name, result["memory_gib"]["total"], result["host_gib"], result["changes"])
     assert result["step_s"]["total"] < 540, (recipe.name, result["step_s"])
+
+
+def test_a_plan_within_3_percent_of_the_device_is_warned_about():
+    """The 7B 32K recipe as bundled leaves 5.7 GiB of the H200 free as predicted (over 3%):
+    no warning; at the longest length that fits (33,792 tokens), 3.5 GiB: a warning naming
+    the peak, the device, the allocator setting and the levers. Just under the 3% line, none."""
+    import types
+
+    from weft.core.estimate_view import estimate, near_limit
+    from weft.core.planner import plan_recipe
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.recipe import Recipe
+
+    results = {}
+    for tokens in (32768, 33792):
+        loaded = Recipe.from_toml(str(ROOT / "recipes" / "qwen2.5-vl-7b-32k-1gpu.toml"),
+                                  overrides=(f"train.micro_batch_tokens={tokens}",))
+        plan, model = plan_recipe(loaded, pm=plugin_manager_from_env(), world_size=1)
+        results[tokens] = estimate(loaded, plan, model, gpu="h200")
+    assert results[32768]["fits"] and results[32768]["warning"] is None
+    near = results[33792]
+    assert near["fits"] and near["headroom_gib"] < 0.03 * 139.8
+    assert near["warning"].startswith(f"the predicted peak, {near['memory_gib']['total']:.1f} GiB, leaves "
+                                      f"{near['headroom_gib']:.1f} GiB of the h200's 139.8 GiB free, under 3%")
+    assert "expandable_segments is on" in near["warning"] and "micro_batch_tokens (now 33792)" in near["warning"]
+
+    recipe = types.SimpleNamespace(parallel=types.SimpleNamespace(expandable_segments=False),
+                                   train=types.SimpleNamespace(micro_batch_tokens=1024))
+    assert near_limit(recipe, peak_gib=0.97 * 80 - 0.01, device_gib=80, gpu="x") is None
+    assert "set parallel.expandable_segments = true" in near_limit(recipe, peak_gib=0.97 * 80, device_gib=80, gpu="x")

@@ -6,6 +6,7 @@ run is a few seconds); the disk-full case is in-process, with DCP's writer made 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -165,7 +166,7 @@ def test_two_runs_into_one_directory(recipe, tmp_path):
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "earlier"}))
     done = weft("run", str(recipe), "--run-dir", str(run_dir), cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert f"another run is using this run directory: pid {os.getpid()}" in done.stderr
+    assert f"another run is using this run directory: weft run (pid {os.getpid()})" in done.stderr
     assert not (run_dir / "metrics.jsonl").exists()
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -379,3 +380,117 @@ def test_out_of_memory_is_one_message_naming_the_levers(recipe, tmp_path, plugin
     assert "The last checkpoint (step-2) is intact" in message
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "out of GPU memory" in summary["reason"]
+
+
+def _lock(run_dir: pathlib.Path) -> dict:
+    try:
+        return json.loads((run_dir / "run.lock").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def test_ranks_die_with_their_launcher(recipe, tmp_path):
+    """SIGKILL of `weft run` (2 ranks, each in a session of its own): a running rank is gone
+    within 10 s, its ending recorded; while another rank still lives (frozen here, so that
+    "meanwhile" lasts), a second `weft run` into the directory is exit 2 naming that rank's
+    pid; once it is let go it is gone within 10 s too, and the directory can be taken."""
+    from weft.core.run_lock import process_alive, run_lock
+
+    run_dir = tmp_path / "run"
+    log = (tmp_path / "launcher.err").open("w")  # a file, not a pipe: orphaned ranks must never block on it
+    launcher = subprocess.Popen([sys.executable, "-m", "weft", "run", str(recipe), "--run-dir", str(run_dir),
+                                 "--nproc", "2", "--set", "train.max_steps=100000", "--set",
+                                 "train.checkpoint_every=-1"], cwd=tmp_path, stderr=log, stdout=log)
+    ranks: dict = {}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (len(ranks) == 2 and (run_dir / "metrics.jsonl").is_file()):
+            ranks = {int(r): e["pid"] for r, e in (_lock(run_dir).get("ranks") or {}).items()}
+            assert launcher.poll() is None, (tmp_path / "launcher.err").read_text()[-3000:]
+            time.sleep(0.1)
+        assert len(ranks) == 2 and _lock(run_dir)["pid"] == launcher.pid, (tmp_path / "launcher.err").read_text()
+        for pid in ranks.values():  # torch's agent runs inside `weft run`: the ranks are its own children
+            stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+            assert int(stat[stat.rindex(")") + 2:].split()[1]) == launcher.pid
+            assert os.getsid(pid) == pid  # each in a session of its own: no signal to the launcher's group reaches it
+        os.kill(ranks[1], signal.SIGSTOP)
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        while process_alive(ranks[0]) and time.monotonic() - killed < 10:
+            time.sleep(0.05)
+        assert not process_alive(ranks[0]), f"rank 0 outlived its launcher by {time.monotonic() - killed:.1f} s"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "failed" and f"launcher (pid {launcher.pid}) is gone" in summary["reason"]
+        assert "run.launcher_gone" in (run_dir / "log.jsonl").read_text()
+
+        second = weft("run", str(recipe), "--run-dir", str(run_dir), cwd=tmp_path)
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+        assert f"rank 1 (pid {ranks[1]})" in second.stderr and f"(pid {ranks[0]})" not in second.stderr
+        assert f"after its weft run (pid {launcher.pid}) ended" in second.stderr
+
+        os.kill(ranks[1], signal.SIGCONT)
+        released = time.monotonic()
+        while process_alive(ranks[1]) and time.monotonic() - released < 10:
+            time.sleep(0.05)
+        assert not process_alive(ranks[1]), "rank 1 outlived its launcher"
+        with run_lock(run_dir):  # everyone gone: taken over
+            assert _lock(run_dir)["pid"] == os.getpid()
+    finally:
+        for pid in [launcher.pid, *ranks.values()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        log.close()
+
+
+def test_lock_names_live_ranks_and_refuses_strangers(tmp_path):
+    """In-process: a lock whose launcher is gone but whose rank lives refuses the directory
+    naming that rank; a rank whose launcher does not hold the lock may not join; a pid
+    that now names another process (its start time differs) counts as gone."""
+    import socket
+
+    from weft.core.errors import WeftError
+    from weft.core.run_lock import LockLost, join_run, process_start, run_lock
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    here = {"host": socket.gethostname(), "started": "earlier"}
+    me = {"pid": os.getpid(), "start": process_start(os.getpid())}
+    (run_dir / "run.lock").write_text(json.dumps({**here, "pid": dead, "ranks": {"0": me}}))
+    with pytest.raises(WeftError, match=rf"rank 0 \(pid {os.getpid()}\) .* after its weft run \(pid {dead}\) ended"):
+        with run_lock(run_dir):
+            pass
+    with pytest.raises(LockLost, match=f"not held by this rank's launcher \\(pid {dead + 1}\\)"):
+        join_run(run_dir, launcher_pid=dead + 1, rank=1)
+    join_run(run_dir, launcher_pid=dead, rank=1)
+    assert _lock(run_dir)["ranks"]["1"] == me
+    reused = {"pid": os.getpid(), "start": (me["start"] or 0) + 1}  # same pid, another process
+    (run_dir / "run.lock").write_text(json.dumps({**here, "pid": dead, "ranks": {"0": reused}}))
+    with run_lock(run_dir):
+        assert _lock(run_dir)["pid"] == os.getpid()
+    assert not run_dir.exists()  # released, and the empty directory removed
+
+
+def test_the_launcher_watch_knows_whom_to_watch():
+    """In-process, without the thread (it would end pytest): with the launcher as the parent,
+    gone means re-parented; with a process between them, the launcher's pid is watched too;
+    a launcher gone before the watch began is LauncherGone at once."""
+    from weft.core.launcher_watch import LauncherGone, LauncherWatch
+
+    parent = LauncherWatch(launcher_pid=os.getppid(), rank=0)
+    parent.resolve()
+    assert not parent.gone()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        between = LauncherWatch(launcher_pid=other.pid, rank=1)  # alive, but not this process's parent
+        between.resolve()
+        assert not between.gone()
+    finally:
+        other.kill()
+        other.wait()
+    assert between.gone()
+    with pytest.raises(LauncherGone, match=f"rank 1: its launcher \\(pid {other.pid}\\) is gone"):
+        LauncherWatch(launcher_pid=other.pid, rank=1).resolve()

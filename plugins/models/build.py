@@ -19,7 +19,8 @@ from weft.strategies.yarn import scaled_parameters, trained_positions
 #: Files of a processor folder that travel with an exported model (not weights).
 PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json",
-                   "chat_template.jinja", "processor_config.json", "generation_config.json", "added_tokens.json")
+                   "chat_template.jinja", "processor_config.json", "generation_config.json", "added_tokens.json",
+                   "tokenizer.model")
 
 
 def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | None]:
