@@ -19,8 +19,7 @@ import pathlib
 import re
 from typing import Any
 
-from PIL import Image
-
+from weft.strategies.image_files import load_image
 from weft.strategies.video import VideoLimits, load_video
 
 ROLES = ("system", "user", "assistant")
@@ -118,28 +117,3 @@ def _sharegpt(messages: list, images: Any, clips: Any, *, base: pathlib.Path, ma
                 parts.append({"type": "text", "text": piece})
         out.append({"role": role, "content": parts})
     return out
-
-
-def load_image(source: Any, *, base: pathlib.Path, max_pixels: int = 0) -> Image.Image:
-    if not isinstance(source, str) or not source:
-        raise ValueError(f"an image part needs a file path, got {source!r}")
-    path = base / source
-    if not path.is_file():
-        raise ValueError(f"image file {source!r} not found")
-    try:
-        opened = Image.open(path)  # reads the header only
-    except Image.DecompressionBombError as error:  # over twice PIL's pixel limit: never decoded
-        raise ValueError(f"image {source!r}: {error}") from None
-    with opened as image:
-        width, height = image.size
-        if max_pixels and width * height > max_pixels:  # from the header: never decoded
-            raise ValueError(f"image {source!r} is {width}x{height} = {width * height:,} pixels, over "
-                             f"data.max_pixels = {max_pixels:,}")
-        if width * height > (Image.MAX_IMAGE_PIXELS or float("inf")):
-            # Checked before decoding: one such image must not take the host's memory.
-            raise ValueError(f"image {source!r} is {width}x{height} = {width * height:,} pixels, over the "
-                             f"{Image.MAX_IMAGE_PIXELS:,}-pixel limit (PIL's Image.MAX_IMAGE_PIXELS)")
-        image.load()  # decode now: a truncated or corrupt file fails here, not mid-step
-        if min(image.size) < 1:
-            raise ValueError(f"image {source!r} has no pixels")
-        return image.copy()

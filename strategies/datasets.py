@@ -41,7 +41,7 @@ def jsonl_samples(
     its file:line and the reason; blank lines are not samples.
     """
     from weft.strategies.conversation import processor_dir
-    from weft.strategies.preprocess import encode_lines
+    from weft.strategies.preprocess import MAX_LINE_BYTES, encode_lines
     from weft.strategies.video import VideoLimits
 
     def lines():
@@ -56,11 +56,6 @@ def jsonl_samples(
                                       max_pixels=max_pixels, videos=videos or VideoLimits(), system=system):
 
         yield result if isinstance(result, Sample) else BadSample(where, result)
-
-
-#: A JSONL line longer than this is skipped and counted without being held in memory
-#: (a 128K-token conversation is well under 1 MiB; images are files, not inline).
-MAX_LINE_BYTES = 16 << 20
 
 
 def _bounded_lines(handle, *, limit: int) -> Iterator[bytes | int]:

@@ -20,8 +20,11 @@ import attrs
 import torch
 
 from weft.strategies.conversation import Sample
-from weft.strategies.datasets import MAX_LINE_BYTES
 from weft.strategies.video import VideoLimits
+
+#: A JSONL line longer than this is skipped and counted without being held in memory
+#: (a 128K-token conversation is well under 1 MiB; images are files, not inline).
+MAX_LINE_BYTES = 16 << 20
 
 # One processor per worker process, loaded by the pool's initializer: the standard
 # way to give pool workers a heavy object without pickling it per task.

@@ -25,6 +25,8 @@ import attrs
 import torch
 from PIL import Image
 
+from weft.strategies.image_files import load_image
+
 #: Frame rate and frame limit when neither the sample nor the recipe gives one (Qwen2.5-VL's defaults).
 DEFAULT_FPS = 2.0
 DEFAULT_MAX_FRAMES = 768
@@ -70,7 +72,6 @@ def load_video(source: Any, *, base: pathlib.Path, limits: VideoLimits) -> tuple
 
     A file's own frame rate is read from its stream; a list of frames is taken to be at
     ``fps`` already. A missing, empty or undecodable video is a ValueError."""
-    from weft.strategies.data_formats import load_image
 
     fps, max_frames, temporal = limits.fps, limits.max_frames, limits.temporal
     if isinstance(source, list):

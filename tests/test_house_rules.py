@@ -6,6 +6,9 @@
 - the rule engine and recipe parsing import no torch (checked statically and in a
   fresh interpreter), so `weft plan` validates a recipe before any heavy import.
 - files in core/ and plugins/ stay under 300 lines.
+- no import cycle among weft's modules, counting imports inside functions (a cycle hidden
+  by a function-level import is still one room leaning on another that leans back).
+- every rule walks subfolders too (``rglob``): a file in core/x/ obeys core/'s rules.
 - ruff (pyproject.toml) passes.
 """
 
@@ -77,18 +80,94 @@ def test_the_checker_catches_a_forbidden_import():
     assert violations("import torch.nn as nn\n", ("torch",)) == ["line 1: torch.nn"]
 
 
-@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
-def test_import_graph(folder):
+def folder_violations(root: pathlib.Path, folder: str) -> dict[str, list[str]]:
+    """Forbidden imports of every file under ``root/folder``, subfolders included."""
     found = {}
-    for path in sorted((ROOT / folder).glob("*.py")):
+    for path in sorted((root / folder).rglob("*.py")):
         bad = violations(path.read_text(encoding="utf-8"), FORBIDDEN[folder])
         if bad:
-            found[str(path.relative_to(ROOT))] = bad
+            found[str(path.relative_to(root))] = bad
+    return found
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_import_graph(folder):
+    found = folder_violations(ROOT, folder)
     assert not found, f"{folder}/ must not import {FORBIDDEN[folder]}: {found}"
 
 
+def test_a_forbidden_import_in_a_subfolder_is_caught(tmp_path):
+    (tmp_path / "strategies" / "attention").mkdir(parents=True)
+    (tmp_path / "strategies" / "attention" / "ring.py").write_text("def f():\n    import pluggy\n")
+    assert folder_violations(tmp_path, "strategies") == {"strategies/attention/ring.py": ["line 2: pluggy"]}
+
+
+#: Folder -> the package it installs as (pyproject's package-dir).
+PACKAGES = {"core": "weft.core", "strategies": "weft.strategies", "plugins": "weft.plugins"}
+
+
+def module_name(root: pathlib.Path, path: pathlib.Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    name = ".".join((PACKAGES[parts[0]], *parts[1:]))
+    return name.removesuffix(".__init__")
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the weft modules it imports (at any depth), less its own parent packages,
+    which Python imports before any module inside them anyway: no cycle."""
+    graph = {}
+    for module, source in sources.items():
+        parents = {module.rsplit(".", n)[0] for n in range(1, module.count(".") + 1)}
+        graph[module] = {name for _, name in imports(source) if name in sources and name != module
+                         and name not in parents}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                on.discard(w)
+                component.append(w)
+            on.discard(v)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_catches_a_planted_cycle():
+    sources = {"weft.strategies.a": "from weft.strategies.b import x\n",
+               "weft.strategies.b": "def f():\n    import weft.strategies.a\n",
+               "weft.plugins.models": "def g():\n    from weft.plugins.models.base import y\n",
+               "weft.plugins.models.base": "from weft.plugins.models import build\n"}
+    assert cycles(import_graph(sources)) == [["weft.strategies.a", "weft.strategies.b"]]
+
+
+def test_no_import_cycle():
+    sources = {module_name(ROOT, p): p.read_text(encoding="utf-8")
+               for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))}
+    assert not (found := cycles(import_graph(sources))), f"import cycles: {found}"
+
+
 def test_core_names_builtin_plugins_only_in_the_plugin_manager():
-    for path in sorted((ROOT / "core").glob("*.py")):
+    for path in sorted((ROOT / "core").rglob("*.py")):
         if path.name == "plugin_manager.py":
             continue
         text = path.read_text(encoding="utf-8")
@@ -109,8 +188,8 @@ def test_rule_engine_and_recipes_import_no_torch():
 
 
 def test_core_and_plugins_files_stay_small():
-    long = {str(p.relative_to(ROOT)): n for folder in ("core", "plugins", "plugins/models")
-            for p in sorted((ROOT / folder).glob("*.py"))
+    long = {str(p.relative_to(ROOT)): n for folder in ("core", "plugins")
+            for p in sorted((ROOT / folder).rglob("*.py"))
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines (split them by what they do): {long}"
 
