@@ -37,25 +37,28 @@ ensure_weft()
 
 import torch  # noqa: E402
 
+from weft.core.flops import PEAK_TFLOPS  # noqa: E402
+
 HERE = pathlib.Path(__file__).resolve().parent
-PEAK = 989e12  # H100/H200 dense bf16 FLOP/s, as issue 11's MFU
+PEAK = PEAK_TFLOPS["H200"] * 1e12  # H100/H200 dense bf16 FLOP/s (core/flops.py)
 
 
 def model_flops(recipe: str, length: int) -> float:
-    """6 N L + 6 layers hidden L^2 for one sequence of ``length`` (N: parameters without the
-    embedding, lm_head included), as the one-GPU benchmarks count."""
+    """Training FLOPs of one sequence of ``length`` (core/flops.py), the recipe's model on the meta device."""
     import transformers
 
+    from weft.core.flops import sequence_flops, text_parameters
     from weft.core.presets import build_config, load_preset
     from weft.core.recipe import Recipe
 
     preset = Recipe.from_toml(recipe).model.preset
     config = build_config(*load_preset(preset)[:2])
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    text = config.get_text_config()
-    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    return 6 * n * length + 6 * text.num_hidden_layers * text.hidden_size * length**2
+        auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") else \
+            transformers.AutoModelForCausalLM
+        model = auto.from_config(config)
+    n, layers, hidden = text_parameters(model)
+    return sequence_flops(params=n, layers=layers, hidden=hidden, length=length)
 
 
 def run(recipe: str, *, gpus: int, ulysses: int, ring: int, length: int, out: pathlib.Path, step: int,

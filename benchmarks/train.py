@@ -37,32 +37,29 @@ ensure_weft()
 import torch  # noqa: E402
 
 import weft  # noqa: E402
+from weft.core.flops import PEAK_TFLOPS, sequence_flops, text_parameters  # noqa: E402
 from weft.core.presets import build_config, load_preset  # noqa: E402
 
 RECIPES = {"7b": "qwen2.5-vl-7b-128k-1gpu", "3b": "qwen2.5-vl-3b-128k-1gpu"}
 PRESETS = {"7b": "qwen2_5_vl_7b", "3b": "qwen2_5_vl_3b"}
 DEFAULT = ("7b:32768", "7b:65536", "7b:131072", "3b:131072")
-PEAK = 989e12  # H100/H200 dense bf16 TFLOP/s, as the issue's MFU
+PEAK = PEAK_TFLOPS["H200"] * 1e12  # H100/H200 dense bf16 FLOP/s (core/flops.py)
 
 
 def text_params(size: str) -> tuple[float, int, int]:
-    """(N, layers, hidden) of the text model: parameters outside the vision tower and the
-    embedding, lm_head included, counted on the meta device."""
+    """(N, layers, hidden) of the text model as core/flops.py counts them, on the meta device."""
     import transformers
 
     config = build_config(*load_preset(PRESETS[size])[:2])
     with torch.device("meta"):
         model = transformers.AutoModelForImageTextToText.from_config(config)
-    n = sum(p.numel() for name, p in model.named_parameters() if "visual" not in name and "embed_tokens" not in name)
-    if getattr(config, "tie_word_embeddings", False):
-        n += model.get_output_embeddings().weight.numel()  # the head shares the embedding's weight
-    text = config.get_text_config()
-    return float(n), text.num_hidden_layers, text.hidden_size
+    n, layers, hidden = text_parameters(model)
+    return float(n), layers, hidden
 
 
 def mfu(size: str, length: int, step_s: float) -> float:
     n, layers, hidden = text_params(size)
-    return (6 * n * length + 6 * layers * hidden * length**2) / step_s / PEAK
+    return sequence_flops(params=n, layers=layers, hidden=hidden, length=length) / step_s / PEAK
 
 
 # ---------------------------------------------------------------------------

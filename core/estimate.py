@@ -20,6 +20,8 @@ import math
 
 import attrs
 
+from weft.core.flops import PEAK_TFLOPS, sequence_flops
+
 GIB = 2**30
 
 #: What one decoder layer keeps from its forward to its backward, in units of the layer's
@@ -57,7 +59,7 @@ class GpuKind:
     overhead_s: float
     link_gbps: float  # GPU-to-GPU (NVLink) per direction, GB/s
     measured: bool  # rates measured on this kind (else scaled from the H200's by spec)
-    peak_tflops: float = 989.0  # dense bf16 peak, for MFU
+    peak_tflops: float = PEAK_TFLOPS["H200"]  # dense bf16 peak, for MFU (H100: the same)
 
 
 GPUS = {
@@ -71,7 +73,7 @@ GPUS = {
     # A100 80GB: 312 TFLOP/s bf16 peak, no flash-attn-4 (cuDNN / flash 2 rates), 2.0 TB/s.
     "a100-80g": GpuKind(name="a100-80g", memory_gib=79.1, matmul_tflops=240.0, attention_fwd_tflops=190.0,
                         attention_bwd_tflops=150.0, overhead_s=1.5e-6, link_gbps=250.0, measured=False,
-                        peak_tflops=312.0),
+                        peak_tflops=PEAK_TFLOPS["A100"]),
 }
 
 
@@ -236,9 +238,9 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) ->
     }
     part["total"] = sum(part.values())
     part["tokens_per_s"] = setup.tokens * setup.dp_shard * setup.dp_replicate / part["total"]
-    # MFU as the benchmarks count it: 6 N L + 6 layers hidden L^2 per sequence, this rank's share.
-    useful = 6 * tokens * (len(text) * shape.layer_params + shape.vocab * shape.hidden) \
-        + 6 * len(text) * shape.heads * shape.head_dim * setup.tokens * tokens
+    # MFU as the reports and benchmarks count it (core/flops.py), this rank's share of the sequence.
+    useful = sequence_flops(params=len(text) * shape.layer_params + shape.vocab * shape.hidden, layers=len(text),
+                            hidden=shape.heads * shape.head_dim, length=setup.tokens) / setup.sp
     part["mfu"] = useful / part["total"] / (gpu.peak_tflops * 1e12)
     return part
 

@@ -19,9 +19,8 @@ import statistics
 from typing import Any
 
 from weft.core.errors import WeftError
+from weft.core.flops import peak_tflops, sequence_flops, text_parameters
 
-#: Dense bf16 peak FLOP/s by GPU name fragment, for MFU (as core/estimate.py's table).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 PANELS = (("loss", "loss"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("max_memory_gib", "peak memory (GiB)"),
           ("grad_norm", "grad norm"), ("lr", "learning rate"))
 
@@ -48,7 +47,7 @@ def read_run(run_dir: pathlib.Path) -> dict[str, Any]:
     checkpoints = sorted({e["step"] for e in events if e.get("event") == "checkpoint.saved" and "step" in e})
     run = {"name": run_dir.name, "dir": str(run_dir), "rows": rows, "summary": summary, "checkpoints": checkpoints,
            "world_size": start.get("world_size", 1), "gpu": start.get("gpu")}
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in (run["gpu"] or "")), None)
+    peak = peak_tflops(run["gpu"])
     flops = _flops_per_token(run_dir) if peak else None
     for row in rows:
         if flops and row.get("tokens_per_s"):
@@ -128,11 +127,9 @@ def plot(runs: list[dict], out: pathlib.Path) -> pathlib.Path:
 
 
 def _flops_per_token(run_dir: pathlib.Path) -> float | None:
-    """Training FLOPs per token, 6 N + 6 layers hidden L (N: the text model's parameters
-    without the embedding, the head included, as BENCHMARKS.md counts: the vision tower
-    sees only the image patches, not every token; L the samples' length: data.tokens,
-    else train.seq_len, an upper bound for chat data), from the run's recipe on the meta
-    device; None if it cannot be built."""
+    """Training FLOPs per token (core/flops.py) of the run's recipe, built on the meta device;
+    L the samples' length: data.tokens, else train.seq_len, an upper bound for chat data.
+    None if the model cannot be built."""
     try:
         from weft.core.export import run_recipe
         from weft.core.plugin_manager import plugin_manager_from_env
@@ -141,12 +138,9 @@ def _flops_per_token(run_dir: pathlib.Path) -> float | None:
         model = plugin_manager_from_env().models.for_recipe(recipe).build(recipe, device="meta", seed=0)
     except Exception:  # noqa: BLE001 - MFU is a courtesy: without the model the report still stands
         return None
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name and "visual" not in name)
-    if getattr(text, "tie_word_embeddings", False) or getattr(model.config, "tie_word_embeddings", False):
-        n += model.get_output_embeddings().weight.numel()  # the head shares the embedding's weight
+    n, layers, hidden = text_parameters(model)
     length = recipe.data.tokens or recipe.train.seq_len
-    return 6 * n + 6 * text.num_hidden_layers * text.hidden_size * length
+    return sequence_flops(params=n, layers=layers, hidden=hidden, length=length) / length
 
 
 def _json(path: pathlib.Path) -> dict | None:
