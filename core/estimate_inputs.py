@@ -12,13 +12,14 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def units_of(plan: Any, model: Any) -> list[Unit]:
-    """Every shard unit and the root, each with its own parameters (not nested units')."""
+    """Every shard unit and the root, each with its own parameters (not nested units'); with
+    ``model`` None (a run's out-of-memory advice), the rules alone and no parameter counts."""
     decided = [m for m in plan.modules_for("shard") if m.info.kind in ("unit", "root")]
     paths = [m.info.path for m in decided]
     counts = {}
     for path in paths:
-        module = model.get_submodule(path) if path else model
-        counts[path] = {id(p): p.numel() for p in module.parameters()}
+        module = (model.get_submodule(path) if path else model) if model is not None else None
+        counts[path] = {id(p): p.numel() for p in module.parameters()} if module is not None else {}
     units = []
     for m in decided:
         path = m.info.path

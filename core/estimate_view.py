@@ -9,6 +9,7 @@ import attrs
 
 from weft.core.estimate import GIB, GPUS, longest_fit, memory, step_seconds
 from weft.core.estimate_inputs import setup_of, shape_of, units_of
+from weft.core.memory_advice import levers
 
 #: Allocator slack and CUDA context beside what torch counts as allocated.
 HEADROOM_GIB = 2.0
@@ -81,37 +82,16 @@ def near_limit(recipe: Any, *, peak_gib: float, device_gib: float, gpu: str) -> 
 def _changes(recipe: Any, units: list, shape: Any, setup: Any, within) -> list[dict]:
     """Rule changes, pulled one after another until the recipe fits; each with the rule to edit."""
     out = []
-    for name, where, change in _levers(recipe, units):
-        units, setup = change(units, setup)
+    for lever in levers(recipe, units):
+        if lever.apply is None:
+            continue
+        units, setup = lever.apply(units, setup)
         mem = memory(units, shape, setup)
-        out.append({"change": name, "where": where, "total_gib": round(mem["total"] / GIB, 1),
+        out.append({"change": lever.change, "where": lever.where, "total_gib": round(mem["total"] / GIB, 1),
                     "host_gib": round(mem["host"] / GIB, 1), "fits": within(mem)})
         if out[-1]["fits"]:
             break
     return out
-
-
-def _levers(recipe: Any, units: list):
-    def each(pred, **kw):
-        return lambda us, s: ([attrs.evolve(u, **kw) if pred(u) else u for u in us], s)
-
-    lighter = [u for u in units if u.modality == "text" and u.checkpoint not in ("full",)]
-    if lighter:
-        yield (f'checkpoint = "full" for the decoder layers (now "{lighter[0].checkpoint}" on {len(lighter)})',
-               lighter[0].source, each(lambda u: u.modality == "text", checkpoint="full"))
-    if recipe.train.loss != "fused":
-        yield ('train.loss = "fused"', f"{recipe.source} (train.loss)",
-               lambda us, s: (us, attrs.evolve(s, loss="fused")))
-    wide = [u for u in units if u.storage_bytes == 4]
-    if wide:
-        yield ('storage_dtype = "bfloat16"', wide[0].source, each(lambda u: True, storage_bytes=2))
-    kept = [u for u in units if u.modality == "text" and not u.offload_activations]
-    if kept:
-        yield ("offload_activations = true (the layers' inputs in pinned host memory)", kept[0].source,
-               each(lambda u: u.modality == "text", checkpoint="full", offload_activations=True))
-    for ring in (2, 4, 8):
-        yield (f"parallel.ring = {ring} over {ring} GPUs", f"{recipe.source} (parallel.ring)",
-               lambda us, s, ring=ring: (us, attrs.evolve(s, ring=max(s.ring, ring))))
 
 
 def render_estimate(result: dict) -> None:
