@@ -83,6 +83,10 @@ class Plan:
     def root(self) -> ModulePlan:
         return next(m for m in self.modules if m.info.kind == "root")
 
+    def modality_of(self, path: str) -> str | None:
+        """The declared modality of the module at ``path`` (None for the root or an unknown path)."""
+        return next((m.info.modality for m in self.modules if m.info.path == path), None)
+
     def decision(self, point: str) -> Decision:
         """The single global decision of a root-level point (batching)."""
         decisions = self.decisions_of(point)

@@ -139,7 +139,7 @@ def traceable(decision, module_path: str, plan) -> bool:
     """Whether torch.compile may trace this attention module whole: the functions that run
     one kernel on the local sequence (``local``: weft's operators; ``sdpa``: torch's), not
     those with collectives (ring, ulysses, usp) nor the vision tower's varlen call."""
-    if "visual" in module_path:
+    if plan.modality_of(module_path) == "vision":
         return False
     strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring,
                             packed=plan.packed(), backend=getattr(decision.params, "backend", "auto"))
@@ -149,12 +149,14 @@ def traceable(decision, module_path: str, plan) -> bool:
 @hookimpl
 def weft_attention(decision, module_path, plan, mesh, ctx):
     backend = getattr(decision.params, "backend", "auto")
-    if module_path and "visual" in module_path:
+    # The tower by its declared modality (the adapter's), as the planner knows it: not by its name.
+    vision = plan.modality_of(module_path) == "vision"
+    if vision:
         strategy = resolve_vision(decision.strategy, backend=backend)
     else:
         strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring,
                                 packed=plan.packed(), backend=backend)
-    if strategy in ("sdpa", "eager", "local") and plan.packed() and module_path and "visual" not in module_path:
+    if strategy in ("sdpa", "eager", "local") and plan.packed() and not vision:
         from weft.core.errors import PlanError
 
         raise PlanError(f"{module_path}: packed documents need attention that keeps to each document; "

@@ -294,6 +294,28 @@ def test_hook_weft_attention():
         pm.call_first("weft_attention", decision=nobody, module_path="x", plan=plan, mesh=None, ctx=ctx)
 
 
+def test_a_vision_tower_is_known_by_its_modality_not_its_name():
+    """A family whose tower is not called ``visual``: its attention resolves as the planner
+    declared it (vision), not as text. With packed documents text ``auto`` needs document-aware
+    attention (ring on one rank), a vision tower keeps its own (sdpa here, no flash-attn-4)."""
+    from weft.plugins.attention import traceable
+    from weft.strategies.block_kernels import fa4_importable
+
+    tower = ModuleInfo(path="encoder.blocks.0.attn", class_name="TowerAttention", kind="attention",
+                       modality="vision", heads=2, kv_heads=2, head_dim=16)
+    pm = make_pm()
+    _, plan, ctx = make_plan(pm, [{"batching": {"strategy": "token_budget", "pack": True}}],
+                             [ROOT_MODULE, tower, TEXT_ATTN])
+    assert plan.packed() and plan.modality_of(tower.path) == "vision" and not fa4_importable()
+    vision = plan.modules_for("attention")[0].get("attention")
+    assert vision.strategy == "auto"
+    binding = pm.call_first("weft_attention", decision=vision, module_path=tower.path, plan=plan, mesh=None, ctx=ctx)
+    assert binding == AttentionBinding(name="sdpa")
+    assert not traceable(vision, tower.path, plan)
+    text = plan.modules_for("attention")[1].get("attention")
+    assert traceable(text, TEXT_ATTN.path, plan) is False  # packed: ring on one rank, not a single kernel
+
+
 def test_hook_weft_metrics(tmp_path):
     pm = make_pm()
     recipe, plan, ctx = make_plan(pm, [])  # the default rules: the jsonl sink
