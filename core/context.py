@@ -49,5 +49,10 @@ class StepState:
     #: This rank's micro-batch sizes in tokens (batch x length), set before the forward.
     local_tokens: tuple[int, ...] = ()
     # Per-run state a guard keeps between steps (a running mean, a counter), keyed
-    # by the guard's strategy name; the loop hands the same dict to every step.
+    # by the guard's strategy name; in a run it is ``ctx.plugin_state``, the one per-run
+    # dict every plugin (guards, metrics sinks) keeps its state in.
     memory: dict[str, Any] = attrs.field(factory=dict)
+
+    def begin(self, step: int) -> None:
+        """The next step: its own values cleared; the run's (skips in a row, memory) kept."""
+        self.step, self.loss, self.grad_norm, self.tokens, self.error, self.local_tokens = step, None, None, 0, None, ()

@@ -94,14 +94,14 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
     autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if recipe.train.precision == "bf16"
                 else contextlib.nullcontext())
     totals = ending.totals
-    state = StepState(step=ctx.start_step)
+    state = StepState(step=ctx.start_step, memory=ctx.plugin_state)  # one per run; begin() at each step
     # Each metrics row goes to the run's metrics sinks (weft_metrics: metrics.jsonl by default), on rank 0.
     metrics = functools.partial(pm.call_all, "weft_metrics", event="step", plan=run.plan, ctx=ctx) \
         if ctx.rank == 0 else None
     bar_on = console and ctx.rank == 0 and sys.stderr.isatty()
     with progress_bar(bar_on, total=recipe.train.max_steps, start=ctx.start_step) as bar:
         for step in range(ctx.start_step + 1, recipe.train.max_steps + 1):
-            state = StepState(step=step, consecutive_skips=state.consecutive_skips, memory=state.memory)
+            state.begin(step)
             watch.step_started(step)
             try:
                 row, verdict = _one_step(run=run, steps=steps, state=state, optimizer=optimizer,

@@ -10,6 +10,7 @@ import json
 import math
 import pathlib
 import sys
+import types
 
 import pytest
 import torch
@@ -181,8 +182,8 @@ def test_the_loop_carries_guard_memory_between_steps(installed, tmp_path):
     class Probe:
         @hookimpl
         def weft_guard(self, event, state):
-            if event == "step_end":
-                seen.append(state)
+            if event == "step_end":  # the loop's one StepState, as it stands at this step
+                seen.append(types.SimpleNamespace(step=state.step, loss=state.loss, memory=state.memory))
 
     pm = build_plugin_manager(extra=[("probe", Probe())])
     summary = train(recipe=Recipe.from_toml(recipe_path), pm=pm, run_dir=tmp_path / "run", resume=False, console=False)
