@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weft.core.errors import RunFailed, WeftError
+from weft.core.errors import WeftError
+from weft.core.rank_job import launch_ranks
 from weft.core.recipe import Recipe
 
 #: Float32 acceptance: what weft's own equivalence tests require.
@@ -57,21 +58,16 @@ def few_synthetic_samples(recipe: Recipe, *, world_size: int) -> Recipe:
 
 
 def worker(recipe: Recipe, *, out: pathlib.Path) -> None:
-    """One rank of (a); rank 0 writes the loss and the full gradients to ``out``, the first
-    SP rank of each data-parallel group its whole micro-batches beside it."""
-    from weft.core.prepare import close_process_group, init_process_group
+    """One rank of (a), as eval's and generate's ranks run (core/rank_job.py); rank 0 writes the
+    loss and the full gradients to ``out``, the first SP rank of each data-parallel group its
+    whole micro-batches beside it. The model and its FSDP groups are unreachable once the step
+    returns, before the process group closes."""
+    from weft.core.rank_job import run_on_rank
 
-    rank, world_size, local_rank, device_type, _ = init_process_group(recipe)
-    try:
-        _one_step(recipe, out=out, rank=rank, world_size=world_size, local_rank=local_rank, device_type=device_type)
-    except BaseException:
-        close_process_group(clean=False)
-        raise
-    # The model and its FSDP groups are unreachable once _one_step returns.
-    close_process_group(clean=True)
+    run_on_rank(recipe, out=out, job=_one_step, target=out)
 
 
-def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, local_rank: int,
+def _one_step(recipe: Recipe, *, target: pathlib.Path, rank: int, world_size: int, local_rank: int,
               device_type: str) -> None:
     from weft.core.context import RunContext, StepState
     from weft.core.logging import run_logger
@@ -92,7 +88,7 @@ def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, 
                           model=run.model, ctx=ctx)
     micro_batches = next(iter(steps))
     if run.mesh.sp.get_local_rank() == 0:
-        torch.save(micro_batches, out.with_name(f"batches-dp{run.mesh.dp_rank()}.pt"))
+        torch.save(micro_batches, target.with_name(f"batches-dp{run.mesh.dp_rank()}.pt"))
     autocast = autocast_for(recipe.train.precision, device_type)
     loss_sum, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
                                          keep_vision=run.keep_vision, autocast=autocast, ctx=ctx, fused=run.fused)
@@ -111,7 +107,7 @@ def _one_step(recipe: Recipe, *, out: pathlib.Path, rank: int, world_size: int, 
                 totals=totals)
     after = {name: _full(p.grad) for name, p in run.model.named_parameters() if p.grad is not None}
     if rank == 0:
-        torch.save({"loss": state.loss, "grad_norm": state.grad_norm, "grads": before, "clipped": after}, out)
+        torch.save({"loss": state.loss, "grad_norm": state.grad_norm, "grads": before, "clipped": after}, target)
 
 
 def autocast_for(precision: str, device_type: str):
@@ -213,7 +209,6 @@ def _fsdp_name(name: str, names: dict) -> str:
 
 
 def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_arg: str, pm: Any) -> dict:
-    from weft.core.launch import launch_local
     from weft.core.mesh_spec import MESH_ORDER
     from weft.core.planner import plan_recipe
 
@@ -228,13 +223,8 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
     clip = next((d.params.max_norm for d in sync if d.strategy == "clip"), None)
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "sharded.pt"
-        args = ["-m", "weft", "_check-worker", recipe_arg, "--out", str(out)]
-        for override in overrides:
-            args += ["--set", override]
-        code = launch_local(nproc=world_size, args=args)
-        if code != 0 or not out.is_file():
-            raise RunFailed(f"the {world_size}-rank run of `weft check` failed (exit code {code}); "
-                            "its ranks' output above says why", where="weft check")
+        launch_ranks("check", nproc=world_size, out=out,
+                     args=[recipe_arg, *(arg for override in overrides for arg in ("--set", override))])
         got = torch.load(out, weights_only=True)  # written by our own ranks; still only tensors and numbers
         batches = [mb for d in range(plan.mesh.dp)
                    for mb in torch.load(out.with_name(f"batches-dp{d}.pt"), weights_only=True)]

@@ -1,6 +1,7 @@
-"""Commands that run a recipe on N local ranks and report rank 0's result (`weft eval`,
-`weft generate`): the parent starts the ranks of a hidden worker command and reads the
-JSON rank 0 writes; each rank runs one function inside its process group."""
+"""Commands that run a recipe on N local ranks and report rank 0's result (`weft check`,
+`weft eval`, `weft generate`): the parent starts the ranks of a hidden worker command and
+reads what rank 0 writes (JSON, or the job's own files); each rank runs one function inside
+its process group."""
 
 from __future__ import annotations
 
@@ -13,22 +14,29 @@ from weft.core.errors import RunFailed, WeftError
 from weft.core.recipe import Recipe
 
 
-def launch_job(command: str, *, nproc: int, args: list[str]) -> dict:
-    """Start ``nproc`` ranks of ``weft _<command>-worker ARGS --out FILE``; rank 0's result."""
+def launch_ranks(command: str, *, nproc: int, args: list[str], out: pathlib.Path) -> None:
+    """Start ``nproc`` ranks of ``weft _<command>-worker ARGS --out OUT``; RunFailed unless
+    they all end well and ``out`` was written."""
     from weft.core.launch import launch_local
 
+    code = launch_local(nproc=nproc, args=["-m", "weft", f"_{command}-worker", *args, "--out", str(out)])
+    if code != 0 or not out.is_file():
+        raise RunFailed(f"the {nproc}-rank `weft {command}` failed (exit code {code}); its ranks' output above "
+                        "says why", where=f"weft {command}")
+
+
+def launch_job(command: str, *, nproc: int, args: list[str]) -> dict:
+    """Start ``nproc`` ranks of ``weft _<command>-worker ARGS --out FILE``; rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / f"{command}.json"
-        code = launch_local(nproc=nproc, args=["-m", "weft", f"_{command}-worker", *args, "--out", str(out)])
-        if code != 0 or not out.is_file():
-            raise RunFailed(f"the {nproc}-rank `weft {command}` failed (exit code {code}); its ranks' output above "
-                            "says why", where=f"weft {command}")
+        launch_ranks(command, nproc=nproc, args=args, out=out)
         return json.loads(out.read_text())
 
 
-def run_on_rank(recipe: Recipe, *, out: pathlib.Path, job: Callable[..., dict], **options: Any) -> None:
+def run_on_rank(recipe: Recipe, *, out: pathlib.Path, job: Callable[..., dict | None], **options: Any) -> None:
     """One rank: ``job(recipe, rank=, world_size=, local_rank=, device_type=, **options)`` inside
-    the process group; rank 0 writes its result to ``out``."""
+    the process group; rank 0 writes its result to ``out`` as JSON (a job that returns None
+    has written its own files)."""
     from weft.core.prepare import close_process_group, init_process_group
 
     rank, world_size, local_rank, device_type, _ = init_process_group(recipe)
@@ -38,7 +46,7 @@ def run_on_rank(recipe: Recipe, *, out: pathlib.Path, job: Callable[..., dict], 
     except BaseException:
         close_process_group(clean=False)
         raise
-    if rank == 0:
+    if rank == 0 and result is not None:
         out.write_text(json.dumps(result, indent=1))
     close_process_group(clean=True)
 
