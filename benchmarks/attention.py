@@ -1,7 +1,7 @@
 """Sequence-parallel attention on one GPU: bf16 exactness and the ring schedule's efficiency.
 
 Ring sizes are emulated on the one GPU: every rank's block schedule (the same
-kernels, GQA expansion and merges as weft.strategies.ring) is executed in turn
+kernels, GQA expansion and merges as weft.strategies.attention.ring) is executed in turn
 and timed per (rank, step). A real ring runs the ranks at once, so its step
 takes as long as its slowest rank: the emulated parallel time is
 sum over steps of max over ranks. The P2P transfers, which the ring overlaps
@@ -33,9 +33,9 @@ ensure_weft()
 
 import torch  # noqa: E402
 
-from weft.strategies.block_kernels import select_kernel  # noqa: E402
-from weft.strategies.ring import _accumulators, attend_block, attend_block_backward, block_for, emulate_ring  # noqa: E402
-from weft.strategies.sequence_shard import shard_sequence, unshard_sequence  # noqa: E402
+from weft.strategies.attention.kernels.blocks import select_kernel  # noqa: E402
+from weft.strategies.attention.ring import _accumulators, attend_block, attend_block_backward, block_for, emulate_ring  # noqa: E402
+from weft.strategies.sequence.layout import shard_sequence, unshard_sequence  # noqa: E402
 
 
 def attention_flops(*, batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> float:

@@ -40,7 +40,7 @@ WORDS = (
 
 def processor_folder(root: pathlib.Path) -> pathlib.Path:
     """The bundled tiny tokenizer with Qwen2.5-VL's real image-processor settings."""
-    from weft.strategies.conversation import processor_dir
+    from weft.strategies.data.conversation import processor_dir
 
     folder = root / "processor"
     shutil.copytree(processor_dir("tiny_vl"), folder)
@@ -79,7 +79,7 @@ def make_dataset(root: pathlib.Path, *, samples: int, seed: int = 0) -> pathlib.
 
 
 def measure(path: pathlib.Path, *, processor: pathlib.Path, workers: int, cache: pathlib.Path | None) -> dict:
-    from weft.strategies import datasets
+    from weft.strategies.data import datasets
 
     start = time.perf_counter()
     samples = tokens = bad = 0
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=-1, help="-1: weft's default (min(8, cores - 1))")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."))
     args = parser.parse_args()
-    from weft.strategies.preprocess import default_workers
+    from weft.strategies.data.preprocess import default_workers
 
     workers = default_workers() if args.workers == -1 else args.workers
     args.out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ ensure_weft()
 
 import torch  # noqa: E402
 
-from weft.strategies.block_kernels import KERNELS, fa4_importable  # noqa: E402
+from weft.strategies.attention.kernels.blocks import KERNELS, fa4_importable  # noqa: E402
 
 
 def main() -> int:
@@ -69,7 +69,7 @@ def main() -> int:
 def check_varlen() -> int:
     """The vision tower's one-call path (flash-attn-4 over packed windows, head_dim 80 as in
     Qwen2.5-VL's tower) against one float32 SDPA call per window: out and gradients."""
-    from weft.strategies.segment_attention import segment_attention, segment_loop, varlen_runs
+    from weft.strategies.attention.segment import segment_attention, segment_loop, varlen_runs
 
     g = torch.Generator(device="cuda").manual_seed(0)
     cu = torch.tensor([0, 64, 128, 192, 256, 320, 384, 448, 512, 576, 1024, 1280], device="cuda", dtype=torch.int32)
@@ -101,8 +101,8 @@ def check_varlen() -> int:
 
 def check_masked() -> int:
     """The Triton backward with a packed-documents mask against the float32 math kernel."""
-    from weft.strategies.packing import document_mask
-    from weft.strategies.triton_backward import backward_accumulate
+    from weft.strategies.attention.document_mask import document_mask
+    from weft.strategies.attention.kernels.triton_backward import backward_accumulate
 
     g = torch.Generator(device="cuda").manual_seed(2)
     q, dout = (torch.randn(1, 8, 768, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
@@ -133,7 +133,7 @@ def check_masked() -> int:
 
 def check_accumulate() -> int:
     """The Triton backward adds into float32 buffers: strided halves of one, prefilled."""
-    from weft.strategies.triton_backward import backward_accumulate
+    from weft.strategies.attention.kernels.triton_backward import backward_accumulate
 
     g = torch.Generator(device="cuda").manual_seed(1)
     q, dout = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))

@@ -39,7 +39,7 @@ def shapes(preset: str) -> list[tuple[int, ...]]:
 
 
 def make(name: str, params: list[torch.nn.Parameter], lr: float):
-    from weft.strategies.adamw_sr import AdamWSR
+    from weft.strategies.optim.adamw_sr import AdamWSR
 
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from attention import tolerance_ratio  # noqa: E402
-from weft.strategies.ring import ring_attention  # noqa: E402
+from weft.strategies.attention.ring import ring_attention  # noqa: E402
 
 LENGTHS = (1000, 2500, 596)
 

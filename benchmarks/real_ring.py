@@ -34,10 +34,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from attention import attention_flops, full_sdpa_time, tolerance_ratio  # noqa: E402
-from weft.strategies.ring import ring_attention  # noqa: E402
-from weft.strategies.sequence_shard import shard_sequence, unshard_sequence, usp_shard, usp_unshard  # noqa: E402
-from weft.strategies.ulysses import ulysses_attention  # noqa: E402
-from weft.strategies.usp import usp_attention  # noqa: E402
+from weft.strategies.attention.ring import ring_attention  # noqa: E402
+from weft.strategies.attention.ulysses import ulysses_attention  # noqa: E402
+from weft.strategies.attention.usp import usp_attention  # noqa: E402
+from weft.strategies.sequence.layout import shard_sequence, unshard_sequence, usp_shard, usp_unshard  # noqa: E402
 
 
 class Mesh2D:

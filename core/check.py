@@ -142,7 +142,7 @@ def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: fl
             loss += part.detach()
         grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
         norm = torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt().item()
-        scale = min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0  # as strategies/grad_norm.py clips
+        scale = min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0  # as strategies/optim/grad_norm.py clips
         groups = {name: adapter.modality_of(name.rsplit(".", 1)[0]) for name in grads}
         results[precision] = {"loss": loss.item(), "grads": grads, "clipped": {n: g * scale for n, g in grads.items()},
                               "grad_norm": norm, "groups": groups}

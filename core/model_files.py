@@ -76,7 +76,7 @@ def check_processor_files(recipe: Any, processor: str | None, *, needs: dict[str
 
 def _bundled(processor: str) -> bool:
     """A bare name of a folder shipped in weft.recipes, which is read before any path of that
-    name (strategies/conversation.py's processor_dir)."""
+    name (strategies/data/conversation.py's processor_dir)."""
     if os.sep in processor or "/" in processor:
         return False
     return (importlib.resources.files("weft.recipes") / processor).is_dir()

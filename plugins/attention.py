@@ -116,7 +116,7 @@ def resolve_auto(strategy: str, *, ulysses: int, ring: int, packed: bool = False
         return "usp"
     if ulysses > 1 or ring > 1 or packed:
         return "ulysses" if ulysses > 1 else "ring"
-    from weft.strategies.block_kernels import fa4_importable
+    from weft.strategies.attention.kernels.blocks import fa4_importable
 
     return "local" if backend != "auto" or fa4_importable() else "sdpa"
 
@@ -129,7 +129,7 @@ def resolve_vision(strategy: str, *, backend: str = "auto") -> str:
     if strategy == "local" or (strategy == "auto" and backend != "auto"):
         return "vision_local"
     if strategy == "auto":
-        from weft.strategies.block_kernels import fa4_importable
+        from weft.strategies.attention.kernels.blocks import fa4_importable
 
         return "vision_local" if fa4_importable() else "sdpa"
     return strategy
@@ -165,7 +165,7 @@ def weft_attention(decision, module_path, plan, mesh, ctx):
         # Names transformers already registers: nothing to add to the interface.
         return AttentionBinding(name=strategy)
     if strategy in ("vision_ulysses", "vision_local"):
-        from weft.strategies.hf_attention import make_vision_attention_function
+        from weft.strategies.attention.hf_adapter import make_vision_attention_function
 
         if strategy == "vision_local":
             fn = make_vision_attention_function(group=None, rank=0, world=1)
@@ -177,7 +177,7 @@ def weft_attention(decision, module_path, plan, mesh, ctx):
         return AttentionBinding(name=f"weft_flash_{strategy}_{id(mesh):x}", fn=fn)
     if strategy not in ("ring", "ulysses", "usp", "local"):
         return None
-    from weft.strategies.hf_attention import make_attention_function
+    from weft.strategies.attention.hf_adapter import make_attention_function
 
     layout = getattr(decision.params, "layout", "zigzag")
     fn = make_attention_function(

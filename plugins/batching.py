@@ -49,15 +49,15 @@ def weft_strategies():
 def weft_batching(decision, recipe, plan, mesh, model, ctx):
     if decision.strategy != "token_budget":
         return None
-    from weft.strategies.prefetch import prefetched
+    from weft.strategies.data.prefetch import prefetched
 
     return prefetched(_steps(decision.params, recipe, plan, mesh, model, ctx), decision.params.prefetch)
 
 
 def _steps(params, recipe, plan, mesh, model, ctx):
     from weft.plugins.data import bad_sample_handler, check_vision, collect_samples, pad_id_of, sample_source, truncate
-    from weft.strategies.conversation import collate
-    from weft.strategies.token_budget import pack_micro_batches, schedule_steps
+    from weft.strategies.data.conversation import collate
+    from weft.strategies.data.token_budget import pack_micro_batches, schedule_steps
 
     tokenizer, source = sample_source(recipe, ctx.adapter)
     on_bad = bad_sample_handler(recipe, ctx)
@@ -75,7 +75,7 @@ def _steps(params, recipe, plan, mesh, model, ctx):
         ctx.log.warning("data.too_long", samples=too_long, micro_batch_tokens=budget, max_seq_len=recipe.train.seq_len)
     pad_id = pad_id_of(tokenizer, ctx.adapter.config(recipe)[0])
     if params.pack:
-        from weft.strategies.packing import collate_packed, pack_documents
+        from weft.strategies.data.packing import collate_packed, pack_documents
 
         positions = ctx.adapter.positions(model)
 

@@ -10,8 +10,8 @@ from weft.core.errors import WeftError
 
 def sample_source(recipe, adapter) -> tuple[Any, Any]:
     """(tokenizer, iterator of Sample | BadSample) for the recipe's data, as a run reads it."""
-    from weft.strategies import datasets
-    from weft.strategies.conversation import load_processor, load_video_sizing
+    from weft.strategies.data import datasets
+    from weft.strategies.data.conversation import load_processor, load_video_sizing
 
     config, processor = adapter.config(recipe)
     if recipe.data.source == "synthetic" and recipe.data.tokens:
@@ -30,7 +30,7 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
     path = recipe.data_file()
     if not path.is_file():
         raise WeftError(f"data.path {str(path)!r} does not exist", where=f"{recipe.source} (data.path)")
-    from weft.strategies.preprocess import default_workers
+    from weft.strategies.data.preprocess import default_workers
 
     workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
     cache = path.with_name(path.name + ".weft-cache") if recipe.data.cache else None
@@ -43,7 +43,7 @@ def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
     """(tokenizer or None, samples) of ``data.tokens`` tokens for any model shape: ids from the
     model's vocabulary, images through its image processor, or, when it has none (a preset
     of a real size), pixel values made in the processor's layout from the vision config."""
-    from weft.strategies.synthetic_long import long_samples, special_ids
+    from weft.strategies.data.synthetic_long import long_samples, special_ids
 
     data = recipe.data
     vision = getattr(config, "vision_config", None)
@@ -53,7 +53,7 @@ def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
                             where=f"{recipe.source} (data.{key})")
     tokenizer = image_processor = None
     if processor is not None and (data.images or data.videos):
-        from weft.strategies.conversation import load_processor
+        from weft.strategies.data.conversation import load_processor
 
         tokenizer, image_processor = load_processor(processor)
     elif processor is not None:  # text only: a text model's directory has no image processor to read
@@ -74,8 +74,8 @@ def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
 def video_limits(recipe, processor):
     """How the recipe's videos are sampled (strategies.video.VideoLimits): ``data.video_fps``,
     else the processor folder's video_preprocessor_config.json frame rate, else 2 fps."""
-    from weft.strategies.conversation import load_video_sizing
-    from weft.strategies.video import DEFAULT_FPS, VideoLimits
+    from weft.strategies.data.conversation import load_video_sizing
+    from weft.strategies.data.video import DEFAULT_FPS, VideoLimits
 
     fps = recipe.data.video_fps
     if fps is None:
@@ -89,7 +89,7 @@ def _tokenizer_if_any(processor: str) -> Any:
     import transformers
 
     from weft.core.model_files import TOKENIZER_FILES
-    from weft.strategies.conversation import processor_dir
+    from weft.strategies.data.conversation import processor_dir
 
     folder = processor_dir(processor)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
@@ -126,7 +126,7 @@ def collect_samples(recipe, source, *, on_bad) -> list:
 
     import torch.distributed as dist
 
-    from weft.strategies import datasets
+    from weft.strategies.data import datasets
 
     shared = recipe.data.source == "jsonl" and recipe.data.cache and dist.is_initialized() and dist.get_world_size() > 1
     if shared:
@@ -141,8 +141,8 @@ def collect_samples(recipe, source, *, on_bad) -> list:
 
 def truncate(samples, *, limit, tokenizer, ctx, on_bad) -> list:
     """Samples longer than ``limit`` keep their head (never cutting an image span)."""
-    from weft.strategies.conversation import truncate_sample
-    from weft.strategies.datasets import BadSample
+    from weft.strategies.data.conversation import truncate_sample
+    from weft.strategies.data.datasets import BadSample
 
     kept = []
     for index, sample in enumerate(samples):
@@ -164,8 +164,8 @@ def check_vision(samples, *, config, ctx, on_bad) -> list:
     """Samples whose image and video tokens match their grids; the others named and passed to
     ``on_bad``. Logs the share of image and video tokens (a dataset whose ratio drops to 0 lost
     its images)."""
-    from weft.strategies.datasets import BadSample
-    from weft.strategies.vision_integrity import vision_mismatch
+    from weft.strategies.data.datasets import BadSample
+    from weft.strategies.data.vision_integrity import vision_mismatch
 
     token = getattr(config, "image_token_id", None)
     vision = getattr(config, "vision_config", None)

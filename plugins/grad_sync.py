@@ -26,7 +26,7 @@ def weft_grad_sync(model, plan, mesh, ctx):
     decision = next((d for d in plan.decisions_of("grad_sync") if d.strategy == "clip"), None)
     if decision is None:
         return None
-    from weft.strategies.grad_norm import average_replicated_grads, clip_global_norm
+    from weft.strategies.optim.grad_norm import average_replicated_grads, clip_global_norm
 
     params = [p for p in model.parameters() if p.grad is not None]
     average_replicated_grads(params, world_size=ctx.world_size)

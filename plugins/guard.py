@@ -96,7 +96,7 @@ def _finite(params: FiniteParams, state, ctx) -> Verdict:
 
 
 def _spike(params: SpikeParams, state, ctx) -> Verdict:
-    from weft.strategies.loss_spike import SpikeWindow
+    from weft.strategies.optim.loss_spike import SpikeWindow
 
     value = getattr(state, params.metric)
     if value is None or not math.isfinite(value):
@@ -140,7 +140,7 @@ def _update(params: UpdateParams, state, ctx) -> Verdict:
     optimizer = ctx.optimizer
     if optimizer is None or not (state.step == 2 or state.step % params.every == 0):
         return Verdict(action="continue", guard="update")
-    from weft.strategies.update_audit import lost_fractions
+    from weft.strategies.optim.update_audit import lost_fractions
 
     # torch's AdamW (and any optimizer that does not say otherwise) rounds bf16 to nearest.
     rounding = getattr(optimizer, "bf16_rounding", "nearest")

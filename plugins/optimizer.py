@@ -2,7 +2,7 @@
 
 ``adamw_sr`` (the default): float32 math with stochastic rounding of bf16 weights and
 moments, so no update is lost at fine-tuning learning rates; torch's own AdamW for
-float32 weights (strategies/adamw_sr.py). ``adamw``: torch's fused AdamW in the weights'
+float32 weights (strategies/optim/adamw_sr.py). ``adamw``: torch's fused AdamW in the weights'
 dtype, which rounds bf16 updates to nearest (explicit choice only). ``adamw_8bit``:
 torchao's AdamW with 8-bit moments (seed 001's "8-bit AdamW"), stochastic rounding of bf16
 weights. Every strategy takes the per-module settings ``lr`` / ``lr_scale`` /
@@ -93,7 +93,7 @@ def _extra(strategy: str, params) -> dict:
 
 
 def _adamw_sr(groups, *, lr, betas):
-    from weft.strategies.adamw_sr import AdamWSR
+    from weft.strategies.optim.adamw_sr import AdamWSR
 
     return AdamWSR(groups, lr=lr, betas=betas)
 

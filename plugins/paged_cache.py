@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from weft.plugins.sharded_cache import ShardedCache
-from weft.strategies.sharded_kv import decode_owner, grown_capacity
+from weft.strategies.attention.sharded_decode import decode_owner, grown_capacity
 
 
 class PagedLayer(DynamicLayer):

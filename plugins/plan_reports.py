@@ -12,9 +12,9 @@ def describe_positions(recipe, plan, model, adapter) -> dict:
     ``model`` may be on the meta device."""
     from weft.plugins.data import sample_source
     from weft.plugins.models.build import trained_context
-    from weft.strategies.conversation import truncate_sample
-    from weft.strategies.datasets import BadSample
-    from weft.strategies.yarn import needed_factor
+    from weft.strategies.data.conversation import truncate_sample
+    from weft.strategies.data.datasets import BadSample
+    from weft.strategies.model.yarn import needed_factor
 
     params = plan.decision("batching").params
     limit = min(recipe.train.micro_batch_tokens, recipe.train.seq_len)
@@ -53,8 +53,8 @@ def describe_vision_split(recipe, plan, adapter) -> list[dict]:
     """Which SP rank runs which images of the data's first samples (two per
     data-parallel rank), and how: the assignment the vision hooks make at run time."""
     from weft.plugins.data import sample_source
-    from weft.strategies.datasets import BadSample
-    from weft.strategies.sequence_split import assign_images
+    from weft.strategies.data.datasets import BadSample
+    from weft.strategies.sequence.model_split import assign_images
 
     if plan.mesh.sp == 1:
         return []

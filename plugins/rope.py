@@ -65,7 +65,7 @@ def weft_rope(decision, recipe, plan):
     factor = params.factor
     if factor == "auto":
         from weft.plugins.models.build import model_config, text_config
-        from weft.strategies.yarn import needed_factor, trained_positions
+        from weft.strategies.model.yarn import needed_factor, trained_positions
 
         unscaled = attrs.evolve(recipe, model=attrs.evolve(recipe.model, rope_scaling="none", rope_factor=1.0))
         text = text_config(model_config(unscaled)[0])

@@ -66,8 +66,8 @@ def weft_strategies():
 
 @hookimpl
 def weft_shard(model, plan, mesh, ctx):
-    from weft.strategies.activation_checkpoint import apply_checkpointing
-    from weft.strategies.fsdp2 import ShardGroup, apply_fsdp2
+    from weft.strategies.memory.activation_checkpoint import apply_checkpointing
+    from weft.strategies.model.fsdp2 import ShardGroup, apply_fsdp2
 
     # Activation checkpointing first, on every unit whose rule asks for it, whatever
     # its sharding: torch's order is checkpointing, then FSDP.
@@ -95,7 +95,7 @@ def weft_shard(model, plan, mesh, ctx):
     offloaded = [model.get_submodule(unit.info.path) for unit in plan.modules_for("shard")
                  if unit.info.kind == "unit" and getattr(unit.get("shard").params, "offload_activations", False)]
     if offloaded:
-        from weft.strategies.activation_offload import ActivationOffload
+        from weft.strategies.memory.activation_offload import ActivationOffload
 
         ActivationOffload(device=ctx.device).attach(offloaded)
         ctx.log.info("shard.offload_activations", units=len(offloaded))
@@ -158,7 +158,7 @@ def _check_storage(plan) -> None:
 
 def _tile_mlps(model, plan) -> int:
     """``mlp_tile_tokens``: each unit's ``mlp`` child applied in tiles (one TiledMLP per tile size)."""
-    from weft.strategies.tiled_mlp import TiledMLP
+    from weft.strategies.memory.tiled_mlp import TiledMLP
 
     by_size: dict[int, list] = {}
     for unit in plan.modules_for("shard"):
@@ -172,7 +172,7 @@ def _tile_mlps(model, plan) -> int:
 def _cast_storage(model, plan) -> None:
     """Storage dtypes of sharded and unsharded units alike, before sharding (an unset one is
     float32, so a bf16 parent's rule does not reach a child that asks for nothing)."""
-    from weft.strategies.fsdp2 import cast_storage
+    from weft.strategies.model.fsdp2 import cast_storage
 
     cast_storage(model, [(model.get_submodule(m.info.path), m.get("shard").params.storage_dtype or "float32")
                          for m in plan.modules_for("shard")
@@ -183,7 +183,7 @@ def _compile_units(model, plan) -> int:
     """``compile = true``: the unit's children, its attention too where one kernel on the local
     sequence runs it (fused rotary embedding and casts around the kernel; no collectives)."""
     from weft.plugins.attention import traceable
-    from weft.strategies.compile_units import compile_unit
+    from weft.strategies.memory.compile_units import compile_unit
 
     attention = {m.info.path: traceable(m.get("attention"), m.info.path, plan) for m in plan.modules_for("attention")}
     compiled = 0

@@ -5,7 +5,7 @@ each layer's ``update`` receives this rank's part of the keys and values, keeps 
 of real tokens (the core pads the prompt to the split's multiple) and hands the part back
 unchanged to the ring or Ulysses attention. Decode (``begin_decode``): every rank runs the
 whole model on the new token; ``update`` keeps its keys and values on one rank (round
-robin, strategies/sharded_kv.py) and returns this rank's shard, over which the decode
+robin, strategies/attention/sharded_decode.py) and returns this rank's shard, over which the decode
 attention (registered with transformers' AttentionInterface) attends and merges by
 log-sum-exp across the group. ``get_seq_length`` is the global length, so the model's own
 position and cache-position arithmetic is the unsharded one.
@@ -19,7 +19,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
-from weft.strategies.sharded_kv import decode_owner, partitioned_decode_attention
+from weft.strategies.attention.sharded_decode import decode_owner, partitioned_decode_attention
 
 
 class ShardedLayer(DynamicLayer):

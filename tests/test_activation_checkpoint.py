@@ -9,7 +9,7 @@ import torch
 
 from model_helpers import build_model
 from weft.core.recipe import Recipe
-from weft.strategies.activation_checkpoint import apply_checkpointing
+from weft.strategies.memory.activation_checkpoint import apply_checkpointing
 
 
 def _loss(model, ids):
@@ -51,7 +51,7 @@ def _attention_calls_in_backward(mode):
     """How many attention kernels the backward runs again (recomputation), and the gradients."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from weft.strategies.activation_checkpoint import attention_ops
+    from weft.strategies.memory.activation_checkpoint import attention_ops
 
     class Count(TorchDispatchMode):
         calls = 0
@@ -87,8 +87,8 @@ def test_except_attention_recomputes_all_but_the_attention_kernel():
 
 def test_except_attention_keeps_the_flash_attn_4_operator():
     """weft's flash-attn-4 path is an operator the policy names (the CuTe kernel itself is opaque)."""
-    from weft.strategies import flash_ops
-    from weft.strategies.activation_checkpoint import attention_ops
+    from weft.strategies.attention.kernels import flash_ops
+    from weft.strategies.memory.activation_checkpoint import attention_ops
 
     assert flash_ops.fa4_forward._opoverload in attention_ops()
     assert torch.ops.weft.fa4_forward.default in attention_ops()

@@ -151,7 +151,7 @@ def test_strict_data_stops_at_the_first_bad_line(dataset, tmp_path):
 def test_images_past_max_pixels_are_skipped_and_counted(tmp_path):
     """data.max_pixels: an image of more pixels is a bad sample named by its line (read from
     the header, never decoded); a cache filled under a looser limit is not reused."""
-    from weft.strategies.datasets import BadSample, jsonl_samples
+    from weft.strategies.data.datasets import BadSample, jsonl_samples
 
     images = tmp_path / "images"
     images.mkdir()

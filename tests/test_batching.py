@@ -9,7 +9,7 @@ from weft.core.context import RunContext
 from weft.core.planner import plan_recipe
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
-from weft.strategies.token_budget import pack_micro_batches, schedule_steps
+from weft.strategies.data.token_budget import pack_micro_batches, schedule_steps
 
 
 class FakeMesh:

@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from weft.core.recipe_data import DataSection
-from weft.strategies.chat_format import builtin_layout, template_messages
-from weft.strategies.conversation import (
+from weft.strategies.data.chat_format import builtin_layout, template_messages
+from weft.strategies.data.conversation import (
     IGNORE_INDEX,
     IMAGE_TYPE,
     VIDEO_TYPE,
@@ -242,7 +242,7 @@ def test_the_processors_template_file_comes_before_the_tokenizers(tmp_path_facto
 
 
 def test_data_system_key_and_the_cache(tmp_path):
-    from weft.strategies.datasets import jsonl_samples
+    from weft.strategies.data.datasets import jsonl_samples
 
     assert DataSection().system is None and DataSection(system="Be brief.").system == "Be brief."
     path = tmp_path / "chat.jsonl"

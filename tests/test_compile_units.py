@@ -13,8 +13,8 @@ import torch
 
 from model_helpers import build_model
 from weft.core.recipe import Recipe
-from weft.strategies.activation_checkpoint import apply_checkpointing
-from weft.strategies.compile_units import compile_unit
+from weft.strategies.memory.activation_checkpoint import apply_checkpointing
+from weft.strategies.memory.compile_units import compile_unit
 
 
 @pytest.mark.parametrize(("mode", "attention"), [("off", False), ("full", False), ("mlp", False),

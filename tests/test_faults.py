@@ -337,7 +337,7 @@ def test_stripped_vision_tokens():
     import structlog
 
     from weft.plugins.data import check_vision
-    from weft.strategies.conversation import Sample
+    from weft.strategies.data.conversation import Sample
 
     image, merge = 7, 2
     grid = torch.tensor([[1, 4, 4]])  # 16 patches -> 4 tokens after the 2x2 merge

@@ -16,7 +16,7 @@ from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 from weft.core.rules import Decision
 from weft.plugins.guard import MemoryParams, SpikeParams, weft_guard
-from weft.strategies.loss_spike import SpikeWindow
+from weft.strategies.optim.loss_spike import SpikeWindow
 
 
 class _Log:

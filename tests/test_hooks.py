@@ -299,7 +299,7 @@ def test_a_vision_tower_is_known_by_its_modality_not_its_name():
     declared it (vision), not as text. With packed documents text ``auto`` needs document-aware
     attention (ring on one rank), a vision tower keeps its own (sdpa here, no flash-attn-4)."""
     from weft.plugins.attention import traceable
-    from weft.strategies.block_kernels import fa4_importable
+    from weft.strategies.attention.kernels.blocks import fa4_importable
 
     tower = ModuleInfo(path="encoder.blocks.0.attn", class_name="TowerAttention", kind="attention",
                        modality="vision", heads=2, kv_heads=2, head_dim=16)

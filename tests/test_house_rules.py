@@ -68,11 +68,11 @@ def test_the_checker_catches_a_forbidden_import():
         "from weft.core.errors import WeftError\n"
         "def build():\n"
         "    from weft.plugins.models.build import build_model\n"
-        "    import weft.strategies.ring\n"
+        "    import weft.strategies.attention.ring\n"
     )
     assert violations(bad, FORBIDDEN["core"]) == ["line 3: weft.plugins.models.build",
                                                   "line 3: weft.plugins.models.build.build_model",
-                                                  "line 4: weft.strategies.ring"]
+                                                  "line 4: weft.strategies.attention.ring"]
     typed = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
              "    from weft.plugins.models.base import TransformersAdapter\n")
     assert violations(typed, FORBIDDEN["core"]) == []

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.strategies import block_kernels
-from weft.strategies.block_kernels import KERNELS, select_kernel
-from weft.strategies.local_attention import local_attention
+from weft.strategies.attention.kernels import blocks as block_kernels
+from weft.strategies.attention.kernels.blocks import KERNELS, select_kernel
+from weft.strategies.attention.local import local_attention
 
 
 def _inputs(*, heads=4, kv_heads=2, seq=24, head_dim=16, dtype=torch.float64, seed=0):
@@ -176,8 +176,8 @@ def test_flash_kernel_pads_unchecked_head_dims(fake_fa4, monkeypatch, head_dim):
 
 def test_flash_kernel_as_ring_block(fake_fa4):
     """Ring of 4 (emulated) with the flash kernel: LSE merges and per-block backward are exact."""
-    from weft.strategies.ring import emulate_ring
-    from weft.strategies.sequence_shard import shard_sequence, unshard_sequence
+    from weft.strategies.attention.ring import emulate_ring
+    from weft.strategies.sequence.layout import shard_sequence, unshard_sequence
 
     q, k, v, dout = _inputs(heads=4, kv_heads=2, seq=32, head_dim=8)
 
@@ -263,14 +263,14 @@ def test_local_binding_keeps_flash_out_of_its_name(fake_fa4):
 @pytest.fixture
 def varlen_on_cpu(fake_fa4, monkeypatch):
     """The stand-in's variable-length path, taken on the CPU in float64 (the real kernel: GPU, 16-bit)."""
-    from weft.strategies import segment_attention
+    from weft.strategies.attention import segment as segment_attention
 
     monkeypatch.setattr(segment_attention, "varlen_runs", lambda q: True)
     return fake_fa4
 
 
 def test_segments_in_one_varlen_call_equal_the_loop(varlen_on_cpu):
-    from weft.strategies.segment_attention import segment_attention, segment_loop
+    from weft.strategies.attention.segment import segment_attention, segment_loop
 
     g = torch.Generator().manual_seed(3)
     cu = torch.tensor([0, 5, 12, 13, 28], dtype=torch.int64)  # the loop needs no int32; the kernel gets it
@@ -299,7 +299,7 @@ def test_vision_tower_through_the_varlen_binding_equals_sdpa(varlen_on_cpu):
     from transformers import AttentionInterface
 
     from weft.core.presets import build_config, load_preset
-    from weft.strategies.hf_attention import make_vision_attention_function
+    from weft.strategies.attention.hf_adapter import make_vision_attention_function
 
     config = build_config(*load_preset("qwen2_5_vl_tiny")[:2])
     torch.manual_seed(0)

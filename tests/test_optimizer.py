@@ -24,8 +24,8 @@ import torch
 from model_helpers import build_model, optimizer_for
 from weft.core.errors import PlanError
 from weft.core.recipe import Recipe
-from weft.strategies.adamw_sr import AdamWSR
-from weft.strategies.stochastic_round import adamw_step_, below_half_step, stochastic_round_
+from weft.strategies.optim.adamw_sr import AdamWSR
+from weft.strategies.optim.stochastic_round import adamw_step_, below_half_step, stochastic_round_
 
 
 def _twenty_steps(optimizer: torch.optim.Optimizer, weight: torch.nn.Parameter) -> torch.Tensor:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from distributed import run_ranks, sp_model
-from weft.strategies.packing import collate_packed, document_mask, pack_documents
+from weft.strategies.attention.document_mask import document_mask
+from weft.strategies.data.packing import collate_packed, pack_documents
 
 
 def test_document_mask_directly():
@@ -43,8 +44,8 @@ def _worker(rank: int, world: int) -> None:
     from weft.core.loss import label_count, targets, token_loss_sum
     from weft.core.step import shard_micro_batch as shard_batch
     from weft.plugins.models.rope_index import document_positions
-    from weft.strategies.conversation import collate, encode_conversation, load_processor
-    from weft.strategies.synthetic_vl import synthetic_conversations
+    from weft.strategies.data.conversation import collate, encode_conversation, load_processor
+    from weft.strategies.data.synthetic_vl import synthetic_conversations
 
     tokenizer, image_processor = load_processor("tiny_vl")
     conversations = synthetic_conversations(seed=9, num_samples=3, min_side=28, max_side=84)

@@ -8,7 +8,7 @@ import time
 import torch
 
 from test_bad_data import make_dataset
-from weft.strategies import datasets
+from weft.strategies.data import datasets
 
 
 def encode(path, *, workers, cache):

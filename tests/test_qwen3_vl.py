@@ -39,8 +39,8 @@ def test_local_rows_match_brute_force(layout):
     """ring 2 x ulysses 2, batch 2: every rank's rows are the visual positions it holds,
     numbered in the whole (B, S) row-major order, listed in its local row-major order;
     together the ranks hold every row once."""
-    from weft.strategies.deepstack import local_rows, select_rows
-    from weft.strategies.sequence_split import TextSplit
+    from weft.strategies.sequence.deepstack import local_rows, select_rows
+    from weft.strategies.sequence.model_split import TextSplit
 
     generator = torch.Generator().manual_seed(0)
     batch, seq = 2, 24
@@ -72,8 +72,8 @@ def test_local_rows_match_brute_force(layout):
 
 
 def _batch(*, pad_multiple: int) -> dict:
-    from weft.strategies.conversation import collate, encode_conversation, load_processor
-    from weft.strategies.synthetic_vl import synthetic_conversations
+    from weft.strategies.data.conversation import collate, encode_conversation, load_processor
+    from weft.strategies.data.synthetic_vl import synthetic_conversations
 
     tokenizer, image_processor = load_processor("tiny_vl")
     conversations = synthetic_conversations(seed=5, num_samples=3, min_side=28, max_side=112)
@@ -164,8 +164,8 @@ def test_describe_and_positions():
     heads; positions() is the model's own interleaved-mRoPE index, per document."""
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe import Recipe
-    from weft.strategies.conversation import encode_conversation, load_processor
-    from weft.strategies.synthetic_vl import synthetic_conversations
+    from weft.strategies.data.conversation import encode_conversation, load_processor
+    from weft.strategies.data.synthetic_vl import synthetic_conversations
 
     recipe = Recipe.from_dict({"model": {"preset": "qwen3_vl_tiny"}})
     adapter = build_plugin_manager(entry_points=False).models.for_recipe(recipe)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from weft.strategies.seeded_init import init_parameters
+from weft.strategies.model.seeded_init import init_parameters
 
 STD = 0.02
 
@@ -84,7 +84,7 @@ def test_rotary_tables_are_restored_after_to_empty():
     """The caller's step for buffers (not parameters): sharded_load's reset."""
     import transformers
 
-    from weft.strategies.sharded_load import reset_non_persistent_buffers
+    from weft.strategies.model.sharded_load import reset_non_persistent_buffers
 
     model = tiny_vl()
     reference = transformers.AutoModelForImageTextToText.from_config(model.config, dtype=torch.float32)
@@ -107,7 +107,7 @@ def _sharded(rank: int, world: int, expected: dict[str, dict[str, torch.Tensor]]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from weft.strategies.sharded_load import reset_non_persistent_buffers
+    from weft.strategies.model.sharded_load import reset_non_persistent_buffers
 
     def check(model: torch.nn.Module, reference: dict[str, torch.Tensor], what: str) -> None:
         for name, param in model.named_parameters():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from weft.strategies.sharded_kv import (
+from weft.strategies.attention.sharded_decode import (
     decode_owner,
     grown_capacity,
     merge_partials,

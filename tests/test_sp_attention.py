@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_ranks
-from weft.strategies.ring import ring_attention
-from weft.strategies.sequence_shard import sequence_index, shard_sequence, unshard_sequence, usp_shard, usp_unshard
-from weft.strategies.ulysses import ulysses_attention
-from weft.strategies.usp import usp_attention
+from weft.strategies.attention.ring import ring_attention
+from weft.strategies.attention.ulysses import ulysses_attention
+from weft.strategies.attention.usp import usp_attention
+from weft.strategies.sequence.layout import sequence_index, shard_sequence, unshard_sequence, usp_shard, usp_unshard
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -179,8 +179,8 @@ def test_usp_shard_round_trip():
 @pytest.mark.parametrize("causal", [True, False])
 def test_emulated_ring_equals_full_attention(layout, causal):
     """The one-process emulation the GPU benchmark times computes the same as full attention."""
-    from weft.strategies.block_kernels import KERNELS
-    from weft.strategies.ring import emulate_ring
+    from weft.strategies.attention.kernels.blocks import KERNELS
+    from weft.strategies.attention.ring import emulate_ring
 
     world = 4
     q, k, v, dout = make_inputs(batch=2, heads=8, kv_heads=2, seq=64, head_dim=80, dtype=torch.float64, seed=3)
@@ -203,7 +203,7 @@ def test_emulated_ring_equals_full_attention(layout, causal):
 def _worker_autocast(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    from weft.strategies.hf_attention import make_attention_function
+    from weft.strategies.attention.hf_adapter import make_attention_function
 
     group = dist.group.WORLD
     fn = make_attention_function(strategy="ring", layout="zigzag", backend="auto", ulysses_group=None, ring_group=group)

@@ -23,7 +23,7 @@ def _worker(rank: int, world: int, ulysses: int, ring: int, strategy: str) -> No
     from weft.core.planner import plan_recipe
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe import Recipe
-    from weft.strategies.sequence_shard import usp_shard
+    from weft.strategies.sequence.layout import usp_shard
 
     recipe = Recipe.from_dict({
         "model": {"preset": "qwen2_text_tiny"},

@@ -16,8 +16,8 @@ CONFIGS = [(1, 4, "ring", "zigzag"), (4, 1, "ulysses", "zigzag"), (2, 2, "usp", 
 
 
 def _batch(preset: str, *, pad_multiple: int):
-    from weft.strategies.conversation import collate, encode_conversation, load_processor
-    from weft.strategies.synthetic_vl import synthetic_conversations
+    from weft.strategies.data.conversation import collate, encode_conversation, load_processor
+    from weft.strategies.data.synthetic_vl import synthetic_conversations
 
     tokenizer, image_processor = load_processor("tiny_vl")
     conversations = synthetic_conversations(seed=5, num_samples=3, min_side=28, max_side=112)
@@ -95,7 +95,7 @@ def test_vl_and_text_models_under_sp_equal_unsharded(tmp_path):
 
 
 def test_images_are_balanced_by_patch_count():
-    from weft.strategies.sequence_split import assign_images
+    from weft.strategies.sequence.model_split import assign_images
 
     owned = assign_images([64, 16, 16, 16, 16, 4], 2)
     loads = [sum([64, 16, 16, 16, 16, 4][i] for i in images) for images in owned]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from weft.core.presets import build_config, load_preset
-from weft.strategies.conversation import IGNORE_INDEX, IMAGE_TYPE, collate, load_processor
-from weft.strategies.synthetic_long import long_samples, special_ids
+from weft.strategies.data.conversation import IGNORE_INDEX, IMAGE_TYPE, collate, load_processor
+from weft.strategies.data.synthetic_long import long_samples, special_ids
 
 TINY = build_config(*load_preset("qwen2_5_vl_tiny")[:2])
 VISION = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
@@ -105,7 +105,7 @@ def test_videos_in_the_processors_layout_and_the_model_takes_them(processor):
     patch follow video_fps."""
     import transformers
 
-    from weft.strategies.conversation import VIDEO_TYPE
+    from weft.strategies.data.conversation import VIDEO_TYPE
 
     clips = [(5, 56, 84)]
     direct, processed = (tiny(tokens=200, images=[(56, 84)], videos=clips, video_fps=4.0, image_processor=p)[0]

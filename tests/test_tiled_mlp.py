@@ -19,7 +19,7 @@ import torch
 from distributed import run_ranks, sharded_text_model
 from model_helpers import build_model
 from weft.core.recipe import Recipe
-from weft.strategies.tiled_mlp import TiledMLP
+from weft.strategies.memory.tiled_mlp import TiledMLP
 
 
 def _model(rank: int, world: int, *, tile: int, offload: bool, strategy: str):

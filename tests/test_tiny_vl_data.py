@@ -11,7 +11,7 @@ import transformers
 from PIL import Image
 
 from weft.core.presets import build_config, load_preset, preset_names
-from weft.strategies.conversation import (
+from weft.strategies.data.conversation import (
     IGNORE_INDEX,
     Sample,
     _to_rgb,
@@ -19,7 +19,7 @@ from weft.strategies.conversation import (
     encode_conversation,
     load_processor,
 )
-from weft.strategies.synthetic_vl import SHAPE_COLOURS, synthetic_conversations
+from weft.strategies.data.synthetic_vl import SHAPE_COLOURS, synthetic_conversations
 
 
 @pytest.fixture(scope="module")

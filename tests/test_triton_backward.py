@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from weft.strategies.block_kernels import select_kernel
+from weft.strategies.attention.kernels.blocks import select_kernel
 
 HERE = pathlib.Path(__file__).parent
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from weft.strategies.conversation import encode_conversation, load_processor, truncate_sample
+from weft.strategies.data.conversation import encode_conversation, load_processor, truncate_sample
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from video_files import write_mp4
-from weft.strategies.conversation import collate, encode_conversation, load_processor, truncate_sample  # noqa: E402
-from weft.strategies.data_formats import record_to_messages  # noqa: E402
-from weft.strategies.video import VideoLimits, frame_count, load_video  # noqa: E402
+from weft.strategies.data.conversation import collate, encode_conversation, load_processor, truncate_sample  # noqa: E402
+from weft.strategies.data.formats import record_to_messages  # noqa: E402
+from weft.strategies.data.video import VideoLimits, frame_count, load_video  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def test_only_the_sampled_frames_are_decoded_into_images(tmp_path):
     decoding stops after the last one; they equal the same frames of a whole decode."""
     import av
 
-    from weft.strategies import video
+    from weft.strategies.data import video
 
     write_mp4(tmp_path / "long.mp4", frames=40, fps=8)  # 5 s
     with av.open(str(tmp_path / "long.mp4")) as container:

@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from weft.core.recipe import Recipe
-from weft.strategies.conversation import encode_conversation, load_processor, load_video_sizing, processor_dir
-from weft.strategies.video_size import VideoSizing
+from weft.strategies.data.conversation import encode_conversation, load_processor, load_video_sizing, processor_dir
+from weft.strategies.data.video_size import VideoSizing
 
 QWEN2 = VideoSizing(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, factor=28, temporal=2, whole_video=False)
 QWEN3 = VideoSizing(min_pixels=4096, max_pixels=25165824, factor=32, temporal=2, whole_video=True)
@@ -99,7 +99,7 @@ def test_a_broken_video_config_is_a_reason(tmp_path):
 
 
 def test_jsonl_samples_are_sized_by_the_folder_too(tmp_path):
-    from weft.strategies.datasets import jsonl_samples
+    from weft.strategies.data.datasets import jsonl_samples
 
     folder = _folder(tmp_path, VIDEO_CONFIG)
     for i in range(4):

@@ -20,7 +20,7 @@ import torch
 from model_helpers import adapter_of, build_model
 from weft.core.recipe import Recipe
 from weft.plugins.models.build import model_config, rope_summary, trained_context
-from weft.strategies.yarn import needed_factor, yarn_parameters
+from weft.strategies.model.yarn import needed_factor, yarn_parameters
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -89,8 +89,8 @@ def test_an_exported_config_keeps_yarn(tmp_path):
 
 
 def _vl_batch():
-    from weft.strategies.conversation import collate, encode_conversation, load_processor
-    from weft.strategies.synthetic_vl import synthetic_conversations
+    from weft.strategies.data.conversation import collate, encode_conversation, load_processor
+    from weft.strategies.data.synthetic_vl import synthetic_conversations
 
     tokenizer, image_processor = load_processor("tiny_vl")
     conversations = synthetic_conversations(seed=5, num_samples=2, min_side=84, max_side=112)
@@ -154,7 +154,7 @@ def test_plan_positions_reads_the_data_like_the_model(capsys):
     from weft.core.cli import main
     from weft.plugins.data import sample_source
     from weft.plugins.models.positions import PositionWatch
-    from weft.strategies.conversation import collate
+    from weft.strategies.data.conversation import collate
 
     tiny = str(ROOT / "recipes" / "tiny-vl.toml")
     sets = ["--set", "data.num_samples=12", "--set", "model.rope_original_max=48"]

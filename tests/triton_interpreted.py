@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from weft.strategies.block_kernels import KERNELS, BlockKernel, _triton_accumulate
-from weft.strategies.packing import document_mask
-from weft.strategies.ring import (
+from weft.strategies.attention.document_mask import document_mask
+from weft.strategies.attention.kernels.blocks import KERNELS, BlockKernel, _triton_accumulate
+from weft.strategies.attention.kernels.triton_backward import backward_accumulate
+from weft.strategies.attention.ring import (
     _accumulators,
     _Documents,
     _step_work,
@@ -19,8 +20,7 @@ from weft.strategies.ring import (
     attend_block_backward,
     emulate_ring,
 )
-from weft.strategies.sequence_shard import shard_sequence, unshard_sequence
-from weft.strategies.triton_backward import backward_accumulate
+from weft.strategies.sequence.layout import shard_sequence, unshard_sequence
 
 MATH = KERNELS["math"]
 SMALL = {"dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
@@ -157,7 +157,7 @@ def check_packed_ring(*, world, layout, lengths, heads, kv_heads, head_dim) -> N
 def check_adamw_sr() -> None:
     """The stochastic-rounding AdamW kernel: its float32 arithmetic equals the torch path's, and
     rounding onto the bf16 grid lands on a neighbour, unbiased (float32 storage: no bf16 here)."""
-    from weft.strategies import stochastic_round, stochastic_round_triton
+    from weft.strategies.optim import stochastic_round, stochastic_round_triton
 
     g = torch.randn(5000)
     tensors = [torch.randn(5000), g, torch.randn(5000) * 0.1, torch.rand(5000) * 0.01]

@@ -58,8 +58,8 @@ def weft_strategies():
 def weft_batching(decision, recipe, plan, mesh, model, ctx):
     if decision.strategy != "fixed_global":
         return None
-    from weft.strategies.conversation import collate, encode_conversation, load_processor
-    from weft.strategies.synthetic_vl import synthetic_conversations
+    from weft.strategies.data.conversation import collate, encode_conversation, load_processor
+    from weft.strategies.data.synthetic_vl import synthetic_conversations
 
     # Whole sequences only: under sequence parallelism the core pads and cuts them.
     tokenizer, image_processor = load_processor(ctx.adapter.config(recipe)[1])

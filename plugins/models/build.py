@@ -14,7 +14,7 @@ from weft.core.errors import RecipeError, WeftError
 from weft.core.models import ties_embeddings
 from weft.core.presets import build_config, load_preset, preset_location
 from weft.core.recipe import Recipe
-from weft.strategies.yarn import scaled_parameters, trained_positions
+from weft.strategies.model.yarn import scaled_parameters, trained_positions
 
 #: Files of a processor folder that travel with an exported model (not weights).
 PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -91,9 +91,9 @@ def init_weights(model: torch.nn.Module, *, device: torch.device, seed: int, log
     """A preset's random init on a meta-device model, sharded or whole: storage on ``device``,
     then each rank draws only its rows, from the seed and the parameter's name on the CPU's
     generator, so the weights are the same whatever the world size and the device
-    (strategies/seeded_init.py); rotary tables and other non-persistent buffers recomputed."""
-    from weft.strategies.seeded_init import init_parameters
-    from weft.strategies.sharded_load import reset_non_persistent_buffers
+    (strategies/model/seeded_init.py); rotary tables and other non-persistent buffers recomputed."""
+    from weft.strategies.model.seeded_init import init_parameters
+    from weft.strategies.model.sharded_load import reset_non_persistent_buffers
 
     model.to_empty(device=device)
     retie(model)
@@ -107,7 +107,7 @@ def init_weights(model: torch.nn.Module, *, device: torch.device, seed: int, log
 
 def text_split(*, plan: Any, mesh: Any) -> Any:
     """This rank's place in the sequence-parallel group, in the layout the text attention uses."""
-    from weft.strategies.sequence_split import TextSplit
+    from weft.strategies.sequence.model_split import TextSplit
 
     return TextSplit(
         ring=plan.mesh.ring, ring_rank=mesh["ring"].get_local_rank(),
@@ -120,7 +120,7 @@ def export(model: torch.nn.Module, *, processor: str | None, out_dir: pathlib.Pa
     """save_pretrained plus the processor folder's files, so from_pretrained(out_dir) loads it."""
     import shutil
 
-    from weft.strategies.conversation import processor_dir
+    from weft.strategies.data.conversation import processor_dir
 
     model.save_pretrained(out_dir, safe_serialization=True)
     if processor is None:
@@ -147,7 +147,7 @@ def retie(model: torch.nn.Module) -> None:
 
 def load_weights(model: torch.nn.Module, recipe: Recipe, *, device: torch.device, log) -> None:
     """Materialise a meta-device (sharded) model and fill it from the recipe's model directory."""
-    from weft.strategies.sharded_load import load_sharded, reset_non_persistent_buffers
+    from weft.strategies.model.sharded_load import load_sharded, reset_non_persistent_buffers
 
     model.to_empty(device=device)
     retie(model)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from weft.strategies.yarn import needed_factor
+from weft.strategies.model.yarn import needed_factor
 
 
 class PositionWatch:

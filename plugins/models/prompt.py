@@ -17,7 +17,7 @@ def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str], vi
     for Qwen); videos sampled by ``video_limits`` (strategies.video.VideoLimits) as training
     samples them."""
     from weft.core.errors import WeftError
-    from weft.strategies.conversation import collate, encode_prompt, load_processor, load_video_sizing
+    from weft.strategies.data.conversation import collate, encode_prompt, load_processor, load_video_sizing
 
     if processor is None:
         raise WeftError("this recipe's model has no processor folder (model.processor), so a text prompt cannot be "
@@ -43,7 +43,7 @@ def _video_parts(videos: Sequence[str], limits: Any) -> list[dict]:
     import pathlib
 
     from weft.core.errors import WeftError
-    from weft.strategies.video import VideoLimits, load_video
+    from weft.strategies.data.video import VideoLimits, load_video
 
     parts = []
     for path in videos:
@@ -63,6 +63,6 @@ def decode_tokens(*, processor: str | None, ids: Sequence[int]) -> str:
 @functools.lru_cache(maxsize=4)
 def _tokenizer(processor: str):
     """Loaded once per process: streaming decodes after every token."""
-    from weft.strategies.conversation import load_processor
+    from weft.strategies.data.conversation import load_processor
 
     return load_processor(processor)[0]

@@ -17,7 +17,7 @@ What differs from Qwen2.5-VL, read from transformers' ``modeling_qwen3_vl.py``:
 
 Under sequence parallelism the hooks cut ``visual_pos_masks`` like the sequence and
 keep the DeepStack rows of this rank's visual positions, in its local order
-(``weft.strategies.deepstack``). With images spread over the SP ranks, every DeepStack
+(``weft.strategies.sequence.deepstack``). With images spread over the SP ranks, every DeepStack
 feature is gathered back with the merged embeddings. The ranks may share the tower
 (``vision_ulysses``, large images): the blocks DeepStack taps then gather their patches
 before the tap's merger (its 2x2 merge needs whole groups of patches), and the next
@@ -35,8 +35,8 @@ from weft.plugins.models import build
 from weft.plugins.models.base import TransformersAdapter
 from weft.plugins.models.sp_hooks import SequenceParallelHooks
 from weft.plugins.models.vision_sync import VisionKeepAlive
-from weft.strategies.deepstack import local_rows, select_rows
-from weft.strategies.sequence_split import gather_rows
+from weft.strategies.sequence.deepstack import local_rows, select_rows
+from weft.strategies.sequence.model_split import gather_rows
 
 #: (glob, modality), first match wins: the DeepStack mergers project like the merger.
 MODALITY_PATTERNS: tuple[tuple[str, str], ...] = (

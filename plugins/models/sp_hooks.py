@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from weft.strategies.sequence_split import TextSplit, assign_images, gather_rows
-from weft.strategies.vision_ulysses import part_sizes
+from weft.strategies.attention.vision_ulysses import part_sizes
+from weft.strategies.sequence.model_split import TextSplit, assign_images, gather_rows
 
 
 def text_decoder(model: torch.nn.Module) -> torch.nn.Module:

@@ -14,7 +14,7 @@ so the magnitude is rounded and the value's expectation is unchanged on either s
 of zero.
 
 This file is the reference in plain torch (any device, any generator); the CUDA path
-is strategies/stochastic_round_triton.py, the same arithmetic in one fused kernel.
+is strategies/optim/stochastic_round_triton.py, the same arithmetic in one fused kernel.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from weft.strategies.block_kernels import BlockKernel, expand_kv_heads, select_kernel
+from weft.strategies.attention.kernels.blocks import BlockKernel, expand_kv_heads, select_kernel
 
 
 class _LocalAttention(torch.autograd.Function):

@@ -7,7 +7,7 @@
   ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}`` is read too.
 - videos mirror images: a ``{"type": "video", "video": "clip.mp4"}`` part (or a list of frame
   files, ``"video": ["f0.png", "f1.png"]``; optional ``fps`` and ``max_frames`` keys), or
-  ``<video>`` placeholders taking the paths of a ``"videos"`` list (strategies/video.py).
+  ``<video>`` placeholders taking the paths of a ``"videos"`` list (strategies/data/video.py).
 
 Image paths are relative to the dataset file. Every problem raises ``ValueError`` or
 ``OSError`` with a reason; the caller skips and counts the sample.
@@ -19,8 +19,8 @@ import pathlib
 import re
 from typing import Any
 
-from weft.strategies.image_files import load_image
-from weft.strategies.video import VideoLimits, load_video
+from weft.strategies.data.images import load_image
+from weft.strategies.data.video import VideoLimits, load_video
 
 ROLES = ("system", "user", "assistant")
 PLACEHOLDER = "<image>"

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from weft.strategies.conversation import IGNORE_INDEX, IMAGE_TYPE, TEXT_TYPE, VIDEO_TYPE, Sample
+from weft.strategies.data.conversation import IGNORE_INDEX, IMAGE_TYPE, TEXT_TYPE, VIDEO_TYPE, Sample
 
 #: OpenAI CLIP's per-channel mean and std, which Qwen2-VL/2.5-VL/3-VL processors normalise with.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -153,7 +153,7 @@ def _videos(generator: torch.Generator, *, clips: list[tuple[int, int, int]], vi
         shape = (count, h, w, in_channels)  # (F, H, W, C)
         pixels = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
         if image_processor is not None:
-            from weft.strategies.video import video_patches
+            from weft.strategies.data.video import video_patches
 
             rows, grid = video_patches([Image.fromarray(f.numpy()) for f in pixels], image_processor=image_processor)
             grid = tuple(grid[0].tolist())

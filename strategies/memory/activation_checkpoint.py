@@ -26,7 +26,7 @@ MODES: tuple[str, ...] = ("off", "full", "attention", "mlp", "except_attention")
 def attention_ops() -> frozenset:
     """The attention kernels' operators whose outputs ``except_attention`` keeps: weft's
     flash-attn-4 operator and torch's fused SDPA kernels (cuDNN, flash, efficient, CPU)."""
-    from weft.strategies import flash_ops
+    from weft.strategies.attention.kernels import flash_ops
 
     aten = torch.ops.aten
     return frozenset({

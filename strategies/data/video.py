@@ -25,7 +25,7 @@ import attrs
 import torch
 from PIL import Image
 
-from weft.strategies.image_files import load_image
+from weft.strategies.data.images import load_image
 
 #: Frame rate and frame limit when neither the sample nor the recipe gives one (Qwen2.5-VL's defaults).
 DEFAULT_FPS = 2.0

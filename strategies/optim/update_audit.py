@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from weft.strategies.stochastic_round import below_half_step
+from weft.strategies.optim.stochastic_round import below_half_step
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

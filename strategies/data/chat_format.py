@@ -4,7 +4,7 @@ A model is served with its own chat template (transformers' ``apply_chat_templat
 SGLang all render it), so training renders the same text. A processor that has one renders
 every conversation with it; each image and video becomes the placeholder the template writes
 (``<|vision_start|><|image_pad|><|vision_end|>`` for the Qwen-VL families), which
-strategies/conversation.py widens to the image's feature count after tokenizing.
+strategies/data/conversation.py widens to the image's feature count after tokenizing.
 
 A processor without a template gets weft's built-in layout, which is Qwen2.5-VL's template
 written out (without ``add_vision_id``)::

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from weft.strategies.block_kernels import fa4_head_dim, fa4_runs_on, pad_heads
+from weft.strategies.attention.kernels.blocks import fa4_head_dim, fa4_runs_on, pad_heads
 
 
 def segment_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor,

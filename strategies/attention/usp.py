@@ -13,8 +13,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from weft.strategies.ring import ring_attention
-from weft.strategies.ulysses import ulysses_attention
+from weft.strategies.attention.ring import ring_attention
+from weft.strategies.attention.ulysses import ulysses_attention
 
 
 def usp_attention(

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Iterator
 import attrs
 import torch
 
-from weft.strategies.conversation import Sample
-from weft.strategies.video import VideoLimits
+from weft.strategies.data.conversation import Sample
+from weft.strategies.data.video import VideoLimits
 
 #: A JSONL line longer than this is skipped and counted without being held in memory
 #: (a 128K-token conversation is well under 1 MiB; images are files, not inline).
@@ -52,7 +52,7 @@ def processor_fingerprint(folder: pathlib.Path) -> str:
 
 def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str, max_pixels: int = 0,
           videos: VideoLimits = VideoLimits(), system: str | None = None) -> None:
-    from weft.strategies.conversation import load_processor, load_video_sizing
+    from weft.strategies.data.conversation import load_processor, load_video_sizing
 
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
     tokenizer, image_processor = load_processor(processor)
@@ -95,8 +95,8 @@ def _image_paths(record: Any) -> list[str]:
 
 def _encode(job: tuple[str, str]) -> tuple[str, Any]:
     """(where, line) -> (where, Sample) or (where, "reason")."""
-    from weft.strategies.conversation import encode_conversation
-    from weft.strategies.data_formats import record_to_messages
+    from weft.strategies.data.conversation import encode_conversation
+    from weft.strategies.data.formats import record_to_messages
 
     where, line = job
     if isinstance(line, int):

@@ -1,13 +1,13 @@
 """Qwen-VL chat preprocessing: messages -> token ids, labels and image patches.
 
 The conversation is rendered by the processor's chat template, or by weft's built-in
-layout (Qwen2.5-VL's template) when the processor has none (strategies/chat_format.py),
+layout (Qwen2.5-VL's template) when the processor has none (strategies/data/chat_format.py),
 and tokenized as ``apply_chat_template(tokenize=True)`` tokenizes it. Each image's
 placeholder pad then becomes
 `<|vision_start|>` + `<|image_pad|>` * n + `<|vision_end|>` with
 n = grid_t * grid_h * grid_w // merge_size**2, the number of features the vision
 tower's patch merger returns for it; each video likewise becomes
-`<|vision_start|>` + `<|video_pad|>` * n + `<|vision_end|>` (strategies/video.py).
+`<|vision_start|>` + `<|video_pad|>` * n + `<|vision_end|>` (strategies/data/video.py).
 
 Labels are aligned with input_ids (not shifted; transformers' loss shifts) and are
 -100 except on assistant content and the assistant's closing `<|im_end|>`, which the
@@ -27,7 +27,7 @@ import attrs
 import torch
 from PIL import Image
 
-from weft.strategies.chat_format import Rendered, processor_chat_template, render_chat
+from weft.strategies.data.chat_format import Rendered, processor_chat_template, render_chat
 
 IGNORE_INDEX = -100
 # Values of mm_token_type_ids, as transformers' Qwen2.5-VL processor writes them.
@@ -216,7 +216,7 @@ def _encode_videos(parts: list, *, image_processor: Any, special: _SpecialIds,
                    video_sizing: Any = None) -> dict[str, torch.Tensor]:
     """The Sample's video tensors for video parts (``{"type": "video", "video": [frames],
     "fps": sampled frames per second}``), or {} when there are none."""
-    from weft.strategies.video import DEFAULT_FPS, sample_indices, seconds_per_patch, video_patches
+    from weft.strategies.data.video import DEFAULT_FPS, sample_indices, seconds_per_patch, video_patches
 
     if not parts:
         return {}
@@ -351,7 +351,7 @@ def load_processor(path_or_bundled_name: str | os.PathLike[str], *, backend: str
 def load_video_sizing(path_or_bundled_name: str | os.PathLike[str]) -> Any:
     """The processor folder's video sizing (strategies.video_size.VideoSizing), or None when
     it has no video_preprocessor_config.json (frames are then sized as images are)."""
-    from weft.strategies.video_size import VideoSizing
+    from weft.strategies.data.video_size import VideoSizing
 
     return VideoSizing.from_folder(processor_dir(path_or_bundled_name))
 

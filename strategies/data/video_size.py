@@ -6,7 +6,7 @@ A Hugging Face folder may carry ``video_preprocessor_config.json``: the pixel bo
 bounds are 128 to 768 merged patches a frame; Qwen3-VL's bound a whole video's
 frames x height x width). transformers' video processor imports torchvision, which weft does
 not depend on, so the sizing rule is applied here and the frames, resized to that size, go
-through the image processor (strategies/video.py) as before. Without the file, frames are
+through the image processor (strategies/data/video.py) as before. Without the file, frames are
 sized by the image processor's own bounds, as images are.
 """
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch.optim.adam import adam
 
-from weft.strategies import stochastic_round, stochastic_round_triton
+from weft.strategies.optim import stochastic_round, stochastic_round_triton
 
 #: Mixes a tensor's index into the step's seed (a large odd constant: distinct streams).
 _STREAM = 0x9E3779B97F4A7C15

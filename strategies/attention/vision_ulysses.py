@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from weft.strategies.segment_attention import segment_attention
-from weft.strategies.ulysses import heads_to_seq, seq_to_heads
+from weft.strategies.attention.segment import segment_attention
+from weft.strategies.attention.ulysses import heads_to_seq, seq_to_heads
 
 
 def part_sizes(total: int, world: int) -> list[int]:

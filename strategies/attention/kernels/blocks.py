@@ -186,7 +186,7 @@ def fa4_runs_on(device: torch.device, *, head_dim: int) -> bool:
 
 
 def _fa4_forward(q, k, v, *, causal, scale):
-    from weft.strategies.flash_ops import fa4_forward
+    from weft.strategies.attention.kernels.flash_ops import fa4_forward
 
     # flash-attn-4 works on (B, S, H, D); transformers' q/k/v are (B, H, S, D) views of
     # (B, S, H, D) memory, so the transposes are free (the kernel takes strided tensors).
@@ -197,7 +197,7 @@ def _fa4_forward(q, k, v, *, causal, scale):
 
 
 def _fa4_backward(dout, q, k, v, out, lse, *, causal, scale):
-    from weft.strategies.flash_ops import fa4_backward
+    from weft.strategies.attention.kernels.flash_ops import fa4_backward
 
     d, width = q.shape[-1], fa4_head_dim(q.shape[-1])
     t = lambda x: pad_heads(x, width).transpose(1, 2)  # noqa: E731
@@ -218,7 +218,7 @@ def _triton_forward(q, k, v, *, causal, scale, mask=None):
 
 
 def _triton_accumulate(dout, q, k, v, out, lse, *, causal, scale, dq, dk, dv, mask=None):
-    from weft.strategies.triton_backward import backward_accumulate
+    from weft.strategies.attention.kernels.triton_backward import backward_accumulate
 
     backward_accumulate(dout, q, k, v, out, lse, causal=causal, scale=scale, dq=dq, dk=dk, dv=dv, mask=mask)
 

@@ -1,7 +1,7 @@
 """An image file as a sample's part: checked from its header before it is decoded.
 
-Its own file because both conversation records (strategies/data_formats.py) and videos
-given as lists of frames (strategies/video.py) read images, and each of those imports the
+Its own file because both conversation records (strategies/data/formats.py) and videos
+given as lists of frames (strategies/data/video.py) read images, and each of those imports the
 other's neighbour otherwise: one place, no import cycle.
 """
 

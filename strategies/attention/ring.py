@@ -24,8 +24,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from weft.strategies.block_kernels import BlockKernel, expand_kv_heads, select_kernel
-from weft.strategies.sequence_shard import LAYOUTS
+from weft.strategies.attention.kernels.blocks import BlockKernel, expand_kv_heads, select_kernel
+from weft.strategies.sequence.layout import LAYOUTS
 
 _ALL = slice(None)
 
@@ -173,7 +173,7 @@ class _Documents:
     """Global document ids and positions of a packed sequence, for per-block masks."""
 
     def __init__(self, doc_ids: torch.Tensor, *, world: int, layout: str, causal: bool) -> None:
-        from weft.strategies.sequence_shard import sequence_index
+        from weft.strategies.sequence.layout import sequence_index
 
         self.doc_ids, self.causal = doc_ids, causal  # (B, S_global)
         seq = doc_ids.shape[1]
@@ -181,7 +181,7 @@ class _Documents:
 
     def mask(self, *, rank: int, src: int, block: Block) -> torch.Tensor | None:
         """(B, 1, Sq, Sk) for ``block``, or None when no query may see any key (skip it)."""
-        from weft.strategies.packing import document_mask
+        from weft.strategies.attention.document_mask import document_mask
 
         idx_q, idx_k = self.index[rank][block.q], self.index[src][block.kv]
         mask = document_mask(self.doc_ids[:, idx_q], self.doc_ids[:, idx_k], idx_q, idx_k, causal=self.causal)

@@ -30,7 +30,7 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and d <= 128:
         # A bf16 cache of 128K tokens is not copied to float32 per layer per token: cuDNN's
         # attention (grouped-query heads, float32 accumulation, its LSE) reads it as it is.
-        from weft.strategies.block_kernels import KERNELS
+        from weft.strategies.attention.kernels.blocks import KERNELS
 
         out, lse = KERNELS["cudnn"].forward(query, key, value, causal=False, scale=scale)
         return out.float(), lse.float()

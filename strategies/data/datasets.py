@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Callable, Iterator
 
-from weft.strategies.conversation import Sample, encode_conversation
+from weft.strategies.data.conversation import Sample, encode_conversation
 
 
 class BadSample(Exception):
@@ -21,7 +21,7 @@ def synthetic_samples(
     *, seed: int, num_samples: int, min_side: int, max_side: int, tokenizer: Any, image_processor: Any,
     videos: tuple[tuple[int, int, int], ...] = (), system: str | None = None, video_sizing: Any = None,
 ) -> Iterator[Sample | BadSample]:
-    from weft.strategies.synthetic_vl import synthetic_conversations
+    from weft.strategies.data.synthetic_vl import synthetic_conversations
 
     for conversation in synthetic_conversations(
         seed=seed, num_samples=num_samples, min_side=min_side, max_side=max_side, videos=videos
@@ -40,9 +40,9 @@ def jsonl_samples(
     A line that cannot become a sample, for whatever reason, is a BadSample naming
     its file:line and the reason; blank lines are not samples.
     """
-    from weft.strategies.conversation import processor_dir
-    from weft.strategies.preprocess import MAX_LINE_BYTES, encode_lines
-    from weft.strategies.video import VideoLimits
+    from weft.strategies.data.conversation import processor_dir
+    from weft.strategies.data.preprocess import MAX_LINE_BYTES, encode_lines
+    from weft.strategies.data.video import VideoLimits
 
     def lines():
         with path.open("rb") as handle:

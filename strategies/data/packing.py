@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from weft.strategies.conversation import vision_keys
+from weft.strategies.data.conversation import vision_keys
 
 IGNORE = -100
 
@@ -68,17 +68,3 @@ def collate_packed(
     }
     out.update(vision_keys(samples, mm_token_type_ids=torch.cat(types)[None]))  # images and videos, in order
     return out
-
-
-def document_mask(
-    doc_q: torch.Tensor, doc_k: torch.Tensor, idx_q: torch.Tensor, idx_k: torch.Tensor, *, causal: bool
-) -> torch.Tensor:
-
-    """(B, 1, Sq, Sk) True where query i may attend key j: same document, and j <= i if causal.
-
-    doc_*: (B, S*) document ids of the rows; idx_*: (S*,) their global positions.
-    """
-    mask = doc_q[:, :, None] == doc_k[:, None, :]  # (B, Sq, Sk)
-    if causal:
-        mask = mask & (idx_q[:, None] >= idx_k[None, :])
-    return mask[:, None]

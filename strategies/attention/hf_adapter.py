@@ -14,13 +14,13 @@ from typing import Any, Callable
 
 import torch
 
-from weft.strategies.block_kernels import fa4_importable
-from weft.strategies.local_attention import local_attention
-from weft.strategies.ring import ring_attention
-from weft.strategies.segment_attention import segment_attention
-from weft.strategies.ulysses import ulysses_attention
-from weft.strategies.usp import usp_attention
-from weft.strategies.vision_ulysses import vision_ulysses_attention
+from weft.strategies.attention.kernels.blocks import fa4_importable
+from weft.strategies.attention.local import local_attention
+from weft.strategies.attention.ring import ring_attention
+from weft.strategies.attention.segment import segment_attention
+from weft.strategies.attention.ulysses import ulysses_attention
+from weft.strategies.attention.usp import usp_attention
+from weft.strategies.attention.vision_ulysses import vision_ulysses_attention
 
 
 def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -75,7 +75,7 @@ def local_sdpa(
     gqa = k.shape[1] != q.shape[1]
     if doc_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
-    from weft.strategies.packing import document_mask
+    from weft.strategies.attention.document_mask import document_mask
 
     index = torch.arange(doc_ids.shape[1], device=doc_ids.device)
     mask = document_mask(doc_ids, doc_ids, index, index, causal=causal)  # (B, 1, S, S)

@@ -17,7 +17,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from weft.strategies.sequence_shard import usp_multiple, usp_shard
+from weft.strategies.sequence.layout import usp_multiple, usp_shard
 
 
 @attrs.frozen(kw_only=True)
