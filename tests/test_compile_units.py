@@ -74,7 +74,8 @@ def test_attention_compiles_only_without_collectives():
     from weft.plugins.attention import KernelParams, RingParams, traceable
 
     def plan(ulysses=1, ring=1):
-        return types.SimpleNamespace(mesh=types.SimpleNamespace(ulysses=ulysses, ring=ring), packed=lambda: False)
+        return types.SimpleNamespace(mesh=types.SimpleNamespace(ulysses=ulysses, ring=ring), packed=lambda: False,
+                                     modality_of=lambda path: "vision" if ".visual." in path else "text")
 
     text = "model.language_model.layers.0.self_attn"
     auto = Decision(point="attention", strategy="auto", params=RingParams(), source="t:1", rule="t")

@@ -243,7 +243,8 @@ def test_local_binding_keeps_flash_out_of_its_name(fake_fa4):
         def __getitem__(self, key):
             return types.SimpleNamespace(get_group=lambda: None)
 
-    plan = types.SimpleNamespace(mesh=types.SimpleNamespace(ulysses=1, ring=1), packed=lambda: False)
+    plan = types.SimpleNamespace(mesh=types.SimpleNamespace(ulysses=1, ring=1), packed=lambda: False,
+                                 modality_of=lambda path: "vision" if ".visual." in path else "text")
     decision = Decision(point="attention", strategy="auto", params=KernelParams(backend="flash"), source="t:1",
                         rule="test")
     binding = weft_attention(decision=decision, module_path="model.language_model.layers.0.self_attn", plan=plan,

@@ -35,8 +35,9 @@ HUB_CONFIG = {
                       "spatial_patch_size": 14, "window_size": 56, "fullatt_block_indexes": [1],
                       "tokens_per_second": 2, "temporal_patch_size": 2},
 }
-TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# The directory ships Qwen2.5-VL's own chat template, as the Hub repository does (training renders with it).
+TEMPLATE = json.loads((pathlib.Path(__file__).parent / "data" / "chat_templates.json").read_text())["qwen2_5_vl"][
+    "chat_template"]
 
 
 @pytest.fixture(scope="module")
