@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 import textwrap
 
 import attrs
@@ -171,7 +169,7 @@ def test_longest_fit_is_the_last_length_that_fits():
     assert longest_fit(lambda n: True, low=1024, high=1 << 20) == 1 << 20
 
 
-def test_the_command_names_the_rules_that_would_make_it_fit(tmp_path):
+def test_the_command_names_the_rules_that_would_make_it_fit(weft, tmp_path):
     """7B at 1M tokens on one H200 with the MLP-only recomputation does not fit: the answer is
     the longest length that does, and rule changes pulled in turn, each naming its rule's line."""
     recipe = _write(tmp_path, "long.toml", """
@@ -194,8 +192,7 @@ def test_the_command_names_the_rules_that_would_make_it_fit(tmp_path):
         [[rules]]
         shard = { strategy = "none", storage_dtype = "bfloat16", checkpoint = "full" }
     """)
-    done = subprocess.run([sys.executable, "-m", "weft", "plan", str(recipe), "--estimate", "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = weft("plan", str(recipe), "--estimate", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert not result["fits"] and 0 < result["longest_tokens"] < 1_048_576
@@ -207,7 +204,7 @@ def test_the_command_names_the_rules_that_would_make_it_fit(tmp_path):
     assert totals == sorted(totals, reverse=True) and changes[-1]["fits"] == (totals[-1] <= 139.8 - 2)
 
 
-def test_host_memory_bounds_offloaded_activations(tmp_path):
+def test_host_memory_bounds_offloaded_activations(weft, tmp_path):
     """7B at 512K on one H200: the layers' inputs in host memory, the MLP in tiles. The GPU
     holds weights, states and one layer's recomputation; the host holds 28 layer inputs
     (512K x 3,584 x 2 bytes = 3.5 GiB each), so the host's memory sets the longest length."""
@@ -233,8 +230,7 @@ def test_host_memory_bounds_offloaded_activations(tmp_path):
     """)
 
     def answer(*extra):
-        done = subprocess.run([sys.executable, "-m", "weft", "plan", str(recipe), "--estimate", "--json", *extra],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        done = weft("plan", str(recipe), "--estimate", "--json", *extra, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout)
 

@@ -99,14 +99,13 @@ def test_a_rule_against_the_model_keys_is_a_plan_error():
     assert _resolved(same).model.rope_factor == 2.0  # agreeing is fine
 
 
-def test_plan_explain_and_check_under_ring2_use_the_rule(tmp_path):
+def test_plan_explain_and_check_under_ring2_use_the_rule(weft, tmp_path):
     recipe = tmp_path / "rope.toml"
     recipe.write_text('[model]\npreset = "qwen2_5_vl_tiny"\n[data]\nnum_samples = 16\n[train]\n'
                       'micro_batch_tokens = 1024\n[[rules]]\nname = "long text: YaRN"\n'
                       'when = { modality = "text", seq_len = { gt = 512 } }\n'
                       'rope = { strategy = "yarn", factor = 4.0 }\n')
-    plan = subprocess.run([sys.executable, "-m", "weft", "plan", str(recipe), "--explain"], capture_output=True,
-                          text=True, timeout=300)
+    plan = weft("plan", str(recipe), "--explain")
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert "rotary context 16384 (yarn x4 over 4096 trained positions)" in plan.stdout
     assert "rope.toml:7" in plan.stdout and "long text: YaRN" in plan.stdout
