@@ -14,7 +14,6 @@ import copy
 import json
 import pathlib
 import shutil
-import subprocess
 import sys
 import textwrap
 
@@ -203,12 +202,11 @@ RECIPE = textwrap.dedent('''
 ''')
 
 
-def test_stochastic_rounding_run_resumes_exactly_and_the_update_guard_speaks_only_for_nearest(tmp_path):
+def test_stochastic_rounding_run_resumes_exactly_and_the_update_guard_speaks_only_for_nearest(weft, tmp_path):
     (tmp_path / "sr.toml").write_text(RECIPE)
 
-    def run(*extra: str, run_dir: str = "run") -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "weft", "run", "sr.toml", "--run-dir", run_dir, *extra],
-                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    def run(*extra: str, run_dir: str = "run"):
+        return weft("run", "sr.toml", "--run-dir", run_dir, *extra, cwd=tmp_path)
 
     def losses() -> dict[int, float]:
         rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
