@@ -121,9 +121,9 @@ def test_broken_dataset_runs_to_the_end_and_reports_each_line(dataset, tmp_path)
     assert len(bad_lines) >= 10
     run_dir = tmp_path / "run"
     done = weft_process("run", str(ROOT / "recipes" / "tiny-vl.toml"),
-                "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
-                "--set", "train.max_steps=3", "--set", "train.micro_batch_tokens=256",
-                "--run-dir", str(run_dir), cwd=tmp_path)
+                        "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
+                        "--set", "train.max_steps=3", "--set", "train.micro_batch_tokens=256",
+                        "--run-dir", str(run_dir), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["skipped_samples"] == len(bad_lines) and summary["steps"] == 3

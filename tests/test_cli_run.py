@@ -26,7 +26,7 @@ def read_metrics(run_dir: pathlib.Path) -> list[dict]:
 def tiny_run(tmp_path_factory) -> pathlib.Path:
     run_dir = tmp_path_factory.mktemp("run") / "tiny"
     done = weft_process("run", str(TINY), "--set", "train.max_steps=12", "--set", "train.checkpoint_every=6",
-                "--run-dir", str(run_dir), cwd=run_dir.parent)
+                        "--run-dir", str(run_dir), cwd=run_dir.parent)
     assert done.returncode == 0, done.stderr[-4000:]
     return run_dir
 

@@ -22,8 +22,8 @@ def runs(tmp_path_factory) -> dict[str, pathlib.Path]:
     base = tmp_path_factory.mktemp("report")
     first = base / "first"
     done = run_weft("run", str(ROOT / "recipes" / "tiny-vl.toml"), "--nproc", "1", "--run-dir", str(first),
-                "--set", "train.max_steps=4", "--set", "data.num_samples=64", "--set", "train.checkpoint_every=2",
-                cwd=base)
+                    "--set", "train.max_steps=4", "--set", "data.num_samples=64",
+                    "--set", "train.checkpoint_every=2", cwd=base)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
     # A resumed run: steps 3-4 ran again after a restart from step 2 (the second time counts),
