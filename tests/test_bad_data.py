@@ -148,6 +148,7 @@ def test_strict_data_stops_at_the_first_bad_line(weft, dataset, tmp_path):
     assert f"{path}:{min(bad_lines)}" in done.stderr and "data.strict" in done.stderr
 
 
+@pytest.mark.quick
 def test_images_past_max_pixels_are_skipped_and_counted(tmp_path):
     """data.max_pixels: an image of more pixels is a bad sample named by its line (read from
     the header, never decoded); a cache filled under a looser limit is not reused."""

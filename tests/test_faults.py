@@ -127,6 +127,7 @@ def test_no_usable_checkpoint_is_one_message(weft, trained, recipe, tmp_path):
     assert "no usable checkpoint" in done.stderr and "step-8:" in done.stderr and "step-2:" in done.stderr
 
 
+@pytest.mark.quick
 def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     import torch.distributed as dist
 
@@ -296,6 +297,7 @@ def test_dead_peer_is_named(recipe, tmp_path, plugin_site):
     assert summary["status"] == "failed" and summary["reason"].startswith("parallel: rank(s) 1 stopped responding")
 
 
+@pytest.mark.quick
 def test_plugin_whose_strategies_raise_is_left_out_and_reported(capsys):
     from weft.core.hookspecs import hookimpl
     from weft.core.plan_view import plugins_table
@@ -331,6 +333,7 @@ def test_truncated_safetensors_names_the_file(weft, tmp_path):
     assert f"{weights} is not a readable safetensors file" in done.stderr and "(model.path)" in done.stderr
 
 
+@pytest.mark.quick
 def test_stripped_vision_tokens():
     """A sample whose image tokens were stripped (or whose images were), or whose image span was cut:
     named and skipped before batching; the good ones kept; the image-token share logged."""

@@ -199,6 +199,7 @@ def test_checkpoint_saved_with_2_ranks_resumes_with_1(recipes, env, single, tmp_
     assert_same_params(exported(run_dir, env), exported(single, env), rel=1e-5)
 
 
+@pytest.mark.quick
 def test_export_loads_in_transformers_with_the_same_logits(single, env):
     import transformers
 

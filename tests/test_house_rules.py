@@ -58,6 +58,7 @@ def violations(source: str, forbidden: tuple[str, ...]) -> list[str]:
                    if any(module == f or module.startswith(f + ".") for f in forbidden)})
 
 
+@pytest.mark.quick
 def test_the_checker_catches_a_forbidden_import():
     """The rule can fail: a core module that reaches into plugins or strategies is caught,
     at module level and inside a function; annotation-only imports are not."""
@@ -77,6 +78,7 @@ def test_the_checker_catches_a_forbidden_import():
     assert violations("import torch.nn as nn\n", ("torch",)) == ["line 1: torch.nn"]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN))
 def test_import_graph(folder):
     found = {}
@@ -87,6 +89,7 @@ def test_import_graph(folder):
     assert not found, f"{folder}/ must not import {FORBIDDEN[folder]}: {found}"
 
 
+@pytest.mark.quick
 def test_core_names_builtin_plugins_only_in_the_plugin_manager():
     for path in sorted((ROOT / "core").glob("*.py")):
         if path.name == "plugin_manager.py":
@@ -108,6 +111,7 @@ def test_rule_engine_and_recipes_import_no_torch():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.quick
 def test_core_and_plugins_files_stay_small():
     long = {str(p.relative_to(ROOT)): n for folder in ("core", "plugins", "plugins/models")
             for p in sorted((ROOT / folder).glob("*.py"))

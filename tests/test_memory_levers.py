@@ -57,6 +57,7 @@ def test_bf16_storage_by_rule_trains_and_checkpoints_in_bf16(weft, tmp_path):
 import pytest  # noqa: E402
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("strategy", ["fsdp2", "none"])
 def test_storage_dtype_reaches_the_optimizer_states(strategy):
     """In-process, one rank: the units' parameters are bf16 (DTensors under fsdp2, plain tensors

@@ -49,6 +49,7 @@ def test_offline_wandb_writes_its_run_folder(run):
     assert records and records[0].stat().st_size > 1000  # the run's history, config and summary
 
 
+@pytest.mark.quick
 def test_a_missing_package_is_named():
     from weft.plugins.metrics import _needs
 

@@ -34,6 +34,7 @@ CONFIGS = [
 # -- which DeepStack rows a rank keeps ------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_local_rows_match_brute_force(layout):
     """ring 2 x ulysses 2, batch 2: every rank's rows are the visual positions it holds,
@@ -159,6 +160,7 @@ def test_qwen3_vl_under_sp_equals_unsharded():
     run_ranks(4, _all)
 
 
+@pytest.mark.quick
 def test_describe_and_positions():
     """Shard units include the DeepStack mergers (projector); both towers' attention has
     heads; positions() is the model's own interleaved-mRoPE index, per document."""
@@ -190,6 +192,7 @@ def test_describe_and_positions():
     assert not torch.equal(positions[1], positions[2]), "image tokens get 2-D (height, width) positions"
 
 
+@pytest.mark.quick
 def test_keep_vision_alive_runs_deepstack_mergers():
     """A micro-batch without images but with the vision flag runs the whole tower, the
     DeepStack mergers included (FSDP units whose backward every rank must join), and
