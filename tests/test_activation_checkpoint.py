@@ -32,6 +32,7 @@ def test_checkpointing_keeps_gradients(mode):
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
 
 
+@pytest.mark.quick
 def test_checkpointing_saves_fewer_activations():
     def saved_tensors(mode):
         model = build_model(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}}), device="cpu", seed=0)
@@ -71,6 +72,7 @@ def _attention_calls_in_backward(mode):
     return forward, Count.calls, [p.grad for p in model.parameters()]
 
 
+@pytest.mark.quick
 def test_except_attention_recomputes_all_but_the_attention_kernel():
     """'full' runs each layer's attention kernel again in the backward; 'except_attention' keeps its
     outputs from the forward and runs it once; both give the gradients of no checkpointing."""
@@ -85,6 +87,7 @@ def test_except_attention_recomputes_all_but_the_attention_kernel():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.quick
 def test_except_attention_keeps_the_flash_attn_4_operator():
     """weft's flash-attn-4 path is an operator the policy names (the CuTe kernel itself is opaque)."""
     from weft.strategies.attention.kernels import flash_ops
@@ -94,6 +97,7 @@ def test_except_attention_keeps_the_flash_attn_4_operator():
     assert torch.ops.weft.fa4_forward.default in attention_ops()
 
 
+@pytest.mark.quick
 def test_unknown_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="accepted: off, full, attention, mlp, except_attention"):
         apply_checkpointing(torch.nn.Linear(2, 2), mode="every")

@@ -79,6 +79,7 @@ def test_offload_releases_restored_inputs():
     run_ranks(1, _released)
 
 
+@pytest.mark.quick
 def test_offload_needs_full_checkpointing():
     from weft.core.errors import PlanError
     from weft.core.planner import plan_recipe

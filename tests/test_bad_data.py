@@ -107,7 +107,7 @@ def make_dataset(folder: pathlib.Path) -> tuple[pathlib.Path, dict[int, str]]:
     return path, bad_lines
 
 
-def weft(*args, cwd) -> subprocess.CompletedProcess:
+def weft_process(*args, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
@@ -120,10 +120,10 @@ def test_broken_dataset_runs_to_the_end_and_reports_each_line(dataset, tmp_path)
     path, bad_lines = dataset
     assert len(bad_lines) >= 10
     run_dir = tmp_path / "run"
-    done = weft("run", str(ROOT / "recipes" / "tiny-vl.toml"),
-                "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
-                "--set", "train.max_steps=3", "--set", "train.micro_batch_tokens=256",
-                "--run-dir", str(run_dir), cwd=tmp_path)
+    done = weft_process("run", str(ROOT / "recipes" / "tiny-vl.toml"),
+                        "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
+                        "--set", "train.max_steps=3", "--set", "train.micro_batch_tokens=256",
+                        "--run-dir", str(run_dir), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["skipped_samples"] == len(bad_lines) and summary["steps"] == 3
@@ -138,7 +138,7 @@ def test_broken_dataset_runs_to_the_end_and_reports_each_line(dataset, tmp_path)
     assert "over the 16,777,216-byte limit" in reported[line_of["line over 16 MiB"]]
 
 
-def test_strict_data_stops_at_the_first_bad_line(dataset, tmp_path):
+def test_strict_data_stops_at_the_first_bad_line(weft, dataset, tmp_path):
     path, bad_lines = dataset
     done = weft("run", str(ROOT / "recipes" / "tiny-vl.toml"), "--nproc", "1",
                 "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
@@ -148,6 +148,7 @@ def test_strict_data_stops_at_the_first_bad_line(dataset, tmp_path):
     assert f"{path}:{min(bad_lines)}" in done.stderr and "data.strict" in done.stderr
 
 
+@pytest.mark.quick
 def test_images_past_max_pixels_are_skipped_and_counted(tmp_path):
     """data.max_pixels: an image of more pixels is a bad sample named by its line (read from
     the header, never decoded); a cache filled under a looser limit is not reused."""

@@ -32,10 +32,12 @@ def read_case(path: pathlib.Path) -> tuple[str, list[str]]:
     return expect, args
 
 
+@pytest.mark.quick
 def test_there_are_enough_cases():
     assert len(CASES) >= 32
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("path", CASES, ids=lambda p: p.stem)
 def test_bad_recipe(path, capsys):
     expect, args = read_case(path)
@@ -73,6 +75,7 @@ def test_bad_recipe_subprocess(name):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "override, expect",
     [
@@ -123,6 +126,7 @@ def test_set_error_subprocess():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.quick
 def test_missing_recipe_file(capsys, tmp_path):
     missing = tmp_path / "nope.toml"
     assert main(["plan", str(missing)]) == 2
@@ -130,12 +134,14 @@ def test_missing_recipe_file(capsys, tmp_path):
     assert f"recipe {str(missing)!r} does not exist" in err and "Traceback" not in err
 
 
+@pytest.mark.quick
 def test_recipe_is_a_directory(capsys, tmp_path):
     assert main(["plan", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "cannot read recipe" in err and "Traceback" not in err
 
 
+@pytest.mark.quick
 def test_good_recipe_still_plans(capsys):
     """The control: the bundled recipe passes, so the failures above are the files' fault."""
     assert main(["plan", str(TINY_VL), "--world-size", "4", "--json"]) == 0

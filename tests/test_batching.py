@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import structlog
 import torch
 
@@ -10,6 +11,8 @@ from weft.core.planner import plan_recipe
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
 from weft.strategies.data.token_budget import pack_micro_batches, schedule_steps
+
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
 
 
 class FakeMesh:

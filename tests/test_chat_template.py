@@ -27,6 +27,8 @@ from weft.strategies.data.conversation import (
     processor_dir,
 )
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
+
 TEMPLATES = json.loads((pathlib.Path(__file__).parent / "data" / "chat_templates.json").read_text(encoding="utf-8"))
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 

@@ -13,7 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-vl.toml"
 
 
-def weft(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+def weft_process(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """A real launcher: these runs start 2 ranks (the other commands: the in-process ``weft`` fixture)."""
     return subprocess.run([sys.executable, "-m", "weft", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
@@ -24,8 +25,8 @@ def read_metrics(run_dir: pathlib.Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> pathlib.Path:
     run_dir = tmp_path_factory.mktemp("run") / "tiny"
-    done = weft("run", str(TINY), "--set", "train.max_steps=12", "--set", "train.checkpoint_every=6",
-                "--run-dir", str(run_dir), cwd=run_dir.parent)
+    done = weft_process("run", str(TINY), "--set", "train.max_steps=12", "--set", "train.checkpoint_every=6",
+                        "--run-dir", str(run_dir), cwd=run_dir.parent)
     assert done.returncode == 0, done.stderr[-4000:]
     return run_dir
 
@@ -63,7 +64,8 @@ def test_run_keeps_checkpoints(tiny_run):
 
 
 def test_resume_continues_from_newest_checkpoint(tiny_run, tmp_path):
-    done = weft("run", str(TINY), "--set", "train.max_steps=14", "--run-dir", str(tiny_run), "--resume", cwd=tmp_path)
+    done = weft_process("run", str(TINY), "--set", "train.max_steps=14", "--run-dir", str(tiny_run), "--resume",
+                        cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = read_metrics(tiny_run)
     assert [r["step"] for r in rows][-2:] == [13, 14]
@@ -71,20 +73,20 @@ def test_resume_continues_from_newest_checkpoint(tiny_run, tmp_path):
     assert summary["start_step"] == 12
 
 
-def test_resume_without_checkpoint_is_a_user_error(tmp_path):
+def test_resume_without_checkpoint_is_a_user_error(weft, tmp_path):
     done = weft("run", str(TINY), "--nproc", "1", "--run-dir", str(tmp_path / "empty"), "--resume", cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "no checkpoint" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_missing_data_file_fails_before_launch(tmp_path):
+def test_missing_data_file_fails_before_launch(weft, tmp_path):
     done = weft("run", str(TINY), "--set", "data.source='jsonl'", "--set", "data.path='nope.jsonl'",
                 "--run-dir", str(tmp_path / "r"), cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "data.path" in done.stderr and "nope.jsonl" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_plan_lists_every_attention_module_of_both_towers(tmp_path):
+def test_plan_lists_every_attention_module_of_both_towers(weft, tmp_path):
     done = weft("plan", str(TINY), "--world-size", "4", "--explain", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -103,7 +105,7 @@ def test_plan_lists_every_attention_module_of_both_towers(tmp_path):
     assert "dp_shard=4" in done.stdout
 
 
-def test_plan_json_is_parseable(tmp_path):
+def test_plan_json_is_parseable(weft, tmp_path):
     done = weft("plan", str(TINY), "--world-size", "2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
@@ -112,7 +114,7 @@ def test_plan_json_is_parseable(tmp_path):
     assert len(vision) == 2 and all(m["decisions"]["attention"]["strategy"] == "auto" for m in vision)
 
 
-def test_unknown_model_type_is_a_user_error_listing_the_adapters(tmp_path):
+def test_unknown_model_type_is_a_user_error_listing_the_adapters(weft, tmp_path):
     """A local model directory whose config.json names a model_type no installed adapter
     handles: exit 2 before any process starts, naming the file's model_type, the key and
     every adapter installed; no traceback."""
@@ -131,7 +133,7 @@ def test_unknown_model_type_is_a_user_error_listing_the_adapters(tmp_path):
             assert adapter in message, message
 
 
-def test_a_preset_without_processor_reading_jsonl_is_a_user_error(tmp_path):
+def test_a_preset_without_processor_reading_jsonl_is_a_user_error(weft, tmp_path):
     """The 7B preset ships no tokenizer: reading chat data with it stops before any rank starts
     (exit 2, naming model.processor and the way out: long synthetic samples need no tokenizer)."""
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},

@@ -38,6 +38,7 @@ def test_compiled_children_keep_gradients(mode, attention):
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
 
 
+@pytest.mark.quick
 def test_compile_rule_reaches_the_units():
     """``shard = { compile = true }`` compiles the decoder layers' children, their attention too when
     one kernel on the local sequence runs it (here transformers' SDPA: no sequence parallelism)."""
@@ -65,6 +66,7 @@ def test_compile_rule_reaches_the_units():
         dist.destroy_process_group()
 
 
+@pytest.mark.quick
 def test_attention_compiles_only_without_collectives():
     """Ring, Ulysses and USP run collectives inside the attention (dynamo would break around them)
     and the vision tower's varlen call is no torch operator: those attention modules stay eager."""

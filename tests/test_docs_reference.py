@@ -6,6 +6,10 @@ import difflib
 import importlib.util
 import pathlib
 
+import pytest
+
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

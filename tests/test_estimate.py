@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 import textwrap
 
 import attrs
@@ -35,6 +33,7 @@ def _write(tmp_path, name, text):
     return path
 
 
+@pytest.mark.quick
 def test_tiny_parameters_and_static_memory_by_hand(tmp_path):
     """qwen2_text_tiny: V 320, hidden 64, intermediate 128, 2 layers, 4 heads over 2 KV heads of
     16. A layer: q 64x64+64, k and v 64x32+32 each, o 64x64, MLP 3x64x128, 2 norms of 64 =
@@ -58,6 +57,7 @@ def test_tiny_parameters_and_static_memory_by_hand(tmp_path):
     assert mem["weights"] == mem["gradients"] == want and mem["optimizer"] == 2 * want
 
 
+@pytest.mark.quick
 def test_7b_sizes_by_hand():
     """Qwen2.5-VL-7B's decoder layer at 128K tokens: its input is 131,072 x 3,584 x 2 bytes
     (0.875 GiB); 'full' keeps it, 'except_attention' the attention's output and float32 LSE
@@ -108,6 +108,7 @@ _FULL_128 = """
 """
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("name", "variant", "gib", "seconds"), MEASURED)
 def test_predictions_within_the_issue_tolerances_of_the_measured_runs(tmp_path, name, variant, gib, seconds):
     """Peak memory within 15% and step time within 25% of every measured 7B row."""
@@ -137,6 +138,7 @@ FRONTIER = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("tokens", "gib", "seconds", "first"), FRONTIER)
 def test_frontier_predictions_within_the_issue_tolerances(tokens, gib, seconds, first):
     units, shape, setup = _plan(ROOT / "recipes" / "qwen2.5-vl-7b-512k-1gpu.toml")
@@ -148,6 +150,7 @@ def test_frontier_predictions_within_the_issue_tolerances(tokens, gib, seconds, 
     assert abs(step / seconds - 1) <= 0.25, (tokens, step, seconds)
 
 
+@pytest.mark.quick
 def test_frozen_units_hold_no_gradients_or_states():
     """Qwen2.5-VL-7B's 32 vision blocks (630,470,656 parameters in bf16) frozen: 1.17 GiB
     of gradients and 2.35 GiB of AdamW states fewer, as the H200 run measured
@@ -164,6 +167,7 @@ def test_frozen_units_hold_no_gradients_or_states():
     assert round(frozen["gradients"] / GIB, 2) == 14.27 and round(frozen["optimizer"] / GIB, 2) == 28.54
 
 
+@pytest.mark.quick
 def test_longest_fit_is_the_last_length_that_fits():
     assert longest_fit(lambda n: n <= 300_000, low=1024, high=1 << 22) == 299_008
     assert longest_fit(lambda n: n <= 300_000, low=1024, high=1 << 22, multiple=4096) == 299_008 - 299_008 % 4096
@@ -171,7 +175,7 @@ def test_longest_fit_is_the_last_length_that_fits():
     assert longest_fit(lambda n: True, low=1024, high=1 << 20) == 1 << 20
 
 
-def test_the_command_names_the_rules_that_would_make_it_fit(tmp_path):
+def test_the_command_names_the_rules_that_would_make_it_fit(weft, tmp_path):
     """7B at 1M tokens on one H200 with the MLP-only recomputation does not fit: the answer is
     the longest length that does, and rule changes pulled in turn, each naming its rule's line."""
     recipe = _write(tmp_path, "long.toml", """
@@ -194,8 +198,7 @@ def test_the_command_names_the_rules_that_would_make_it_fit(tmp_path):
         [[rules]]
         shard = { strategy = "none", storage_dtype = "bfloat16", checkpoint = "full" }
     """)
-    done = subprocess.run([sys.executable, "-m", "weft", "plan", str(recipe), "--estimate", "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = weft("plan", str(recipe), "--estimate", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert not result["fits"] and 0 < result["longest_tokens"] < 1_048_576
@@ -207,7 +210,7 @@ def test_the_command_names_the_rules_that_would_make_it_fit(tmp_path):
     assert totals == sorted(totals, reverse=True) and changes[-1]["fits"] == (totals[-1] <= 139.8 - 2)
 
 
-def test_host_memory_bounds_offloaded_activations(tmp_path):
+def test_host_memory_bounds_offloaded_activations(weft, tmp_path):
     """7B at 512K on one H200: the layers' inputs in host memory, the MLP in tiles. The GPU
     holds weights, states and one layer's recomputation; the host holds 28 layer inputs
     (512K x 3,584 x 2 bytes = 3.5 GiB each), so the host's memory sets the longest length."""
@@ -233,8 +236,7 @@ def test_host_memory_bounds_offloaded_activations(tmp_path):
     """)
 
     def answer(*extra):
-        done = subprocess.run([sys.executable, "-m", "weft", "plan", str(recipe), "--estimate", "--json", *extra],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        done = weft("plan", str(recipe), "--estimate", "--json", *extra, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout)
 
@@ -249,6 +251,7 @@ REAL_SIZE = sorted([*(ROOT / "recipes").glob("qwen2.5-*.toml"), *(ROOT / "benchm
                     *(ROOT / "benchmarks").glob("slice-*.toml"), *(ROOT / "benchmarks").glob("video-*.toml")])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("recipe", REAL_SIZE, ids=lambda p: p.stem)
 def test_bundled_real_size_recipes_fit_their_gpus_as_the_planner_sizes_them(recipe):
     """Every bundled real-size recipe, planned at its own nproc: the planner says it fits an H200
@@ -265,6 +268,7 @@ def test_bundled_real_size_recipes_fit_their_gpus_as_the_planner_sizes_them(reci
     assert result["step_s"]["total"] < 540, (recipe.name, result["step_s"])
 
 
+@pytest.mark.quick
 def test_a_plan_within_3_percent_of_the_device_is_warned_about():
     """The 7B 32K recipe as bundled leaves 9.1 GiB of the H200 free as predicted (over 3%):
     no warning; at the longest length that fits (35,840 tokens), 2.9 GiB: a warning naming

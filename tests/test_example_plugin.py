@@ -56,6 +56,7 @@ def spike_recipe(tmp_path: pathlib.Path, guard: str = '{ strategy = "loss_spike"
     return path
 
 
+@pytest.mark.quick
 def test_entry_point_is_loaded_with_its_distribution(installed):
     pm = build_plugin_manager()
     assert "example" in pm.plugin_names()
@@ -68,6 +69,7 @@ def test_entry_point_is_loaded_with_its_distribution(installed):
     assert strategy.params is LossSpikeParams and LossSpikeParams().factor == 4.0
 
 
+@pytest.mark.quick
 def test_weft_plugins_json_lists_it(installed, capsys):
     assert cli.main(["plugins", "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
@@ -79,6 +81,7 @@ def test_weft_plugins_json_lists_it(installed, capsys):
     assert {"name": "factor", "accepts": "a number", "default": 4.0}.items() <= spike["params"][0].items()
 
 
+@pytest.mark.quick
 def test_rule_selects_it_and_the_hook_calls_it(installed, tmp_path):
     pm = build_plugin_manager()
     recipe_path = spike_recipe(tmp_path)
@@ -124,6 +127,7 @@ def test_rule_selects_it_and_the_hook_calls_it(installed, tmp_path):
     assert step(10, 100.0).action == "abort"
 
 
+@pytest.mark.quick
 def test_weft_plan_explain_shows_the_rule(installed, tmp_path, capsys):
     recipe_path = spike_recipe(tmp_path, guard='[{ strategy = "finite" }, { strategy = "loss_spike", factor = 3.0 }]')
     assert cli.main(["plan", str(recipe_path), "--explain", "--world-size", "1"]) == 0
@@ -133,6 +137,7 @@ def test_weft_plan_explain_shows_the_rule(installed, tmp_path, capsys):
     assert any("finite(" in line and f"{recipe_path}:4" in line for line in out.splitlines())
 
 
+@pytest.mark.quick
 def test_unknown_param_is_refused_with_the_plugins_fields(installed, tmp_path, capsys):
     recipe_path = spike_recipe(tmp_path, guard='{ strategy = "loss_spike", facter = 2.0 }')
     assert cli.main(["plan", str(recipe_path), "--world-size", "1"]) == 2
@@ -140,6 +145,7 @@ def test_unknown_param_is_refused_with_the_plugins_fields(installed, tmp_path, c
     assert "facter" in err and "did you mean 'factor'" in err and f"{recipe_path}:4" in err
 
 
+@pytest.mark.quick
 def test_allow_and_block_lists(installed, capsys, monkeypatch):
     assert "example" not in build_plugin_manager(block=["example"]).plugin_names()
     assert "example" not in build_plugin_manager(allow=[]).plugin_names()

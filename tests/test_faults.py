@@ -22,6 +22,8 @@ import zlib
 import pytest
 import torch
 
+from weft_cli import run_weft
+
 FAST = textwrap.dedent('''
     [model]
     preset = "qwen2_text_tiny"
@@ -41,7 +43,7 @@ FAST = textwrap.dedent('''
 ''')
 
 
-def weft(*args: str, cwd: pathlib.Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def weft_process(*args: str, cwd: pathlib.Path, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=timeout,
                           cwd=cwd)
 
@@ -61,7 +63,7 @@ def recipe(tmp_path) -> pathlib.Path:
 def _trained_once(tmp_path_factory) -> pathlib.Path:
     folder = tmp_path_factory.mktemp("trained")
     (folder / "fast.toml").write_text(FAST)
-    done = weft("run", str(folder / "fast.toml"), "--run-dir", str(folder / "run"), cwd=folder)
+    done = run_weft("run", str(folder / "fast.toml"), "--run-dir", str(folder / "run"), cwd=folder)
     assert done.returncode == 0, done.stderr[-3000:]
     return folder / "run"
 
@@ -82,7 +84,7 @@ def _rewrite_manifest_entry(checkpoint: pathlib.Path, name: str) -> None:
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_truncated_newest_checkpoint_falls_back(trained, recipe, tmp_path):
+def test_truncated_newest_checkpoint_falls_back(weft, trained, recipe, tmp_path):
     shard = trained / "checkpoints" / "step-8" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     done = weft("run", str(recipe), "--run-dir", str(trained), "--resume", "--set", "train.max_steps=10", cwd=tmp_path)
@@ -104,7 +106,7 @@ class _Planted:
         return (pathlib.Path.touch, (self.marker,))
 
 
-def test_pickle_planted_in_checkpoint_is_refused(trained, recipe, tmp_path):
+def test_pickle_planted_in_checkpoint_is_refused(weft, trained, recipe, tmp_path):
     marker = tmp_path / "code-ran"
     newest = trained / "checkpoints" / "step-8"
     torch.save({"torch": _Planted(marker)}, newest / "rng-rank0.pt")
@@ -117,7 +119,7 @@ def test_pickle_planted_in_checkpoint_is_refused(trained, recipe, tmp_path):
     assert json.loads((trained / "summary.json").read_text())["start_step"] == 6
 
 
-def test_no_usable_checkpoint_is_one_message(trained, recipe, tmp_path):
+def test_no_usable_checkpoint_is_one_message(weft, trained, recipe, tmp_path):
     for checkpoint in (trained / "checkpoints").iterdir():
         (checkpoint / "meta.json").write_text("{")
     done = weft("run", str(recipe), "--run-dir", str(trained), "--resume", cwd=tmp_path)
@@ -125,6 +127,7 @@ def test_no_usable_checkpoint_is_one_message(trained, recipe, tmp_path):
     assert "no usable checkpoint" in done.stderr and "step-8:" in done.stderr and "step-2:" in done.stderr
 
 
+@pytest.mark.quick
 def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     import torch.distributed as dist
 
@@ -164,20 +167,20 @@ def test_two_runs_into_one_directory(recipe, tmp_path):
     run_dir.mkdir()
     lock = run_dir / "run.lock"
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "earlier"}))
-    done = weft("run", str(recipe), "--run-dir", str(run_dir), cwd=tmp_path)
+    done = weft_process("run", str(recipe), "--run-dir", str(run_dir), cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"another run is using this run directory: weft run (pid {os.getpid()})" in done.stderr
     assert not (run_dir / "metrics.jsonl").exists()
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": int(gone.stdout), "started": "earlier"}))
-    done = weft("run", str(recipe), "--run-dir", str(run_dir), "--set", "train.max_steps=2", cwd=tmp_path)
+    done = weft_process("run", str(recipe), "--run-dir", str(run_dir), "--set", "train.max_steps=2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "taking over the lock of a run that is gone" in done.stderr
     assert not lock.exists()  # released at the end
 
 
-def test_sigterm_saves_and_resumes_exactly(recipe, tmp_path):
+def test_sigterm_saves_and_resumes_exactly(weft, recipe, tmp_path):
     """SIGTERM mid-run: the step finishes, a checkpoint is written, exit 0; --resume then
     gives the same losses and gradient norms as a run never interrupted, each step once."""
     steps = "train.max_steps=40"
@@ -294,6 +297,7 @@ def test_dead_peer_is_named(recipe, tmp_path, plugin_site):
     assert summary["status"] == "failed" and summary["reason"].startswith("parallel: rank(s) 1 stopped responding")
 
 
+@pytest.mark.quick
 def test_plugin_whose_strategies_raise_is_left_out_and_reported(capsys):
     from weft.core.hookspecs import hookimpl
     from weft.core.plan_view import plugins_table
@@ -313,7 +317,7 @@ def test_plugin_whose_strategies_raise_is_left_out_and_reported(capsys):
 
 
 
-def test_truncated_safetensors_names_the_file(tmp_path):
+def test_truncated_safetensors_names_the_file(weft, tmp_path):
     """A model directory whose weights file was cut short: one message naming the file, exit 2."""
     from model_helpers import build_model
     from weft.core.recipe import Recipe
@@ -329,6 +333,7 @@ def test_truncated_safetensors_names_the_file(tmp_path):
     assert f"{weights} is not a readable safetensors file" in done.stderr and "(model.path)" in done.stderr
 
 
+@pytest.mark.quick
 def test_stripped_vision_tokens():
     """A sample whose image tokens were stripped (or whose images were), or whose image span was cut:
     named and skipped before batching; the good ones kept; the image-token share logged."""
@@ -424,7 +429,7 @@ def test_ranks_die_with_their_launcher(recipe, tmp_path):
         assert summary["status"] == "failed" and f"launcher (pid {launcher.pid}) is gone" in summary["reason"]
         assert "run.launcher_gone" in (run_dir / "log.jsonl").read_text()
 
-        second = weft("run", str(recipe), "--run-dir", str(run_dir), cwd=tmp_path)
+        second = weft_process("run", str(recipe), "--run-dir", str(run_dir), cwd=tmp_path)
         assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
         assert f"rank 1 (pid {ranks[1]})" in second.stderr and f"(pid {ranks[0]})" not in second.stderr
         assert f"after its weft run (pid {launcher.pid}) ended" in second.stderr

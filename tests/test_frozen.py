@@ -18,13 +18,13 @@ FROZEN = ('[model]\npreset = "qwen2_5_vl_tiny"\n[data]\nnum_samples = 64\n[train
           'when = { path = "*.visual.blocks.*" }\nshard = { strategy = "fsdp2", trainable = false }\n')
 
 
-def weft(*args, cwd) -> subprocess.CompletedProcess:
+def weft_process(*args, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
 def test_check_under_ring2_with_the_vision_tower_frozen(tmp_path):
     (tmp_path / "frozen.toml").write_text(FROZEN)
-    done = weft("check", "frozen.toml", "--world-size", "2", "--set", "parallel.ring=2", "--json", cwd=tmp_path)
+    done = weft_process("check", "frozen.toml", "--world-size", "2", "--set", "parallel.ring=2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["frozen_units"] == ["model.visual.blocks.0", "model.visual.blocks.1"]
@@ -40,7 +40,7 @@ def test_a_side_that_does_not_freeze_fails_the_check():
     assert not compare(ref, got)["ok"]
 
 
-def test_frozen_weights_stay_and_get_no_optimizer_state(tmp_path):
+def test_frozen_weights_stay_and_get_no_optimizer_state(weft, tmp_path):
     from model_helpers import optimizer_for
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe
@@ -74,7 +74,7 @@ def test_frozen_weights_stay_and_get_no_optimizer_state(tmp_path):
     assert not any(id(p) in held for p in model.model.visual.blocks.parameters())
 
 
-def test_plan_says_what_trains(tmp_path):
+def test_plan_says_what_trains(weft, tmp_path):
     """`weft plan` counts the parameters outside frozen units (the tiny tower's two blocks)."""
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe

@@ -42,6 +42,7 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("rows", [1, 7, 37, 1000])  # one row a chunk, ragged last chunk, exact, one chunk
 @pytest.mark.parametrize("bias", [False, True])
@@ -56,6 +57,7 @@ def test_equals_plain_form(dtype, tol, rows, bias):
         assert _rel(g, w) <= tol
 
 
+@pytest.mark.quick
 def test_rows_from_chunk_bytes():
     """chunk_bytes counts float32 logits: 4 * V * 7 bytes make 7-row chunks (ragged: 37 = 5 * 7 + 2)."""
     hidden, weight, b, target = _case(torch.float64)
@@ -64,6 +66,7 @@ def test_rows_from_chunk_bytes():
     assert all(_rel(g, w) <= 1e-12 for g, w in zip(got_grads, want_grads))
 
 
+@pytest.mark.quick
 def test_three_d_input():
     hidden, weight, b, target = _case(torch.float64, n=2 * 19)
     hidden, target = hidden.view(2, 19, -1), target.view(2, 19)
@@ -73,6 +76,7 @@ def test_three_d_input():
     assert all(_rel(g, w) <= 1e-12 for g, w in zip(got_grads, want_grads))
 
 
+@pytest.mark.quick
 def test_all_rows_ignored():
     hidden, weight, b, target = _case(torch.float64)
     target[:] = IGNORE
@@ -81,6 +85,7 @@ def test_all_rows_ignored():
     assert all(not g.any() for g in got_grads)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kw", [
     {},  # float32 sum of grad_weight, one vocabulary slice
     {"chunk_bytes": 2 * 16 * 10},  # float32 sum, slices of 10 vocabulary rows (ragged: 53 = 5 * 10 + 3)
@@ -95,6 +100,7 @@ def test_bf16_close_to_plain(kw):
     assert all(g.dtype == torch.bfloat16 and _rel(g.float(), w.float()) <= 2**-6 for g, w in zip(got_grads, want_grads))
 
 
+@pytest.mark.quick
 def test_float32_sum_of_weight_grad_beats_bf16_sum():
     """Over 64 chunks, grad_weight summed in float32 and rounded once is nearer the exact
     gradient than one summed in bf16 (rounded at every chunk)."""
@@ -110,6 +116,7 @@ def test_float32_sum_of_weight_grad_beats_bf16_sum():
     assert error(torch.float32) < 0.5 * error(torch.bfloat16)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("chunk_bytes", [512 << 20, 5 * 4 * 256])  # one vocabulary slice; slices of 5 (53 = 10 x 5 + 3)
 def test_bf16_weight_grad_is_the_float32_sum_rounded_once(chunk_bytes):
     """A bf16 weight's gradient by default: the float32 sum over row chunks, rounded once
@@ -146,6 +153,7 @@ def test_bf16_weight_grad_is_the_float32_sum_rounded_once(chunk_bytes):
     assert torch.equal(again[0], default[0]) and torch.equal(sums[-1].to(torch.bfloat16), default[0])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("rows", "vocab_rows"), [(53, 5), (53, 53), (53, 1), (7, 100), (1, 1)])
 def test_narrowing_in_place_equals_to(rows, vocab_rows):
     """float32 -> bf16 into the float32 tensor's own storage, slice by slice (ragged and
@@ -160,6 +168,7 @@ def test_narrowing_in_place_equals_to(rows, vocab_rows):
     assert got.untyped_storage().data_ptr() == storage
 
 
+@pytest.mark.quick
 def test_autocast_matches_plain_form_under_autocast():
     """float32 leaves under bf16 autocast: logits from a bf16 matmul, as F.linear would make them."""
     hidden, weight, _, target = _case(torch.float32, bias=False)
@@ -169,6 +178,7 @@ def test_autocast_matches_plain_form_under_autocast():
     assert all(g.dtype == torch.float32 and _rel(g, w) <= 2**-6 for g, w in zip(got_grads, want_grads))
 
 
+@pytest.mark.quick
 def test_float32_weight_with_bf16_hidden():
     """A float32 lm_head over bf16 hidden states: the matmul in float32, as hidden.float() @ weight.T."""
     hidden, weight, _, target = _case(torch.float32, bias=False)
@@ -184,6 +194,7 @@ def test_float32_weight_with_bf16_hidden():
     assert _rel(w.grad, v.grad) <= 1e-5
 
 
+@pytest.mark.quick
 def test_frozen_weight_gets_no_gradient():
     hidden, weight, _, target = _case(torch.float64, bias=False)
     x = hidden.clone().requires_grad_()
@@ -201,6 +212,7 @@ def test_gradcheck():
         lambda x, w, bb: linear_cross_entropy_sum(x, w, target, bias=bb, chunk_rows=4), args)
 
 
+@pytest.mark.quick
 def test_keeps_no_logits_for_backward():
     """Everything autograd keeps between forward and backward, caught by a saved-tensors hook:
     no tensor of N * V elements (the plain form keeps its log-softmax, which is)."""

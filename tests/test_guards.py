@@ -18,6 +18,8 @@ from weft.core.rules import Decision
 from weft.plugins.guard import MemoryParams, SpikeParams, weft_guard
 from weft.strategies.optim.loss_spike import SpikeWindow
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
+
 
 class _Log:
     def __init__(self) -> None:

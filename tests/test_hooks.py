@@ -95,6 +95,7 @@ class EchoPlugin:
         return [Strategy(point="attention", name="echo", params=EchoParams, summary="says a word")]
 
 
+@pytest.mark.quick
 def test_hook_weft_strategies():
     pm = make_pm(("echo-plugin", EchoPlugin()))
     # Collect-all: one list per implementing plugin, built-ins included.
@@ -150,6 +151,7 @@ class ToyFamily:
         return [self.adapter]
 
 
+@pytest.mark.quick
 def test_hook_weft_models(tmp_path):
     from weft.core.models import ModelAdapter
 
@@ -176,6 +178,7 @@ def test_hook_weft_models(tmp_path):
         make_pm(("toy", family), ("again", ToyFamily())).models
 
 
+@pytest.mark.quick
 def test_a_family_that_cannot_share_its_tower_refuses_vision_ulysses():
     """An adapter with shares_vision = False (a tower whose blocks do more than pass the patch
     sequence along): the planner refuses a vision rule that shares one image over the SP
@@ -219,6 +222,7 @@ class FreezePlugin:
             model.get_submodule(unit.info.path).requires_grad_(False)
 
 
+@pytest.mark.quick
 def test_hook_weft_shard():
     freeze = FreezePlugin()
     pm = make_pm(("freeze", freeze))
@@ -261,6 +265,7 @@ class EchoAttention(EchoPlugin):
         return AttentionBinding(name=f"echo_{decision.params.word}", fn=lambda *a, **k: None)
 
 
+@pytest.mark.quick
 def test_hook_weft_attention():
     echo = EchoAttention()
     pm = make_pm(("echo-plugin", echo))
@@ -294,6 +299,7 @@ def test_hook_weft_attention():
         pm.call_first("weft_attention", decision=nobody, module_path="x", plan=plan, mesh=None, ctx=ctx)
 
 
+@pytest.mark.quick
 def test_a_vision_tower_is_known_by_its_modality_not_its_name():
     """A family whose tower is not called ``visual``: its attention resolves as the planner
     declared it (vision), not as text. With packed documents text ``auto`` needs document-aware
@@ -316,6 +322,7 @@ def test_a_vision_tower_is_known_by_its_modality_not_its_name():
     assert traceable(text, TEXT_ATTN.path, plan) is False  # packed: ring on one rank, not a single kernel
 
 
+@pytest.mark.quick
 def test_hook_weft_metrics(tmp_path):
     pm = make_pm()
     recipe, plan, ctx = make_plan(pm, [])  # the default rules: the jsonl sink
@@ -329,6 +336,7 @@ def test_hook_weft_metrics(tmp_path):
     assert rows == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.0}]
 
 
+@pytest.mark.quick
 def test_hook_weft_rope():
     pm = make_pm()
     rule = {"name": "long", "when": {"modality": "text", "seq_len": {"gt": 1024}},
@@ -347,6 +355,7 @@ def test_hook_weft_rope():
         pm.call_first("weft_rope", decision=decision("rope", "longrope"), recipe=recipe, plan=plan)
 
 
+@pytest.mark.quick
 def test_hook_weft_kv_cache():
     from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
@@ -405,6 +414,7 @@ class FixedBatches:
         return [[{"input_ids": ids, "labels": ids.clone()}] for _ in range(decision.params.steps)]
 
 
+@pytest.mark.quick
 def test_hook_weft_batching():
     import weft.plugins.batching as builtin
 
@@ -443,6 +453,7 @@ class NoteGradSync:
         return [("grads_seen", sum(1 for p in model.parameters() if p.grad is not None))]
 
 
+@pytest.mark.quick
 def test_hook_weft_grad_sync():
     pm = make_pm(("note", NoteGradSync()))
     torch.manual_seed(0)
@@ -507,6 +518,7 @@ class SgdPlugin:
                                 for g in groups], lr=recipe.train.lr, momentum=decision.params.momentum)
 
 
+@pytest.mark.quick
 def test_hook_weft_optimizer():
     """A third-party optimizer by rule: the core resolves each group's peak lr (rule lr or
     train.lr, times lr_scale) and weight decay, wraps it in the schedule; nobody answering is
@@ -530,6 +542,7 @@ def test_hook_weft_optimizer():
         make_optimizer(recipe, model, plan=plan, pm=pm, ctx=ctx)
 
 
+@pytest.mark.quick
 def test_hook_weft_guard():
     pm = make_pm(("ckpt", CheckpointGuard()))
     _, plan, ctx = make_plan(pm, [{"guard": [{"strategy": "finite", "max_consecutive_skips": 3},
@@ -559,6 +572,7 @@ def test_hook_weft_guard():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_trace_logs_every_hook_call():
     with capture_logs() as logs:
         pm = build_plugin_manager(trace=True, log=structlog.get_logger(), entry_points=False)
@@ -580,6 +594,7 @@ def test_trace_logs_every_hook_call():
     assert not [e for e, _ in log.events if e == "hook.call"]
 
 
+@pytest.mark.quick
 def test_weft_trace_hooks_env(monkeypatch, capsys):
     from weft.core.plugin_manager import plugin_manager_from_env
 
@@ -604,6 +619,7 @@ def hookspec_signatures() -> dict[str, str]:
     return specs
 
 
+@pytest.mark.quick
 def test_every_hookspec_is_tested_and_documented():
     specs = hookspec_signatures()
     assert set(specs) == {f"weft_{p}" for p in ("strategies", "models", *hookspecs.HOOK_POINTS)}

@@ -61,6 +61,7 @@ def violations(source: str, forbidden: tuple[str, ...]) -> list[str]:
                    if any(module == f or module.startswith(f + ".") for f in forbidden)})
 
 
+@pytest.mark.quick
 def test_the_checker_catches_a_forbidden_import():
     """The rule can fail: a core module that reaches into plugins or strategies is caught,
     at module level and inside a function; annotation-only imports are not."""
@@ -90,12 +91,14 @@ def folder_violations(root: pathlib.Path, folder: str) -> dict[str, list[str]]:
     return found
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN))
 def test_import_graph(folder):
     found = folder_violations(ROOT, folder)
     assert not found, f"{folder}/ must not import {FORBIDDEN[folder]}: {found}"
 
 
+@pytest.mark.quick
 def test_a_forbidden_import_in_a_subfolder_is_caught(tmp_path):
     (tmp_path / "strategies" / "attention").mkdir(parents=True)
     (tmp_path / "strategies" / "attention" / "ring.py").write_text("def f():\n    import pluggy\n")
@@ -152,6 +155,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+@pytest.mark.quick
 def test_the_cycle_finder_catches_a_planted_cycle():
     sources = {"weft.strategies.a": "from weft.strategies.b import x\n",
                "weft.strategies.b": "def f():\n    import weft.strategies.a\n",
@@ -160,12 +164,14 @@ def test_the_cycle_finder_catches_a_planted_cycle():
     assert cycles(import_graph(sources)) == [["weft.strategies.a", "weft.strategies.b"]]
 
 
+@pytest.mark.quick
 def test_no_import_cycle():
     sources = {module_name(ROOT, p): p.read_text(encoding="utf-8")
                for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))}
     assert not (found := cycles(import_graph(sources))), f"import cycles: {found}"
 
 
+@pytest.mark.quick
 def test_core_names_builtin_plugins_only_in_the_plugin_manager():
     for path in sorted((ROOT / "core").rglob("*.py")):
         if path.name == "plugin_manager.py":
@@ -187,6 +193,7 @@ def test_rule_engine_and_recipes_import_no_torch():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.quick
 def test_core_and_plugins_files_stay_small():
     long = {str(p.relative_to(ROOT)): n for folder in ("core", "plugins")
             for p in sorted((ROOT / folder).rglob("*.py"))

@@ -21,6 +21,8 @@ from weft.strategies.attention.kernels import blocks as block_kernels
 from weft.strategies.attention.kernels.blocks import KERNELS, select_kernel
 from weft.strategies.attention.local import local_attention
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
+
 
 def _inputs(*, heads=4, kv_heads=2, seq=24, head_dim=16, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -25,6 +25,7 @@ def _case(dtype, *, seed=0, b=2, s=37, v=53):
 
 # bf16 gradients: both forms round a float32 gradient to bf16 once; the two float32
 # values may differ in their last bits, so an element may land one bf16 step apart.
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "dtype, tol, grad_tol",
     [(torch.float64, 1e-12, 1e-12), (torch.float32, 1e-6, 1e-6), (torch.bfloat16, 1e-6, 2**-8)],
@@ -52,6 +53,7 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda x: token_loss_sum(x, target, chunk_bytes=4 * 11 * 4), (logits,))
 
 
+@pytest.mark.quick
 def test_everything_ignored_is_zero_with_zero_gradient():
     logits, target = _case(torch.float32)
     target[:] = IGNORE
@@ -73,6 +75,7 @@ def _saved_bytes(fn, logits, target) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.quick
 def test_keeps_no_float32_copy_of_the_logits_for_backward():
     logits, target = _case(torch.bfloat16, s=64, v=512)
     logits.requires_grad_()

@@ -15,11 +15,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RULES = ROOT / "recipes" / "rules" / "modality-groups.toml"
 
 
-def weft(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+def weft_process(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
-def test_bf16_storage_by_rule_trains_and_checkpoints_in_bf16(tmp_path):
+def test_bf16_storage_by_rule_trains_and_checkpoints_in_bf16(weft, tmp_path):
     """storage_dtype = "bfloat16" for the language model, float32 kept for the vision tower:
     weights, gradients and AdamW states of each unit in its dtype; the checkpoint (and the
     export) in the weights' own dtype."""
@@ -57,6 +57,7 @@ def test_bf16_storage_by_rule_trains_and_checkpoints_in_bf16(tmp_path):
 import pytest  # noqa: E402
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("strategy", ["fsdp2", "none"])
 def test_storage_dtype_reaches_the_optimizer_states(strategy):
     """In-process, one rank: the units' parameters are bf16 (DTensors under fsdp2, plain tensors
@@ -94,7 +95,7 @@ def test_storage_dtype_reaches_the_optimizer_states(strategy):
         dist.destroy_process_group()
 
 
-def test_an_unsharded_unit_in_another_dtype_than_its_fsdp2_root_is_a_plan_error(tmp_path):
+def test_an_unsharded_unit_in_another_dtype_than_its_fsdp2_root_is_a_plan_error(weft, tmp_path):
     """FSDP2 gathers an unsharded unit's weights with its root's, in one dtype: a bf16 'none' unit
     under a float32 FSDP2 root is named at plan time (exit 2), not an assertion at the first step."""
     recipe = tmp_path / "mixed.toml"
@@ -125,13 +126,13 @@ def test_offload_with_clipping_equals_the_unsharded_model(tmp_path):
         [[rules]]
         shard = {{ strategy = "fsdp2", offload = true }}
     '''))
-    done = weft("check", str(recipe), "--world-size", "2", "--json", cwd=tmp_path)
+    done = weft_process("check", str(recipe), "--world-size", "2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["grad_norm_rel_diff"] <= 1e-5 and result["clipped_grad_max_rel_diff"] <= 1e-4, result
 
 
-def test_checkpoint_every_minus_one_writes_none(tmp_path):
+def test_checkpoint_every_minus_one_writes_none(weft, tmp_path):
     done = weft("run", "tiny-vl", "--nproc", "1", "--set", "train.max_steps=2", "--set", "train.checkpoint_every=-1",
                 "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -143,8 +144,8 @@ def test_fused_loss_under_fsdp_and_sp_equals_the_unsharded_model(tmp_path):
     """train.loss = "fused": the logits never exist (lm_head and the loss by chunks from the hidden
     states, the head's weights in the root FSDP unit); a ring of 2 over FSDP equals the
     unsharded model computing full logits, loss and every gradient."""
-    done = weft("check", "tiny-vl", "--world-size", "2", "--set", "train.loss=fused", "--set", "parallel.ring=2",
-                "--json", cwd=tmp_path)
+    done = weft_process("check", "tiny-vl", "--world-size", "2", "--set", "train.loss=fused",
+                        "--set", "parallel.ring=2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and {"head", "text", "vision"} <= set(result["grad_max_rel_diff_by_group"]), result
@@ -156,8 +157,8 @@ def test_tied_embeddings_stay_tied_sharded_and_fused(tmp_path):
     tiny = (ROOT / "recipes" / "presets" / "qwen2_5_vl_tiny.toml").read_text()
     preset = tmp_path / "tied_tiny.toml"
     preset.write_text(tiny.replace("tie_word_embeddings = false", "tie_word_embeddings = true"))
-    done = weft("check", "tiny-vl", "--world-size", "2", "--set", f"model.preset={preset}", "--set", "train.loss=fused",
-                "--json", cwd=tmp_path)
+    done = weft_process("check", "tiny-vl", "--world-size", "2", "--set", f"model.preset={preset}",
+                        "--set", "train.loss=fused", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and "embedding" in result["grad_max_rel_diff_by_group"], result

@@ -8,6 +8,8 @@ from weft.core.errors import PlanError, RecipeError
 from weft.core.mesh_spec import MESH_ORDER, MeshSpec, resolve_mesh
 from weft.core.recipe import ParallelSection, Recipe
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
+
 WHERE = "recipe.toml [parallel]"
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from weft_cli import run_weft
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -23,9 +23,8 @@ def run(tmp_path_factory) -> pathlib.Path:
     recipe += ('\n[[rules]]\nname = "three sinks"\n'
                'metrics = [{ strategy = "jsonl" }, { strategy = "tensorboard" }, { strategy = "wandb" }]\n')
     (folder / "sinks.toml").write_text(recipe)
-    done = subprocess.run([sys.executable, "-m", "weft", "run", "sinks.toml", "--nproc", "1", "--run-dir", "run",
-                           "--set", "train.max_steps=3", "--set", "data.num_samples=64"],
-                          capture_output=True, text=True, timeout=600, cwd=folder)
+    done = run_weft("run", "sinks.toml", "--nproc", "1", "--run-dir", "run",
+                    "--set", "train.max_steps=3", "--set", "data.num_samples=64", cwd=folder)
     assert done.returncode == 0, done.stderr[-3000:]
     return folder / "run"
 
@@ -50,6 +49,7 @@ def test_offline_wandb_writes_its_run_folder(run):
     assert records and records[0].stat().st_size > 1000  # the run's history, config and summary
 
 
+@pytest.mark.quick
 def test_a_missing_package_is_named():
     from weft.plugins.metrics import _needs
 

@@ -78,6 +78,7 @@ def _recipe(tmp_path: pathlib.Path, model_dir: pathlib.Path, **train) -> pathlib
     return path
 
 
+@pytest.mark.quick
 def test_the_fixture_is_sharded_as_downloaded(hub_dir):
     """Several shards and their index, the tensors under the checkpoints' legacy names
     (``model.layers.*``, ``visual.*``), the config in the 4.x layout."""
@@ -87,6 +88,7 @@ def test_the_fixture_is_sharded_as_downloaded(hub_dir):
     assert "text_config" not in json.loads((hub_dir / "config.json").read_text())
 
 
+@pytest.mark.quick
 def test_a_directory_without_preprocessor_config_is_exit_2_naming_it(hub_dir, tmp_path, capsys):
     """Synthetic conversations make images through the image processor: without its file the
     run stops before any rank starts, one paragraph, nothing written; `weft generate` too."""
@@ -112,6 +114,7 @@ def test_a_directory_without_preprocessor_config_is_exit_2_naming_it(hub_dir, tm
     assert f"{stripped} has no tokenizer (tokenizer.json or vocab.json or tokenizer.model)" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_long_synthetic_text_reads_no_image_processor(hub_dir, tmp_path):
     """data.tokens without images: nothing of the image processor is needed, so its file may
     be missing (a text model's directory has none)."""
@@ -158,6 +161,7 @@ def test_a_hub_directory_trains_and_exports_with_its_files(hub_dir, tmp_path, ca
         json.loads((hub_dir / "preprocessor_config.json").read_text())["patch_size"]
 
 
+@pytest.mark.quick
 def test_a_shard_missing_from_the_index_is_exit_2_naming_it(hub_dir, tmp_path, capsys):
     """An interrupted download: the index lists a shard the directory lacks; named before any
     rank starts (weft run and weft eval), not found by each rank as it reads."""

@@ -14,7 +14,6 @@ import copy
 import json
 import pathlib
 import shutil
-import subprocess
 import sys
 import textwrap
 
@@ -35,6 +34,7 @@ def _twenty_steps(optimizer: torch.optim.Optimizer, weight: torch.nn.Parameter) 
     return weight.detach().float()
 
 
+@pytest.mark.quick
 def test_stochastic_rounding_keeps_updates_smaller_than_half_a_bf16_step():
     # Each Adam step moves a weight of 1.0 by ~lr = 1e-3, under half the bf16 spacing below 1.0
     # (2^-8): round-to-nearest gives 1.0 back every time; stochastic rounding moves the mean
@@ -49,6 +49,7 @@ def test_stochastic_rounding_keeps_updates_smaller_than_half_a_bf16_step():
     assert torch.equal(got, got.to(torch.bfloat16).float()) and got.unique().numel() > 1
 
 
+@pytest.mark.quick
 def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
     x = torch.full((200_000,), 1.0 + 2**-10, dtype=torch.float32)  # a quarter of the way from 1 to the next bf16
     out = torch.empty_like(x, dtype=torch.bfloat16)
@@ -61,12 +62,14 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
     assert abs(negative.float().mean().item() + (1.0 + 2**-10)) < 2e-5
 
 
+@pytest.mark.quick
 def test_below_half_step():
     w = torch.tensor([1.0, 1.0, 0.02, 0.0], dtype=torch.bfloat16)  # bf16 spacing at 1.0: 2^-7; at 0.02: 2^-13
     u = torch.tensor([2**-9, 2**-7, 1e-5, 1e-30])
     assert below_half_step(w, u).tolist() == [True, False, True, False]
 
 
+@pytest.mark.quick
 def test_float32_weights_step_exactly_as_torch_adamw():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
@@ -85,6 +88,7 @@ def test_float32_weights_step_exactly_as_torch_adamw():
         assert torch.equal(a, b)
 
 
+@pytest.mark.quick
 def test_the_bf16_path_does_torch_adamw_arithmetic_in_float32():
     """With float32 storage the per-tensor step (no rounding happens) equals torch's AdamW."""
     torch.manual_seed(0)
@@ -103,6 +107,7 @@ def test_the_bf16_path_does_torch_adamw_arithmetic_in_float32():
 PRESET_VL = {"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"lr": 1e-5, "weight_decay": 0.01}}
 
 
+@pytest.mark.quick
 def test_per_module_learning_rates_equal_a_hand_built_optimizer():
     """The bundled three-rate rules (LLM 1e-5, vision tower 2e-5, merger 1e-4): the groups, their
     settings and five steps equal torch's AdamW over param groups made by hand."""
@@ -131,6 +136,7 @@ def test_per_module_learning_rates_equal_a_hand_built_optimizer():
         assert torch.equal(a, b), name
 
 
+@pytest.mark.quick
 def test_lr_scale_and_two_strategies():
     recipe = Recipe.from_dict({**PRESET_VL, "rules": [
         {"when": {"modality": "projector"}, "optimizer": {"lr_scale": 10.0, "weight_decay": 0.0}}]})
@@ -143,6 +149,7 @@ def test_lr_scale_and_two_strategies():
         optimizer_for(mixed, build_model(mixed))
 
 
+@pytest.mark.quick
 def test_without_torchao_the_8bit_choice_is_a_plan_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
     monkeypatch.setitem(sys.modules, "torchao.optim", None)
@@ -203,12 +210,11 @@ RECIPE = textwrap.dedent('''
 ''')
 
 
-def test_stochastic_rounding_run_resumes_exactly_and_the_update_guard_speaks_only_for_nearest(tmp_path):
+def test_stochastic_rounding_run_resumes_exactly_and_the_update_guard_speaks_only_for_nearest(weft, tmp_path):
     (tmp_path / "sr.toml").write_text(RECIPE)
 
-    def run(*extra: str, run_dir: str = "run") -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "weft", "run", "sr.toml", "--run-dir", run_dir, *extra],
-                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    def run(*extra: str, run_dir: str = "run"):
+        return weft("run", "sr.toml", "--run-dir", run_dir, *extra, cwd=tmp_path)
 
     def losses() -> dict[int, float]:
         rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from distributed import run_ranks, sp_model
@@ -9,6 +10,7 @@ from weft.strategies.attention.document_mask import document_mask
 from weft.strategies.data.packing import collate_packed, pack_documents
 
 
+@pytest.mark.quick
 def test_document_mask_directly():
     docs = torch.tensor([[0, 0, 1, 1, 1, 2]])
     index = torch.arange(6)
@@ -29,6 +31,7 @@ def test_document_mask_directly():
     assert part.tolist() == [[False, False, True], [False, False, False]]
 
 
+@pytest.mark.quick
 def test_pack_documents_fills_rows_up_to_the_budget():
     rows = pack_documents([30, 50, 20, 70, 10, 40], budget=100, seed=0, epoch=0)
     lengths = [30, 50, 20, 70, 10, 40]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 
 from test_bad_data import make_dataset
@@ -59,6 +60,7 @@ class _Planted:
         return (type(self.marker).touch, (self.marker,))
 
 
+@pytest.mark.quick  # workers=1: no pool
 def test_pickle_planted_in_the_cache_is_refused(tmp_path):
     """A cache folder beside a shared dataset must not be a way to run code in every job
     that reads it: entries load as tensors only; a planted one is made again, never run."""

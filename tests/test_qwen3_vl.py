@@ -34,6 +34,7 @@ CONFIGS = [
 # -- which DeepStack rows a rank keeps ------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_local_rows_match_brute_force(layout):
     """ring 2 x ulysses 2, batch 2: every rank's rows are the visual positions it holds,
@@ -159,6 +160,7 @@ def test_qwen3_vl_under_sp_equals_unsharded():
     run_ranks(4, _all)
 
 
+@pytest.mark.quick
 def test_describe_and_positions():
     """Shard units include the DeepStack mergers (projector); both towers' attention has
     heads; positions() is the model's own interleaved-mRoPE index, per document."""
@@ -190,6 +192,7 @@ def test_describe_and_positions():
     assert not torch.equal(positions[1], positions[2]), "image tokens get 2-D (height, width) positions"
 
 
+@pytest.mark.quick
 def test_keep_vision_alive_runs_deepstack_mergers():
     """A micro-batch without images but with the vision flag runs the whole tower, the
     DeepStack mergers included (FSDP units whose backward every rank must join), and
@@ -213,25 +216,25 @@ def test_keep_vision_alive_runs_deepstack_mergers():
         assert all(g is not None for g in grads), f"visual.{name} is not in the graph"
 
 
-def test_qwen3_vl_through_the_cli(tmp_path):
+def test_qwen3_vl_through_the_cli(weft, tmp_path):
     """As a user would: `weft check` on 4 ranks (ulysses 2 x ring 2, images), `weft plan --explain`
     with both towers' modules and their modalities, and `weft run` training it."""
     root = pathlib.Path(__file__).resolve().parents[1]
     tiny = str(root / "recipes" / "tiny-vl.toml")
     preset = ["--set", "model.preset=qwen3_vl_tiny"]
 
-    def weft(*args):
+    def weft_process(*args):  # check on 4 ranks: a real launcher
         return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600,
                               cwd=tmp_path)
 
-    done = weft("check", tiny, "--world-size", "4", *preset, "--set", "parallel.ulysses=2", "--set", "parallel.ring=2",
-                "--json")
+    done = weft_process("check", tiny, "--world-size", "4", *preset, "--set", "parallel.ulysses=2",
+                        "--set", "parallel.ring=2", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
     assert {"vision", "projector", "text", "embedding", "head"} <= set(result["grad_max_rel_diff_by_group"])
 
-    done = weft("plan", tiny, *preset, "--explain", "--json")
+    done = weft("plan", tiny, *preset, "--explain", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     plan = json.loads(done.stdout)
     assert plan["model"] == "qwen3_vl"
@@ -242,7 +245,8 @@ def test_qwen3_vl_through_the_cli(tmp_path):
     kinds = {(m["modality"], m["kind"]) for m in plan["modules"]}
     assert {("vision", "attention"), ("text", "attention")} <= kinds
 
-    done = weft("run", tiny, *preset, "--nproc", "1", "--set", "train.max_steps=3", "--run-dir", str(tmp_path / "run"))
+    done = weft("run", tiny, *preset, "--nproc", "1", "--set", "train.max_steps=3", "--run-dir", str(tmp_path / "run"),
+                cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and rows[-1]["loss"] < rows[0]["loss"]

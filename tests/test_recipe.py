@@ -20,6 +20,8 @@ from weft.core.recipe import (
     bundled_path,
 )
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
+
 TINY_VL = pathlib.Path(str(importlib.resources.files("weft.recipes"))) / "tiny-vl.toml"
 
 

@@ -8,6 +8,7 @@ then planned against a small registry, which must also fail only with a WeftErro
 from __future__ import annotations
 
 import attrs
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -217,6 +218,7 @@ def test_from_dict_raises_only_weft_errors(data):
         pass
 
 
+@pytest.mark.quick
 @FUZZ
 @given(
     data=st.dictionaries(

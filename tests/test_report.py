@@ -8,26 +8,22 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import pytest
 from PIL import Image
 
+from weft_cli import run_weft
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def weft(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, pathlib.Path]:
     base = tmp_path_factory.mktemp("report")
     first = base / "first"
-    done = weft("run", str(ROOT / "recipes" / "tiny-vl.toml"), "--nproc", "1", "--run-dir", str(first),
-                "--set", "train.max_steps=4", "--set", "data.num_samples=64", "--set", "train.checkpoint_every=2",
-                cwd=base)
+    done = run_weft("run", str(ROOT / "recipes" / "tiny-vl.toml"), "--nproc", "1", "--run-dir", str(first),
+                    "--set", "train.max_steps=4", "--set", "data.num_samples=64",
+                    "--set", "train.checkpoint_every=2", cwd=base)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
     # A resumed run: steps 3-4 ran again after a restart from step 2 (the second time counts),
@@ -46,7 +42,7 @@ def runs(tmp_path_factory) -> dict[str, pathlib.Path]:
     return {"first": first, "resumed": resumed, "aborted": aborted}
 
 
-def test_png_and_html_of_two_runs(runs, tmp_path):
+def test_png_and_html_of_two_runs(weft, runs, tmp_path):
     done = weft("report", str(runs["first"]), str(runs["resumed"]), "--out", str(tmp_path / "r.png"))
     assert done.returncode == 0, done.stderr[-3000:]
     image = Image.open(tmp_path / "r.png").convert("RGB")
@@ -100,6 +96,6 @@ def test_repeated_steps_count_once_and_mfu_on_a_known_gpu(runs, tmp_path):
     (["nowhere"], "nowhere: nowhere has no metrics.jsonl"),
     (["RUN", "--out", "r.pdf"], "--out: --out r.pdf: the report is written as .png or .html"),
 ])
-def test_mistakes_are_messages(runs, args, message, tmp_path):
+def test_mistakes_are_messages(weft, runs, args, message, tmp_path):
     done = weft("report", *[str(runs["first"]) if a == "RUN" else a for a in args], cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -67,6 +67,7 @@ def _equal(a, b) -> None:
     assert torch.equal(a[0], b[0]) and a[1] == b[1] and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", ["yarn", "linear", "dynamic"])
 def test_a_rule_builds_the_tables_of_the_model_keys_and_of_transformers(kind):
     by_rule = _resolved(_recipe(rope={"strategy": kind, "factor": 4.0}))
@@ -79,11 +80,13 @@ def test_a_rule_builds_the_tables_of_the_model_keys_and_of_transformers(kind):
     assert not torch.equal(plain[2], _tables(by_rule)[2])  # the rule did change the tables
 
 
+@pytest.mark.quick
 def test_the_rule_applies_only_past_its_seq_len():
     short = _recipe(rope={"strategy": "yarn", "factor": 4.0}, tokens=512)  # seq_len 512: not > 512
     assert _resolved(short) is short and short.model.rope_scaling == "none"
 
 
+@pytest.mark.quick
 def test_auto_factor_covers_seq_len_positions():
     long = _resolved(_recipe(rope={"strategy": "yarn", "factor": "auto"}, tokens=20000))
     assert (long.model.rope_scaling, long.model.rope_factor) == ("yarn", 4.9)  # 20,000 / 4,096 -> 4.9
@@ -91,6 +94,7 @@ def test_auto_factor_covers_seq_len_positions():
     assert fits.model.rope_scaling == "none"  # the trained context already holds it
 
 
+@pytest.mark.quick
 def test_a_rule_against_the_model_keys_is_a_plan_error():
     both = _recipe(rope={"strategy": "yarn", "factor": 4.0}, model={"rope_scaling": "yarn", "rope_factor": 2.0})
     with pytest.raises(PlanError, match="both set the rotary scaling"):
@@ -99,14 +103,13 @@ def test_a_rule_against_the_model_keys_is_a_plan_error():
     assert _resolved(same).model.rope_factor == 2.0  # agreeing is fine
 
 
-def test_plan_explain_and_check_under_ring2_use_the_rule(tmp_path):
+def test_plan_explain_and_check_under_ring2_use_the_rule(weft, tmp_path):
     recipe = tmp_path / "rope.toml"
     recipe.write_text('[model]\npreset = "qwen2_5_vl_tiny"\n[data]\nnum_samples = 16\n[train]\n'
                       'micro_batch_tokens = 1024\n[[rules]]\nname = "long text: YaRN"\n'
                       'when = { modality = "text", seq_len = { gt = 512 } }\n'
                       'rope = { strategy = "yarn", factor = 4.0 }\n')
-    plan = subprocess.run([sys.executable, "-m", "weft", "plan", str(recipe), "--explain"], capture_output=True,
-                          text=True, timeout=300)
+    plan = weft("plan", str(recipe), "--explain")
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert "rotary context 16384 (yarn x4 over 4096 trained positions)" in plan.stdout
     assert "rope.toml:7" in plan.stdout and "long text: YaRN" in plan.stdout

@@ -124,6 +124,7 @@ def default_source(point: str, info: ModuleInfo, *, seq_len: int = 2048, world_s
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_recipe_rules_before_includes_before_defaults(tmp_path):
     write(tmp_path, "extra.toml", """
         [[rules]]
@@ -167,6 +168,7 @@ def test_recipe_rules_before_includes_before_defaults(tmp_path):
     assert plan.decision("batching").source == default_source("batching", ROOT)
 
 
+@pytest.mark.quick
 def test_first_matching_rule_wins_per_point(tmp_path):
     path = write(tmp_path, "recipe.toml", MODEL + """
         [[rules]]
@@ -183,6 +185,7 @@ def test_first_matching_rule_wins_per_point(tmp_path):
     assert decision(plan, VISION_ATTN.path, "attention").rule == "second (shadowed for text)"
 
 
+@pytest.mark.quick
 def test_recipe_rule_beats_an_earlier_listed_include(tmp_path):
     """Precedence is by origin (recipe, includes, defaults), not by where `include` sits."""
     write(tmp_path, "inc.toml", '[[rules]]\nname = "included"\nattention = { strategy = "eager" }\n')
@@ -195,6 +198,7 @@ def test_recipe_rule_beats_an_earlier_listed_include(tmp_path):
     assert decision(plan_of(recipe), TEXT_ATTN.path, "attention").rule == "own"
 
 
+@pytest.mark.quick
 def test_rule_setting_only_attention_does_not_stop_later_shard_rule(tmp_path):
     path = write(tmp_path, "recipe.toml", MODEL + """
         [[rules]]
@@ -218,6 +222,7 @@ def test_rule_setting_only_attention_does_not_stop_later_shard_rule(tmp_path):
     assert decision(plan, TEXT_ATTN.path, "kv_cache").source == default_source("kv_cache", TEXT_ATTN)
 
 
+@pytest.mark.quick
 def test_points_only_apply_to_their_module_kinds(tmp_path):
     path = write(
         tmp_path, "recipe.toml",
@@ -232,6 +237,7 @@ def test_points_only_apply_to_their_module_kinds(tmp_path):
     assert len(plan.modules_for("shard", "none")) == 6  # root + five units
 
 
+@pytest.mark.quick
 def test_plan_is_deterministic(tmp_path):
     path = write(tmp_path, "recipe.toml", 'include = ["rules/modality-groups.toml"]\n' + MODEL)
     assert plan_of(Recipe.from_toml(path)) == plan_of(Recipe.from_toml(path))
@@ -243,6 +249,7 @@ def test_plan_is_deterministic(tmp_path):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_nested_includes_relative_to_the_including_file(tmp_path):
     write(tmp_path, "recipes/sub/a.toml", """
         include = ["b.toml"]   # next to a.toml, not next to the recipe
@@ -286,6 +293,7 @@ def test_nested_includes_relative_to_the_including_file(tmp_path):
     assert all(s.startswith(f"{MODALITY_GROUPS}:") for s in sources[4:])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["rules/modality-groups.toml", "modality-groups.toml", "modality-groups"])
 def test_bundled_rule_files_by_name(tmp_path, name):
     path = write(tmp_path, "recipe.toml", f'include = ["{name}"]\n' + MODEL)
@@ -303,18 +311,21 @@ def test_bundled_rule_files_by_name(tmp_path, name):
     assert decision(plan, "", "shard").source == default_source("shard", ROOT)
 
 
+@pytest.mark.quick
 def test_local_file_shadows_bundled_name(tmp_path):
     write(tmp_path, "rules/modality-groups.toml", '[[rules]]\nname = "local copy"\nshard = "none"\n')
     path = write(tmp_path, "recipe.toml", 'include = ["rules/modality-groups.toml"]\n' + MODEL)
     assert [r.name for r in Recipe.from_toml(path).rules] == ["local copy"]
 
 
+@pytest.mark.quick
 def test_include_as_single_string(tmp_path):
     write(tmp_path, "inc.toml", '[[rules]]\nname = "inc"\nshard = "none"\n')
     path = write(tmp_path, "recipe.toml", 'include = "inc.toml"\n' + MODEL)
     assert [r.name for r in Recipe.from_toml(path).rules] == ["inc"]
 
 
+@pytest.mark.quick
 def test_include_cycle_is_rejected(tmp_path):
     write(tmp_path, "a.toml", 'include = ["b.toml"]\n')
     write(tmp_path, "b.toml", 'include = ["./sub/../a.toml"]\n')
@@ -325,6 +336,7 @@ def test_include_cycle_is_rejected(tmp_path):
     assert "a.toml -> " in str(info.value) and "b.toml" in str(info.value)
 
 
+@pytest.mark.quick
 def test_recipe_including_itself_is_a_cycle(tmp_path):
     path = write(tmp_path, "recipe.toml", 'include = ["recipe.toml"]\n' + MODEL)
     with pytest.raises(RecipeError, match="include cycle"):
@@ -334,6 +346,7 @@ def test_recipe_including_itself_is_a_cycle(tmp_path):
         Recipe.from_toml(path.resolve())
 
 
+@pytest.mark.quick
 def test_same_file_included_twice_is_not_a_cycle(tmp_path):
     write(tmp_path, "x.toml", '[[rules]]\nname = "x"\nshard = "none"\n')
     write(tmp_path, "a.toml", 'include = ["x.toml"]\n')
@@ -342,6 +355,7 @@ def test_same_file_included_twice_is_not_a_cycle(tmp_path):
     assert [r.name for r in Recipe.from_toml(path).rules] == ["x", "x"]
 
 
+@pytest.mark.quick
 def test_missing_include_names_bundled_files(tmp_path):
     path = write(tmp_path, "recipe.toml", 'include = ["nope.toml"]\n' + MODEL)
     with pytest.raises(RecipeError, match="included file 'nope.toml' not found") as info:
@@ -350,6 +364,7 @@ def test_missing_include_names_bundled_files(tmp_path):
     assert str(info.value).startswith(f"{path}:1 (include)")
 
 
+@pytest.mark.quick
 def test_included_file_may_hold_only_rules(tmp_path):
     write(tmp_path, "inc.toml", '[[rules]]\nshard = "none"\n\n[parallel]\nring = 2\n')
     path = write(tmp_path, "recipe.toml", 'include = ["inc.toml"]\n' + MODEL)
@@ -363,6 +378,7 @@ def test_included_file_may_hold_only_rules(tmp_path):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_provenance_points_at_rules_headers(tmp_path):
     path = write(tmp_path, "recipe.toml", """
         # A recipe with comments, sections between rules and sub-table rules.
@@ -410,6 +426,7 @@ def test_provenance_points_at_rules_headers(tmp_path):
     assert decision(plan, TEXT_ATTN.path, "kv_cache").source == default_source("kv_cache", TEXT_ATTN)
 
 
+@pytest.mark.quick
 def test_default_rules_provenance():
     lines = rule_header_lines(DEFAULTS)
     rules = default_rules()
@@ -422,6 +439,7 @@ def test_default_rules_provenance():
             assert d.source == default_source(d.point, module.info)
 
 
+@pytest.mark.quick
 def test_rules_from_dict_without_text_get_index_sources():
     recipe = Recipe.from_dict(
         {"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [{"shard": "none"}, {"guard": "finite"}]}
@@ -444,6 +462,7 @@ def hit(when: dict, info: ModuleInfo, *, seq_len: int = 4096, world_size: int = 
     return matches(selector(when), info, seq_len=seq_len, world_size=world_size)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "when, info, expected",
     [
@@ -501,6 +520,7 @@ def test_selector(when, info, expected):
     assert hit(when, info) is expected
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "op, value, expected",
     [
@@ -519,6 +539,7 @@ def test_numeric_comparisons(key, op, value, expected):
     assert hit({key: {op: value}}, info, seq_len=28, world_size=28) is expected
 
 
+@pytest.mark.quick
 def test_seq_len_selector_reads_train_seq_len():
     rules = [{"when": {"modality": "text", "seq_len": {"gt": 65536}}, "attention": {"strategy": "test_ulysses"}}]
     long = Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"max_seq_len": 131072}, "rules": rules})
@@ -534,6 +555,7 @@ def test_seq_len_selector_reads_train_seq_len():
     assert plan_of(short).seq_len == 65536
 
 
+@pytest.mark.quick
 def test_world_size_selector_reads_the_planned_world_size():
     recipe = Recipe.from_dict({
         "model": {"preset": "qwen2_5_vl_tiny"},
@@ -544,6 +566,7 @@ def test_world_size_selector_reads_the_planned_world_size():
     assert plan_of(recipe, world_size=2).world_size == 2
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "when, message",
     [
@@ -566,6 +589,7 @@ def test_bad_selectors(when, message):
     assert message in str(info.value)
 
 
+@pytest.mark.quick
 def test_when_must_be_a_table():
     with pytest.raises(RecipeError, match="'when' must be a table of selectors"):
         selector("vision")  # type: ignore[arg-type]
@@ -581,6 +605,7 @@ def recipe_with(rule_text: str, tmp_path: pathlib.Path) -> tuple[Recipe, pathlib
     return Recipe.from_toml(path), path
 
 
+@pytest.mark.quick
 def test_unknown_strategy_lists_the_available_ones(tmp_path):
     recipe, path = recipe_with(
         '[[rules]]\nwhen = { modality = "text" }\nattention = { strategy = "test_ulyses" }\n', tmp_path
@@ -595,6 +620,7 @@ def test_unknown_strategy_lists_the_available_ones(tmp_path):
     )
 
 
+@pytest.mark.quick
 def test_unknown_strategy_without_close_match(tmp_path):
     recipe, _ = recipe_with('[[rules]]\nkv_cache = "zzzz"\n', tmp_path)
     with pytest.raises(RecipeError) as info:
@@ -604,6 +630,7 @@ def test_unknown_strategy_without_close_match(tmp_path):
     )
 
 
+@pytest.mark.quick
 def test_strategy_of_another_point_is_unknown(tmp_path):
     recipe, _ = recipe_with('[[rules]]\nshard = "test_ulysses"\n', tmp_path)
     with pytest.raises(RecipeError) as info:
@@ -612,6 +639,7 @@ def test_strategy_of_another_point_is_unknown(tmp_path):
     assert str(info.value).endswith(f"Available: {', '.join(REGISTRY.names('shard'))}")
 
 
+@pytest.mark.quick
 def test_unknown_param_key(tmp_path):
     recipe, path = recipe_with('[[rules]]\nattention = { strategy = "test_ulysses", chunk = 2 }\n', tmp_path)
     with pytest.raises(RecipeError) as info:
@@ -620,6 +648,7 @@ def test_unknown_param_key(tmp_path):
     assert "Accepted keys here: backend, chunks" in str(info.value)
 
 
+@pytest.mark.quick
 def test_param_for_a_strategy_without_params(tmp_path):
     recipe, _ = recipe_with('[[rules]]\ngrad_sync = { strategy = "test_log_norm", backend = "flash" }\n', tmp_path)
     with pytest.raises(
@@ -628,6 +657,7 @@ def test_param_for_a_strategy_without_params(tmp_path):
         plan_of(recipe)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "params, message",
     [
@@ -647,6 +677,7 @@ def test_param_wrong_type_or_value(tmp_path, params, message):
     assert str(info.value).startswith(f"{path}:4 (attention")
 
 
+@pytest.mark.quick
 def test_params_are_checked_even_when_no_module_matches(tmp_path):
     recipe, _ = recipe_with(
         '[[rules]]\nwhen = { path = "no.such.module" }\nshard = { strategy = "fsdp2", grop = "x" }\n', tmp_path
@@ -657,12 +688,14 @@ def test_params_are_checked_even_when_no_module_matches(tmp_path):
         validate_rules(recipe.rules, REGISTRY)
 
 
+@pytest.mark.quick
 def test_int_param_for_float_field_is_converted(tmp_path):
     recipe, _ = recipe_with('[[rules]]\ngrad_sync = { strategy = "clip", max_norm = 2 }\n', tmp_path)
     (clip,) = plan_of(recipe).decisions_of("grad_sync")
     assert clip.params.max_norm == 2.0 and isinstance(clip.params.max_norm, float)
 
 
+@pytest.mark.quick
 def test_guard_and_grad_sync_accept_lists(tmp_path):
     recipe, path = recipe_with("""
         [[rules]]
@@ -687,29 +720,34 @@ def test_guard_and_grad_sync_accept_lists(tmp_path):
     assert decisions["guard.test_loss_spike"]["params"] == {"factor": 3.0}
 
 
+@pytest.mark.quick
 def test_list_param_errors_name_the_point(tmp_path):
     recipe, _ = recipe_with('[[rules]]\nguard = ["finite", { strategy = "test_loss_spike", factr = 3.0 }]\n', tmp_path)
     with pytest.raises(RecipeError, match="\\(guard.factr\\): unknown key 'factr'; did you mean 'factor'?"):
         plan_of(recipe)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("point", ["shard", "attention", "kv_cache", "batching"])
 def test_single_points_refuse_lists(point):
     with pytest.raises(RecipeError, match=f"{point} must be a table with a 'strategy' string"):
         Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [{point: ["a", "b"]}]})
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("value", [{"max_norm": 1.0}, 3, [{"strategy": "clip"}, 5], {"strategy": 1}])
 def test_action_needs_a_strategy_string(value):
     with pytest.raises(RecipeError, match="grad_sync must be a table with a 'strategy' string .* or a list of them"):
         Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [{"grad_sync": value}]})
 
 
+@pytest.mark.quick
 def test_unknown_hook_point_did_you_mean():
     with pytest.raises(RecipeError, match="unknown rule key 'gaurd'; did you mean 'guard'?"):
         Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [{"gaurd": "finite"}]})
 
 
+@pytest.mark.quick
 def test_rule_choosing_nothing():
     with pytest.raises(RecipeError, match="a rule must choose a strategy for at least one hook point"):
         Recipe.from_dict(
@@ -717,11 +755,13 @@ def test_rule_choosing_nothing():
         )
 
 
+@pytest.mark.quick
 def test_duplicate_strategy_declaration_is_refused():
     with pytest.raises(PlanError, match="declared twice: by plugin 'a' and by plugin 'b'"):
         StrategyRegistry([Strategy(point="shard", name="x", plugin="a"), Strategy(point="shard", name="x", plugin="b")])
 
 
+@pytest.mark.quick
 def test_builtin_registry_plans_with_defaults(tmp_path):
     """The built-in plugins alone carry out every default and bundled rule."""
     from weft.core.plugin_manager import build_plugin_manager
@@ -750,6 +790,7 @@ def test_builtin_registry_plans_with_defaults(tmp_path):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_plan_to_json_round_trip_shape(tmp_path):
     path = write(
         tmp_path, "recipe.toml",
@@ -805,12 +846,14 @@ def test_core_modules_import_without_torch():
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.quick
 def test_errors_are_weft_errors():
     assert issubclass(RecipeError, WeftError) and issubclass(PlanError, WeftError)
     assert RecipeError("x", where="f.toml:3").exit_code == 2
     assert str(RecipeError("bad", where="f.toml:3 (train)")) == "f.toml:3 (train): bad"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("point", ["grad_sync", "guard"])
 def test_empty_strategy_list_is_refused(point):
     # An empty list would silently drop the point (for grad_sync: no gradient reduction at all).

@@ -49,6 +49,7 @@ def whole(build, *, seed: int, block_rows: int = 1024) -> dict[str, torch.Tensor
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.quick
 def test_whole_model_init():
     model = tiny_vl()
     model.to_empty(device="cpu")
@@ -80,6 +81,7 @@ def test_whole_model_init():
     assert abs(small_blocks["lm_head.weight"].std().item() - STD) < 0.1 * STD
 
 
+@pytest.mark.quick
 def test_rotary_tables_are_restored_after_to_empty():
     """The caller's step for buffers (not parameters): sharded_load's reset."""
     import transformers
@@ -96,6 +98,7 @@ def test_rotary_tables_are_restored_after_to_empty():
     assert all(torch.equal(b, expected[n]) for n, b in model.named_buffers())
 
 
+@pytest.mark.quick
 def test_block_rows_must_be_positive():
     with pytest.raises(ValueError, match="block_rows"):
         init_parameters(torch.nn.Linear(2, 2), seed=0, std=STD, block_rows=0)

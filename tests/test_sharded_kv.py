@@ -3,6 +3,7 @@ attention over the whole cache (float64), with grouped-query heads and an empty 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from weft.strategies.attention.sharded_decode import (
@@ -12,6 +13,8 @@ from weft.strategies.attention.sharded_decode import (
     partial_attention,
     partitioned_decode_attention,
 )
+
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
 
 
 def test_merged_shards_equal_whole_attention():

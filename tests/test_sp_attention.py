@@ -145,11 +145,13 @@ def test_bad_shapes_are_clear_errors():
     run_ranks(4, _worker_errors)
 
 
+@pytest.mark.quick
 def test_sequence_not_divisible_is_a_clear_error():
     with pytest.raises(ValueError, match=r"length 30 is not divisible by 8 .*pad it by 2 to 32"):
         shard_sequence(torch.zeros(30), dim=0, rank=0, world=4, layout="zigzag")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_shard_and_unshard_are_exact_inverses(layout, world):
@@ -161,11 +163,13 @@ def test_shard_and_unshard_are_exact_inverses(layout, world):
     assert sorted(index.tolist()) == list(range(x.shape[2]))
 
 
+@pytest.mark.quick
 def test_zigzag_gives_each_rank_a_head_and_a_tail_chunk():
     assert sequence_index(8, rank=0, world=2, layout="zigzag").tolist() == [0, 1, 6, 7]
     assert sequence_index(8, rank=1, world=2, layout="zigzag").tolist() == [2, 3, 4, 5]
 
 
+@pytest.mark.quick
 def test_usp_shard_round_trip():
     x = torch.randn(1, 2, 32, 4)
     parts = [
@@ -175,6 +179,7 @@ def test_usp_shard_round_trip():
     assert torch.equal(usp_unshard(parts, dim=2, layout="zigzag"), x)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_emulated_ring_equals_full_attention(layout, causal):

@@ -8,6 +8,7 @@ Loss relative difference <= 1e-5, every gradient <= 1e-4.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from distributed import run_ranks, sp_model
@@ -94,6 +95,7 @@ def test_vl_and_text_models_under_sp_equal_unsharded(tmp_path):
     run_ranks(4, _all, str(wide))
 
 
+@pytest.mark.quick
 def test_images_are_balanced_by_patch_count():
     from weft.strategies.sequence.model_split import assign_images
 

@@ -13,6 +13,8 @@ from weft.core.presets import build_config, load_preset
 from weft.strategies.data.conversation import IGNORE_INDEX, IMAGE_TYPE, collate, load_processor
 from weft.strategies.data.synthetic_long import long_samples, special_ids
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
+
 TINY = build_config(*load_preset("qwen2_5_vl_tiny")[:2])
 VISION = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
 

@@ -66,6 +66,7 @@ def test_tiled_mlp_and_offload_keep_the_loss_and_gradients(world, strategy):
     run_ranks(world, _compare, strategy)
 
 
+@pytest.mark.quick
 def test_only_one_tile_of_intermediates_exists_at_a_time():
     """The MLP's widest tensors (tokens x intermediate) are never larger than one tile's."""
     model = build_model(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}}), device="cpu", seed=0)
@@ -87,6 +88,7 @@ def test_only_one_tile_of_intermediates_exists_at_a_time():
     assert widest == {"tiled": 8, "plain": 40}
 
 
+@pytest.mark.quick
 def test_tile_size_is_checked():
     with pytest.raises(ValueError, match="tile_tokens must be at least 1"):
         TiledMLP(tile_tokens=0)

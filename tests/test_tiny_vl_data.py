@@ -21,6 +21,8 @@ from weft.strategies.data.conversation import (
 )
 from weft.strategies.data.synthetic_vl import SHAPE_COLOURS, synthetic_conversations
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
+
 
 @pytest.fixture(scope="module")
 def processor():

@@ -32,6 +32,7 @@ def test_kernels_under_the_interpreter():
     assert done.stdout.count(" ok ") == 14, done.stdout
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("backend", ["triton", "cudnn", "torch_flash", "flash"])
 def test_gpu_backends_refuse_cpu_with_a_message(backend):
     with pytest.raises(

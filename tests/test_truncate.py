@@ -8,6 +8,8 @@ from PIL import Image
 
 from weft.strategies.data.conversation import encode_conversation, load_processor, truncate_sample
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
+
 
 @pytest.fixture(scope="module")
 def processor():

@@ -46,6 +46,7 @@ def encode(record, processor, base, **kwargs):
     return encode_conversation(messages, tokenizer=tokenizer, image_processor=image_processor)
 
 
+@pytest.mark.quick
 def test_a_file_is_sampled_to_the_frame_rate_in_whole_temporal_patches(tmp_path):
     write_mp4(tmp_path / "clip.mp4", frames=8, fps=4)  # 2 s
     frames, fps = load_video("clip.mp4", base=tmp_path, limits=VideoLimits(fps=2.0))
@@ -56,6 +57,7 @@ def test_a_file_is_sampled_to_the_frame_rate_in_whole_temporal_patches(tmp_path)
     assert frame_count(available=1, native_fps=4.0, fps=2.0, max_frames=768, temporal=2) == 2  # one patch at least
 
 
+@pytest.mark.quick
 def test_only_the_sampled_frames_are_decoded_into_images(tmp_path):
     """A file that declares its frame count: only the sampled frames become images, and
     decoding stops after the last one; they equal the same frames of a whole decode."""
@@ -75,6 +77,7 @@ def test_only_the_sampled_frames_are_decoded_into_images(tmp_path):
     assert all(frames[k].tobytes() == whole[i].tobytes() for k, i in enumerate(picked))
 
 
+@pytest.mark.quick
 def test_video_sample_tensors_and_second_per_grid_ts(tmp_path, processor):
     write_mp4(tmp_path / "clip.mp4", frames=8, fps=4)
     sample = encode(video_chat("clip.mp4"), processor, tmp_path)
@@ -87,6 +90,7 @@ def test_video_sample_tensors_and_second_per_grid_ts(tmp_path, processor):
     assert fast.video_grid_thw.tolist() == [[4, 4, 4]] and fast.second_per_grid_ts.tolist() == [0.5]
 
 
+@pytest.mark.quick
 def test_temporal_patches_pair_consecutive_frames(tmp_path, processor):
     from PIL import Image
 
@@ -100,6 +104,7 @@ def test_temporal_patches_pair_consecutive_frames(tmp_path, processor):
     torch.testing.assert_close(sample.pixel_values_videos, expected, rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_video_position_ids_are_the_models_own_rope_index(tmp_path, processor, model):
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
@@ -126,6 +131,7 @@ def test_video_position_ids_are_the_models_own_rope_index(tmp_path, processor, m
     assert len(temporal) == 4 and all(b - a == 1 for a, b in zip(temporal, temporal[1:]))
 
 
+@pytest.mark.quick
 def test_mixed_image_video_text_batch_runs_the_model(tmp_path, processor, model):
     from PIL import Image
 
@@ -147,6 +153,7 @@ def test_mixed_image_video_text_batch_runs_the_model(tmp_path, processor, model)
         torch.testing.assert_close(logits[row, : sample.num_tokens], alone, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.quick
 def test_an_over_long_video_keeps_whole_temporal_patches_and_its_answer(tmp_path, processor):
     write_mp4(tmp_path / "clip.mp4", frames=16, fps=4)
     tokenizer, _ = processor
@@ -161,11 +168,11 @@ def test_an_over_long_video_keeps_whole_temporal_patches_and_its_answer(tmp_path
     torch.testing.assert_close(cut.pixel_values_videos, rows[::2].reshape(-1, rows.shape[-1]), rtol=0, atol=0)
 
 
-def weft(*args, cwd) -> subprocess.CompletedProcess:
+def weft_process(*args, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
-def test_a_broken_video_is_skipped_and_counted_like_a_broken_image(tmp_path):
+def test_a_broken_video_is_skipped_and_counted_like_a_broken_image(weft, tmp_path):
     write_mp4(tmp_path / "clip.mp4", frames=4, fps=2)
     (tmp_path / "broken.mp4").write_bytes((tmp_path / "clip.mp4").read_bytes()[:200])  # truncated
     (tmp_path / "noise.mp4").write_bytes(b"not a video at all" * 10)
@@ -189,7 +196,7 @@ def test_a_broken_video_is_skipped_and_counted_like_a_broken_image(tmp_path):
 
 
 def test_the_bundled_video_recipe_trains_on_synthetic_videos(tmp_path):
-    done = weft("run", "tiny-vl-video", "--set", "train.max_steps=4", "--run-dir", "run", cwd=tmp_path)
+    done = weft_process("run", "tiny-vl-video", "--set", "train.max_steps=4", "--run-dir", "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 4 and summary["skipped_samples"] == 0

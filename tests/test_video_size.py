@@ -14,6 +14,8 @@ from weft.core.recipe import Recipe
 from weft.strategies.data.conversation import encode_conversation, load_processor, load_video_sizing, processor_dir
 from weft.strategies.data.video_size import VideoSizing
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
+
 QWEN2 = VideoSizing(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, factor=28, temporal=2, whole_video=False)
 QWEN3 = VideoSizing(min_pixels=4096, max_pixels=25165824, factor=32, temporal=2, whole_video=True)
 SIZES = [(h, w) for h in (20, 56, 100, 333, 720, 1080, 2160) for w in (28, 90, 480, 1280, 3840)]

@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny-vl-video.toml")
 FROZEN = ('\n[[rules]]\nname = "vision tower frozen"\nwhen = { path = "*.visual.blocks.*" }\n'
@@ -59,6 +61,7 @@ def test_check_is_exact_on_long_synthetic_samples_with_a_video(tmp_path):
     assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
 
 
+@pytest.mark.quick
 def test_a_rank_without_videos_calls_the_tower_as_often_as_one_with():
     """The data-parallel keep-alive's marks: one blank tower call for each modality that some
     rank of the round encodes and this one does not (Qwen2.5-VL calls the tower once for the

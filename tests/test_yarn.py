@@ -41,6 +41,7 @@ def _recipe(preset: str, **model) -> Recipe:
     return Recipe.from_dict({"model": {"preset": preset, **model}})
 
 
+@pytest.mark.quick
 def test_needed_factor():
     assert needed_factor(4095, trained=4096) == 1.0  # positions 0..4095 fit exactly
     assert needed_factor(4096, trained=4096) == 1.1  # one past: rounded up to a tenth
@@ -48,6 +49,7 @@ def test_needed_factor():
     assert needed_factor(131072, trained=32768) == 4.1
 
 
+@pytest.mark.quick
 def test_yarn_parameters_keep_theta_and_mrope_sections():
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
     out = yarn_parameters(rope, factor=4.0, original=32768)
@@ -57,6 +59,7 @@ def test_yarn_parameters_keep_theta_and_mrope_sections():
         yarn_parameters(rope, factor=1.0, original=32768)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("preset", ["qwen2_5_vl_tiny", "qwen2_text_tiny"])
 def test_the_model_gets_transformers_yarn_tables(preset):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -76,6 +79,7 @@ def test_the_model_gets_transformers_yarn_tables(preset):
                                                    "context": 2048}
 
 
+@pytest.mark.quick
 def test_an_exported_config_keeps_yarn(tmp_path):
     import transformers
 
@@ -99,6 +103,7 @@ def _vl_batch():
     return collate(samples, pad_id=tokenizer.pad_token_id)
 
 
+@pytest.mark.quick
 def test_the_watch_reads_mrope_positions_and_names_the_factor():
     from weft.plugins.models.positions import PositionWatch
 
@@ -148,6 +153,7 @@ def test_sequence_parallel_stays_exact_with_yarn(tmp_path):
     assert result["ok"] and result["mesh"]["ring"] == 2, result
 
 
+@pytest.mark.quick
 def test_plan_positions_reads_the_data_like_the_model(capsys):
     """`weft plan --positions`: the largest position id over the recipe's samples equals
     what the model's own forward computes for them, one sample at a time."""
