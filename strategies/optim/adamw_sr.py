@@ -26,7 +26,7 @@ from weft.strategies.optim import stochastic_round, stochastic_round_triton
 _STREAM = 0x9E3779B97F4A7C15
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -76,7 +76,7 @@ class AdamWSR(torch.optim.Optimizer):
                     continue
                 state["step"] += 1
                 step = int(state["step"])
-                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                tensors = [local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 kernel = (stochastic_round_triton if stochastic_round_triton.available(tensors[0].device)
                           else stochastic_round)
                 kernel.adamw_step_(*tensors, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],

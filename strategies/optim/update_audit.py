@@ -15,15 +15,12 @@ from typing import Any
 
 import torch
 
+from weft.strategies.optim.adamw_sr import local
 from weft.strategies.optim.stochastic_round import below_half_step
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _sample(t: torch.Tensor, per_tensor: int) -> torch.Tensor:
-    flat = _local(t).reshape(-1)
+    flat = local(t).reshape(-1)
     return flat[:: max(1, flat.numel() // per_tensor)][:per_tensor]
 
 
@@ -46,7 +43,7 @@ def lost_fractions(optimizer: Any, *, per_tensor: int = 1024) -> list[tuple[int,
             w = _sample(p.detach(), per_tensor).float()
             m, v = (_sample(t, per_tensor).float() for t in moments)
             update = lr * (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps) + lr * decay * w
-            size = _local(p).numel()
+            size = local(p).numel()
             lost.append(below_half_step(w, update).float().mean() * size)  # the sample's share, scaled to the tensor
             total += size
             sampled += w.numel()
