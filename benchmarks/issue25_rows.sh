@@ -4,6 +4,9 @@
 #   bash benchmarks/issue25_rows.sh a   # the 3B Hugging Face directory flow; the 8.3B optimizer step
 #   bash benchmarks/issue25_rows.sh b   # qwen2.5-vl-7b-128k-1gpu as shipped, 10 steps; a 32K run
 #   bash benchmarks/issue25_rows.sh c   # two more 32K runs; plain transformers at 32K, same lease
+#   bash benchmarks/issue25_rows.sh d   # the 8.3B optimizer step with torchao's 8-bit states (carry torchao)
+#   bash benchmarks/issue25_rows.sh e   # three 32K runs of 6 steps, one after another
+#   bash benchmarks/issue25_rows.sh f   # plain transformers at 32K (after e, same lease)
 # Run with weft importable (DEVELOPERS.md: installed into a folder on PYTHONPATH) and from
 # the checkout's root; runs write under /tmp/i25. nvidia-smi samples the device's memory
 # in use (reserved memory and the CUDA context included) beside each run's own peak.
@@ -39,6 +42,18 @@ case "$stage" in
     run32 r32k-2 6 150
     run32 r32k-3 6 150
     timeout $((580 - SECONDS)) python3 benchmarks/train.py --out "$out/hf" --only 7b:32768 --steps 5 --skip-weft \
+      > "$out/hf.log" 2>&1; echo "hf rc=$?" | tee -a "$out/status.txt"
+    tail -n 12 "$out/hf.log"; pack hf ;;
+  d)
+    timeout 400 python3 benchmarks/optimizer_step.py --out "$out" --optimizers adamw_8bit,adamw_sr \
+      > "$out/optimizer8.log" 2>&1; echo "optimizer8 rc=$?" | tee -a "$out/status.txt"
+    grep -v Warning "$out/optimizer8.log" | tail -n 8; pack optimizer8 ;;
+  e)
+    run32 r32k-1 6 175
+    run32 r32k-2 6 175
+    run32 r32k-3 6 $((590 - SECONDS)) ;;
+  f)
+    timeout 400 python3 benchmarks/train.py --out "$out/hf" --only 7b:32768 --steps 5 --skip-weft \
       > "$out/hf.log" 2>&1; echo "hf rc=$?" | tee -a "$out/status.txt"
     tail -n 12 "$out/hf.log"; pack hf ;;
 esac

@@ -1,6 +1,7 @@
 """One optimizer step of Qwen2.5-VL-7B's 8.3B bf16 parameters on one GPU, per optimizer.
 
     python3 benchmarks/optimizer_step.py --out $OUT            # adamw, adamw_sr, adamw_sr + float32 moments
+    python3 benchmarks/optimizer_step.py --out $OUT --optimizers adamw_8bit,adamw_sr   # torchao's 8-bit states
 
 For each optimizer: the step's time (CUDA events, mean of 5 steps after 2 warm-up steps),
 its peak memory above what the weights, gradients and states hold (the step's own
@@ -47,7 +48,20 @@ def make(name: str, params: list[torch.nn.Parameter], lr: float):
         return AdamWSR(params, lr=lr, betas=(0.9, 0.95))
     if name == "adamw_sr_fp32_states":
         return AdamWSR(params, lr=lr, betas=(0.9, 0.95), state_dtype="float32")
+    if name == "adamw_8bit":  # the plugin's own maker: torchao's AdamW8bit, bf16 stochastic rounding
+        from weft.plugins.optimizer import _MAKERS
+
+        return _MAKERS["adamw_8bit"]([{"params": params, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
     raise ValueError(name)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a state tensor holds on the GPU; a tensor subclass (torchao's 8-bit state) by
+    its inner tensors, since its numel is the logical size."""
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size() if t.device.type == "cuda" else 0
 
 
 def measure(name: str, shape_list: list[tuple[int, ...]], *, lr: float, seed: int) -> dict:
@@ -71,8 +85,8 @@ def measure(name: str, shape_list: list[tuple[int, ...]], *, lr: float, seed: in
         torch.cuda.synchronize()
         times.append(begin.elapsed_time(end) / 1e3)
     peak_extra = (torch.cuda.max_memory_allocated() - held) / 2**30
-    states = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-                 if isinstance(t, torch.Tensor) and t.device.type == "cuda") / 2**30
+    states = sum(tensor_bytes(t) for s in optimizer.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)) / 2**30
     changed = sum(int((a != b).sum()) for a, b in zip(params[:40], start)) / sum(t.numel() for t in start)
     row = {"optimizer": name, "parameters": sum(p.numel() for p in params), "step_s": sum(times) / len(times),
            "step_s_min": min(times), "peak_above_state_gib": round(peak_extra, 3), "states_gib": round(states, 2),

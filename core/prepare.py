@@ -74,13 +74,28 @@ def device_type_for(recipe: Recipe) -> str:
     return "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
 
 
+def use_expandable_segments() -> None:
+    """The CUDA caching allocator grows segments instead of fragmenting, unless the user's
+    own ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise. Set in the allocator itself, not only
+    in the environment: the environment is read once, when CUDA starts, and an import may
+    start it before this runs (transformers imports torchao where it is installed, which
+    queries the GPU): the 32K recipe then ran out of memory at step 2 in three runs of
+    three with 11.5 GiB reserved but unallocated (BENCHMARKS.md, issue 25)."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # processes this one starts
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch < 2.9
+        setter = torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
+
+
 def init_process_group(recipe: Recipe) -> tuple[int, int, int, str, Any]:
     """(rank, world_size, local_rank, device_type, store); a single process gets a one-rank
     group. ``store``: the rendezvous store the ranks share (heartbeats: core/peer_watch.py)."""
     device_type = device_type_for(recipe)
     if device_type == "cuda" and recipe.parallel.expandable_segments:
-        # Read by the caching allocator when it starts (the first CUDA allocation, below).
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        use_expandable_segments()
     backend = recipe.parallel.backend
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
