@@ -37,8 +37,8 @@ import weft  # noqa: E402
 
 def predict(recipe: str, length: int, gpus: int) -> dict:
     """The planner's estimate for the recipe at ``length`` (in this process: meta device only)."""
-    from weft.core.estimate_view import estimate
-    from weft.core.planner import plan_recipe
+    from weft.core.plan.estimate_view import estimate
+    from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe
 

@@ -26,8 +26,8 @@ ensure_weft()
 
 import torch  # noqa: E402
 
-from weft.core.fused_loss import linear_cross_entropy_sum  # noqa: E402
-from weft.core.loss import IGNORE, token_loss_sum  # noqa: E402
+from weft.core.train.fused_loss import linear_cross_entropy_sum  # noqa: E402
+from weft.core.train.loss import IGNORE, token_loss_sum  # noqa: E402
 
 
 def fused(hidden, weight, target, chunk_bytes):

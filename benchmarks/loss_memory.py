@@ -23,7 +23,7 @@ ensure_weft()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from weft.core.loss import IGNORE, token_loss_sum  # noqa: E402
+from weft.core.train.loss import IGNORE, token_loss_sum  # noqa: E402
 
 
 def whole(logits, target):

@@ -31,7 +31,7 @@ def shapes(preset: str) -> list[tuple[int, ...]]:
     """Every parameter shape of the preset's model (built on the meta device)."""
     import transformers
 
-    from weft.core.presets import build_config, load_preset
+    from weft.core.recipe.presets import build_config, load_preset
 
     config = build_config(*load_preset(preset)[:2])
     with torch.device("meta"):

@@ -207,9 +207,9 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=3, help="the step profiled (earlier steps warm up)")
     parser.add_argument("--trace", action="store_true", help="also write trace.json.gz (Chrome/Perfetto trace)")
     args = parser.parse_args()
-    from weft.core.loop import train
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe import Recipe
+    from weft.core.train.loop import train
 
     args.out.mkdir(parents=True, exist_ok=True)
     overrides = [*args.overrides, f"train.max_steps={args.step + 1}", "train.checkpoint_every=-1"]

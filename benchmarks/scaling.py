@@ -37,19 +37,19 @@ ensure_weft()
 
 import torch  # noqa: E402
 
-from weft.core.flops import PEAK_TFLOPS  # noqa: E402
+from weft.core.plan.flops import PEAK_TFLOPS  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
-PEAK = PEAK_TFLOPS["H200"] * 1e12  # H100/H200 dense bf16 FLOP/s (core/flops.py)
+PEAK = PEAK_TFLOPS["H200"] * 1e12  # H100/H200 dense bf16 FLOP/s (core/plan/flops.py)
 
 
 def model_flops(recipe: str, length: int) -> float:
-    """Training FLOPs of one sequence of ``length`` (core/flops.py), the recipe's model on the meta device."""
+    """Training FLOPs of one sequence of ``length`` (core/plan/flops.py), the recipe's model on the meta device."""
     import transformers
 
-    from weft.core.flops import sequence_flops, text_parameters
-    from weft.core.presets import build_config, load_preset
+    from weft.core.plan.flops import sequence_flops, text_parameters
     from weft.core.recipe import Recipe
+    from weft.core.recipe.presets import build_config, load_preset
 
     preset = Recipe.from_toml(recipe).model.preset
     config = build_config(*load_preset(preset)[:2])

@@ -37,17 +37,17 @@ ensure_weft()
 import torch  # noqa: E402
 
 import weft  # noqa: E402
-from weft.core.flops import PEAK_TFLOPS, sequence_flops, text_parameters  # noqa: E402
-from weft.core.presets import build_config, load_preset  # noqa: E402
+from weft.core.plan.flops import PEAK_TFLOPS, sequence_flops, text_parameters  # noqa: E402
+from weft.core.recipe.presets import build_config, load_preset  # noqa: E402
 
 RECIPES = {"7b": "qwen2.5-vl-7b-128k-1gpu", "3b": "qwen2.5-vl-3b-128k-1gpu"}
 PRESETS = {"7b": "qwen2_5_vl_7b", "3b": "qwen2_5_vl_3b"}
 DEFAULT = ("7b:32768", "7b:65536", "7b:131072", "3b:131072")
-PEAK = PEAK_TFLOPS["H200"] * 1e12  # H100/H200 dense bf16 FLOP/s (core/flops.py)
+PEAK = PEAK_TFLOPS["H200"] * 1e12  # H100/H200 dense bf16 FLOP/s (core/plan/flops.py)
 
 
 def text_params(size: str) -> tuple[float, int, int]:
-    """(N, layers, hidden) of the text model as core/flops.py counts them, on the meta device."""
+    """(N, layers, hidden) of the text model as core/plan/flops.py counts them, on the meta device."""
     import transformers
 
     config = build_config(*load_preset(PRESETS[size])[:2])

@@ -13,7 +13,7 @@ from _bootstrap import ensure_weft  # noqa: E402
 
 ensure_weft()
 
-from weft.core.cli import main  # noqa: E402
+from weft.core.commands.main import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

@@ -35,8 +35,8 @@ if TYPE_CHECKING:  # the contract's types, as pytest's hookspec.py does: no impo
     from weft.core.mesh import WeftMesh
     from weft.core.models import ModelAdapter
     from weft.core.recipe import Recipe
+    from weft.core.recipe.rules import Decision, Plan
     from weft.core.registry import AttentionBinding, OptimizerGroup, Strategy, Verdict
-    from weft.core.rules import Decision, Plan
 
 PROJECT = "weft"
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the contract's types; importing them at run time would pull
 
     from weft.core.mesh import WeftMesh
     from weft.core.recipe import Recipe
-    from weft.core.rules import ModuleInfo, Plan
+    from weft.core.recipe.rules import ModuleInfo, Plan
 
 
 @runtime_checkable
@@ -142,7 +142,7 @@ def model_type_of(recipe: Recipe) -> str:
     """The ``model_type`` of the recipe's model, read without transformers: the preset's
     key, or ``config.json`` of ``model.path``. Raises RecipeError naming the file."""
     if recipe.model.preset is not None:
-        from weft.core.presets import load_preset, preset_location
+        from weft.core.recipe.presets import load_preset, preset_location
 
         try:
             return load_preset(preset_location(recipe))[0]

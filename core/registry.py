@@ -61,7 +61,7 @@ class OptimizerGroup:
     """What ``weft_optimizer`` receives per parameter group: the trainable parameters whose
     module one ``optimizer`` decision covers, and that group's resolved peak settings."""
 
-    decision: Any  # weft.core.rules.Decision of the ``optimizer`` point
+    decision: Any  # weft.core.recipe.rules.Decision of the ``optimizer`` point
     params: tuple[Any, ...]  # the torch parameters (DTensors under FSDP2)
     lr: float  # the rule's lr, else train.lr; times the rule's lr_scale
     weight_decay: float  # the rule's weight_decay, else train.weight_decay

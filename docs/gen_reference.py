@@ -5,7 +5,7 @@
 
 Each table sits between ``<!-- generated: NAME -->`` and ``<!-- /generated -->``;
 everything outside the markers is prose and is left alone. Tables come from the
-attrs classes of core/recipe.py (keys, accepted values, defaults, docs), the
+attrs classes of core/recipe/recipe.py (keys, accepted values, defaults, docs), the
 selector constants, and the parameter classes of the built-in strategies.
 tests/test_docs_reference.py fails when the file and the code disagree.
 """
@@ -61,7 +61,7 @@ def _escape(text: str) -> str:
 
 def params_table(cls: type) -> str:
     """Markdown table of an attrs class: key, accepted, default, meaning."""
-    from weft.core.schema import field_docs
+    from weft.core.recipe.schema import field_docs
 
     fields = {f.alias or f.name: f for f in attrs.fields(cls)}
     rows = ["| key | accepts | default | meaning |", "| --- | --- | --- | --- |"]
@@ -77,7 +77,7 @@ def params_table(cls: type) -> str:
 
 def section_table(name: str) -> Callable[[], str]:
     def render() -> str:
-        from weft.core import recipe
+        from weft.core.recipe import recipe
 
         classes = {
             "model": recipe.ModelSection,
@@ -91,7 +91,7 @@ def section_table(name: str) -> Callable[[], str]:
 
 
 def selectors_table() -> str:
-    from weft.core.rule_syntax import COMPARISONS, MODALITIES, NUMERIC_SELECTORS, SELECTOR_KEYS
+    from weft.core.recipe.syntax import COMPARISONS, MODALITIES, NUMERIC_SELECTORS, SELECTOR_KEYS
 
     meaning = {
         "path": "glob on the module path (`\"\"` is the root)",
@@ -117,7 +117,7 @@ def selectors_table() -> str:
 
 def points_table() -> str:
     from weft.core.hookspecs import HOOK_POINTS
-    from weft.core.rules import MULTI_POINTS, POINT_KINDS
+    from weft.core.recipe.rules import MULTI_POINTS, POINT_KINDS
 
     kinds = {"unit": "each shard unit", "root": "the root", "attention": "each attention module",
              "params": "each module outside the units holding parameters"}
@@ -131,14 +131,14 @@ def points_table() -> str:
 
 
 def presets_list() -> str:
-    from weft.core.presets import preset_names
+    from weft.core.recipe.presets import preset_names
 
     return ", ".join(f"`{name}`" for name in preset_names()) + "\n"
 
 
 def defaults_table() -> str:
     """The rules of recipes/rules/defaults.toml, lowest precedence, in order."""
-    from weft.core.rule_syntax import default_rules
+    from weft.core.recipe.syntax import default_rules
 
     rows = ["| rule | when | chooses |", "| --- | --- | --- |"]
     for rule in default_rules():

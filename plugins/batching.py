@@ -1,7 +1,7 @@
 """Batching hook: this rank's optimizer steps, filled to the recipe's token budget.
 
 Whole-sequence micro-batches only: under sequence parallelism the core pads them,
-shifts the labels and cuts them (core/step.py), never this plugin.
+shifts the labels and cuts them (core/train/step.py), never this plugin.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import attrs
 
 from weft.core.errors import WeftError
 from weft.core.hookspecs import hookimpl
+from weft.core.recipe.schema import in_range
 from weft.core.registry import Strategy
-from weft.core.schema import in_range
 
 
 @attrs.frozen(kw_only=True)
@@ -122,7 +122,7 @@ def one_pass_rounds(batches, *, dp_size, me, make):
     copies add nothing to the loss."""
     import torch
 
-    from weft.core.loss import IGNORE
+    from weft.core.train.loss import IGNORE
 
     for start in range(0, len(batches), dp_size):
         round_ = batches[start:start + dp_size]

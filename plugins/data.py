@@ -88,7 +88,7 @@ def _tokenizer_if_any(processor: str) -> Any:
     """The folder's tokenizer, or None when it has none (ids come from the vocabulary anyway)."""
     import transformers
 
-    from weft.core.model_files import TOKENIZER_FILES
+    from weft.core.run.model_files import TOKENIZER_FILES
     from weft.strategies.data.conversation import processor_dir
 
     folder = processor_dir(processor)

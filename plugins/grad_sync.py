@@ -5,8 +5,8 @@ from __future__ import annotations
 import attrs
 
 from weft.core.hookspecs import hookimpl
+from weft.core.recipe.schema import in_range
 from weft.core.registry import Strategy
-from weft.core.schema import in_range
 
 
 @attrs.frozen(kw_only=True)

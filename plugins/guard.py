@@ -15,8 +15,8 @@ from typing import Literal
 import attrs
 
 from weft.core.hookspecs import hookimpl
+from weft.core.recipe.schema import in_range
 from weft.core.registry import Strategy, Verdict
-from weft.core.schema import in_range
 
 
 @attrs.frozen(kw_only=True)

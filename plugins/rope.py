@@ -21,8 +21,8 @@ from typing import Literal
 import attrs
 
 from weft.core.hookspecs import hookimpl
+from weft.core.recipe.schema import in_range
 from weft.core.registry import NoParams, Strategy
-from weft.core.schema import in_range
 
 
 def _above_one(instance, attribute, value) -> None:

@@ -7,8 +7,8 @@ from typing import Literal
 import attrs
 
 from weft.core.hookspecs import hookimpl
+from weft.core.recipe.schema import in_range
 from weft.core.registry import Strategy
-from weft.core.schema import in_range
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Checkpoint = Literal["off", "full", "attention", "mlp", "except_attention"]
@@ -106,7 +106,7 @@ def weft_shard(model, plan, mesh, ctx):
     root_fsdp = root.get("shard").strategy == "fsdp2"
     groups = []
     # The fused loss reads the head's weights after the model's forward: they join the root
-    # unit, which FSDP2 keeps gathered from forward to backward (core/step.py FusedHead).
+    # unit, which FSDP2 keeps gathered from forward to backward (core/train/step.py FusedHead).
     # A tied head shares its weight with the embedding: one parameter, so one FSDP unit (the
     # root), where FSDP2 keeps it shared through to_empty and the gathers.
     fused = ctx.recipe.train.loss == "fused"

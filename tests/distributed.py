@@ -23,7 +23,8 @@ _PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "structlog",
     "transformers", "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.qwen3_vl.modeling_qwen3_vl",
-    "weft.core.prepare", "weft.core.planner", "weft.core.plugin_manager", "weft.core.attention_install",
+    "weft.core.train.prepare", "weft.core.plan.planner", "weft.core.plugin_manager",
+    "weft.core.train.attention_install",
     "weft.core.recipe", "weft.core.mesh", "weft.core.context", "weft.plugins.shard",
     "model_helpers", "distributed",
 ]
@@ -41,7 +42,7 @@ def _entry(rank: int, world: int, store_path: str, env: dict, fn: Callable[..., 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    from weft.core.prepare import close_process_group
+    from weft.core.train.prepare import close_process_group
 
     try:
         fn(rank, world, *args)
@@ -69,12 +70,12 @@ def sp_model(recipe_data: dict, *, rank: int, world: int):
     import structlog
     import torch
 
-    from weft.core.attention_install import install_attention
     from weft.core.context import RunContext
     from weft.core.mesh import build_device_mesh
-    from weft.core.planner import plan_recipe
+    from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe import Recipe
+    from weft.core.train.attention_install import install_attention
 
     recipe = Recipe.from_dict(recipe_data)
     pm = build_plugin_manager(entry_points=False)

@@ -18,8 +18,8 @@ def optimizer_for(recipe, model, *, world_size=1):
     import torch
 
     from weft.core.context import RunContext
-    from weft.core.optimizer import make_optimizer
-    from weft.core.planner import plan_recipe
+    from weft.core.plan.planner import plan_recipe
+    from weft.core.train.optimizer import make_optimizer
 
     pm = build_plugin_manager(entry_points=False)
     plan, _ = plan_recipe(recipe, pm=pm, world_size=world_size, model=model)

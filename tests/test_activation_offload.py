@@ -18,7 +18,7 @@ def _model(rank: int, world: int, *, offload: bool):
 
 
 def _run(model, local, sharded: bool):
-    from weft.core.loss import targets, token_loss_sum
+    from weft.core.train.loss import targets, token_loss_sum
 
     seen = []
     hooks = [layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0] if args else
@@ -38,7 +38,7 @@ def _compare(rank: int, world: int) -> None:
     torch.manual_seed(0)
     batch = {"input_ids": torch.randint(0, 300, (1, 64)), "attention_mask": torch.ones(1, 64, dtype=torch.long)}
     batch["labels"] = batch["input_ids"].clone()
-    from weft.core.step import shard_micro_batch
+    from weft.core.train.step import shard_micro_batch
 
     kept_model, split = _model(rank, world, offload=False)
     local = shard_micro_batch(batch, split)  # the models' own hooks cut their inputs; one cut of the labels
@@ -82,7 +82,7 @@ def test_offload_releases_restored_inputs():
 @pytest.mark.quick
 def test_offload_needs_full_checkpointing():
     from weft.core.errors import PlanError
-    from weft.core.planner import plan_recipe
+    from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe import Recipe
 

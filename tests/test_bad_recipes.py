@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from weft.core.cli import main
+from weft.core.commands.main import main
 
 HERE = pathlib.Path(__file__).parent
 BAD = HERE / "bad_recipes"

@@ -7,7 +7,7 @@ import structlog
 import torch
 
 from weft.core.context import RunContext
-from weft.core.planner import plan_recipe
+from weft.core.plan.planner import plan_recipe
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
 from weft.strategies.data.token_budget import pack_micro_batches, schedule_steps

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from weft.core.recipe_data import DataSection
+from weft.core.recipe.data import DataSection
 from weft.strategies.data.chat_format import builtin_layout, template_messages
 from weft.strategies.data.conversation import (
     IGNORE_INDEX,

@@ -47,7 +47,7 @@ def test_compile_rule_reaches_the_units():
 
     from weft.core.context import RunContext
     from weft.core.plugin_manager import build_plugin_manager
-    from weft.core.prepare import prepare_model
+    from weft.core.train.prepare import prepare_model
 
     recipe = Recipe.from_dict({
         "model": {"preset": "qwen2_text_tiny"},
@@ -72,7 +72,7 @@ def test_attention_compiles_only_without_collectives():
     and the vision tower's varlen call is no torch operator: those attention modules stay eager."""
     import types
 
-    from weft.core.rules import Decision
+    from weft.core.recipe.rules import Decision
     from weft.plugins.attention import KernelParams, RingParams, traceable
 
     def plan(ulysses=1, ring=1):

@@ -10,14 +10,14 @@ import textwrap
 import attrs
 import pytest
 
-from weft.core.estimate import GIB, GPUS, Setup, Shape, Unit, layer_saved, longest_fit, memory, step_seconds
+from weft.core.plan.estimate import GIB, GPUS, Setup, Shape, Unit, layer_saved, longest_fit, memory, step_seconds
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _plan(recipe_path, world_size=1):
-    from weft.core.estimate_inputs import setup_of, shape_of, units_of
-    from weft.core.planner import plan_recipe
+    from weft.core.plan.estimate_inputs import setup_of, shape_of, units_of
+    from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe
 
@@ -256,8 +256,8 @@ REAL_SIZE = sorted([*(ROOT / "recipes").glob("qwen2.5-*.toml"), *(ROOT / "benchm
 def test_bundled_real_size_recipes_fit_their_gpus_as_the_planner_sizes_them(recipe):
     """Every bundled real-size recipe, planned at its own nproc: the planner says it fits an H200
     (GPU and host memory) and its step ends within a 10-minute GPU command."""
-    from weft.core.estimate_view import estimate
-    from weft.core.planner import plan_recipe
+    from weft.core.plan.estimate_view import estimate
+    from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe
 
@@ -275,8 +275,8 @@ def test_a_plan_within_3_percent_of_the_device_is_warned_about():
     the peak, the device, the allocator setting and the levers. Just under the 3% line, none."""
     import types
 
-    from weft.core.estimate_view import estimate, near_limit
-    from weft.core.planner import plan_recipe
+    from weft.core.plan.estimate_view import estimate, near_limit
+    from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe
 

@@ -56,7 +56,7 @@ def unsharded_loss(data: pathlib.Path) -> float:
     import structlog
     import torch
 
-    from weft.core.check import reference
+    from weft.core.commands.check import reference
     from weft.core.context import RunContext
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe

@@ -15,14 +15,14 @@ import types
 import pytest
 import torch
 
-from weft.core import cli
+from weft.core.commands import main as cli
 from weft.core.context import RunContext, StepState
 from weft.core.hookspecs import hookimpl
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
+from weft.core.recipe.rules import ModuleInfo, build_plan
 from weft.core.registry import Verdict
-from weft.core.rules import ModuleInfo, build_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "weft-example-plugin"
@@ -171,7 +171,7 @@ def test_allow_and_block_lists(installed, capsys, monkeypatch):
 
 def test_the_loop_carries_guard_memory_between_steps(installed, tmp_path):
     """A real (one-rank) run: the example's running mean sees every step, not just the last."""
-    from weft.core.loop import train
+    from weft.core.train.loop import train
 
     recipe_path = tmp_path / "run.toml"
     recipe_path.write_text(

@@ -131,7 +131,7 @@ def test_no_usable_checkpoint_is_one_message(weft, trained, recipe, tmp_path):
 def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    from weft.core import checkpoint
+    from weft.core.run import checkpoint
 
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -300,7 +300,7 @@ def test_dead_peer_is_named(recipe, tmp_path, plugin_site):
 @pytest.mark.quick
 def test_plugin_whose_strategies_raise_is_left_out_and_reported(capsys):
     from weft.core.hookspecs import hookimpl
-    from weft.core.plan_view import plugins_table
+    from weft.core.plan.view import plugins_table
     from weft.core.plugin_manager import build_plugin_manager
 
     class Broken:
@@ -399,7 +399,7 @@ def test_ranks_die_with_their_launcher(recipe, tmp_path):
     within 10 s, its ending recorded; while another rank still lives (frozen here, so that
     "meanwhile" lasts), a second `weft run` into the directory is exit 2 naming that rank's
     pid; once it is let go it is gone within 10 s too, and the directory can be taken."""
-    from weft.core.run_lock import process_alive, run_lock
+    from weft.core.run.lock import process_alive, run_lock
 
     run_dir = tmp_path / "run"
     log = (tmp_path / "launcher.err").open("w")  # a file, not a pipe: orphaned ranks must never block on it
@@ -456,7 +456,7 @@ def test_lock_names_live_ranks_and_refuses_strangers(tmp_path):
     import socket
 
     from weft.core.errors import WeftError
-    from weft.core.run_lock import LockLost, join_run, process_start, run_lock
+    from weft.core.run.lock import LockLost, join_run, process_start, run_lock
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(gone.stdout)
@@ -483,7 +483,7 @@ def test_the_launcher_watch_knows_whom_to_watch():
     """In-process, without the thread (it would end pytest): with the launcher as the parent,
     gone means re-parented; with a process between them, the launcher's pid is watched too;
     a launcher gone before the watch began is LauncherGone at once."""
-    from weft.core.launcher_watch import LauncherGone, LauncherWatch
+    from weft.core.run.launcher_watch import LauncherGone, LauncherWatch
 
     parent = LauncherWatch(launcher_pid=os.getppid(), rank=0)
     parent.resolve()

@@ -32,7 +32,7 @@ def test_check_under_ring2_with_the_vision_tower_frozen(tmp_path):
 
 
 def test_a_side_that_does_not_freeze_fails_the_check():
-    from weft.core.check import compare
+    from weft.core.commands.check import compare
 
     grads = {"a.weight": torch.ones(2), "b.weight": torch.ones(2)}
     ref = {"loss": 1.0, "grads": {"a.weight": torch.ones(2)}, "grad_norm": 1.0, "groups": {"a.weight": "text"}}

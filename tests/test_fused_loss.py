@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.core.fused_loss import IGNORE, linear_cross_entropy_sum
+from weft.core.train.fused_loss import IGNORE, linear_cross_entropy_sum
 
 
 def plain(hidden, weight, target, bias=None):
@@ -140,7 +140,7 @@ def test_bf16_weight_grad_is_the_float32_sum_rounded_once(chunk_bytes):
     assert default[0].dtype == torch.bfloat16 and default[0].shape == weight.shape
     assert errors(default)[0] < 0.5 * errors(grads(weight_grad_dtype=torch.bfloat16))[0]
     # The same float32 sum, rounded by a plain .to(): equal bit for bit.
-    from weft.core import fused_loss
+    from weft.core.train import fused_loss
 
     sums = []
     original = fused_loss._narrow
@@ -158,7 +158,7 @@ def test_bf16_weight_grad_is_the_float32_sum_rounded_once(chunk_bytes):
 def test_narrowing_in_place_equals_to(rows, vocab_rows):
     """float32 -> bf16 into the float32 tensor's own storage, slice by slice (ragged and
     single-slice cases, the self-overlapping first slice), equals .to(bf16); no new storage."""
-    from weft.core.fused_loss import _narrow
+    from weft.core.train.fused_loss import _narrow
 
     wide = torch.randn(rows, 12, generator=torch.Generator().manual_seed(rows), dtype=torch.float32) * 1e3
     want = wide.to(torch.bfloat16)

@@ -14,7 +14,7 @@ import torch
 from weft.core.context import StepState
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
-from weft.core.rules import Decision
+from weft.core.recipe.rules import Decision
 from weft.plugins.guard import MemoryParams, SpikeParams, weft_guard
 from weft.strategies.optim.loss_spike import SpikeWindow
 
@@ -106,7 +106,7 @@ def test_guards_by_rule_in_a_recipe():
     recipe = Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}, "rules": [{"guard": [
         {"strategy": "finite"}, {"strategy": "spike", "ratio": 4.0, "action": "warn"},
         {"strategy": "memory", "warn_fraction": 0.85}]}]})
-    from weft.core.planner import plan_recipe
+    from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import build_plugin_manager
 
     plan, _ = plan_recipe(recipe, pm=build_plugin_manager(entry_points=False), world_size=1)

@@ -31,8 +31,8 @@ from weft.core.hookspecs import hookimpl
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
+from weft.core.recipe.rules import Decision, ModuleInfo, build_plan
 from weft.core.registry import AttentionBinding, NoParams, Strategy, Verdict
-from weft.core.rules import Decision, ModuleInfo, build_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -183,7 +183,7 @@ def test_a_family_that_cannot_share_its_tower_refuses_vision_ulysses():
     """An adapter with shares_vision = False (a tower whose blocks do more than pass the patch
     sequence along): the planner refuses a vision rule that shares one image over the SP
     ranks, naming the module, the rule and the family, before any process starts."""
-    from weft.core.planner import plan_recipe
+    from weft.core.plan.planner import plan_recipe
     from weft.plugins.models.families import QWEN2_5_VL
 
     class Family:
@@ -523,7 +523,7 @@ def test_hook_weft_optimizer():
     """A third-party optimizer by rule: the core resolves each group's peak lr (rule lr or
     train.lr, times lr_scale) and weight decay, wraps it in the schedule; nobody answering is
     a HookError naming the strategy."""
-    from weft.core.optimizer import make_optimizer
+    from weft.core.train.optimizer import make_optimizer
 
     pm = make_pm(("sgd-plugin", SgdPlugin()))
     rule = {"optimizer": {"strategy": "test_sgd", "momentum": 0.5, "lr_scale": 2.0, "weight_decay": 0.1}}

@@ -238,7 +238,7 @@ def test_auto_strategy_without_the_package_stays_sdpa(no_fa4):
 
 def test_local_binding_keeps_flash_out_of_its_name(fake_fa4):
     """transformers switches to its varlen calling convention for any name holding "flash"."""
-    from weft.core.rules import Decision
+    from weft.core.recipe.rules import Decision
     from weft.plugins.attention import KernelParams, weft_attention
 
     class _Mesh(dict):
@@ -301,7 +301,7 @@ def test_vision_tower_through_the_varlen_binding_equals_sdpa(varlen_on_cpu):
     import transformers
     from transformers import AttentionInterface
 
-    from weft.core.presets import build_config, load_preset
+    from weft.core.recipe.presets import build_config, load_preset
     from weft.strategies.attention.hf_adapter import make_vision_attention_function
 
     config = build_config(*load_preset("qwen2_5_vl_tiny")[:2])

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weft.core.loss import IGNORE, token_loss_sum
+from weft.core.train.loss import IGNORE, token_loss_sum
 
 
 def reference(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

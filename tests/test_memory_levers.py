@@ -66,10 +66,10 @@ def test_storage_dtype_reaches_the_optimizer_states(strategy):
     import torch.distributed as dist
 
     from weft.core.context import RunContext
-    from weft.core.optimizer import make_optimizer
     from weft.core.plugin_manager import build_plugin_manager
-    from weft.core.prepare import prepare_model
     from weft.core.recipe import Recipe
+    from weft.core.train.optimizer import make_optimizer
+    from weft.core.train.prepare import prepare_model
 
     recipe = Recipe.from_dict({
         "model": {"preset": "qwen2_text_tiny"},

@@ -1,7 +1,7 @@
 """Model directories as the Hub ships them: sharded safetensors with their index, the
 tokenizer and image processor files, generation_config.json, a chat template. They train
 and export with every file along; one that lacks a file the data or the prompt reads is
-exit 2 before any rank starts, naming it. In-process (`weft.core.cli.main`), one rank."""
+exit 2 before any rank starts, naming it. In-process (`weft.core.commands.main.main`), one rank."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_the_fixture_is_sharded_as_downloaded(hub_dir):
 def test_a_directory_without_preprocessor_config_is_exit_2_naming_it(hub_dir, tmp_path, capsys):
     """Synthetic conversations make images through the image processor: without its file the
     run stops before any rank starts, one paragraph, nothing written; `weft generate` too."""
-    from weft.core.cli import main
+    from weft.core.commands.main import main
 
     stripped = tmp_path / "stripped"
     shutil.copytree(hub_dir, stripped)
@@ -118,8 +118,8 @@ def test_a_directory_without_preprocessor_config_is_exit_2_naming_it(hub_dir, tm
 def test_long_synthetic_text_reads_no_image_processor(hub_dir, tmp_path):
     """data.tokens without images: nothing of the image processor is needed, so its file may
     be missing (a text model's directory has none)."""
-    from weft.core.model_files import check_processor_files, data_needs
     from weft.core.recipe import Recipe
+    from weft.core.run.model_files import check_processor_files, data_needs
 
     recipe = Recipe.from_toml(str(_recipe(tmp_path, tmp_path)), overrides=("data.tokens=64",))
     assert data_needs(recipe) == {}
@@ -136,7 +136,7 @@ def test_a_hub_directory_trains_and_exports_with_its_files(hub_dir, tmp_path, ca
     loads the export, its processor too."""
     import transformers
 
-    from weft.core.cli import main
+    from weft.core.commands.main import main
 
     run_dir = tmp_path / "run"
     assert main(["run", str(_recipe(tmp_path, hub_dir, lr=0.0)), "--run-dir", str(run_dir)]) == 0, \
@@ -165,7 +165,7 @@ def test_a_hub_directory_trains_and_exports_with_its_files(hub_dir, tmp_path, ca
 def test_a_shard_missing_from_the_index_is_exit_2_naming_it(hub_dir, tmp_path, capsys):
     """An interrupted download: the index lists a shard the directory lacks; named before any
     rank starts (weft run and weft eval), not found by each rank as it reads."""
-    from weft.core.cli import main
+    from weft.core.commands.main import main
 
     partial = tmp_path / "partial"
     shutil.copytree(hub_dir, partial)

@@ -44,8 +44,8 @@ CONFIGS = [(1, 1, "auto"), (1, 4, "ring"), (4, 1, "ulysses"), (2, 2, "usp")]
 
 def _worker(rank: int, world: int) -> None:
 
-    from weft.core.loss import label_count, targets, token_loss_sum
-    from weft.core.step import shard_micro_batch as shard_batch
+    from weft.core.train.loss import label_count, targets, token_loss_sum
+    from weft.core.train.step import shard_micro_batch as shard_batch
     from weft.plugins.models.rope_index import document_positions
     from weft.strategies.data.conversation import collate, encode_conversation, load_processor
     from weft.strategies.data.synthetic_vl import synthetic_conversations

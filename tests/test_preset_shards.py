@@ -14,8 +14,8 @@ def _gather(rank: int, world: int, preset: str, out: str) -> None:
 
     from weft.core.context import RunContext
     from weft.core.plugin_manager import build_plugin_manager
-    from weft.core.prepare import prepare_model
     from weft.core.recipe import Recipe
+    from weft.core.train.prepare import prepare_model
 
     recipe = Recipe.from_dict({"model": {"preset": preset}, "train": {"seed": 7}})
     ctx = RunContext(recipe=recipe, device=torch.device("cpu"), rank=rank, world_size=world, log=structlog.get_logger())

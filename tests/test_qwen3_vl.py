@@ -95,7 +95,7 @@ def _decoder_inputs(model) -> list[dict]:
 
 
 def _check(rank: int, world: int, *, ulysses: int, ring: int, strategy: str, layout: str, vision: dict | None) -> None:
-    from weft.core.loss import label_count, targets, token_loss_sum
+    from weft.core.train.loss import label_count, targets, token_loss_sum
 
     rules = [{"when": {"modality": "text"}, "attention": {"strategy": strategy, "layout": layout}}]
     rules += [{"when": {"modality": "vision"}, "attention": vision}] if vision else []

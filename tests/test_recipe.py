@@ -17,8 +17,8 @@ from weft.core.recipe import (
     Recipe,
     TrainSection,
     apply_override,
-    bundled_path,
 )
+from weft.core.recipe.syntax import bundled_path
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (DEVELOPERS.md)
 
@@ -223,7 +223,7 @@ def test_a_preset_path_is_read_beside_its_recipe(tmp_path, monkeypatch):
     """``preset = "shapes/mine.toml"`` is relative to the recipe's folder, like its other paths,
     whatever the current folder; with --set, to the folder it was typed in."""
     from weft.core.models import model_type_of
-    from weft.core.presets import preset_location
+    from weft.core.recipe.presets import preset_location
 
     bundled = importlib.resources.files("weft.recipes") / "presets" / "qwen2_text_tiny.toml"
     (tmp_path / "shapes").mkdir()

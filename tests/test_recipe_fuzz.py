@@ -17,8 +17,8 @@ from weft.core.hookspecs import HOOK_POINTS
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import DataSection, ModelSection, ParallelSection, Recipe, TrainSection, apply_override
-from weft.core.rule_syntax import COMPARISONS, MODALITIES, SELECTOR_KEYS
-from weft.core.rules import ModuleInfo, build_plan
+from weft.core.recipe.rules import ModuleInfo, build_plan
+from weft.core.recipe.syntax import COMPARISONS, MODALITIES, SELECTOR_KEYS
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "parallel": ParallelSection}
 FIELDS = sorted({f.name for cls in SECTIONS.values() for f in attrs.fields(cls)})

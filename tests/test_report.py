@@ -63,7 +63,7 @@ def test_png_and_html_of_two_runs(weft, runs, tmp_path):
 
 
 def test_repeated_steps_count_once_and_mfu_on_a_known_gpu(runs, tmp_path):
-    from weft.core.report import read_run
+    from weft.core.commands.report import read_run
 
     resumed = read_run(runs["resumed"])
     assert [r["step"] for r in resumed["rows"]] == [1, 2, 3, 4, 5]
@@ -79,7 +79,7 @@ def test_repeated_steps_count_once_and_mfu_on_a_known_gpu(runs, tmp_path):
     (gpu / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
     row = read_run(gpu)["rows"][1]
     # 6 N + 6 layers hidden L: the tiny preset (no embedding), at its micro-batch length.
-    from weft.core.export import run_recipe
+    from weft.core.commands.export import run_recipe
     from weft.core.plugin_manager import plugin_manager_from_env
 
     recipe = run_recipe(gpu)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from weft.core.errors import PlanError
-from weft.core.planner import plan_recipe
+from weft.core.plan.planner import plan_recipe
 from weft.core.plugin_manager import plugin_manager_from_env
 from weft.core.recipe import Recipe
-from weft.core.rope import resolve_rope
+from weft.core.train.rope import resolve_rope
 
 PM = plugin_manager_from_env()
 BASE = {"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"micro_batch_tokens": 1024}}

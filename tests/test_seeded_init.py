@@ -16,7 +16,7 @@ def tiny_vl() -> torch.nn.Module:
     """The tiny Qwen2.5-VL preset, built on the meta device (no storage yet)."""
     import transformers
 
-    from weft.core.presets import build_config, load_preset
+    from weft.core.recipe.presets import build_config, load_preset
 
     config = build_config(*load_preset("qwen2_5_vl_tiny")[:2])
     with torch.device("meta"):

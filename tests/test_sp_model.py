@@ -17,12 +17,12 @@ from distributed import run_ranks
 def _worker(rank: int, world: int, ulysses: int, ring: int, strategy: str) -> None:
     import structlog
 
-    from weft.core.attention_install import install_attention
     from weft.core.context import RunContext
     from weft.core.mesh import build_device_mesh
-    from weft.core.planner import plan_recipe
+    from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe import Recipe
+    from weft.core.train.attention_install import install_attention
     from weft.strategies.sequence.layout import usp_shard
 
     recipe = Recipe.from_dict({

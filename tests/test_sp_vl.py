@@ -33,8 +33,8 @@ def _batch(preset: str, *, pad_multiple: int):
 def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strategy: str, layout: str,
            vision: dict | None = None) -> None:
 
-    from weft.core.loss import label_count, targets, token_loss_sum
-    from weft.core.step import shard_micro_batch as shard_batch
+    from weft.core.train.loss import label_count, targets, token_loss_sum
+    from weft.core.train.step import shard_micro_batch as shard_batch
 
     model, reference, plan, mesh, split = sp_model({
         "model": {"preset": preset},

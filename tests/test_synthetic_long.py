@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from weft.core.presets import build_config, load_preset
+from weft.core.recipe.presets import build_config, load_preset
 from weft.strategies.data.conversation import IGNORE_INDEX, IMAGE_TYPE, collate, load_processor
 from weft.strategies.data.synthetic_long import long_samples, special_ids
 

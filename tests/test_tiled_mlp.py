@@ -30,7 +30,7 @@ def _model(rank: int, world: int, *, tile: int, offload: bool, strategy: str):
 
 
 def _run(model, local, sharded: bool):
-    from weft.core.loss import targets, token_loss_sum
+    from weft.core.train.loss import targets, token_loss_sum
 
     logits = model(**{k: v for k, v in local.items() if k not in ("labels", "shift_labels")}, use_cache=False).logits
     loss = token_loss_sum(logits, local["shift_labels"] if sharded else targets(local))
@@ -43,7 +43,7 @@ def _compare(rank: int, world: int, strategy: str) -> None:
     torch.manual_seed(0)
     batch = {"input_ids": torch.randint(0, 300, (1, 64)), "attention_mask": torch.ones(1, 64, dtype=torch.long)}
     batch["labels"] = batch["input_ids"].clone()
-    from weft.core.step import shard_micro_batch
+    from weft.core.train.step import shard_micro_batch
 
     plain_model, split = _model(rank, world, tile=0, offload=False, strategy=strategy)
     local = shard_micro_batch(batch, split)

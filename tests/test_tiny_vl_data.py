@@ -10,7 +10,7 @@ import torch
 import transformers
 from PIL import Image
 
-from weft.core.presets import build_config, load_preset, preset_names
+from weft.core.recipe.presets import build_config, load_preset, preset_names
 from weft.strategies.data.conversation import (
     IGNORE_INDEX,
     Sample,

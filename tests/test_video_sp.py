@@ -69,7 +69,7 @@ def test_a_rank_without_videos_calls_the_tower_as_often_as_one_with():
     import torch
 
     from weft.core.models import VISION_FLAG
-    from weft.core.step import _keep_alive
+    from weft.core.train.step import _keep_alive
 
     images_only, both = {"pixel_values": torch.zeros(4, 8)}, {"pixel_values": 0, "pixel_values_videos": 0}
     assert _keep_alive(images_only, [2.0, 1.0])[VISION_FLAG].numel() == 1  # another rank has videos

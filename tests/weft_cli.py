@@ -21,7 +21,7 @@ import tempfile
 import traceback
 import warnings
 
-# Every handler a command may install (core/interrupt.py, torch's elastic agent).
+# Every handler a command may install (core/run/interrupt.py, torch's elastic agent).
 _SIGNALS = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
                         signal.SIGQUIT, signal.SIGALRM, signal.SIGCHLD, signal.SIGPIPE)]
 
@@ -63,7 +63,7 @@ class _Restored:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            from weft.core.prepare import close_process_group
+            from weft.core.train.prepare import close_process_group
 
             close_process_group(clean=False)
         os.chdir(self.cwd)
@@ -121,7 +121,7 @@ def run_weft(*args: str | os.PathLike, cwd: str | os.PathLike | None = None, env
     changed in the process put back. ``env`` replaces the environment for the command (as
     subprocess.run's would); its PYTHONPATH entries go on sys.path for it (a test's plugin
     site). ``timeout`` is accepted for subprocess.run's signature and not enforced."""
-    from weft.core.cli import main
+    from weft.core.commands.main import main
 
     argv = [str(a) for a in args]
     saved = _Restored()

@@ -1,3 +1,3 @@
-from weft.core.cli import main
+from weft.core.commands.main import main
 
 raise SystemExit(main())

@@ -13,7 +13,7 @@ import attrs
 import torch
 
 from weft.core.recipe import Recipe
-from weft.core.rules import ModuleInfo
+from weft.core.recipe.rules import ModuleInfo
 from weft.plugins.models import build, inventory
 
 

@@ -12,8 +12,8 @@ import transformers
 
 from weft.core.errors import RecipeError, WeftError
 from weft.core.models import ties_embeddings
-from weft.core.presets import build_config, load_preset, preset_location
 from weft.core.recipe import Recipe
+from weft.core.recipe.presets import build_config, load_preset, preset_location
 from weft.strategies.model.yarn import scaled_parameters, trained_positions
 
 #: Files of a processor folder that travel with an exported model (not weights).

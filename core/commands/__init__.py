@@ -1,0 +1,1 @@
+"""The user's commands: one file per command, and the `weft` parser that dispatches to them."""

@@ -1,0 +1,244 @@
+"""`weft check`: one step through the recipe's plan on N ranks and through the unsharded
+model on the same micro-batches; compare.
+
+(a) the recipe's plan on N ranks: FSDP, sequence parallelism, the user's plugins, the
+    first step's micro-batches from the recipe's own batching strategy (``weft_batching``,
+    so third-party batching is checked too), cut by the core as in a run;
+(b) one process, the model as transformers ships it, on exactly those micro-batches
+    (every data-parallel rank's), same initial weights, same device kind.
+Compared: the losses; every gradient before ``weft_grad_sync`` (clipping would hide a
+uniform scale error); the global gradient norm the grad-sync strategy measured; and,
+for the built-in ``clip``, the gradients after clipping. Worst relative difference per
+parameter group (vision, projector, text, embedding, head). TF32 is off on both sides.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weft.core.errors import WeftError
+from weft.core.recipe import Recipe
+from weft.core.run.rank_job import launch_ranks
+
+#: Float32 acceptance: what weft's own equivalence tests require.
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+#: bf16: a plan's difference from the float32 reference may be this many times the unsharded
+#: model's own in bf16 (its "floor").
+BF16_FACTOR = 2.0
+
+
+def _exact_matmuls() -> None:
+    # cuDNN convolutions and CUDA matmuls may use TF32 in float32 by default: both
+    # sides compute in true float32, so a difference is the plan's, not the kernels'.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().float().cpu()
+
+
+def few_synthetic_samples(recipe: Recipe, *, world_size: int) -> Recipe:
+    """One step needs a few samples, not the recipe's whole synthetic set (512 conversations
+    with images take seconds per rank to make): the batching draws its first step from the
+    first max(64, 32 x world size). The computation checked is the same; which samples the
+    first step holds may differ from a run's. Data from a file is read as it is."""
+    import attrs
+
+    if recipe.data.source != "synthetic":
+        return recipe
+    fewer = min(recipe.data.num_samples, max(64, 32 * world_size))
+    return attrs.evolve(recipe, data=attrs.evolve(recipe.data, num_samples=fewer))
+
+
+def worker(recipe: Recipe, *, out: pathlib.Path) -> None:
+    """One rank of (a), as eval's and generate's ranks run (core/run/rank_job.py); rank 0 writes the
+    loss and the full gradients to ``out``, the first SP rank of each data-parallel group its
+    whole micro-batches beside it. The model and its FSDP groups are unreachable once the step
+    returns, before the process group closes."""
+    from weft.core.run.rank_job import run_on_rank
+
+    run_on_rank(recipe, out=out, job=_one_step, target=out)
+
+
+def _one_step(recipe: Recipe, *, target: pathlib.Path, rank: int, world_size: int, local_rank: int,
+              device_type: str) -> None:
+    from weft.core.context import RunContext, StepState
+    from weft.core.mesh import device_for
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.run.logging import run_logger
+    from weft.core.train.prepare import prepare_model
+    from weft.core.train.step import autocast_for, finish_step, run_micro_batches
+
+    _exact_matmuls()
+    recipe = few_synthetic_samples(recipe, world_size=world_size)
+    pm = plugin_manager_from_env()
+    log = run_logger(run_dir=None, rank=rank, console=False)  # the parent prints the comparison
+    ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size,
+                     log=log)
+    run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
+    decision = run.plan.decision("batching")
+    steps = pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
+                          model=run.model, ctx=ctx)
+    micro_batches = next(iter(steps))
+    if run.mesh.sp.get_local_rank() == 0:
+        torch.save(micro_batches, target.with_name(f"batches-dp{run.mesh.dp_rank()}.pt"))
+    autocast = autocast_for(recipe.train.precision, device_type)
+    loss_sum, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
+                                         keep_vision=run.keep_vision, autocast=autocast, ctx=ctx, fused=run.fused)
+    before = {}
+    for name, p in run.model.named_parameters():
+        if p.grad is not None:
+            grad = p.grad
+            if not hasattr(grad, "full_tensor") and world_size > 1:
+                # A parameter no FSDP unit owns: its rank-local gradients are averaged by grad sync.
+                grad = grad.detach().clone()
+                dist.all_reduce(grad)
+                grad /= world_size
+            before[name] = _full(grad)
+    state = StepState(step=1)
+    finish_step(pm=pm, model=run.model, plan=run.plan, mesh=run.mesh, ctx=ctx, state=state, loss_sum=loss_sum,
+                totals=totals)
+    after = {name: _full(p.grad) for name, p in run.model.named_parameters() if p.grad is not None}
+    if rank == 0:
+        torch.save({"loss": state.loss, "grad_norm": state.grad_norm, "grads": before, "clipped": after}, target)
+
+
+def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: float | None, device: str,
+              precisions: tuple[str, ...] = ("fp32",), frozen: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Loss and gradients of the unsharded model on every rank's micro-batches, in each of
+    ``precisions`` (float32, bf16 autocast): one model, built once, its gradients cleared between.
+    ``frozen``: module paths whose parameters take no gradient (the plan's frozen units)."""
+    from weft.core.train.loss import label_count, targets, token_loss_sum
+    from weft.core.train.step import autocast_for
+
+    _exact_matmuls()
+    model = adapter.build(recipe, device=device, seed=recipe.train.seed)
+    for path in frozen:
+        model.get_submodule(path).requires_grad_(False)
+    count = sum(label_count(targets(b)) for b in batches)
+    results = {}
+    for precision in precisions:
+        model.zero_grad(set_to_none=True)
+        loss = torch.zeros((), device=device)
+        for batch in batches:
+            inputs = {k: v.to(device) for k, v in batch.items() if k not in ("labels", "shift_labels")}
+            with autocast_for(precision, device):
+                logits = model(**inputs, use_cache=False).logits
+            part = token_loss_sum(logits, targets(batch).to(device)) / count
+            part.backward()
+            loss += part.detach()
+        grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+        norm = torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt().item()
+        scale = min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0  # as strategies/optim/grad_norm.py clips
+        groups = {name: adapter.modality_of(name.rsplit(".", 1)[0]) for name in grads}
+        results[precision] = {"loss": loss.item(), "grads": grads, "clipped": {n: g * scale for n, g in grads.items()},
+                              "grad_norm": norm, "groups": groups}
+    return results
+
+
+def _worst(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
+           groups: dict[str, str]) -> tuple[dict, str, float]:
+    by_group: dict[str, float] = {}
+    worst_param, worst = "", 0.0
+    for name, g_ref in ref.items():
+        g = got[_fsdp_name(name, got)]
+        rel = ((g - g_ref).abs().max() / g_ref.abs().max().clamp(min=1e-30)).item()
+        by_group[groups[name]] = max(by_group.get(groups[name], 0.0), rel)
+        if rel >= worst:
+            worst_param, worst = name, rel
+    return by_group, worst_param, worst
+
+
+def compare(ref: dict, got: dict, *, floor: dict | None = None) -> dict:
+    """``got`` against ``ref``; with ``floor`` (bf16: the unsharded model's own bf16 result
+    against the float32 reference), each difference may reach ``BF16_FACTOR`` times the
+    floor's instead of the float32 tolerances: a parallel plan is as exact as the unsharded
+    model in the same precision, not more."""
+    loss_rel = abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
+    by_group, worst_param, worst = _worst(ref["grads"], got["grads"], ref["groups"])
+    norm_rel = None
+    if got.get("grad_norm") is not None:
+        norm_rel = abs(got["grad_norm"] - ref["grad_norm"]) / max(abs(ref["grad_norm"]), 1e-30)
+    clipped = None
+    if ref.get("compare_clipped"):
+        clipped = _worst(ref["clipped"], got["clipped"], ref["groups"])[2]
+    loss_tol, grad_tol = LOSS_TOL, GRAD_TOL
+    if floor is not None:
+        loss_tol = max(LOSS_TOL, BF16_FACTOR * floor["loss_rel_diff"])
+        grad_tol = max(GRAD_TOL, BF16_FACTOR * floor["grad_max_rel_diff"])
+    ok = loss_rel <= loss_tol and worst <= grad_tol and (norm_rel is None or norm_rel <= grad_tol)
+    ok = ok and (clipped is None or clipped <= grad_tol)
+    # The same parameters take gradients on both sides (a frozen unit's take none on either).
+    ok = ok and len(got["grads"]) == len(ref["grads"])
+    return {
+        "loss_ref": ref["loss"],
+        "loss": got["loss"],
+        "loss_rel_diff": loss_rel,
+        "grad_max_rel_diff": worst,
+        "grad_max_rel_diff_param": worst_param,
+        "grad_max_rel_diff_by_group": by_group,
+        "grad_norm_ref": ref["grad_norm"],
+        "grad_norm": got.get("grad_norm"),
+        "grad_norm_rel_diff": norm_rel,
+        "clipped_grad_max_rel_diff": clipped,
+        "grad_params": {"reference": len(ref["grads"]), "plan": len(got["grads"])},
+        "ok": ok,
+        "tolerances": {"loss": loss_tol, "grad": grad_tol},
+        **({"bf16_floor": {k: floor[k] for k in ("loss_rel_diff", "grad_max_rel_diff")}} if floor else {}),
+    }
+
+
+def _fsdp_name(name: str, names: dict) -> str:
+    # FSDP2 keeps parameter names; checkpoint wrappers may add a prefix.
+    if name in names:
+        return name
+    return next(n for n in names if n.endswith(name) or name.endswith(n))
+
+
+def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_arg: str, pm: Any) -> dict:
+    from weft.core.mesh_spec import MESH_ORDER
+    from weft.core.plan.planner import plan_recipe
+
+    plan, _ = plan_recipe(recipe, pm=pm, world_size=world_size)
+    from weft.core.train.rope import resolve_rope
+
+    recipe = resolve_rope(recipe, plan=plan, pm=pm)  # the reference gets the ranks' rotary scaling
+    if plan.packed():
+        raise WeftError("weft check compares unpacked micro-batches; set pack = false in the batching rule to check "
+                        "this plan's parallelism (packed attention has its own tests)", where=f"{recipe.source} (pack)")
+    sync = plan.decisions_of("grad_sync")
+    clip = next((d.params.max_norm for d in sync if d.strategy == "clip"), None)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "sharded.pt"
+        launch_ranks("check", nproc=world_size, out=out,
+                     args=[recipe_arg, *(arg for override in overrides for arg in ("--set", override))])
+        got = torch.load(out, weights_only=True)  # written by our own ranks; still only tensors and numbers
+        batches = [mb for d in range(plan.mesh.dp)
+                   for mb in torch.load(out.with_name(f"batches-dp{d}.pt"), weights_only=True)]
+    from weft.core.train.prepare import device_type_for
+
+    # bf16: the unsharded model's own bf16 difference from float32 is the yardstick.
+    precisions = ("fp32", "bf16") if recipe.train.precision == "bf16" else ("fp32",)
+    refs = reference(recipe, adapter=pm.models.for_recipe(recipe), batches=batches, max_norm=clip,
+                     device=device_type_for(recipe), precisions=precisions, frozen=tuple(plan.frozen_units()))
+    ref = refs["fp32"]
+    floor = compare(ref, refs["bf16"]) if "bf16" in refs else None
+    # After grad sync the built-in clip's result is known; a third-party grad sync's is not.
+    ref["compare_clipped"] = bool(sync) and all(d.strategy == "clip" for d in sync)
+    result = compare(ref, got, floor=floor)
+    result["precision"] = recipe.train.precision
+    # Lower-precision parameters in a rule make a float32 comparison meaningless for that group.
+    result["reduced_precision_units"] = sorted(
+        m.info.path for m in plan.modules_for("shard")
+        if any(getattr(m.get("shard").params, key, None) not in (None, "float32")
+               for key in ("param_dtype", "storage_dtype"))
+    )
+    result.update({"world_size": world_size, "mesh": dict(zip(MESH_ORDER, plan.mesh.shape)),
+                   "micro_batches": len(batches), "frozen_units": plan.frozen_units()})
+    return result

@@ -1,0 +1,233 @@
+"""`weft generate RECIPE --prompt TEXT [--image PATH]...`: greedy or sampled decoding under
+the recipe's plan.
+
+The prompt (the adapter's encoding of one user turn) is prefilled by the plan's own
+forward: its sharding, its sequence-parallel attention, its precision. The KV cache comes
+from ``weft_kv_cache`` (the text decoder's ``kv_cache`` rule): under sequence parallelism
+the default is the ``sharded`` cache, where each rank keeps its part of the prompt's keys
+and values. Then the sequence split's hooks come off, and every rank runs the model on
+each new token, the text attention merging the ranks' partial results by log-sum-exp.
+All ranks choose the same token (one generator, seeded, on every rank; rank 0's choice is
+broadcast so no rounding difference can split them).
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from weft.core.errors import WeftError
+from weft.core.recipe import Recipe
+
+
+def run_generate(*, nproc: int, args: list[str]) -> dict:
+    """Start ``nproc`` ranks of the hidden ``_generate-worker`` command; rank 0's result."""
+    from weft.core.run.rank_job import launch_job
+
+    return launch_job("generate", nproc=nproc, args=args)
+
+
+def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
+    from weft.core.run.rank_job import run_on_rank
+
+    run_on_rank(recipe, out=out, job=_generate, **options)
+
+
+def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,
+              images: list[str], videos: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
+              run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False) -> dict:
+    from weft.core.run.rank_job import prepare_inference
+    from weft.core.train.step import autocast_for
+
+    pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
+                                                 device_type=device_type, run_dir=run_dir, step=step)
+    model, device = run.model, ctx.device
+    inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None
+              else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))
+    length = inputs["input_ids"].shape[1]
+    text_rules = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
+    choose = _chooser(temperature=temperature, top_p=top_p, seed=seed)
+    if stream and rank == 0:  # rank 0's stdout is the terminal's: the text as it comes
+        choose = _streaming(choose, decode=lambda ids: ctx.adapter.decode_tokens(recipe, ids))
+    eos = model.generation_config.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    autocast = autocast_for(recipe.train.precision, device_type)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    new_cache = functools.partial(pm.call_first, "weft_kv_cache", decision=text_rules[0], model=model,
+                                  plan=run.plan, mesh=run.mesh, ctx=ctx)
+    if warmup:  # one untimed prefill first: compiled modules compile there, not in the figure
+        with torch.no_grad(), autocast:
+            _prefill(model, run=run, inputs=inputs, cache=new_cache(), device=device)
+    cache = new_cache()
+    dist.barrier()
+    start = time.perf_counter()
+    with torch.no_grad(), autocast:
+        logits = _prefill(model, run=run, inputs=inputs, cache=cache, device=device)
+        tokens, logprobs = [], []
+        _pick(choose, logits, tokens, logprobs)
+        sync()
+        prefill_s = time.perf_counter() - start
+        if run.split is not None:
+            run.split.remove()  # every rank now runs the whole (one-token) sequence
+        if hasattr(cache, "begin_decode"):
+            cache.begin_decode()
+        # Decoding attends from one query to the whole cache: the cache's own attention, or
+        # transformers' SDPA over a whole-sequence cache (weft's training kernels take
+        # equal query and key lengths).
+        _text_attention(model, getattr(cache, "decode_attention", None) or "sdpa")
+        # Units a rule compiles (for training and the prefill) run eagerly while decoding:
+        # each one-token step would otherwise recompile on the growing cache (its length,
+        # each layer's cache object) until torch's recompile limit, seconds a token.
+        with torch.compiler.set_stance("force_eager"):
+            while len(tokens) < max_new_tokens and tokens[-1] not in stops:
+                position = length + len(tokens) - 1
+                # No attention mask: positions then follow the cache's (global) length, as
+                # transformers' generate slices them.
+                output = model(input_ids=torch.tensor([[tokens[-1]]], device=device),
+                               past_key_values=cache, use_cache=True, logits_to_keep=1,
+                               cache_position=torch.tensor([position], device=device))
+                _pick(choose, output.logits[:, -1].float(), tokens, logprobs)
+        sync()
+    decode_s = time.perf_counter() - start - prefill_s
+    # Each rank's cache bytes, and a paged cache's vision pool and text pages: one gather.
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, (_cache_bytes(cache), getattr(cache, "partition_bytes", lambda: None)()))
+    local_bytes, partitions = [g[0] for g in gathered], [g[1] for g in gathered]
+    return {"tokens": tokens, "logprobs": logprobs, "text": ctx.adapter.decode_tokens(recipe, tokens),
+            "prompt_tokens": length,
+            "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9),
+            "decode_ms_per_token": 1e3 * decode_s / max(len(tokens) - 1, 1), "cache": type(cache).__name__,
+            "cache_bytes_per_rank": local_bytes, "world_size": world_size,
+            **({"cache_partitions_per_rank": partitions} if partitions[0] is not None else {}),
+            "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            "checkpoint": checkpoint}
+
+
+def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.device) -> torch.Tensor:
+    """The prompt through the plan's forward into ``cache``; the last real token's logits (1, V)."""
+    from weft.core.train.step import pad_to_multiple
+
+    length = inputs["input_ids"].shape[1]
+    batch, keep, last = dict(inputs), None, torch.tensor([length - 1])
+    if run.split is not None:
+        # The split's multiple: pads at the right end, which causal attention keeps from the
+        # real tokens; the cache drops their rows; the last real token's logits come from the
+        # rank that holds it.
+        batch = pad_to_multiple(batch, multiple=run.split.multiple)
+        local = run.split.shard(torch.arange(batch["input_ids"].shape[1])[None], dim=1)[0]  # (S_local,)
+        keep = local < length
+        last = (local == length - 1).nonzero()[:, 0][:1]
+    if hasattr(cache, "begin_prefill"):
+        cache.begin_prefill(keep=None if keep is None else keep.to(device), prompt=length,
+                            vision=_vision_rows(model, batch["input_ids"][0], run=run).to(device))
+    held = torch.tensor(len(last))
+    output = model(**{k: v.to(device) for k, v in batch.items()}, past_key_values=cache, use_cache=True,
+                   logits_to_keep=(last if len(last) else torch.tensor([0])).to(device))
+    logits = output.logits[:, -1].float() * held.to(device)  # (1, V): zero where the row is not ours
+    if run.split is not None:
+        dist.all_reduce(logits, group=run.mesh.sp.get_group())
+    return logits
+
+
+def _vision_rows(model: torch.nn.Module, ids: torch.Tensor, *, run) -> torch.Tensor:
+    """(S_local,) bool: this rank's rows of the (padded) prompt ``ids`` (S,) that are image or
+    video tokens, for caches that keep them apart."""
+    marks = [getattr(model.config, key, None) for key in ("image_token_id", "video_token_id")]
+    rows = torch.isin(ids, torch.tensor([m for m in marks if m is not None], dtype=ids.dtype))
+    return rows if run.split is None else run.split.shard(rows[None], dim=1)[0]
+
+
+def _prompt_from_data(recipe: Recipe, *, run, pm, ctx) -> dict[str, torch.Tensor]:
+    """The first sample of the recipe's own data as the prompt, labels dropped: long
+    synthetic prompts (data.tokens, data.images) for models without a bundled tokenizer."""
+    if run.plan.mesh.dp > 1:
+        raise WeftError(f"--prompt-from-data gives every rank one prompt, but the plan has {run.plan.mesh.dp} "
+                        "data-parallel groups; set parallel.dp_shard/dp_replicate so that all ranks share the "
+                        "sequence (ring/ulysses)", where="--prompt-from-data")
+    ctx.one_pass = True
+    steps = pm.call_first("weft_batching", decision=run.plan.decision("batching"), recipe=recipe, plan=run.plan,
+                          mesh=run.mesh, model=run.model, ctx=ctx)
+    first = next(iter(steps))[0]
+    if first["input_ids"].shape[0] != 1:
+        raise WeftError(f"the data's first micro-batch holds {first['input_ids'].shape[0]} samples; a prompt is "
+                        "one: set train.micro_batch_tokens to the sample length (data.tokens)",
+                        where="--prompt-from-data")
+    return {k: v for k, v in first.items() if k not in ("labels", "shift_labels")}
+
+
+def _pick(choose, logits: torch.Tensor, tokens: list[int], logprobs: list[float]) -> None:
+    """Choose the next token; keep its log-probability under the model (before temperature)."""
+    token = choose(logits)
+    tokens.append(token)
+    logprobs.append(float(torch.log_softmax(logits.double(), dim=-1)[0, token]))
+
+
+def _streaming(choose, *, decode):
+    """``choose``, printing the text each new token adds (decoded whole: a token may complete
+    a multi-byte character)."""
+    tokens: list[int] = []
+    shown = ""
+
+    def streamed(logits: torch.Tensor) -> int:
+        nonlocal shown
+        tokens.append(choose(logits))
+        text = decode(tokens)
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+        return tokens[-1]
+
+    return streamed
+
+
+def _chooser(*, temperature: float, top_p: float, seed: int):
+    """The next token from (1, V) logits: greedy at temperature 0, else nucleus sampling from
+    one seeded generator (in float64 on the host, so every rank and world size draws alike);
+    rank 0's choice is broadcast."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def choose(logits: torch.Tensor) -> int:
+        if temperature <= 0:
+            token = logits.argmax(dim=-1)
+        else:
+            probs = torch.softmax(logits.double().cpu() / temperature, dim=-1)[0]  # (V,)
+            ordered, order = probs.sort(descending=True)
+            keep = ordered.cumsum(0) - ordered < top_p  # the smallest prefix reaching top_p
+            ordered = ordered * keep
+            token = order[torch.multinomial(ordered / ordered.sum(), 1, generator=generator)]
+        token = token.reshape(1).to(logits.device)
+        dist.broadcast(token, src=0)
+        return int(token)
+
+    return choose
+
+
+def _text_attention(model: torch.nn.Module, name: str) -> None:
+    """Decode the text model with ``name``; the vision tower keeps its own."""
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        model.set_attn_implementation(name)
+    else:
+        model.set_attn_implementation({"text_config": name, "vision_config": vision._attn_implementation})
+
+
+def _cache_bytes(cache) -> int:
+    """This rank's cached keys and values (any transformers cache of per-layer tensors; a
+    paged cache's vision pool and text pages as allocated)."""
+    if hasattr(cache, "partition_bytes"):
+        parts = cache.partition_bytes()
+        return parts["vision"] + parts["text_capacity"]
+    return int(sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None))
+
+
+def check_options(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if max_new_tokens < 1:
+        raise WeftError(f"--max-new-tokens must be at least 1, got {max_new_tokens}", where="--max-new-tokens")
+    if temperature < 0:
+        raise WeftError(f"--temperature must be 0 (greedy) or above, got {temperature:g}", where="--temperature")
+    if not 0 < top_p <= 1:
+        raise WeftError(f"--top-p takes a value in (0, 1], got {top_p:g}", where="--top-p")

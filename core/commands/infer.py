@@ -1,0 +1,211 @@
+"""`weft` commands beside training: eval (a dataset's loss), generate (decoding), report (a run's curves)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+from typing import Any, Callable
+
+from weft.core.errors import EXIT_OK, WeftError
+
+
+def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
+    evaluate = sub.add_parser("eval", help="a dataset's loss and perplexity under the recipe's plan, forward only")
+    evaluate.add_argument("recipe", nargs="?", help="recipe TOML file (or --model-dir)")
+    evaluate.add_argument("--data", type=pathlib.Path, default=None,
+                          help="JSONL chat file to evaluate (default: the recipe's own data)")
+    _common(evaluate, positive)
+    evaluate.add_argument("--max-batches", type=positive, default=None, help="stop after N rounds of micro-batches")
+    evaluate.set_defaults(func=_cmd_eval)
+
+    generate = sub.add_parser("generate", help="decode from a prompt (and images) under the recipe's plan")
+    generate.add_argument("recipe", nargs="?", help="recipe TOML file (or --model-dir)")
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the user's turn")
+    source.add_argument("--prompt-from-data", action="store_true",
+                        help="the first sample of the recipe's data as the prompt (e.g. long synthetic: data.tokens)")
+    generate.add_argument("--image", dest="images", action="append", default=[], type=pathlib.Path,
+                          metavar="PATH", help="an image before the prompt (repeatable)")
+    generate.add_argument("--video", dest="videos", action="append", default=[], type=pathlib.Path,
+                          metavar="PATH", help="a video file after the images, sampled at data.video_fps (repeatable)")
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
+    generate.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
+    generate.add_argument("--warmup", action="store_true",
+                          help="one untimed prefill first (compiled modules compile there): benchmarks")
+    _common(generate, positive)
+    generate.set_defaults(func=_cmd_generate)
+
+    report = sub.add_parser("report", help="a run's curves (loss, tokens/s, MFU, memory, grad norm, lr) and summary")
+    report.add_argument("run_dirs", nargs="+", type=pathlib.Path, metavar="RUN_DIR")
+    report.add_argument("--out", type=pathlib.Path, default=None,
+                        help="FILE.png or FILE.html (default: report.png in the first run directory)")
+    report.set_defaults(func=_cmd_report)
+
+    for name, func in (("_eval-worker", _cmd_eval_worker), ("_generate-worker", _cmd_generate_worker)):
+        worker = sub.add_parser(name, help=argparse.SUPPRESS)
+        worker.add_argument("recipe")
+        worker.add_argument("--out", type=pathlib.Path, required=True)
+        worker.add_argument("--set", dest="overrides", action="append", default=[])
+        worker.add_argument("--run-dir", type=pathlib.Path, default=None)
+        worker.add_argument("--step", type=int, default=None)
+        worker.add_argument("--options", default="{}", help="the command's own options, as JSON")
+        worker.set_defaults(func=func)
+
+
+def _common(parser: Any, positive: Callable[[str], int]) -> None:
+    parser.add_argument("--model-dir", type=pathlib.Path, default=None,
+                        help="a Hugging Face model directory (e.g. from `weft export`) instead of a recipe: "
+                             "one rank, float32, the default rules")
+    parser.add_argument("--nproc", type=positive, default=None, help="ranks (default: parallel.nproc)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--run-dir", type=pathlib.Path, default=None,
+                        help="weights from this weft run's newest checkpoint (default: the recipe's initial ones)")
+    parser.add_argument("--step", type=positive, default=None, help="with --run-dir: this step's checkpoint")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _recipe(path: str, overrides: list[str]) -> Any:
+    from weft.core.recipe import Recipe
+
+    return Recipe.from_toml(path, overrides=tuple(overrides))
+
+
+def _model_dir_recipe(args: Any, folder: str) -> None:
+    """``--model-dir DIR``: a recipe of just ``model.path = DIR``, written into ``folder`` (which
+    outlives the ranks), becomes the command's recipe."""
+    if (args.recipe is None) == (args.model_dir is None):
+        raise WeftError("give a recipe or --model-dir, not both" if args.recipe else "give a recipe or --model-dir",
+                        where="--model-dir")
+    if args.model_dir is None:
+        return
+    if not (args.model_dir / "config.json").is_file():
+        raise WeftError(f"{args.model_dir} has no config.json; --model-dir takes a Hugging Face model directory",
+                        where="--model-dir")
+    recipe = pathlib.Path(folder) / "model-dir.toml"
+    recipe.write_text(f"[model]\npath = {json.dumps(str(args.model_dir.resolve()))}\n")
+    args.recipe = str(recipe)
+
+
+def _forwarded(args: Any, overrides: list[str], options: dict, *,
+               needs: Callable[[Any], dict]) -> tuple[Any, list[str]]:
+    """Check what the ranks need, then their arguments: the recipe is read here first, so
+    its mistakes are messages before any rank starts. ``needs(recipe)``: what the command
+    reads from the processor folder (core/run/model_files.py)."""
+    if args.step is not None and args.run_dir is None:
+        raise WeftError("--step picks a checkpoint of --run-dir; give --run-dir too", where="--step")
+    if args.run_dir is not None and not (args.run_dir / "checkpoints").is_dir():
+        raise WeftError(f"{args.run_dir} has no checkpoints/ folder; --run-dir takes a weft run directory",
+                        where="--run-dir")
+    recipe = _recipe(args.recipe, overrides)
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.run.model_files import check_processor_files, check_weight_files
+
+    processor = plugin_manager_from_env().models.for_recipe(recipe).config(recipe)[1]
+    check_processor_files(recipe, processor, needs=needs(recipe))
+    check_weight_files(recipe)  # read by every rank, with --run-dir too (its checkpoint's weights replace them)
+    forwarded = [args.recipe, *(a for o in overrides for a in ("--set", o)), "--options", json.dumps(options)]
+    if args.run_dir is not None:
+        forwarded += ["--run-dir", str(args.run_dir.resolve())] + (["--step", str(args.step)] if args.step else [])
+    return recipe, forwarded
+
+
+def _cmd_eval(args) -> int:
+    with tempfile.TemporaryDirectory() as folder:
+        _model_dir_recipe(args, folder)
+        return _eval(args)
+
+
+def _eval(args) -> int:
+    from weft.core.commands.evaluate import render, run_eval
+
+    overrides = list(args.overrides)
+    if args.data is not None:
+        if not args.data.is_file():
+            raise WeftError(f"no such file: {args.data}; --data takes a JSONL chat file", where="--data")
+        overrides += ["data.source=jsonl", f"data.path={args.data.resolve()}"]
+    from weft.core.run.model_files import data_needs
+
+    recipe, forwarded = _forwarded(args, overrides, {"max_batches": args.max_batches or 0}, needs=data_needs)
+    result = run_eval(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)
+    print(json.dumps(result, indent=1) if args.json else f"weft eval: {render(result)}")
+    return EXIT_OK
+
+
+def _cmd_eval_worker(args) -> int:
+    from weft.core.commands.evaluate import worker
+
+    worker(_recipe(args.recipe, args.overrides), out=args.out, run_dir=args.run_dir, step=args.step,
+           **json.loads(args.options))
+    return EXIT_OK
+
+
+def _cmd_generate(args) -> int:
+    with tempfile.TemporaryDirectory() as folder:
+        _model_dir_recipe(args, folder)
+        return _generate(args)
+
+
+def _generate(args) -> int:
+    from weft.core.commands.generate import check_options, run_generate
+
+    check_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    for flag, paths, kind in (("--image", args.images, "an image"), ("--video", args.videos, "a video")):
+        for path in paths:
+            if not path.is_file():
+                raise WeftError(f"no such file: {path}; {flag} takes {kind} file", where=flag)
+        if args.prompt_from_data and paths:
+            raise WeftError(f"{flag} goes with --prompt; --prompt-from-data takes the data's own", where=flag)
+    options = {"prompt": args.prompt, "images": [str(p.resolve()) for p in args.images],
+               "videos": [str(p.resolve()) for p in args.videos],
+               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+               "seed": args.seed, "stream": not args.json, "warmup": args.warmup}
+    from weft.core.run.model_files import prompt_needs
+
+    # The prompt, and the decoding of what is generated, read the tokenizer and the image processor.
+    recipe, forwarded = _forwarded(args, list(args.overrides), options, needs=lambda recipe: prompt_needs())
+    nproc = args.nproc or recipe.parallel.nproc
+    if args.prompt_from_data:
+        from weft.core.plan.planner import plan_recipe
+        from weft.core.plugin_manager import plugin_manager_from_env
+
+        dp = plan_recipe(recipe, pm=plugin_manager_from_env(), world_size=nproc)[0].mesh.dp
+        if dp > 1:
+            raise WeftError(f"--prompt-from-data gives every rank one prompt, but the plan has {dp} data-parallel "
+                            "groups; give the ranks to sequence parallelism (parallel.ring / parallel.ulysses)",
+                            where="--prompt-from-data")
+    result = run_generate(nproc=nproc, args=forwarded)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print()  # after the streamed text
+        per_rank = ", ".join(f"{b / 2**20:.2f}" for b in result["cache_bytes_per_rank"])
+        print(f"weft generate: {len(result['tokens'])} tokens after a {result['prompt_tokens']}-token prompt; "
+              f"prefill {result['prefill_tokens_per_s']:,.0f} tokens/s, decode {result['decode_ms_per_token']:.1f} "
+              f"ms/token; {result['cache']} MiB per rank: {per_rank}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_generate_worker(args) -> int:
+    from weft.core.commands.generate import worker
+
+    worker(_recipe(args.recipe, args.overrides), out=args.out, run_dir=args.run_dir, step=args.step,
+           **json.loads(args.options))
+    return EXIT_OK
+
+
+def _cmd_report(args) -> int:
+    from weft.core.commands.report import plot, read_run, summary_lines
+
+    out = args.out or args.run_dirs[0] / "report.png"
+    if out.suffix.lower() not in (".png", ".html"):
+        raise WeftError(f"--out {out}: the report is written as .png or .html", where="--out")
+    runs = [read_run(run_dir) for run_dir in args.run_dirs]
+    for line in summary_lines(runs):
+        print(line)
+    print(f"weft report: {plot(runs, out)}", file=sys.stderr)
+    return EXIT_OK

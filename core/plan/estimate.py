@@ -1,0 +1,277 @@
+"""Before launching: per-rank GPU memory, host memory and step time of a recipe, by arithmetic.
+
+``weft plan RECIPE --estimate`` answers "does it fit, how fast, how long can I go" from the
+plan alone: the units' parameter counts and shard rules, the model's shape, the mesh and
+the sequence length, and a small table of measured rates per GPU kind. Nothing runs on a
+GPU. The memory model counts what a step holds at its peak, in torch's own accounting
+(``max_memory_allocated``): weights, gradients and AdamW states; FSDP2's gathered copies;
+every layer's saved activations by its checkpoint mode; then the larger of the loss's
+working memory and one layer's recomputation. Coefficients that depend on kernels, not
+arithmetic (what a layer saves, how much a recomputation holds at once) were fitted to
+measured 7B runs on one H200 (BENCHMARKS.md) and are named below; the tests check the
+arithmetic against hand-computed sizes and the model against those measurements.
+
+This module is plain arithmetic (no torch): ``estimate_inputs`` builds its inputs from a plan.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from weft.core.plan.flops import PEAK_TFLOPS, sequence_flops
+
+GIB = 2**30
+
+#: What one decoder layer keeps from its forward to its backward, in units of the layer's
+#: input (tokens x hidden x 2 bytes), by checkpoint mode; "off" and "attention" add the
+#: MLP's intermediates (``MLP_SAVED`` x tokens x intermediate x 2 bytes). Fitted to 7B on
+#: one H200 (32K: "mlp" 0.86 GiB per layer, "off" +3.47 GiB; 128K: "except_attention").
+LAYER_SAVED = {"full": 1.0, "except_attention": 2.0, "mlp": 3.9, "attention": 2.0, "off": 3.9}
+MLP_SAVED = 3.0
+#: One layer's recomputation in the backward holds at once about ``RECOMPUTE_ATTENTION``
+#: layer inputs' worth (q, k, v, out) and ``RECOMPUTE_MLP`` x tokens x intermediate x 2
+#: bytes (the MLP's, compiled; one tile's under ``mlp_tile_tokens``): fitted at 128K,
+#: "full" and "except_attention".
+RECOMPUTE_ATTENTION = 4.0
+RECOMPUTE_MLP = 1.6
+#: The same for a layer whose input comes back from host memory (``offload_activations``,
+#: the frontier recipes, MLP tiled): ~10 layer inputs at once (the restored input, the
+#: next one's prefetch, the recomputed layer's float32 norm work and attention's), fitted
+#: to 7B on one H200 at 128K and 256K (steady steps) and 512K (its backward).
+RECOMPUTE_OFFLOADED = 10.0
+#: The fused loss's working memory beyond its two gradients besides the float32 sum's
+#: surplus over the bf16 head gradient (256 MiB chunks; measured 1.57 GiB at 128K).
+FUSED_LOSS_CHUNKS = 0.55 * GIB
+#: The chunked loss over materialised logits: float32 chunk temporaries (512 MiB chunks).
+LOGITS_LOSS_CHUNKS = 1.0 * GIB
+
+
+@attrs.frozen(kw_only=True)
+class GpuKind:
+    name: str
+    memory_gib: float  # what torch can allocate
+    matmul_tflops: float  # bf16 GEMMs at these models' shapes
+    attention_fwd_tflops: float
+    attention_bwd_tflops: float
+    #: Element-wise work, copies and launches per token per decoder layer (seconds), fitted.
+    overhead_s: float
+    link_gbps: float  # GPU-to-GPU (NVLink) per direction, GB/s
+    measured: bool  # rates measured on this kind (else scaled from the H200's by spec)
+    peak_tflops: float = PEAK_TFLOPS["H200"]  # dense bf16 peak, for MFU (H100: the same)
+
+
+GPUS = {
+    # H200: measured (BENCHMARKS.md): GEMMs ~700 TFLOP/s, flash-attn-4 forward 640 and
+    # backward 553 at 32K-128K, 28 query / 4 KV heads, d 128.
+    "h200": GpuKind(name="h200", memory_gib=139.8, matmul_tflops=700.0, attention_fwd_tflops=640.0,
+                    attention_bwd_tflops=553.0, overhead_s=6.4e-7, link_gbps=400.0, measured=True),
+    # H100 SXM: the same tensor cores and clock; 80 GB and 3.35 TB/s (element-wise work scaled).
+    "h100": GpuKind(name="h100", memory_gib=79.1, matmul_tflops=680.0, attention_fwd_tflops=620.0,
+                    attention_bwd_tflops=530.0, overhead_s=9.2e-7, link_gbps=400.0, measured=False),
+    # A100 80GB: 312 TFLOP/s bf16 peak, no flash-attn-4 (cuDNN / flash 2 rates), 2.0 TB/s.
+    "a100-80g": GpuKind(name="a100-80g", memory_gib=79.1, matmul_tflops=240.0, attention_fwd_tflops=190.0,
+                        attention_bwd_tflops=150.0, overhead_s=1.5e-6, link_gbps=250.0, measured=False,
+                        peak_tflops=PEAK_TFLOPS["A100"]),
+}
+
+
+@attrs.frozen(kw_only=True)
+class Shape:
+    """The model's sizes the arithmetic needs (text decoder, optional vision tower)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    layer_params: int  # one decoder layer's parameters
+    vision_hidden: int = 0
+    vision_intermediate: int = 0
+    vision_blocks: int = 0
+    vision_params: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Unit:
+    """One shard unit (or the root: what no unit owns) as its rule decided it."""
+
+    path: str
+    modality: str | None
+    params: int  # its own, not those of units inside it
+    strategy: str  # "fsdp2" or "none"
+    storage_bytes: int
+    checkpoint: str = "off"
+    offload_activations: bool = False
+    offload: bool = False
+    mlp_tile_tokens: int = 0
+    trainable: bool = True  # False: a frozen unit (no gradients, no optimizer states)
+    state_bytes: float | None = None  # optimizer state per parameter; None: two moments in the storage dtype
+    source: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Setup:
+    tokens: int  # one micro-batch's whole sequence
+    patches: int = 0  # vision patches per micro-batch (before merging)
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    ring: int = 1
+    ulysses: int = 1
+    loss: str = "fused"
+
+    @property
+    def sp(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks an FSDP2 unit is sharded over: dp_shard x the SP ranks."""
+        return self.dp_shard * self.sp
+
+
+def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
+    """Per-rank bytes at the step's peak, by part; ``total`` their sum."""
+    tokens = setup.tokens / setup.sp  # this rank's share of the sequence
+    layer_in = tokens * shape.hidden * 2  # one layer's input, bf16
+    part = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}
+    host_static = 0.0
+    for u in units:
+        shard = setup.fsdp if u.strategy == "fsdp2" else 1
+        size = u.params * u.storage_bytes / shard
+        if u.offload:  # FSDP2 offload: shards, gradients and states live on the CPU
+            host_static += (4 if u.trainable else 1) * size
+            continue
+        part["weights"] += size
+        if u.trainable:
+            part["gradients"] += size
+            per = 2 * u.storage_bytes if u.state_bytes is None else u.state_bytes
+            part["optimizer"] += u.params * per / shard
+    fsdp = [u for u in units if u.strategy == "fsdp2"]
+    largest = max((u.params * 2 for u in fsdp if u.modality is not None), default=0)
+    root = next((u for u in fsdp if u.modality is None), None)
+    # FSDP2 gathers a unit (and prefetches the next); the root's own weights (embedding,
+    # head) stay gathered from forward to backward when the fused loss reads the head.
+    part["gathered"] = 2 * largest + (root.params * 2 if root is not None and setup.loss == "fused" else 0)
+    text = [u for u in units if u.modality == "text"]
+    part["activations"] = sum(0.0 if u.offload_activations else
+                              layer_saved(u.checkpoint, shape, layer_in, tokens, tiled=u.mlp_tile_tokens > 0)
+                              for u in text)
+    vision = [u for u in units if u.modality == "vision"]
+    patches = setup.patches / setup.sp  # images are spread over the SP ranks
+    if vision and shape.vision_hidden:
+        v_in = patches * shape.vision_hidden * 2
+        v_shape = attrs.evolve(shape, hidden=shape.vision_hidden, intermediate=shape.vision_intermediate)
+        part["vision"] = sum(layer_saved(u.checkpoint, v_shape, v_in, patches) for u in vision)
+    else:
+        part["vision"] = 0.0
+    recompute = max(((RECOMPUTE_OFFLOADED if u.offload_activations else RECOMPUTE_ATTENTION) * layer_in
+                     + RECOMPUTE_MLP * _mlp_rows(u, tokens) * shape.intermediate * 2
+                     for u in text if u.checkpoint != "off"), default=0.0)
+    if setup.loss == "fused":
+        loss = shape.vocab * shape.hidden * 2 + FUSED_LOSS_CHUNKS
+    else:
+        loss = 2 * tokens * shape.vocab * 2 + LOGITS_LOSS_CHUNKS  # bf16 logits and their gradient
+    # The loss runs before any layer's backward; the hidden states' gradient then flows down.
+    part["loss or recomputation"] = max(loss, recompute) + layer_in
+    part["communication"] = _comm_buffers(shape, setup, tokens, largest)
+    part["total"] = sum(part.values())
+    # The first step: AdamW makes its states in its first optimizer step, after the backward,
+    # so that step's peak is the larger of the backward's (without states) and the states'.
+    states = part["weights"] + part["gradients"] + part["optimizer"]
+    part["first step"] = max(part["total"] - part["optimizer"], states)
+    part["host"] = host_static + _host(units, layer_in) + 8 * GIB
+    return part
+
+
+def _mlp_rows(unit: Unit, tokens: float) -> float:
+    """Rows of the MLP's intermediates that exist at once: a tile's, or the whole sequence's."""
+    return min(tokens, unit.mlp_tile_tokens) if unit.mlp_tile_tokens else tokens
+
+
+def layer_saved(mode: str, shape: Shape, layer_in: float, tokens: float, *, tiled: bool = False) -> float:
+    """Bytes one layer keeps between its forward and backward under checkpoint ``mode`` (a
+    tiled MLP keeps only its input: its intermediates are made again in the backward)."""
+    saved = LAYER_SAVED[mode] * layer_in
+    if mode in ("off", "attention") and not tiled:
+        saved += MLP_SAVED * tokens * shape.intermediate * 2
+    if mode == "except_attention":
+        saved += tokens * shape.heads * 4  # the LSE, float32 per head and token
+    return saved
+
+
+def _comm_buffers(shape: Shape, setup: Setup, tokens: float, largest: float) -> float:
+    ring = 2 * tokens * 2 * shape.kv_heads * shape.head_dim * 2 if setup.ring > 1 else 0  # K/V in flight
+    ulysses = 2 * tokens * (shape.hidden + 2 * shape.kv_heads * shape.head_dim) * 2 if setup.ulysses > 1 else 0
+    reduce = largest * 2 if setup.fsdp > 1 else 0  # a unit's gradients in float32 for the reduce-scatter
+    return ring + ulysses + reduce
+
+
+def _host(units: list[Unit], layer_in: float) -> float:
+    """Pinned host buffers: each offloaded unit's input from its forward to its backward."""
+    return sum(layer_in for u in units if u.offload_activations and u.modality == "text")
+
+
+def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) -> dict[str, float]:
+    """Per-rank seconds of one step, by part: matrix products (recomputation included),
+    attention forward and backward, element-wise overhead, exposed communication."""
+    tokens = setup.tokens / setup.sp
+    text = [u for u in units if u.modality == "text"]
+    dense = 6 * tokens * (len(text) * shape.layer_params + shape.vocab * shape.hidden)
+    mlp = 2 * shape.hidden * shape.intermediate  # gate and up: what "mlp" recomputes (down stops early)
+    recompute = sum(2 * tokens * (shape.layer_params if u.checkpoint in ("full", "except_attention") else
+                                  mlp if u.checkpoint == "mlp" else 0) for u in text)
+    # A tiled MLP runs its forward once more (its backward makes the tiles' intermediates again).
+    recompute += sum(2 * tokens * 3 * shape.hidden * shape.intermediate for u in text if u.mlp_tile_tokens)
+    vision = 6 * setup.patches / setup.sp * shape.vision_params if shape.vision_blocks else 0.0
+    # Causal attention over the whole sequence, this rank's share: 2 S^2 h forward per layer.
+    attn = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp
+    again = sum(1 for u in text if u.checkpoint in ("full", "attention"))
+    part = {
+        "matmul": (dense + recompute + vision) / (gpu.matmul_tflops * 1e12),
+        "attention forward": attn * (len(text) + again) / (gpu.attention_fwd_tflops * 1e12),
+        "attention backward": 2.5 * attn * len(text) / (gpu.attention_bwd_tflops * 1e12),
+        "element-wise": gpu.overhead_s * tokens * len(text) * (1.3 if recompute else 1.0),
+        "communication": _exposed_comm(units, shape, setup, gpu, tokens),
+    }
+    part["total"] = sum(part.values())
+    part["tokens_per_s"] = setup.tokens * setup.dp_shard * setup.dp_replicate / part["total"]
+    # MFU as the reports and benchmarks count it (core/plan/flops.py), this rank's share of the sequence.
+    useful = sequence_flops(params=len(text) * shape.layer_params + shape.vocab * shape.hidden, layers=len(text),
+                            hidden=shape.heads * shape.head_dim, length=setup.tokens) / setup.sp
+    part["mfu"] = useful / part["total"] / (gpu.peak_tflops * 1e12)
+    return part
+
+
+def _exposed_comm(units, shape: Shape, setup: Setup, gpu: GpuKind, tokens: float) -> float:
+    """Ulysses' all-to-alls are on the critical path (4 per layer forward, 4 backward); the
+    ring's transfers and FSDP2's collectives overlap compute except one unit's worth."""
+    bw = gpu.link_gbps * 1e9
+    layers = sum(1 for u in units if u.modality == "text")
+    ulysses = 0.0
+    if setup.ulysses > 1:
+        width = shape.hidden * 2 + 2 * shape.kv_heads * shape.head_dim  # q and out, k and v
+        per = tokens * width * 2 * (setup.ulysses - 1) / setup.ulysses
+        ulysses = 2 * layers * per / bw
+    fsdp = 0.0
+    if setup.fsdp > 1:
+        largest = max((u.params for u in units if u.strategy == "fsdp2" and u.modality), default=0)
+        fsdp = 3 * largest * 2 / bw  # the first gather, the last reduce-scatter: not hidden
+    return ulysses + fsdp
+
+
+def longest_fit(fits, *, low: int, high: int, multiple: int = 1024) -> int | None:
+    """The largest length in [low, high], a multiple of ``multiple``, for which ``fits(length)``
+    holds (memory grows with length), or None when not even ``low`` fits."""
+    lo, hi = math.ceil(low / multiple), high // multiple
+    if lo > hi or not fits(lo * multiple):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * multiple):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * multiple

@@ -1,0 +1,87 @@
+"""The estimate's inputs from a plan: units with their parameter counts and shard rules, the
+model's shape, and the step's setup (length, mesh, loss). Reads the meta-built model's
+parameter counts and config; allocates nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weft.core.plan.estimate import Setup, Shape, Unit
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def units_of(plan: Any, model: Any) -> list[Unit]:
+    """Every shard unit and the root, each with its own parameters (not nested units'); with
+    ``model`` None (a run's out-of-memory advice), the rules alone and no parameter counts."""
+    decided = [m for m in plan.modules_for("shard") if m.info.kind in ("unit", "root")]
+    paths = [m.info.path for m in decided]
+    counts = {}
+    for path in paths:
+        module = (model.get_submodule(path) if path else model) if model is not None else None
+        counts[path] = {id(p): p.numel() for p in module.parameters()} if module is not None else {}
+    units = []
+    for m in decided:
+        path = m.info.path
+        inner = [q for q in paths if q != path and (q.startswith(path + ".") if path else True)]
+        taken = {pid for q in inner for pid in counts[q]}
+        own = sum(n for pid, n in counts[path].items() if pid not in taken)
+        decision = m.get("shard")
+        params = decision.params
+        units.append(Unit(
+            path=path, modality=m.info.modality if m.info.kind == "unit" else None, params=own,
+            strategy=decision.strategy, storage_bytes=_BYTES[getattr(params, "storage_dtype", None) or "float32"],
+            checkpoint=getattr(params, "checkpoint", "off") if m.info.kind == "unit" else "off",
+            offload_activations=getattr(params, "offload_activations", False),
+            offload=getattr(params, "offload", False),
+            mlp_tile_tokens=getattr(params, "mlp_tile_tokens", 0), trainable=getattr(params, "trainable", True),
+            state_bytes=_state_bytes(m, storage=_BYTES[getattr(params, "storage_dtype", None) or "float32"]),
+            source=decision.source,
+        ))
+    return units
+
+
+def _state_bytes(module: Any, *, storage: int) -> float | None:
+    """The optimizer's state bytes per parameter, as its rule's parameters say (``state_bytes``)."""
+    optimizer = module.get("optimizer")
+    answer = getattr(getattr(optimizer, "params", None), "state_bytes", None)
+    return answer(storage) if callable(answer) else None
+
+
+def shape_of(model: Any, units: list[Unit]) -> Shape:
+    config = model.config
+    text = getattr(config, "text_config", config)
+    vision = getattr(config, "vision_config", None)
+    heads = text.num_attention_heads
+    layer = next((u.params for u in units if u.modality == "text"), 0)
+    vision_params = sum(u.params for u in units if u.modality == "vision")
+    return Shape(
+        hidden=text.hidden_size, intermediate=text.intermediate_size, heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab=text.vocab_size,
+        layer_params=layer,
+        vision_hidden=getattr(vision, "hidden_size", 0) if vision is not None else 0,
+        vision_intermediate=getattr(vision, "intermediate_size", 0) if vision is not None else 0,
+        vision_blocks=getattr(vision, "depth", 0) if vision is not None else 0,
+        vision_params=vision_params,
+    )
+
+
+def setup_of(recipe: Any, plan: Any, *, tokens: int | None = None) -> Setup:
+    mesh = plan.mesh
+    return Setup(
+        tokens=tokens or recipe.train.micro_batch_tokens, patches=patches_of(recipe),
+        dp_shard=mesh.dp_shard, dp_replicate=mesh.dp_replicate, ring=mesh.ring, ulysses=mesh.ulysses,
+        loss=recipe.train.loss,
+    )
+
+
+def patches_of(recipe: Any) -> int:
+    """Vision patches of one sample of synthetic data (its ``data.images`` sides over 14-pixel
+    patches, and its ``data.videos``' in temporal patches of 2 frames); other sources: 0
+    (their images are known only once read: ``weft plan`` shows them)."""
+    data = recipe.data
+    if getattr(data, "source", "") != "synthetic":
+        return 0
+    images = sum((h // 14) * (w // 14) for h, w in (getattr(data, "images", None) or []))
+    return images + sum(max(1, f // 2) * (h // 14) * (w // 14) for f, h, w in (getattr(data, "videos", None) or []))

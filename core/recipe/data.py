@@ -1,0 +1,79 @@
+"""The recipe's ``[data]`` section: where samples come from and how they are read."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from weft.core.recipe.schema import in_range
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@attrs.frozen(kw_only=True)
+class DataSection:
+    source: Literal["synthetic", "jsonl"] = attrs.field(default="synthetic",
+                                                        metadata=_doc("synthetic conversations or a JSONL chat file"))
+    path: str | None = attrs.field(default=None, metadata=_doc(
+        "JSONL file (chat format), relative to the recipe (with --set: to the current folder)"))
+    num_samples: int = attrs.field(default=256, validator=in_range(low=1), metadata=_doc("synthetic samples"))
+    min_side: int = attrs.field(default=28, validator=in_range(low=28),
+                                metadata=_doc("smallest synthetic image side, px"))
+    max_side: int = attrs.field(default=112, validator=in_range(low=28),
+                                metadata=_doc("largest synthetic image side, px"))
+    system: str | None = attrs.field(default=None, metadata=_doc(
+        "default system prompt: the system message of every conversation that does not open with one (training, "
+        "eval and weft generate), in place of the chat template's default (Qwen2.5-VL's: \"You are a helpful "
+        "assistant.\"); unset: the template's own"))
+    strict: bool = attrs.field(default=False, metadata=_doc("a bad sample stops the run instead of being skipped"))
+    max_pixels: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "an image of more pixels (width x height) is skipped and counted before it is decoded; "
+        "0 = PIL's decompression-bomb limit (~89M)"))
+    workers: int = attrs.field(default=-1, validator=in_range(low=-1),
+                               metadata=_doc("preprocessing processes; -1 = min(8, cores - 1), 0/1 = in-process"))
+    cache: bool = attrs.field(default=True,
+                              metadata=_doc("cache tokenized samples next to the dataset (<file>.weft-cache/)"))
+    tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "synthetic: samples of exactly this many tokens, ids from the model's vocabulary, no tokenizer needed "
+        "(0: short chat conversations through the model's processor)"))
+    tokens_max: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "synthetic with tokens: each sample's length drawn from [tokens, tokens_max]; 0 = exactly tokens"))
+    images: tuple[tuple[int, ...], ...] = attrs.field(default=(), metadata=_doc(
+        "synthetic with tokens: the images of every sample as [height, width] pixels, e.g. [[448, 448]]"))
+    videos: tuple[tuple[int, ...], ...] = attrs.field(default=(), metadata=_doc(
+        "synthetic videos as [frames, height, width], e.g. [[4, 56, 56]]: without data.tokens, conversations about "
+        "a moving shape (samples then mix images, videos and both); with data.tokens, every long sample opens with "
+        "these videos (random frames, after data.images)"))
+    video_fps: float | None = attrs.field(default=None, validator=attrs.validators.optional(in_range(low=0.01)),
+                                          metadata=_doc(
+        "frames per second (at least 0.01) sampled from a video file (a list of frames is taken to be at this rate); "
+        "a video part's own 'fps' key overrides it; unset: the model folder's video_preprocessor_config.json "
+        "'fps' when it has one, else 2 (Qwen2.5-VL's)"))
+    max_frames: int = attrs.field(default=768, validator=in_range(low=2), metadata=_doc(
+        "most frames kept of one video (sampled evenly); a video part's own 'max_frames' key overrides it"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.source == "jsonl" and self.path is None:
+            raise ValueError("data.source = 'jsonl' needs data.path")
+        if self.source == "synthetic" and self.path is not None:
+            # Training on synthetic data while the user meant their file is the worst silent failure.
+            raise ValueError(f"data.path = {self.path!r} is read only with data.source = 'jsonl'; "
+                             "data.source is 'synthetic' (the default): set data.source = 'jsonl' or drop data.path")
+        if self.tokens_max and self.tokens_max < self.tokens:
+            raise ValueError(f"data.tokens_max ({self.tokens_max}) is below data.tokens ({self.tokens})")
+        if self.images and not self.tokens:
+            raise ValueError("data.images sizes the images of long synthetic samples: set data.tokens too")
+        for size in self.images:
+            if len(size) != 2 or min(size) < 28:
+                raise ValueError(f"data.images takes [height, width] pairs of at least 28 px, got {list(size)}")
+        for size in self.videos:
+            if len(size) != 3 or size[0] < 1 or min(size[1:]) < 28:
+                raise ValueError(f"data.videos takes [frames, height, width] of at least 1 frame and 28 px, got "
+                                 f"{list(size)}")
+        if self.videos and self.source != "synthetic":
+            raise ValueError("data.videos makes synthetic samples with videos: data.source = 'synthetic'")
+        if self.min_side > self.max_side:
+            raise ValueError(f"data.min_side ({self.min_side}) is larger than data.max_side ({self.max_side})")

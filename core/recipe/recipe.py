@@ -1,0 +1,252 @@
+"""Recipes: TOML files parsed into frozen attrs classes, with includes and --set overrides.
+
+Pure: imports no torch, so `weft plan` and the validation of a recipe happen before
+any process group exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import sys
+from typing import Any, Literal
+
+import attrs
+
+from weft.core.errors import RecipeError
+from weft.core.recipe.data import DataSection, _doc
+from weft.core.recipe.presets import is_preset_path, preset_names
+from weft.core.recipe.schema import Where, build, did_you_mean, in_range
+from weft.core.recipe.syntax import Rule, bundled_path, load_includes, parse_rules, parse_toml, read_toml_text
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 is not supported, kept for clarity
+    import tomli as tomllib
+
+
+@attrs.frozen(kw_only=True)
+class ModelSection:
+    path: str | None = attrs.field(default=None, metadata=_doc("local Hugging Face model directory"))
+    preset: str | None = attrs.field(default=None, metadata=_doc("random init of a named shape (recipes/presets)"))
+    processor: str | None = attrs.field(default=None,
+                                        metadata=_doc("processor folder or bundled name; default: the model's"))
+    rope_scaling: Literal["none", "yarn", "linear", "dynamic"] = attrs.field(default="none", metadata=_doc(
+        "text decoder's rotary scaling: none (as the model ships), yarn, linear or dynamic (NTK); a rope rule too"))
+    rope_factor: float = attrs.field(default=1.0, validator=in_range(low=1.0, high=64.0),
+                                     metadata=_doc("scaling factor: the context grows to rope_original_max x this"))
+    rope_original_max: int = attrs.field(default=0, validator=in_range(low=0),
+                                         metadata=_doc("positions the model was trained on; 0 = from its config"))
+
+    def __attrs_post_init__(self) -> None:
+        if (self.path is None) == (self.preset is None):
+            raise ValueError("set exactly one of model.path (a local HF directory) or model.preset (a named shape)")
+        if self.rope_scaling != "none" and self.rope_factor <= 1.0:
+            raise ValueError(f"model.rope_scaling = {self.rope_scaling!r} needs model.rope_factor above 1 (got "
+                             f"{self.rope_factor:g}); a run's warning 'positions.beyond_trained' names the factor")
+        if self.rope_scaling == "none" and self.rope_factor != 1.0:
+            raise ValueError(f"model.rope_factor = {self.rope_factor:g} does nothing "
+                             "without model.rope_scaling (yarn, linear or dynamic)")
+
+
+@attrs.frozen(kw_only=True)
+class TrainSection:
+    max_steps: int = attrs.field(default=20, validator=in_range(low=1), metadata=_doc("optimizer steps"))
+    seed: int = attrs.field(default=0, validator=in_range(low=0),
+                            metadata=_doc("seeds model init, data order, dropout"))
+    checkpoint_every: int = attrs.field(default=0, validator=in_range(low=-1), metadata=_doc(
+        "steps between checkpoints; 0 = only at the end; -1 = none at all (benchmarks, disks smaller than the model)"))
+    keep_checkpoints: int = attrs.field(default=2, validator=in_range(low=1), metadata=_doc("newest checkpoints kept"))
+    micro_batch_tokens: int = attrs.field(default=2048, validator=in_range(low=16),
+                                          metadata=_doc("padded tokens per micro-batch per rank"))
+    step_tokens: int = attrs.field(default=0, validator=in_range(low=0),
+                                   metadata=_doc("accumulate micro-batches until this many tokens (all ranks); "
+                                                 "0 = one round"))
+    max_seq_len: int = attrs.field(default=0, validator=in_range(low=0),
+                                   metadata=_doc("longest sample; 0 = micro_batch_tokens; the seq_len rule selector"))
+    lr: float = attrs.field(default=1e-3, validator=in_range(low=0.0), metadata=_doc("peak learning rate"))
+    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(low=0.0, high=1.0),
+                                      metadata=_doc("cosine floor as a fraction of lr"))
+    warmup_steps: int = attrs.field(default=2, validator=in_range(low=0), metadata=_doc("linear warmup steps"))
+    weight_decay: float = attrs.field(default=0.0, validator=in_range(low=0.0), metadata=_doc("AdamW weight decay"))
+    beta1: float = attrs.field(default=0.9, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta1"))
+    beta2: float = attrs.field(default=0.95, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta2"))
+    optimizer: str = attrs.field(default="adamw_sr", metadata=_doc(
+        "the run's optimizer strategy (an optimizer rule's default): adamw_sr (float32 math, stochastic rounding of "
+        "bf16 weights and moments: no update lost; torch's AdamW for float32 weights), adamw (torch's fused, "
+        "round-to-nearest in the weights' dtype), adamw_8bit (torchao's 8-bit moments); `weft plugins` lists all"))
+    precision: Literal["fp32", "bf16"] = attrs.field(default="fp32", metadata=_doc("fp32, or bf16 autocast"))
+    loss: Literal["logits", "fused"] = attrs.field(default="logits", metadata=_doc(
+        "logits: the model's logits, then a chunked float32 cross-entropy; fused: lm_head and the loss by chunks "
+        "from the hidden states, the logits never exist (the head's weights join the root FSDP unit)"))
+    log_every: int = attrs.field(default=1, validator=in_range(low=1), metadata=_doc("steps between console lines"))
+
+    @property
+    def seq_len(self) -> int:
+        return self.max_seq_len or self.micro_batch_tokens
+
+
+@attrs.frozen(kw_only=True)
+class ParallelSection:
+    nproc: int = attrs.field(default=1, validator=in_range(low=1),
+                             metadata=_doc("local processes `weft run` starts (not under torchrun); --nproc overrides"))
+    dp_replicate: int = attrs.field(default=1, validator=in_range(low=1), metadata=_doc("HSDP replicas"))
+    dp_shard: int = attrs.field(default=-1, validator=in_range(low=-1),
+                                metadata=_doc("FSDP shard degree; -1 = what is left"))
+    ulysses: int | Literal["auto"] = attrs.field(default=1,
+                                                 metadata=_doc("Ulysses (head all-to-all) degree, or 'auto'"))
+    ring: int = attrs.field(default=1, validator=in_range(low=1), metadata=_doc("ring attention degree"))
+    backend: Literal["auto", "gloo", "nccl"] = attrs.field(default="auto",
+                                                           metadata=_doc("process-group backend; auto = nccl on GPU"))
+    device: Literal["auto", "cpu", "cuda"] = attrs.field(default="auto",
+                                                         metadata=_doc("where to train; auto = cuda if present"))
+    expandable_segments: bool = attrs.field(default=True, metadata=_doc(
+        "CUDA allocator grows its segments instead of fragmenting (torch's expandable_segments); "
+        "a PYTORCH_CUDA_ALLOC_CONF of your own wins"))
+    timeout_s: float = attrs.field(default=1800.0, validator=in_range(low=1.0), metadata=_doc(
+        "seconds a training step may last before weft names the ranks that stopped responding and ends the run "
+        "(the first step includes compilation); multi-rank runs only"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.dp_shard == 0:
+            raise ValueError("parallel.dp_shard = 0 is not accepted; use a positive degree or -1 (fill)")
+        if isinstance(self.ulysses, int) and self.ulysses < 1:
+            raise ValueError(f"parallel.ulysses = {self.ulysses} is out of range; accepted: >= 1 or 'auto'")
+
+
+@attrs.frozen(kw_only=True)
+class Recipe:
+    model: ModelSection
+    data: DataSection = DataSection()
+    train: TrainSection = TrainSection()
+    parallel: ParallelSection = ParallelSection()
+    rules: tuple[Rule, ...] = ()
+    source: str = "<memory>"
+    raw: dict = attrs.field(factory=dict, eq=False, repr=False)  # the merged TOML data, for the run dir
+
+    @classmethod
+    def from_toml(cls, path: str | pathlib.Path, *, overrides: tuple[str, ...] = ()) -> "Recipe":
+        path = pathlib.Path(path)
+        if not path.exists() and len(path.parts) == 1:
+            # A bare name of a bundled recipe: `weft run tiny-vl` (or qwen2.5-vl-7b-32k-1gpu,
+            # whose dot is no suffix) from any folder.
+            path = bundled_path(path.name if path.name.endswith(".toml") else f"{path.name}.toml") or path
+        text = read_toml_text(path, what="recipe")
+        data = parse_toml(text, path)
+        overridden = {}
+        for override in overrides:
+            apply_override(data, override)
+            overridden[override.partition("=")[0].strip()] = override.strip()
+        return cls.from_dict(data, source=str(path), text=text, overridden=overridden)
+
+    @classmethod
+    def from_dict(
+        cls, data: Any, *, source: str = "<memory>", text: str | None = None, overridden: dict[str, str] | None = None
+    ) -> "Recipe":
+        """``overridden``: dotted key -> the ``--set`` text that set it, for error locations."""
+        where = Where(source, text, overridden=overridden)
+        if not isinstance(data, dict):
+            raise RecipeError("a recipe must be a table of sections", where=source)
+        known = ("include", "model", "data", "train", "parallel", "rules")
+        for key in data:
+            if key not in known:
+                raise RecipeError(
+                    f"unknown section {key!r}{did_you_mean(key, known)} Accepted: {', '.join(known)}",
+                    where=where.at(key),
+                )
+        if "model" not in data:
+            raise RecipeError("the [model] section is missing; give model.preset or model.path", where=source)
+        model = build(ModelSection, data["model"], where=where, prefix="model")
+        _check_preset(model, where=where)
+        sections = {
+            name: build(klass, data.get(name, {}), where=where, prefix=name)
+            for name, klass in (("data", DataSection), ("train", TrainSection), ("parallel", ParallelSection))
+        }
+        base = pathlib.Path(source).parent if source != "<memory>" else pathlib.Path.cwd()
+        rules = parse_rules(data.get("rules", []), where=where, prefix="rules")
+        try:
+            rules += load_includes(data.get("include", []), where=where, base=base, seen=(source,))
+        except RecipeError as error:
+            if source in str(error):
+                raise
+            # The problem sits in an included file: also name the recipe the user gave.
+            raise RecipeError(f"{error.message} (in a file included by {source})", where=error.where) from None
+        return cls(model=model, rules=tuple(rules), source=source, raw=copy.deepcopy(data), **sections)
+
+    def relative(self, path: str) -> pathlib.Path:
+        """A path of the recipe (``model.path``, ``data.path``): absolute as given, else
+        relative to the recipe's folder (the current folder for an in-memory recipe)."""
+        given = pathlib.Path(path)
+        if given.is_absolute():
+            return given
+        base = pathlib.Path(self.source).parent if self.source != "<memory>" else pathlib.Path.cwd()
+        return base / given
+
+    def model_dir(self) -> pathlib.Path:
+        """``model.path`` resolved; only for recipes that give one."""
+        if self.model.path is None:
+            raise ValueError("this recipe builds a preset; it has no model.path")
+        return self.relative(self.model.path)
+
+    def data_file(self) -> pathlib.Path:
+        """``data.path`` resolved: the one place a recipe's data path is resolved."""
+        if self.data.path is None:
+            raise RecipeError("data.source = 'jsonl' needs data.path", where=f"{self.source} (data.path)")
+        return self.relative(self.data.path)
+
+
+def _check_preset(model: ModelSection, *, where: Where) -> None:
+    """A bare preset name must be a bundled preset (a path-like one is read at build time)."""
+    name = model.preset
+    if name is None or is_preset_path(name):
+        return
+    names = preset_names()
+    if name not in names:
+        raise RecipeError(
+            f"unknown model.preset {name!r}{did_you_mean(name, names)} Bundled presets: {', '.join(names) or '(none)'}",
+            where=where.at("model.preset"),
+        )
+
+
+#: Keys holding file paths (and a path-like model.preset): relative to the recipe's folder, to the cwd with --set.
+_PATH_KEYS = {("model", "path"), ("data", "path")}
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply one ``--set a.b=value`` to the raw recipe data; the value is read as TOML."""
+    if "=" not in override:
+        raise RecipeError(f"--set takes KEY=VALUE (e.g. train.max_steps=10), got {override!r}", where="--set")
+    key, _, text = override.partition("=")
+    key = key.strip()
+    flag = f"--set {override.strip()}"
+    parts = key.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise RecipeError(
+            f"the key {key!r} must be SECTION.KEY with a section among model, data, train, parallel",
+            where=flag,
+        )
+    section, name = parts
+    sections = {"model": ModelSection, "data": DataSection, "train": TrainSection, "parallel": ParallelSection}
+    if section not in sections:
+        raise RecipeError(f"unknown section {section!r}{did_you_mean(section, sections)} "
+                          f"Accepted: {', '.join(sections)}", where=flag)
+    fields = [f.name for f in attrs.fields(sections[section])]
+    if name not in fields:
+        raise RecipeError(f"unknown key {name!r}{did_you_mean(name, fields)} Accepted: {', '.join(fields)}", where=flag)
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except (tomllib.TOMLDecodeError, RecursionError):
+        value = text.strip()  # a bare word is a string: --set model.preset=qwen2_5_vl_7b
+    if ((section, name) in _PATH_KEYS or (section, name) == ("model", "preset") and is_preset_path(value)) \
+            and isinstance(value, str) and not pathlib.Path(value).is_absolute():  # relative to where typed
+        value = str(pathlib.Path.cwd() / value)
+    table = data.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise RecipeError(f"[{section}] is not a table in the recipe", where=flag)
+    if section == "model" and name in ("path", "preset"):
+        # Choosing one source of weights replaces the other.
+        table.pop("path", None)
+        table.pop("preset", None)
+    table[name] = value
+
+

@@ -1,0 +1,1 @@
+"""Run control: ranks and their launcher, checkpoints, the run lock, peer and launcher watches, endings, logs."""

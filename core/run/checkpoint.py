@@ -1,0 +1,231 @@
+"""Atomic, self-checking checkpoints through torch.distributed.checkpoint: model, optimizer, schedule, RNG, step.
+
+A checkpoint is written to ``checkpoints/.tmp-step-N`` and renamed to ``step-N`` by
+rank 0 after every rank finished, so a crash mid-save leaves the last good checkpoint
+untouched; the newest ``keep`` are kept. ``manifest.json`` is written last, inside the
+temporary folder: the size and CRC-32 of every file (each rank checksums the files it
+wrote). A folder without a manifest is not a checkpoint.
+
+Nothing here unpickles: the step and the schedule are JSON (``meta.json``), the RNG
+states tensors loaded with ``weights_only=True``, the weights DCP's own format. A
+pickle planted in a checkpoint is refused, never run.
+
+``--resume`` takes the newest checkpoint that passes ``verify`` (every file present,
+sizes and checksums matching, checked by the ranks in parallel) and says which newer
+ones it passed over and why. A save that fails (disk full, permission) removes its
+temporary folder, leaves the previous checkpoint as it was, and raises
+:class:`CheckpointError` naming the folder, the error and the space it needed.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import re
+import shutil
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from weft.core.errors import EXIT_RUNTIME, WeftError
+from weft.core.train.collectives import any_rank, collective_device
+
+_STEP = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(WeftError):
+    """A checkpoint could not be written, or none could be read back."""
+
+    exit_code = EXIT_RUNTIME
+
+
+def checkpoint_dirs(run_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Finished checkpoints (a manifest present), oldest first. Not yet verified: see ``verify``."""
+    root = run_dir / "checkpoints"
+    found = [(int(m.group(1)), p) for p in root.glob("step-*")
+             if (m := _STEP.match(p.name)) and (p / MANIFEST).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank: int, keep: int) -> pathlib.Path:
+    root = run_dir / "checkpoints"
+    final = root / f"step-{step}"
+    tmp = root / f".tmp-step-{step}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    device = collective_device(next(model.parameters()).device)
+    error, mine = None, {}
+    if rank == 0:
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as caught:
+            error = caught
+    if not any_rank(error is not None, device=device):  # every rank takes the same branch
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # raises on every rank
+            torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+            mine = {name: _describe(tmp / name) for name in _own_files(tmp, rank)}
+        except (OSError, RuntimeError, CheckpointException) as caught:
+            error = caught
+    if any_rank(error is not None, device=device):
+        needed = _state_bytes(model_sd, optim_sd, device=device)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        previous = checkpoint_dirs(run_dir)
+        free = shutil.disk_usage(root if root.exists() else run_dir).free
+        raise CheckpointError(
+            f"saving the step-{step} checkpoint failed ({error or 'on another rank'}); it needs about "
+            f"{needed / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free there. The partial folder was removed; "
+            + (f"the previous checkpoint {previous[-1]} is intact." if previous else "no earlier checkpoint exists."),
+            where=str(tmp))
+    described = [None] * dist.get_world_size()
+    dist.all_gather_object(described, mine)
+    if rank == 0:
+        (tmp / "meta.json").write_text(json.dumps(
+            {"step": step, "scheduler": _plain(scheduler.state_dict()), "world_size": dist.get_world_size()}))
+        files = {name: entry for part in described for name, entry in part.items()}
+        for path in sorted(tmp.iterdir()):  # DCP's .metadata and meta.json: rank 0's
+            files.setdefault(path.name, _describe(path))
+        # The manifest last: until it exists, the folder is not a checkpoint.
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in checkpoint_dirs(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def verify(path: pathlib.Path, *, rank: int = 0, world: int = 1) -> str | None:
+    """None when ``path`` is whole; else why not. Sizes are checked here for every file,
+    checksums for this rank's share (files i with i % world == rank): the caller
+    combines the ranks' answers."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"unreadable {MANIFEST} ({error})"
+    for index, (name, want) in enumerate(sorted(files.items())):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != want["size"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {want['size']}"
+        if index % world == rank and _crc32(file) != want["crc32"]:
+            return f"{name} does not match its checksum"
+    try:
+        # The manifest is no signature: what is read here must also be plain data.
+        json.loads((path / "meta.json").read_text())["step"]
+        rng = path / f"rng-rank{rank}.pt"
+        if rng.is_file():
+            torch.load(rng, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any failure to read it plainly refuses the checkpoint
+        return f"{error.__class__.__name__} reading its metadata or rng-rank{rank}.pt (only tensors and numbers " \
+               f"are loaded, never pickled objects): {str(error).splitlines()[0][:200] if str(error) else ''}"
+    return None
+
+
+def load(*, path: pathlib.Path, model, optimizer, scheduler, rank: int) -> int:
+    """Restore a checkpoint in place; returns the step it was taken after."""
+    meta = json.loads((path / "meta.json").read_text())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(meta["scheduler"])
+    rng = path / f"rng-rank{rank}.pt"
+    if rng.is_file() and meta["world_size"] == dist.get_world_size():
+        _set_rng_state(torch.load(rng, weights_only=True))
+    return int(meta["step"])
+
+
+def newest_good(run_dir: pathlib.Path, *, rank: int, world: int, device: torch.device) -> tuple[pathlib.Path | None,
+                                                                                                 list[str]]:
+    """The newest checkpoint every rank found whole, and why each newer one was passed over."""
+    passed = []
+    for path in reversed(checkpoint_dirs(run_dir)):
+        reason = verify(path, rank=rank, world=world)
+        if not any_rank(reason is not None, device=device):
+            return path, passed
+        reasons = [None] * world
+        dist.all_gather_object(reasons, reason)
+        passed.append(f"{path.name}: {next(r for r in reasons if r)}")
+    return None, passed
+
+
+def _own_files(folder: pathlib.Path, rank: int) -> list[str]:
+    # DCP names each rank's data files __<rank>_<n>.distcp.
+    return [p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-rank{rank}.pt"]
+
+
+def _describe(path: pathlib.Path) -> dict:
+    return {"size": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def _crc32(path: pathlib.Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _state_bytes(*states, device: torch.device) -> int:
+    """Bytes of this rank's shards of every tensor, summed over the ranks."""
+    total = 0
+    for state in states:
+        for value in _tensors(state):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+    t = torch.tensor([total], dtype=torch.int64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return int(t.item())
+
+
+def _tensors(state):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _tensors(value)
+
+
+def _rng_state() -> dict:
+    # Python's Mersenne state as a tensor: the file then holds tensors and numbers only
+    # and loads with weights_only=True.
+    version, words, gauss = random.getstate()
+    state = {"python_version": version, "python": torch.tensor(words, dtype=torch.int64), "python_gauss": gauss,
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate((state["python_version"], tuple(state["python"].tolist()), state["python_gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _plain(value):
+    """A scheduler's state as JSON: one-element tensors (torchao keeps lr as a tensor) as numbers."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
