@@ -6,6 +6,7 @@ The core calls these hooks in this order, once per run unless said otherwise:
    ``weft_models``       likewise: collect model-family adapters.
 2. ``weft_rope``         once, after the Plan: the text decoder's rotary keys (the model is
                          built again from them if they changed);
+   ``weft_adapter``      once, on the model as built (meta device), before sharding: adapters (LoRA);
    ``weft_shard``        once, after the model is built and the mesh exists.
 3. ``weft_attention``    once per (strategy, module) pair the Plan names.
 4. ``weft_optimizer``    once per run (training only): the optimizer over the Plan's parameter groups;
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # the contract's types, as pytest's hookspec.py does: no impo
     from weft.core.models import ModelAdapter
     from weft.core.recipe import Recipe
     from weft.core.recipe.rules import Decision, Plan
-    from weft.core.registry import AttentionBinding, OptimizerGroup, Strategy, Verdict
+    from weft.core.registry import Adapters, AttentionBinding, OptimizerGroup, Strategy, Verdict
 
 PROJECT = "weft"
 
@@ -44,8 +45,8 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 #: The hook points a rule can steer, in the order a run meets them.
-HOOK_POINTS: tuple[str, ...] = ("rope", "shard", "attention", "kv_cache", "batching", "grad_sync", "guard",
-                                "optimizer", "metrics")
+HOOK_POINTS: tuple[str, ...] = ("rope", "adapter", "shard", "attention", "kv_cache", "batching", "grad_sync",
+                                "guard", "optimizer", "metrics")
 #: The collect-all points: a rule may give them a list of strategies, all of which apply.
 MULTI_POINTS: tuple[str, ...] = ("grad_sync", "guard", "metrics")
 
@@ -88,6 +89,22 @@ def weft_models() -> list[ModelAdapter]:
 # ---------------------------------------------------------------------------
 # model preparation
 # ---------------------------------------------------------------------------
+
+
+@hookspec
+def weft_adapter(model: torch.nn.Module, plan: Plan, ctx: RunContext) -> Adapters | None:
+    """Add trainable adapters (LoRA) to the modules the Plan's ``adapter`` decisions name; freeze the base.
+
+    When: once per run (and per `weft check` reference), after the model is built (on the meta
+    device, with the rotary keys of ``weft_rope``) and before ``weft_shard``, compile and the
+    optimizer, so the adapters are sharded, checkpointed and optimised like the base's modules.
+    Kind: collect-all; each implementation acts on the modules whose ``adapter`` decision names
+    one of its strategies and returns an :class:`weft.core.registry.Adapters` (the names of the
+    parameters it added and how to fill them once the weights are in place) or ``None``.
+    May change: the model's modules, in place (children replaced by wrapping layers, base
+    parameters' ``requires_grad``); never the root object.
+    Collectives: none.
+    """
 
 
 @hookspec

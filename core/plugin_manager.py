@@ -22,6 +22,7 @@ from weft.core.registry import Strategy, StrategyRegistry
 #: under these names. The only place the core names modules of weft.plugins.
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "weft.plugins.models",
+    "weft.plugins.adapter",
     "weft.plugins.shard",
     "weft.plugins.attention",
     "weft.plugins.kv_cache",

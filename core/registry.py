@@ -68,6 +68,18 @@ class OptimizerGroup:
     modules: tuple[str, ...] = ()  # the module paths whose parameters it holds ("" = the root's own)
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class Adapters:
+    """What ``weft_adapter`` returns: the parameters it added (their names in the model as it
+    was given, before any wrapping) and ``init(model, seed=...)``, which fills them once the
+    base's weights are in place (after sharding, on their devices): the core calls it after
+    the weights are loaded or drawn, and the `weft check` reference likewise."""
+
+    names: tuple[str, ...]
+    init: Callable[..., None]
+    summary: dict = attrs.field(factory=dict)  # what `weft plan` and the run's log show
+
+
 VERDICTS: tuple[str, ...] = ("continue", "checkpoint", "skip", "abort")  # weakest first
 
 

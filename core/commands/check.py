@@ -110,15 +110,26 @@ def _one_step(recipe: Recipe, *, target: pathlib.Path, rank: int, world_size: in
 
 
 def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: float | None, device: str,
-              precisions: tuple[str, ...] = ("fp32",), frozen: tuple[str, ...] = ()) -> dict[str, dict]:
+              precisions: tuple[str, ...] = ("fp32",), frozen: tuple[str, ...] = (), plan: Any = None,
+              pm: Any = None) -> dict[str, dict]:
     """Loss and gradients of the unsharded model on every rank's micro-batches, in each of
     ``precisions`` (float32, bf16 autocast): one model, built once, its gradients cleared between.
-    ``frozen``: module paths whose parameters take no gradient (the plan's frozen units)."""
+    ``frozen``: module paths whose parameters take no gradient (the plan's frozen units);
+    ``plan`` and ``pm``: the ranks' adapters (``weft_adapter``), added and drawn alike."""
     from weft.core.train.loss import label_count, targets, token_loss_sum
     from weft.core.train.step import autocast_for
 
     _exact_matmuls()
     model = adapter.build(recipe, device=device, seed=recipe.train.seed)
+    if plan is not None and pm is not None:
+        from weft.core.context import RunContext
+        from weft.core.run.logging import run_logger
+        from weft.core.train.prepare import add_adapters
+
+        log = run_logger(run_dir=None, rank=0, console=False)
+        ctx = RunContext(recipe=recipe, device=torch.device(device), log=log)
+        for added in add_adapters(model, plan=plan, pm=pm, ctx=ctx):
+            added.init(model, seed=recipe.train.seed)
     for path in frozen:
         model.get_submodule(path).requires_grad_(False)
     count = sum(label_count(targets(b)) for b in batches)
@@ -226,7 +237,8 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
     # bf16: the unsharded model's own bf16 difference from float32 is the yardstick.
     precisions = ("fp32", "bf16") if recipe.train.precision == "bf16" else ("fp32",)
     refs = reference(recipe, adapter=pm.models.for_recipe(recipe), batches=batches, max_norm=clip,
-                     device=device_type_for(recipe), precisions=precisions, frozen=tuple(plan.frozen_units()))
+                     device=device_type_for(recipe), precisions=precisions, frozen=tuple(plan.frozen_units()),
+                     plan=plan, pm=pm)
     ref = refs["fp32"]
     floor = compare(ref, refs["bf16"]) if "bf16" in refs else None
     # After grad sync the built-in clip's result is known; a third-party grad sync's is not.

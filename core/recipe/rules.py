@@ -24,6 +24,7 @@ from weft.core.registry import StrategyRegistry
 #: Which kind of module each hook point decides for.
 POINT_KINDS: dict[str, tuple[str, ...]] = {
     "rope": ("attention",),
+    "adapter": ("attention", "unit", "params", "root"),
     "shard": ("unit", "root"),
     "attention": ("attention",),
     "kv_cache": ("attention",),
@@ -206,6 +207,18 @@ def _one_optimizer(plans: list[ModulePlan]) -> None:
                         "weight_decay) without a strategy, or the same strategy")
 
 
+def _adapter_rules_decide(rules: list[Rule], plans: list[ModulePlan]) -> None:
+    """An adapter rule that decides no module would train nothing it promises: a plan error
+    naming the rule (its ``when`` matches no module, or earlier rules decide them all)."""
+    decided = {d.source for m in plans if (d := m.get("adapter")) is not None}
+    for rule in rules:
+        actions = rule.action("adapter")
+        if actions and any(a.strategy != "none" for a in actions) and rule.source not in decided:
+            raise PlanError(f"adapter rule {rule.name!r} decides no module: its when matches none of the model's "
+                            "modules, or earlier rules decide them (`weft plan --explain` lists the modules)",
+                            where=rule.source)
+
+
 #: Accepted train.optimizer names that stand for another strategy (kept for older recipes).
 OPTIMIZER_ALIASES = {"adamw_bf16_sr": "adamw_sr"}
 
@@ -264,4 +277,5 @@ def build_plan(
                                 "the defaults should")
         plans.append(ModulePlan(info=info, decisions=tuple(decisions)))
     _one_optimizer(plans)
+    _adapter_rules_decide(rules, plans)
     return Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size)

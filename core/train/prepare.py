@@ -1,6 +1,7 @@
 """From a recipe to a model ready to train, in the order torchtitan's parallelize steps
-keep: adapter -> model -> Plan -> mesh -> weft_shard -> weights -> weft_attention ->
-sequence split -> vision keep-alive -> position watch. Also the process group's life."""
+keep: adapter -> model -> Plan -> weft_adapter -> mesh -> weft_shard -> weights (and the
+adapters' init) -> weft_attention -> sequence split -> vision keep-alive -> position watch.
+Also the process group's life."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
         recipe = ctx.recipe = resolved
         model = adapter.build(recipe, device="meta", seed=recipe.train.seed)
         ctx.log.info("rope.rule", scaling=recipe.model.rope_scaling, factor=recipe.model.rope_factor)
+    # Adapters (LoRA) on the model as built, before sharding: FSDP2 shards them with their
+    # layers, checkpointing and compile see them, the optimizer gets only them.
+    adapters = add_adapters(model, plan=plan, pm=pm, ctx=ctx)
     mesh = build_device_mesh(plan.mesh, device_type=ctx.device.type)
     gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None  # for weft report's MFU
     ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(MESH_ORDER, plan.mesh.shape)),
@@ -56,6 +60,8 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
                  gpu=gpu)
     pm.call_all("weft_shard", model=model, plan=plan, mesh=mesh, ctx=ctx)
     adapter.materialize(model, recipe, device=ctx.device, seed=recipe.train.seed, log=ctx.log)
+    for added in adapters:  # after the base's weights: the adapters are not in its checkpoint
+        added.init(model, seed=recipe.train.seed)
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
     # The position watch goes first on the text decoder, so it sees whole-sequence ids.
     ctx.positions = adapter.watch_positions(model, recipe=recipe, log=ctx.log)
@@ -66,6 +72,11 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     fused = FusedHead(model=model, decoder=adapter.text_decoder(model)) if recipe.train.loss == "fused" else None
     model.train()
     return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision, fused=fused)
+
+
+def add_adapters(model: torch.nn.Module, *, plan: Plan, pm: Any, ctx: RunContext | None) -> list:
+    """``weft_adapter`` (collect-all): each plugin's :class:`weft.core.registry.Adapters`."""
+    return pm.call_all("weft_adapter", model=model, plan=plan, ctx=ctx)
 
 
 def device_type_for(recipe: Recipe) -> str:

@@ -22,24 +22,30 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-#: Prefixes wrappers insert in parameter names (checkpoint_wrapper, torch.compile, FSDP1):
-#: dropped before hashing, so wrapping a model does not change its values.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+#: Prefixes wrappers insert in parameter names (checkpoint_wrapper, torch.compile, FSDP1, and
+#: PEFT's adapter layers, which keep the layer they wrap as ``base_layer``): dropped before
+#: hashing, so wrapping a model does not change its values.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "base_layer.")
 _NORMAL_KINDS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.modules.conv._ConvNd)
 # BatchNorm/GroupNorm do not end with "Norm" but are normalisations all the same.
 _NORM_KINDS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase)
 
 
-def init_parameters(model: torch.nn.Module, *, seed: int, std: float, block_rows: int = 1024) -> int:
+def init_parameters(model: torch.nn.Module, *, seed: int, std: float, block_rows: int = 1024,
+                    only: frozenset[str] | None = None) -> int:
     """Fill every parameter of ``model`` in place (plain tensors or DTensors sharded on any
     dims, e.g. FSDP2's Shard(0) or HSDP's (Replicate, Shard(0))). Their storage must exist
-    (after ``to_empty``); buffers are left alone. Returns the number of parameters filled."""
+    (after ``to_empty``); buffers are left alone. ``only``: fill just the parameters of these
+    names (without wrapper prefixes), e.g. the adapters added to a model already filled.
+    Returns the number of parameters filled."""
     if block_rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     modules = dict(model.named_modules())
     count = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if only is not None and _canonical(name) not in only:
+                continue
             owner_name, _, leaf = name.rpartition(".")
             owner = modules[owner_name]
             local, offset = _local_part(param, name=name)
@@ -55,6 +61,17 @@ def init_parameters(model: torch.nn.Module, *, seed: int, std: float, block_rows
                 _fill_normal(local, global_shape=tuple(param.shape), offset=offset, key=_canonical(name), seed=seed,
                              std=std, block_rows=block_rows, padding_row=padding_row)
             count += 1
+    return count
+
+
+def zero_parameters(model: torch.nn.Module, *, only: frozenset[str]) -> int:
+    """Zero the parameters of these names (without wrapper prefixes), sharded or whole."""
+    count = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if _canonical(name) in only:
+                (param.to_local() if isinstance(param, DTensor) else param.data).zero_()
+                count += 1
     return count
 
 

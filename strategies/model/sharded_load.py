@@ -45,7 +45,15 @@ def _open(file: pathlib.Path):
         raise ValueError(f"{file} is not a readable safetensors file ({type(error).__name__}: {error})") from None
 
 
+#: PEFT's adapter layers keep the layer they wrap as ``base_layer``: its weights are the
+#: checkpoint's under the layer's own name. Their adapters (``lora_A``, ``lora_B``) are not in a
+#: base checkpoint: the adapter hook fills them after the base's weights are loaded.
+BASE_LAYER = ".base_layer."
+ADAPTER_PART = ".lora_"
+
+
 def source_name(name: str, available: dict) -> str | None:
+    name = name.replace(BASE_LAYER, ".")
     if name in available:
         return name
     for ours, theirs in RENAMES:
@@ -67,6 +75,8 @@ def load_sharded(model: torch.nn.Module, path: pathlib.Path, *, tied: dict[str, 
     persistent = {name for name, _ in model.named_buffers()} - _non_persistent(model)
     targets = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in persistent]
     for name, tensor in targets:
+        if ADAPTER_PART in name and source_name(name, available) is None:
+            continue  # an adapter's own parameter, filled by its init after the base's weights
         source = source_name(name, available) or (source_name(tied[name], available) if tied and name in tied else None)
         if source is None:
             missing.append(name)

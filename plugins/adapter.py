@@ -1,0 +1,141 @@
+"""Adapter hook: LoRA by rule, through PEFT's own layers (the format transformers, vLLM and
+SGLang load), on the modules a rule names; the base frozen.
+
+A linear layer takes the ``adapter`` decision of its innermost planned module (attention
+module, shard unit, root) that names a strategy other than ``none``: a rule on the root
+with ``targets = "all-linear"`` adapts the whole model, and a rule on some layers with
+another ``r`` overrides it there.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from weft.core.hookspecs import hookimpl
+from weft.core.recipe.schema import in_range
+from weft.core.registry import Adapters, NoParams, Strategy
+
+ALL_LINEAR = "all-linear"
+
+
+def _targets(instance, attribute, value) -> None:
+    if isinstance(value, str) and value != ALL_LINEAR:
+        raise ValueError(f"targets must be {ALL_LINEAR!r} or a list of module names (e.g. [\"q_proj\", \"v_proj\"]), "
+                         f"got {value!r}")
+    if not isinstance(value, str) and not value:
+        raise ValueError("targets = [] names no layer; give module names or \"all-linear\"")
+
+
+@attrs.frozen(kw_only=True)
+class LoraParams:
+    r: int = attrs.field(default=16, validator=in_range(low=1), metadata={"doc": "rank of the update B @ A"})
+    alpha: float = attrs.field(default=32.0, validator=in_range(low=0.0), metadata={
+        "doc": "the update is scaled by alpha / r (alpha / sqrt(r) with rslora)"})
+    dropout: float = attrs.field(default=0.0, validator=in_range(low=0.0, high=0.999), metadata={
+        "doc": "dropout on the adapter's input (the base's path has none)"})
+    targets: tuple[str, ...] | str = attrs.field(default=ALL_LINEAR, validator=_targets, metadata={
+        "doc": "linear layers to adapt inside the matched module: their names or name suffixes (\"q_proj\", "
+               "\"mlp.down_proj\"), or \"all-linear\": every linear layer but the output head"})
+    rslora: bool = attrs.field(default=False, metadata={"doc": "rank-stabilised LoRA: scale by alpha / sqrt(r)"})
+
+
+@hookimpl
+def weft_strategies():
+    return [
+        Strategy(point="adapter", name="none", params=NoParams, summary="no adapter: the module's own weights train"),
+        Strategy(point="adapter", name="lora", params=LoraParams,
+                 summary="PEFT LoRA on the module's linear layers; the base frozen (no gradients, no optimizer "
+                         "state, no gradient reduction)"),
+    ]
+
+
+@hookimpl
+def weft_adapter(model, plan, ctx):
+    decided = plan.modules_for("adapter", "lora")
+    if not decided:
+        return None
+    from weft.core.errors import PlanError
+
+    by_layer = _layers_by_decision(model, decided)
+    for unit in decided:  # each rule must reach a layer, or it trains nothing it promises
+        decision = unit.get("adapter")
+        if not any(d.source == decision.source for d, _ in by_layer.values()):
+            raise PlanError(f"adapter rule {decision.rule!r}: targets {_shown(decision.params.targets)} name no "
+                            f"linear layer under {unit.info.path or '(root)'}; its linear layers are named "
+                            f"{_leaf_names(model, unit.info.path)}", where=f"{decision.source} (adapter.targets)")
+    before = {name for name, _ in model.named_parameters()}
+    groups: dict[object, list[str]] = {}
+    for path, (decision, _) in by_layer.items():
+        groups.setdefault(decision.params, []).append(path)
+    from peft import LoraConfig, inject_adapter_in_model
+
+    for params, paths in groups.items():
+        # Exact paths: PEFT matches a target by equality or a '.'-prefixed suffix, so a full
+        # path names one layer and the rules, not PEFT's name matching, decide which.
+        config = LoraConfig(r=params.r, lora_alpha=params.alpha, lora_dropout=params.dropout,
+                            target_modules=sorted(paths), use_rslora=params.rslora, bias="none",
+                            init_lora_weights="gaussian")
+        inject_adapter_in_model(config, model)
+    # PEFT's layers keep the base layer as ``base_layer`` (renaming its weights) and add
+    # ``lora_A`` / ``lora_B``: the adapters are the parameters under PEFT's ``lora_`` prefix.
+    added = {name: p for name, p in model.named_parameters() if name not in before and ".lora_" in name}
+    # The base frozen: no gradients, so no optimizer state and no FSDP2 reduce-scatter for it.
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in added)
+    rank_of = {}
+    for path, (decision, _) in by_layer.items():
+        for name in added:
+            if name.startswith(path + "."):
+                rank_of[name] = decision.params.r
+    summary = {"layers": len(by_layer), "parameters": sum(p.numel() for p in added.values()),
+               "ranks": sorted({p.r for p in groups})}
+    if ctx is not None and ctx.log is not None:
+        ctx.log.info("adapter.lora", **summary)
+    return Adapters(names=tuple(sorted(added)), init=lambda m, *, seed: _init(m, rank_of=rank_of, seed=seed),
+                    summary=summary)
+
+
+def _layers_by_decision(model, decided) -> dict:
+    """{linear layer path: (its lora decision, the deciding module's path)}, innermost decision first."""
+    import torch
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    deepest_first = sorted(decided, key=lambda u: -len(u.info.path.split(".")) if u.info.path else 0)
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        for unit in deepest_first:
+            path = unit.info.path
+            if path and not name.startswith(path + "."):
+                continue
+            targets = unit.get("adapter").params.targets
+            hit = module is not head if targets == ALL_LINEAR else any(
+                name == f"{path}.{t}" or name.endswith("." + t) for t in targets)
+            if hit:
+                out[name] = (unit.get("adapter"), path)
+            break  # the innermost decided module decides, whether its targets take the layer or not
+    return out
+
+
+def _init(model, *, rank_of: dict[str, int], seed: int) -> None:
+    """PEFT's "gaussian" init drawn from the seed: A ~ N(0, 1/r), B = 0, so the adapted model
+    starts as the base. Seeded per name and row (strategies/model/seeded_init.py): the same
+    values whatever the sharding, as `weft check`'s unsharded reference needs."""
+    from weft.strategies.model.seeded_init import init_parameters, zero_parameters
+
+    for r in sorted(set(rank_of.values())):
+        names = frozenset(n for n, rr in rank_of.items() if rr == r and ".lora_A." in n)
+        init_parameters(model, seed=seed, std=1.0 / r, only=names)
+    zero_parameters(model, only=frozenset(n for n in rank_of if ".lora_B." in n))
+
+
+def _shown(targets) -> str:
+    return repr(targets) if isinstance(targets, str) else repr(list(targets))
+
+
+def _leaf_names(model, path: str) -> list[str]:
+    import torch
+
+    root = model.get_submodule(path) if path else model
+    return sorted({n.rsplit(".", 1)[-1] for n, m in root.named_modules() if isinstance(m, torch.nn.Linear)})
