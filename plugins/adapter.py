@@ -39,13 +39,21 @@ class LoraParams:
     rslora: bool = attrs.field(default=False, metadata={"doc": "rank-stabilised LoRA: scale by alpha / sqrt(r)"})
 
 
+def check_peft(params, *, recipe, plan) -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        return "needs the peft package (pip install 'weft[lora]')"
+    return None
+
+
 @hookimpl
 def weft_strategies():
     return [
         Strategy(point="adapter", name="none", params=NoParams, summary="no adapter: the module's own weights train"),
         Strategy(point="adapter", name="lora", params=LoraParams,
                  summary="PEFT LoRA on the module's linear layers; the base frozen (no gradients, no optimizer "
-                         "state, no gradient reduction)"),
+                         "state, no gradient reduction)", check=check_peft),
     ]
 
 
@@ -107,11 +115,12 @@ def _layers_by_decision(model, decided) -> dict:
             continue
         for unit in deepest_first:
             path = unit.info.path
-            if path and not name.startswith(path + "."):
+            if path and name != path and not name.startswith(path + "."):
                 continue
             targets = unit.get("adapter").params.targets
+            leaf = name.rsplit(".", 1)[-1]
             hit = module is not head if targets == ALL_LINEAR else any(
-                name == f"{path}.{t}" or name.endswith("." + t) for t in targets)
+                leaf == t or name.endswith("." + t) for t in targets)
             if hit:
                 out[name] = (unit.get("adapter"), path)
             break  # the innermost decided module decides, whether its targets take the layer or not

@@ -100,7 +100,7 @@ def test_hook_weft_strategies():
     pm = make_pm(("echo-plugin", EchoPlugin()))
     # Collect-all: one list per implementing plugin, built-ins included.
     lists = pm.hook.weft_strategies()
-    assert len(lists) == len(pm.hook.weft_strategies.get_hookimpls()) == 10
+    assert len(lists) == len(pm.hook.weft_strategies.get_hookimpls()) == 11
     assert all(isinstance(s, Strategy) for items in lists for s in items)
     # The registry records which plugin declared each strategy.
     echo = pm.registry.get("attention", "echo")
@@ -251,6 +251,52 @@ def test_hook_weft_shard():
         assert pm.hook.weft_shard(model=model, plan=plan, mesh=mesh, ctx=ctx) == []
         assert all(isinstance(p, DTensor) for p in model.parameters())
         assert ("shard.fsdp2", {"units": 2, "mesh": [1, 1, 1, 1]}) in ctx.log.events
+
+
+class ToyBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.v = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.v(self.q(x))
+
+
+TOY_UNITS = [ROOT_MODULE, ModuleInfo(path="layers.0", class_name="ToyBlock", kind="unit", modality="text"),
+             ModuleInfo(path="layers.1", class_name="ToyBlock", kind="unit", modality="text")]
+
+
+@pytest.mark.quick
+def test_hook_weft_adapter():
+    from weft.core.registry import Adapters
+
+    pm = make_pm()
+    rules = [{"name": "lora q of layer 0", "when": {"path": "layers.0"},
+              "adapter": {"strategy": "lora", "r": 2, "alpha": 4, "targets": ["q"]}}]
+    _, plan, ctx = make_plan(pm, rules, TOY_UNITS)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.layers = torch.nn.ModuleList([ToyBlock(), ToyBlock()])
+    x = torch.randn(3, 4)
+    before = model.layers[1](model.layers[0](x))
+    # Collect-all: the built-in lora answers with what it added; `none` (the defaults') adds nothing.
+    [added] = pm.hook.weft_adapter(model=model, plan=plan, ctx=ctx)
+    assert isinstance(added, Adapters)
+    assert added.names == ("layers.0.q.lora_A.default.weight", "layers.0.q.lora_B.default.weight")
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == list(added.names)  # the base frozen
+    added.init(model, seed=0)
+    assert torch.equal(model.layers[0].q.lora_B.default.weight, torch.zeros(4, 2))  # B = 0: the base's output
+    assert torch.allclose(model.layers[1](model.layers[0](x)), before)
+    assert ("adapter.lora", {"layers": 1, "parameters": 16, "ranks": [2]}) in ctx.log.events
+    assert pm.hook.weft_adapter(model=model, plan=make_plan(pm, [], TOY_UNITS)[1], ctx=ctx) == []
+
+    # A rule that decides no module, and one whose targets name no layer: plan errors naming the rule.
+    with pytest.raises(PlanError, match="adapter rule 'nowhere' decides no module"):
+        make_plan(pm, [{"name": "nowhere", "when": {"path": "layers.9"}, "adapter": {"strategy": "lora"}}], TOY_UNITS)
+    _, plan, ctx = make_plan(pm, [{"name": "no k", "adapter": {"strategy": "lora", "targets": ["k_proj"]}}],
+                             TOY_UNITS)
+    with pytest.raises(PlanError, match=r"rule 'no k': targets \['k_proj'\] name no linear layer.*\['q', 'v'\]"):
+        pm.hook.weft_adapter(model=torch.nn.Sequential(ToyBlock()), plan=plan, ctx=ctx)
 
 
 class EchoAttention(EchoPlugin):
