@@ -1,0 +1,104 @@
+"""LoRA by rule (`adapter = { strategy = "lora", ... }`): PEFT's layers on the matched modules,
+the base frozen. Only the adapters get gradients and optimizer state; step 0's loss is the
+base model's (B starts at zero); a run trains them (the loss falls) and leaves the base's
+weights as they were; `weft check` is exact with the reference given the same adapters."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+LORA = ('[model]\npreset = "qwen2_5_vl_tiny"\n[data]\nnum_samples = 64\n[train]\nmicro_batch_tokens = 1024\n'
+        'checkpoint_every = 0\nmax_steps = 6\nlr = 1e-2\nwarmup_steps = 0\nprecision = "fp32"\n[[rules]]\n'
+        'name = "lora on the text decoder"\nwhen = { modality = "text" }\n'
+        'adapter = { strategy = "lora", r = 4, alpha = 8, dropout = 0.0, targets = ["q_proj", "v_proj"] }\n')
+
+
+def _tiny(tmp_path, text: str = LORA):
+    from weft.core.recipe import Recipe
+
+    (tmp_path / "lora.toml").write_text(text)
+    return Recipe.from_toml(str(tmp_path / "lora.toml"))
+
+
+def _adapted(recipe, *, seed: int = 0):
+    """The unsharded model with the plan's adapters, as `weft check`'s reference builds it."""
+    from weft.core.plan.planner import plan_recipe
+    from weft.core.plugin_manager import build_plugin_manager
+    from weft.core.train.prepare import add_adapters
+
+    pm = build_plugin_manager(entry_points=False)
+    plan, _ = plan_recipe(recipe, pm=pm, world_size=1)
+    model = pm.models.for_recipe(recipe).build(recipe, device="cpu", seed=seed)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    [added] = add_adapters(model, plan=plan, pm=pm, ctx=None)
+    added.init(model, seed=seed)
+    return model, base, added
+
+
+def test_only_the_adapters_train_and_step_0_is_the_base(tmp_path):
+    from model_helpers import build_model, optimizer_for
+
+    recipe = _tiny(tmp_path)
+    model, base, added = _adapted(recipe)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable == list(added.names) and len(trainable) == 8  # q and v of 2 layers, A and B each
+    assert all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # The base's weights keep their values under PEFT's base_layer.
+    state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items()}
+    assert all(torch.equal(state[k], v) for k, v in base.items())
+    ids = torch.randint(0, 100, (1, 32), generator=torch.Generator().manual_seed(0))
+    reference = build_model(recipe)  # the base alone, same seed
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)  # B = 0
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == set(trainable)
+    optimizer, _ = optimizer_for(recipe, model)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert held == {id(p) for n, p in model.named_parameters() if n in trainable}
+
+
+def test_a_run_trains_the_adapters_and_leaves_the_base(weft, tmp_path):
+    import torch.distributed as dist
+
+    from weft.core.commands.export import load_checkpoint_into
+    from weft.core.run.checkpoint import checkpoint_dirs
+
+    recipe = _tiny(tmp_path, LORA.replace("checkpoint_every = 0", "checkpoint_every = 6"))
+    done = weft("run", "lora.toml", "--nproc", "1", "--run-dir", "run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["loss"] for row in rows if "loss" in row]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    # Gradients and AdamW's two moments for the adapters only.
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())["state_gib"]
+    model, base, added = _adapted(recipe)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if n in added.names)
+    assert summary["trainable_params"] == adapters
+    assert summary["gradients"] * 2**30 == adapters * 4
+    assert abs(summary["optimizer"] * 2**30 - 2 * adapters * 4) < 4096
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        load_checkpoint_into(model, checkpoint_dirs(tmp_path / "run")[-1])
+    finally:
+        dist.destroy_process_group()
+    state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items()}
+    assert all(torch.equal(state[k], v) for k, v in base.items())  # the base as it was drawn
+    lora_b = [v for k, v in state.items() if ".lora_B." in k]
+    assert lora_b and all(v.abs().max() > 0 for v in lora_b)  # the adapters moved
+
+
+def test_check_is_exact_with_lora_under_ring2(tmp_path):
+    import subprocess
+    import sys
+
+    _tiny(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "weft", "check", "lora.toml", "--world-size", "2",
+                           "--set", "parallel.ring=2", "--json"], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
+    assert result["grad_params"] == {"reference": 8, "plan": 8}  # the adapters, on both sides
+    assert ".lora_" in result["grad_max_rel_diff_param"]
