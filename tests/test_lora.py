@@ -24,9 +24,8 @@ def _tiny(tmp_path, text: str = LORA):
 
 def _adapted(recipe, *, seed: int = 0):
     """The unsharded model with the plan's adapters, as `weft check`'s reference builds it."""
-    from weft.core.plan.planner import plan_recipe
+    from weft.core.plan.planner import add_adapters, plan_recipe
     from weft.core.plugin_manager import build_plugin_manager
-    from weft.core.train.prepare import add_adapters
 
     pm = build_plugin_manager(entry_points=False)
     plan, _ = plan_recipe(recipe, pm=pm, world_size=1)
@@ -102,3 +101,23 @@ def test_check_is_exact_with_lora_under_ring2(tmp_path):
     assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
     assert result["grad_params"] == {"reference": 8, "plan": 8}  # the adapters, on both sides
     assert ".lora_" in result["grad_max_rel_diff_param"]
+
+
+def test_plan_says_what_trains_and_names_a_rule_that_adapts_nothing(weft, tmp_path):
+    _tiny(tmp_path)
+    done = weft("plan", "lora.toml", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("trains 1,792 of 200,672 parameters; adapters by rule, the base frozen: lora on the text decoder"
+            in " ".join(done.stdout.split()))
+    # A rule whose when matches no module, and one whose targets name no layer: exit 2, the rule named.
+    _tiny(tmp_path, LORA.replace('when = { modality = "text" }', 'when = { path = "*.nowhere" }'))
+    done = weft("plan", "lora.toml", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "adapter rule 'lora on the text decoder' decides no module" in done.stderr
+    assert "lora.toml:12" in done.stderr
+    _tiny(tmp_path, LORA.replace('["q_proj", "v_proj"]', '["qkv_proj"]'))
+    done = weft("plan", "lora.toml", cwd=tmp_path)
+    assert done.returncode == 2
+    message = " ".join(done.stderr.split())
+    assert "adapter rule 'lora on the text decoder': targets ['qkv_proj'] name no linear layer" in message
+    assert "lora.toml:12 (adapter.targets)" in message and "'q_proj'" in message

@@ -123,8 +123,8 @@ def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: fl
     model = adapter.build(recipe, device=device, seed=recipe.train.seed)
     if plan is not None and pm is not None:
         from weft.core.context import RunContext
+        from weft.core.plan.planner import add_adapters
         from weft.core.run.logging import run_logger
-        from weft.core.train.prepare import add_adapters
 
         log = run_logger(run_dir=None, rank=0, console=False)
         ctx = RunContext(recipe=recipe, device=torch.device(device), log=log)

@@ -17,7 +17,8 @@ def plan_recipe(recipe: Recipe, *, pm: Any, world_size: int, model: Any = None) 
     (plan, model). Raises RecipeError/PlanError before any process group exists.
     """
     adapter = pm.models.for_recipe(recipe)
-    if model is None:
+    built = model is None
+    if built:
         model = adapter.build(recipe, device="meta", seed=recipe.train.seed)
     modules = adapter.describe(model)
     where = f"{recipe.source} [parallel]"
@@ -27,7 +28,15 @@ def plan_recipe(recipe: Recipe, *, pm: Any, world_size: int, model: Any = None) 
     check_sequence_parallel(plan, pm.registry, where=where)
     check_vision_sharing(plan, adapter, where=recipe.source)
     check_strategy_params(plan, pm.registry, recipe)
+    if built:  # its own meta model: the adapters' errors before any process starts, and what trains
+        add_adapters(model, plan=plan, pm=pm, ctx=None)
     return plan, model
+
+
+def add_adapters(model: Any, *, plan: Plan, pm: Any, ctx: Any) -> list:
+    """``weft_adapter`` (collect-all): each plugin's :class:`weft.core.registry.Adapters`.
+    ``ctx`` is None on the planner's own meta model (`weft plan`, the checks before a run)."""
+    return pm.call_all("weft_adapter", model=model, plan=plan, ctx=ctx)
 
 
 def text_heads(infos: list[ModuleInfo]) -> int | None:

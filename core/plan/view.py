@@ -69,12 +69,16 @@ def render_plan(plan: Any, *, explain: bool, recipe: Any, rope: dict | None = No
 
 
 def render_trainable(plan: Any, model: Any) -> None:
-    """What trains: the parameters outside frozen units (``trainable = false``), and those units."""
+    """What trains: the parameters outside frozen units (``trainable = false``) that an adapter
+    rule left trainable (with one, the adapters alone), and those units."""
     frozen = plan.frozen_units()
     total = sum(p.numel() for p in model.parameters())
     held = {id(p) for path in frozen for p in model.get_submodule(path).parameters()}
-    still = sum(p.numel() for p in model.parameters() if id(p) not in held)
+    still = sum(p.numel() for p in model.parameters() if id(p) not in held and p.requires_grad)
     line = f"trains {still:,} of {total:,} parameters"
+    adapted = sorted({d.rule for m in plan.modules_for("adapter") if (d := m.get("adapter")).strategy != "none"})
+    if adapted:
+        line += f"; adapters by rule, the base frozen: {', '.join(adapted)}"
     if frozen:
         line += f"; frozen by rule (no gradients, no optimizer states): {len(frozen)} units, {frozen[0]}"
         line += f" ... {frozen[-1]}" if len(frozen) > 1 else ""

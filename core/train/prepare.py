@@ -18,7 +18,7 @@ from weft.core.context import RunContext
 from weft.core.mesh import WeftMesh, build_device_mesh
 from weft.core.mesh_spec import MESH_ORDER
 from weft.core.models import SequenceSplit
-from weft.core.plan.planner import plan_recipe
+from weft.core.plan.planner import add_adapters, plan_recipe
 from weft.core.recipe import Recipe
 from weft.core.recipe.rules import Plan
 from weft.core.train.attention_install import install_attention
@@ -72,11 +72,6 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     fused = FusedHead(model=model, decoder=adapter.text_decoder(model)) if recipe.train.loss == "fused" else None
     model.train()
     return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision, fused=fused)
-
-
-def add_adapters(model: torch.nn.Module, *, plan: Plan, pm: Any, ctx: RunContext | None) -> list:
-    """``weft_adapter`` (collect-all): each plugin's :class:`weft.core.registry.Adapters`."""
-    return pm.call_all("weft_adapter", model=model, plan=plan, ctx=ctx)
 
 
 def device_type_for(recipe: Recipe) -> str:
