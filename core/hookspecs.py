@@ -97,7 +97,8 @@ def weft_adapter(model: torch.nn.Module, plan: Plan, ctx: RunContext) -> Adapter
 
     When: once per run (and per `weft check` reference), after the model is built (on the meta
     device, with the rotary keys of ``weft_rope``) and before ``weft_shard``, compile and the
-    optimizer, so the adapters are sharded, checkpointed and optimised like the base's modules.
+    optimizer, so the adapters are sharded, checkpointed and optimised like the base's modules;
+    also on the planner's own meta model (`weft plan`, the checks before a run) with ``ctx=None``.
     Kind: collect-all; each implementation acts on the modules whose ``adapter`` decision names
     one of its strategies and returns an :class:`weft.core.registry.Adapters` (the names of the
     parameters it added and how to fill them once the weights are in place) or ``None``.

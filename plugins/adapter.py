@@ -72,18 +72,9 @@ def weft_adapter(model, plan, ctx):
                             f"linear layer under {unit.info.path or '(root)'}; its linear layers are named "
                             f"{_leaf_names(model, unit.info.path)}", where=f"{decision.source} (adapter.targets)")
     before = {name for name, _ in model.named_parameters()}
-    groups: dict[object, list[str]] = {}
-    for path, (decision, _) in by_layer.items():
-        groups.setdefault(decision.params, []).append(path)
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
 
-    for params, paths in groups.items():
-        # Exact paths: PEFT matches a target by equality or a '.'-prefixed suffix, so a full
-        # path names one layer and the rules, not PEFT's name matching, decide which.
-        config = LoraConfig(r=params.r, lora_alpha=params.alpha, lora_dropout=params.dropout,
-                            target_modules=sorted(paths), use_rslora=params.rslora, bias="none",
-                            init_lora_weights="gaussian")
-        inject_adapter_in_model(config, model)
+    inject_adapter_in_model(_one_config(by_layer), model)
     # PEFT's layers keep the base layer as ``base_layer`` (renaming its weights) and add
     # ``lora_A`` / ``lora_B``: the adapters are the parameters under PEFT's ``lora_`` prefix.
     added = {name: p for name, p in model.named_parameters() if name not in before and ".lora_" in name}
@@ -96,11 +87,40 @@ def weft_adapter(model, plan, ctx):
             if name.startswith(path + "."):
                 rank_of[name] = decision.params.r
     summary = {"layers": len(by_layer), "parameters": sum(p.numel() for p in added.values()),
-               "ranks": sorted({p.r for p in groups})}
+               "ranks": sorted({d.params.r for d, _ in by_layer.values()})}
     if ctx is not None and ctx.log is not None:
         ctx.log.info("adapter.lora", **summary)
     return Adapters(names=tuple(sorted(added)), init=lambda m, *, seed: _init(m, rank_of=rank_of, seed=seed),
                     summary=summary)
+
+
+def _one_config(by_layer: dict):
+    """One PEFT config for every rule (one adapter, as PEFT saves and vLLM loads it): the most
+    common rank and alpha, other layers' by exact path in ``rank_pattern`` / ``alpha_pattern``.
+    PEFT keeps one dropout and one scaling rule per adapter, so the rules must agree on those."""
+    import collections
+    import re
+
+    from peft import LoraConfig
+
+    from weft.core.errors import PlanError
+
+    decisions = [d for d, _ in by_layer.values()]
+    first = decisions[0]
+    for d in decisions:
+        if (d.params.dropout, d.params.rslora) != (first.params.dropout, first.params.rslora):
+            raise PlanError(f"adapter rules {first.rule!r} ({first.source}) and {d.rule!r} give different dropout or "
+                            "rslora; one PEFT adapter has one of each: give them the same",
+                            where=f"{d.source} (adapter)")
+    r, alpha = collections.Counter((d.params.r, d.params.alpha) for d in decisions).most_common(1)[0][0]
+    # Exact paths: PEFT matches a target by equality or a '.'-prefixed suffix, and a pattern as
+    # a regex on the end of the name, so an escaped full path names one layer: the rules, not
+    # PEFT's name matching, decide which layers are adapted.
+    ranks = {re.escape(path): d.params.r for path, (d, _) in by_layer.items() if d.params.r != r}
+    alphas = {re.escape(path): d.params.alpha for path, (d, _) in by_layer.items() if d.params.alpha != alpha}
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=first.params.dropout, use_rslora=first.params.rslora,
+                      target_modules=sorted(by_layer), rank_pattern=ranks, alpha_pattern=alphas, bias="none",
+                      init_lora_weights="gaussian")
 
 
 def _layers_by_decision(model, decided) -> dict:

@@ -272,7 +272,9 @@ def test_hook_weft_adapter():
 
     pm = make_pm()
     rules = [{"name": "lora q of layer 0", "when": {"path": "layers.0"},
-              "adapter": {"strategy": "lora", "r": 2, "alpha": 4, "targets": ["q"]}}]
+              "adapter": {"strategy": "lora", "r": 2, "alpha": 4, "targets": ["q"]}},
+             {"name": "lora v of layer 1", "when": {"path": "layers.1"},
+              "adapter": {"strategy": "lora", "r": 3, "alpha": 3, "targets": ["v"]}}]
     _, plan, ctx = make_plan(pm, rules, TOY_UNITS)
     torch.manual_seed(0)
     model = torch.nn.Sequential()
@@ -282,12 +284,17 @@ def test_hook_weft_adapter():
     # Collect-all: the built-in lora answers with what it added; `none` (the defaults') adds nothing.
     [added] = pm.hook.weft_adapter(model=model, plan=plan, ctx=ctx)
     assert isinstance(added, Adapters)
-    assert added.names == ("layers.0.q.lora_A.default.weight", "layers.0.q.lora_B.default.weight")
+    assert added.names == ("layers.0.q.lora_A.default.weight", "layers.0.q.lora_B.default.weight",
+                           "layers.1.v.lora_A.default.weight", "layers.1.v.lora_B.default.weight")
+    # One PEFT adapter, each layer with its rule's rank and scale (alpha / r).
+    assert model.layers[1].v.lora_A.default.weight.shape == (3, 4) and model.layers[1].v.scaling["default"] == 1.0
+    assert model.layers[0].q.scaling["default"] == 2.0
     assert [n for n, p in model.named_parameters() if p.requires_grad] == list(added.names)  # the base frozen
     added.init(model, seed=0)
     assert torch.equal(model.layers[0].q.lora_B.default.weight, torch.zeros(4, 2))  # B = 0: the base's output
+    assert model.layers[1].v.lora_A.default.weight.std() > 0.1  # A ~ N(0, 1/r)
     assert torch.allclose(model.layers[1](model.layers[0](x)), before)
-    assert ("adapter.lora", {"layers": 1, "parameters": 16, "ranks": [2]}) in ctx.log.events
+    assert ("adapter.lora", {"layers": 2, "parameters": 16 + 24, "ranks": [2, 3]}) in ctx.log.events
     assert pm.hook.weft_adapter(model=model, plan=make_plan(pm, [], TOY_UNITS)[1], ctx=ctx) == []
 
     # A rule that decides no module, and one whose targets name no layer: plan errors naming the rule.
