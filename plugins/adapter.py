@@ -9,6 +9,8 @@ another ``r`` overrides it there.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 
 from weft.core.hookspecs import hookimpl
@@ -37,6 +39,9 @@ class LoraParams:
         "doc": "linear layers to adapt inside the matched module: their names or name suffixes (\"q_proj\", "
                "\"mlp.down_proj\"), or \"all-linear\": every linear layer but the output head"})
     rslora: bool = attrs.field(default=False, metadata={"doc": "rank-stabilised LoRA: scale by alpha / sqrt(r)"})
+    b_init: Literal["zeros", "normal"] = attrs.field(default="zeros", metadata={
+        "doc": "zeros: the adapted model starts as the base; normal: B drawn like A (N(0, 1/r)), so A's gradients "
+               "are not zero at step 0 (for `weft check` of them)"})
 
 
 def check_peft(params, *, recipe, plan) -> str | None:
@@ -81,16 +86,16 @@ def weft_adapter(model, plan, ctx):
     # The base frozen: no gradients, so no optimizer state and no FSDP2 reduce-scatter for it.
     for name, p in model.named_parameters():
         p.requires_grad_(name in added)
-    rank_of = {}
+    params_of = {}  # adapter parameter name -> its rule's params
     for path, (decision, _) in by_layer.items():
         for name in added:
             if name.startswith(path + "."):
-                rank_of[name] = decision.params.r
+                params_of[name] = decision.params
     summary = {"layers": len(by_layer), "parameters": sum(p.numel() for p in added.values()),
                "ranks": sorted({d.params.r for d, _ in by_layer.values()})}
     if ctx is not None and ctx.log is not None:
         ctx.log.info("adapter.lora", **summary)
-    return Adapters(names=tuple(sorted(added)), init=lambda m, *, seed: _init(m, rank_of=rank_of, seed=seed),
+    return Adapters(names=tuple(sorted(added)), init=lambda m, *, seed: _init(m, params_of=params_of, seed=seed),
                     summary=summary)
 
 
@@ -147,16 +152,16 @@ def _layers_by_decision(model, decided) -> dict:
     return out
 
 
-def _init(model, *, rank_of: dict[str, int], seed: int) -> None:
+def _init(model, *, params_of: dict, seed: int) -> None:
     """PEFT's "gaussian" init drawn from the seed: A ~ N(0, 1/r), B = 0, so the adapted model
     starts as the base. Seeded per name and row (strategies/model/seeded_init.py): the same
     values whatever the sharding, as `weft check`'s unsharded reference needs."""
     from weft.strategies.model.seeded_init import init_parameters, zero_parameters
 
-    for r in sorted(set(rank_of.values())):
-        names = frozenset(n for n, rr in rank_of.items() if rr == r and ".lora_A." in n)
-        init_parameters(model, seed=seed, std=1.0 / r, only=names)
-    zero_parameters(model, only=frozenset(n for n in rank_of if ".lora_B." in n))
+    drawn = {n: p for n, p in params_of.items() if ".lora_A." in n or p.b_init == "normal"}
+    for r in sorted({p.r for p in drawn.values()}):
+        init_parameters(model, seed=seed, std=1.0 / r, only=frozenset(n for n, p in drawn.items() if p.r == r))
+    zero_parameters(model, only=frozenset(n for n in params_of if n not in drawn))
 
 
 def _shown(targets) -> str:

@@ -121,3 +121,20 @@ def test_plan_says_what_trains_and_names_a_rule_that_adapts_nothing(weft, tmp_pa
     message = " ".join(done.stderr.split())
     assert "adapter rule 'lora on the text decoder': targets ['qkv_proj'] name no linear layer" in message
     assert "lora.toml:12 (adapter.targets)" in message and "'q_proj'" in message
+
+
+def test_check_is_exact_for_the_gradients_of_a_too(tmp_path):
+    """With B = 0, A's gradients are zero at step 0 on both sides; b_init = "normal" makes the
+    one step `weft check` compares reach A as well (dp 2: the adapters' reduce-scatter)."""
+    import subprocess
+    import sys
+
+    _tiny(tmp_path, LORA.replace('targets = ["q_proj", "v_proj"]', 'targets = "all-linear", b_init = "normal"'))
+    done = subprocess.run([sys.executable, "-m", "weft", "check", "lora.toml", "--world-size", "2",
+                           "--set", "parallel.dp_shard=2", "--json"], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
+    assert result["micro_batches"] == 2
+    assert result["grad_params"]["plan"] == result["grad_params"]["reference"] > 8
