@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 LORA = ('[model]\npreset = "qwen2_5_vl_tiny"\n[data]\nnum_samples = 64\n[train]\nmicro_batch_tokens = 1024\n'
@@ -138,3 +139,37 @@ def test_check_is_exact_for_the_gradients_of_a_too(tmp_path):
     assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
     assert result["micro_batches"] == 2
     assert result["grad_params"]["plan"] == result["grad_params"]["reference"] > 8
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """The tiny preset saved as a model directory, with the tiny processor's files."""
+    import pathlib
+    import shutil
+
+    from model_helpers import build_model
+    from weft.core.recipe import Recipe
+
+    folder = tmp_path / "tiny-model"
+    build_model(Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}}), seed=3).save_pretrained(folder)
+    for file in (pathlib.Path(__file__).resolve().parents[1] / "recipes" / "tiny_vl").iterdir():
+        if file.is_file():
+            shutil.copy(file, folder / file.name)
+    return folder
+
+
+def test_lora_on_a_model_directory_loads_the_base_through_peft_layers(model_dir, tmp_path):
+    """A base read from model.path: each rank loads its shards into PEFT's base_layer (the
+    checkpoint's names), the adapters are not in the checkpoint and are drawn after it."""
+    import subprocess
+    import sys
+
+    text = LORA.replace('preset = "qwen2_5_vl_tiny"', f'path = "{model_dir}"').replace("num_samples = 64",
+                                                                                     "num_samples = 8")
+    _tiny(tmp_path, text.replace('targets = ["q_proj", "v_proj"]', 'targets = "all-linear", b_init = "normal"'))
+    done = subprocess.run([sys.executable, "-m", "weft", "check", "lora.toml", "--world-size", "2",
+                           "--set", "parallel.ring=2", "--json"], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and result["grad_params"]["plan"] == result["grad_params"]["reference"] == 28
