@@ -78,6 +78,9 @@ class Adapters:
     names: tuple[str, ...]
     init: Callable[..., None]
     summary: dict = attrs.field(factory=dict)  # what `weft plan` and the run's log show
+    #: ``merge(model)``: fold the trained adapters into the base's weights and remove their
+    #: layers, in place, on a whole (unsharded) model: what `weft export` writes. None: cannot.
+    merge: Callable[..., None] | None = None
 
 
 VERDICTS: tuple[str, ...] = ("continue", "checkpoint", "skip", "abort")  # weakest first

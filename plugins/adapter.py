@@ -96,7 +96,7 @@ def weft_adapter(model, plan, ctx):
     if ctx is not None and ctx.log is not None:
         ctx.log.info("adapter.lora", **summary)
     return Adapters(names=tuple(sorted(added)), init=lambda m, *, seed: _init(m, params_of=params_of, seed=seed),
-                    summary=summary)
+                    summary=summary, merge=_merge)
 
 
 def _one_config(by_layer: dict):
@@ -162,6 +162,20 @@ def _init(model, *, params_of: dict, seed: int) -> None:
     for r in sorted({p.r for p in drawn.values()}):
         init_parameters(model, seed=seed, std=1.0 / r, only=frozenset(n for n, p in drawn.items() if p.r == r))
     zero_parameters(model, only=frozenset(n for n in params_of if n not in drawn))
+
+
+def _merge(model) -> None:
+    """W + B @ A * scaling into each adapted layer's base weight (PEFT's merge), then the base
+    layer back in the adapter layer's place: the model transformers' from_pretrained builds."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+    for name, module in adapted:
+        module.merge()
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config  # nothing of PEFT's left in the exported model's config
 
 
 def _shown(targets) -> str:

@@ -87,6 +87,17 @@ def test_a_run_trains_the_adapters_and_leaves_the_base(weft, tmp_path):
     assert all(torch.equal(state[k], v) for k, v in base.items())  # the base as it was drawn
     lora_b = [v for k, v in state.items() if ".lora_B." in k]
     assert lora_b and all(v.abs().max() > 0 for v in lora_b)  # the adapters moved
+    # `weft export` folds the adapters into the base's weights: a plain transformers model with
+    # the adapted model's logits.
+    assert weft("export", "run", "hf", cwd=tmp_path).returncode == 0
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    merged = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf")
+    assert not any("lora" in k or "base_layer" in k for k in merged.state_dict())
+    assert json.loads((tmp_path / "hf" / "weft_export.json").read_text())["adapters"] == "merged"
+    ids = torch.randint(0, 100, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_check_is_exact_with_lora_under_ring2(tmp_path):

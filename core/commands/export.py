@@ -60,12 +60,33 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int |
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = adapter.build(recipe, device="cpu", seed=recipe.train.seed)
+        adapters = _with_adapters(model, recipe, pm=pm)
         load_checkpoint_into(model, checkpoint)
+        for added in adapters:  # a plain model, as from_pretrained builds it
+            added.merge(model)
     finally:
         if started:
             dist.destroy_process_group()
     out_dir.mkdir(parents=True, exist_ok=True)
     adapter.export(model, recipe, out_dir)
-    (out_dir / "weft_export.json").write_text(
-        json.dumps({"run_dir": str(run_dir), "checkpoint": checkpoint.name}, indent=1))
+    (out_dir / "weft_export.json").write_text(json.dumps(
+        {"run_dir": str(run_dir), "checkpoint": checkpoint.name, "adapters": "merged" if adapters else None}, indent=1))
     return checkpoint
+
+
+def _with_adapters(model: torch.nn.Module, recipe: Recipe, *, pm: Any) -> list:
+    """The run's adapters (its rules' ``weft_adapter``) on the model, so the checkpoint's names
+    fit; refused where a plugin's adapters cannot be merged into the base's weights."""
+    from weft.core.mesh_spec import MeshSpec
+    from weft.core.plan.planner import add_adapters
+    from weft.core.recipe.rules import build_plan
+
+    # The rules alone (the adapters' decisions do not depend on the mesh): the run's own mesh
+    # may not resolve on the one process export runs in.
+    modules = pm.models.for_recipe(recipe).describe(model)
+    plan = build_plan(recipe=recipe, modules=modules, registry=pm.registry, mesh=MeshSpec(), world_size=1)
+    adapters = add_adapters(model, plan=plan, pm=pm, ctx=None)
+    if any(added.merge is None for added in adapters):
+        raise WeftError("this run's adapters cannot be merged into the base's weights (their plugin gives no "
+                        "merge), so weft export cannot write them as a Hugging Face model", where=recipe.source)
+    return adapters
