@@ -184,3 +184,32 @@ def test_lora_on_a_model_directory_loads_the_base_through_peft_layers(model_dir,
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["grad_params"]["plan"] == result["grad_params"]["reference"] == 28
+
+
+def test_an_adapter_run_resumes_as_it_would_have_gone_on(weft, tmp_path):
+    """Resumed from its step-2 checkpoint (the newer one removed), an adapter run's steps 3-4
+    and its adapters equal the unbroken run's: the checkpoint holds the adapters and their
+    AdamW states (the frozen base has none)."""
+    import shutil
+
+    _tiny(tmp_path, LORA.replace("checkpoint_every = 0", "checkpoint_every = 2\nkeep_checkpoints = 5")
+          .replace("max_steps = 6", "max_steps = 4"))
+    done = weft("run", "lora.toml", "--nproc", "1", "--run-dir", "a", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-4")
+    done = weft("run", "lora.toml", "--nproc", "1", "--run-dir", "b", "--resume", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def losses(run):
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["start_step"] == 2
+    assert losses("b")[3] == losses("a")[3] and losses("b")[4] == losses("a")[4]
+    for run in ("a", "b"):
+        assert weft("export", run, f"{run}-hf", cwd=tmp_path).returncode == 0
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "a-hf" / "model.safetensors"), load_file(tmp_path / "b-hf" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
