@@ -213,3 +213,26 @@ def test_an_adapter_run_resumes_as_it_would_have_gone_on(weft, tmp_path):
 
     a, b = load_file(tmp_path / "a-hf" / "model.safetensors"), load_file(tmp_path / "b-hf" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("mesh", [("parallel.ulysses=2", "parallel.ring=2"),
+                                  ("parallel.dp_shard=2", "parallel.ring=2")], ids=["ulysses2xring2", "dp2xring2"])
+def test_check_is_exact_with_lora_on_four_ranks(tmp_path, mesh):
+    """Issue 27's equalities: LoRA on every linear layer of both towers (B drawn, so A's
+    gradients count too), the text layers fully checkpointed, under USP and dp x ring."""
+    import subprocess
+    import sys
+
+    text = LORA.replace('targets = ["q_proj", "v_proj"]', 'targets = "all-linear", b_init = "normal"')
+    text += ('[[rules]]\nname = "checkpointed text layers"\nwhen = { path = "*.language_model.layers.*" }\n'
+             'shard = { strategy = "fsdp2", checkpoint = "full" }\n[[rules]]\nname = "lora on the tower"\n'
+             'when = { path = "*.visual.blocks.*" }\n'
+             'adapter = { strategy = "lora", r = 2, alpha = 4, targets = "all-linear", b_init = "normal" }\n')
+    _tiny(tmp_path, text)
+    done = subprocess.run([sys.executable, "-m", "weft", "check", "lora.toml", "--world-size", "4",
+                           *(arg for m in mesh for arg in ("--set", m)), "--json"], capture_output=True, text=True,
+                          timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
+    assert result["grad_params"]["plan"] == result["grad_params"]["reference"] > 28  # both towers' adapters
