@@ -39,6 +39,14 @@ class Strategy:
     #: ``check(params, recipe=recipe, plan=plan) -> str | None``, a message saying why
     #: this choice cannot run, or None. Runs before any process starts.
     check: Callable[..., str | None] | None = None
+    #: Plan-time resolution of a strategy that stands for others (attention ``auto``,
+    #: ``local`` on a vision tower): ``resolve(params, *, info, plan) -> (name, params) | None``
+    #: gives the strategy of the same point that this module runs (and an instance of its
+    #: params class); None keeps this one. Called once per module when the Plan is built
+    #: (``info``: the ModuleInfo; ``plan``: every decision as the rules made it), so `weft
+    #: plan`, the plan-time checks and the run all see the one result; the result is not
+    #: resolved again. May raise PlanError for a choice this module cannot run.
+    resolve: Callable[..., tuple[str, Any] | None] | None = None
     #: Batching strategies: what `weft plan` shows of the data the strategy will feed,
     #: ``describe(params, *, recipe, plan, model, adapter, positions) -> dict`` with the
     #: optional keys ``vision_split`` (the first step's images per SP rank) and, when

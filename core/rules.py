@@ -58,10 +58,14 @@ class Decision:
     params: Any
     source: str  # "file:line" of the deciding rule
     rule: str
+    #: The strategy the rule named when the Plan resolved it to ``strategy`` (attention
+    #: ``auto``); "" when it runs as named. Shown by `weft plan --explain`.
+    resolved_from: str = ""
 
     def to_json(self) -> dict:
-        return {"strategy": self.strategy, "params": attrs.asdict(self.params), "rule": self.rule,
+        data = {"strategy": self.strategy, "params": attrs.asdict(self.params), "rule": self.rule,
                 "source": self.source}
+        return data | ({"resolved_from": self.resolved_from} if self.resolved_from else {})
 
 
 @attrs.frozen(kw_only=True)
@@ -264,4 +268,26 @@ def build_plan(
                                 "the defaults should")
         plans.append(ModulePlan(info=info, decisions=tuple(decisions)))
     _one_optimizer(plans)
-    return Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size)
+    return resolve_plan(Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size), registry)
+
+
+def resolve_plan(plan: Plan, registry: StrategyRegistry) -> Plan:
+    """Each decision whose strategy declares ``resolve`` replaced by the strategy it resolves
+    to for its module, once, here: what `weft plan` shows is what the run installs."""
+    modules = []
+    for module in plan.modules:
+        decisions = []
+        for d in module.decisions:
+            strategy = registry.get(d.point, d.strategy)
+            chosen = strategy.resolve(d.params, info=module.info, plan=plan) if strategy and strategy.resolve else None
+            if chosen is not None and chosen[0] != d.strategy:
+                name, params = chosen
+                target = registry.get(d.point, name)
+                if target is None or not isinstance(params, target.params):
+                    raise PlanError(f"{module.info.path or '(root)'}: {d.point} strategy {d.strategy!r} resolved to "
+                                    f"{name!r} with {type(params).__name__}, which is not a registered strategy "
+                                    f"and its params (plugin {strategy.plugin!r})")
+                d = attrs.evolve(d, strategy=name, params=params, resolved_from=d.strategy)
+            decisions.append(d)
+        modules.append(attrs.evolve(module, decisions=tuple(decisions)))
+    return attrs.evolve(plan, modules=tuple(modules))

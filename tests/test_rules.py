@@ -813,8 +813,11 @@ def test_plan_to_json_round_trip_shape(tmp_path):
             module["class"], module["kind"], module["modality"], module["heads"], module["kv_heads"], module["head_dim"]
         ) == (info.class_name, info.kind, info.modality, info.heads, info.kv_heads, info.head_dim)
         for d in module["decisions"].values():
-            assert set(d) == {"strategy", "params", "rule", "source"}
+            # "resolved_from" only where the Plan resolved the rule's strategy (attention 'auto').
+            assert set(d) - {"resolved_from"} == {"strategy", "params", "rule", "source"}
             assert isinstance(d["params"], dict)
+    vision = data["modules"][MODULES.index(VISION_ATTN)]["decisions"]["attention"]
+    assert vision["resolved_from"] == "auto" and vision["strategy"] in ("sdpa", "vision_local")
     text = data["modules"][MODULES.index(TEXT_ATTN)]["decisions"]
     assert text["attention"] == {
         "strategy": "test_ulysses", "params": {"backend": "auto", "chunks": 2}, "rule": "text", "source": f"{path}:4",
