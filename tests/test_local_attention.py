@@ -178,7 +178,7 @@ def test_flash_kernel_pads_unchecked_head_dims(fake_fa4, monkeypatch, head_dim):
 
 def test_flash_kernel_as_ring_block(fake_fa4):
     """Ring of 4 (emulated) with the flash kernel: LSE merges and per-block backward are exact."""
-    from weft.strategies.attention.ring import emulate_ring
+    from weft.strategies.attention.emulate import emulate_ring
     from weft.strategies.sequence.layout import shard_sequence, unshard_sequence
 
     q, k, v, dout = _inputs(heads=4, kv_heads=2, seq=32, head_dim=8)
