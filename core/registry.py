@@ -115,6 +115,24 @@ class StrategyRegistry:
     def get(self, point: str, name: str) -> Strategy | None:
         return self._by_key.get((point, name))
 
+    def resolved(self, decision: Any, *, info: Any, plan: Any) -> Any:
+        """``decision`` (a Plan's Decision) as its strategy's ``resolve`` names it for the module
+        ``info``: the strategy that runs, ``resolved_from`` the one its rule named. Unchanged
+        when the strategy declares no ``resolve`` or keeps itself."""
+        strategy = self.get(decision.point, decision.strategy)
+        chosen = strategy.resolve(decision.params, info=info, plan=plan) if strategy and strategy.resolve else None
+        if chosen is None or chosen[0] == decision.strategy:
+            return decision
+        name, params = chosen
+        target = self.get(decision.point, name)
+        if target is None or not isinstance(params, target.params):
+            from weft.core.errors import PlanError
+
+            raise PlanError(f"{info.path or '(root)'}: {decision.point} strategy {decision.strategy!r} (plugin "
+                            f"{strategy.plugin!r}) resolved to {name!r} with {type(params).__name__}, which is "
+                            "not a registered strategy with its params")
+        return attrs.evolve(decision, strategy=name, params=params, resolved_from=decision.strategy)
+
     def names(self, point: str) -> list[str]:
         return sorted(name for (p, name) in self._by_key if p == point)
 

@@ -268,26 +268,9 @@ def build_plan(
                                 "the defaults should")
         plans.append(ModulePlan(info=info, decisions=tuple(decisions)))
     _one_optimizer(plans)
-    return resolve_plan(Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size), registry)
-
-
-def resolve_plan(plan: Plan, registry: StrategyRegistry) -> Plan:
-    """Each decision whose strategy declares ``resolve`` replaced by the strategy it resolves
-    to for its module, once, here: what `weft plan` shows is what the run installs."""
-    modules = []
-    for module in plan.modules:
-        decisions = []
-        for d in module.decisions:
-            strategy = registry.get(d.point, d.strategy)
-            chosen = strategy.resolve(d.params, info=module.info, plan=plan) if strategy and strategy.resolve else None
-            if chosen is not None and chosen[0] != d.strategy:
-                name, params = chosen
-                target = registry.get(d.point, name)
-                if target is None or not isinstance(params, target.params):
-                    raise PlanError(f"{module.info.path or '(root)'}: {d.point} strategy {d.strategy!r} resolved to "
-                                    f"{name!r} with {type(params).__name__}, which is not a registered strategy "
-                                    f"and its params (plugin {strategy.plugin!r})")
-                d = attrs.evolve(d, strategy=name, params=params, resolved_from=d.strategy)
-            decisions.append(d)
-        modules.append(attrs.evolve(module, decisions=tuple(decisions)))
-    return attrs.evolve(plan, modules=tuple(modules))
+    plan = Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size)
+    # Strategies that stand for others (attention 'auto') resolved once per module, here:
+    # `weft plan`, the plan-time checks and the run all see the strategy that runs.
+    return attrs.evolve(plan, modules=tuple(
+        attrs.evolve(m, decisions=tuple(registry.resolved(d, info=m.info, plan=plan) for d in m.decisions))
+        for m in plan.modules))
