@@ -2,10 +2,10 @@
 
 Ring sizes are emulated on the one GPU: every rank's block schedule (the same
 kernels, GQA expansion and merges as weft.strategies.attention.ring) is executed in turn
-and timed per (rank, step). A real ring runs the ranks at once, so its step
-takes as long as its slowest rank: the emulated parallel time is
-sum over steps of max over ranks. The P2P transfers, which the ring overlaps
-with compute, are not part of it.
+by weft.strategies.attention.emulate.emulate_ring and timed per (rank, step). A real
+ring runs the ranks at once, so its step takes as long as its slowest rank: the
+emulated parallel time is sum over steps of max over ranks. The P2P transfers,
+which the ring overlaps with compute, are not part of it.
 
     efficiency = (T_full / W) / T_parallel
 
@@ -21,6 +21,7 @@ gradient accumulation in the backward). Writes a markdown table (and JSON) to --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -33,8 +34,8 @@ ensure_weft()
 
 import torch  # noqa: E402
 
+from weft.strategies.attention.emulate import emulate_ring  # noqa: E402
 from weft.strategies.attention.kernels.blocks import select_kernel  # noqa: E402
-from weft.strategies.attention.ring import _accumulators, attend_block, attend_block_backward, block_for, emulate_ring  # noqa: E402
 from weft.strategies.sequence.layout import shard_sequence, unshard_sequence  # noqa: E402
 
 
@@ -71,67 +72,25 @@ def emulated_ring_time(
 ) -> dict:
     """Per-(rank, step) timed emulation; returns parallel (critical-path) and serial seconds."""
     kernel = select_kernel(kernel_name, device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
-    scale = q.shape[-1] ** -0.5
-    groups = q.shape[1] // k.shape[1]
     parts = {
         name: [shard_sequence(t, dim=2, rank=r, world=world, layout=layout) for r in range(world)]
         for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout))
     }
-    kvs = [torch.stack([kk, vv]) for kk, vv in zip(parts["k"], parts["v"])]
-    s = parts["q"][0].shape[2]
-    acc = torch.float32
-
-    def run(events):
-        outs, lses = [], []
-        for rank in range(world):
-            out, lse = _accumulators(parts["q"][rank], parts["v"][rank])
-            for step in range(world):
-                src = (rank - step) % world
-                block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
-                events[("fwd", rank, step)][0].record()
-                if block is not None:
-                    attend_block(
-                        parts["q"][rank],
-                        kvs[src],
-                        block=block,
-                        groups=groups,
-                        scale=scale,
-                        kernel=kernel,
-                        out=out,
-                        lse=lse,
-                        first=step == 0,
-                    )
-                events[("fwd", rank, step)][1].record()
-            outs.append(out.to(q.dtype))
-            lses.append(lse)
-        dkvs = [torch.zeros(kv.shape, dtype=acc, device=kv.device) for kv in kvs]
-        for rank in range(world):
-            dq = torch.zeros(parts["q"][rank].shape, dtype=acc, device=q.device)
-            for step in range(world):
-                src = (rank - step) % world
-                block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
-                events[("bwd", rank, step)][0].record()
-                if block is not None:
-                    attend_block_backward(
-                        parts["dout"][rank],
-                        parts["q"][rank],
-                        kvs[src],
-                        outs[rank],
-                        lses[rank],
-                        block=block,
-                        groups=groups,
-                        scale=scale,
-                        kernel=kernel,
-                        dq=dq,
-                        dkv=dkvs[src],
-                    )
-                events[("bwd", rank, step)][1].record()
-
     keys = [(phase, r, st) for phase in ("fwd", "bwd") for r in range(world) for st in range(world)]
     totals = {"parallel": 0.0, "serial": 0.0}
     for it in range(iters + 1):  # the first is a warm-up
         events = {key: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for key in keys}
-        run(events)
+
+        @contextlib.contextmanager
+        def timer(phase, rank, step):
+            # CUDA events on the stream: the block's kernels, not the host's launch time.
+            start, end = events[(phase, rank, step)]
+            start.record()
+            yield
+            end.record()
+
+        emulate_ring(parts["q"], parts["k"], parts["v"], parts["dout"], causal=causal, scale=q.shape[-1] ** -0.5,
+                     layout=layout, kernel=kernel, timer=timer)
         torch.cuda.synchronize()
         if it == 0:
             continue

@@ -149,7 +149,9 @@ def weft_attention(decision: Decision, module_path: str, plan: Plan, mesh: WeftM
     Kind: firstresult on ``decision.strategy``; return an
     :class:`weft.core.registry.AttentionBinding` (a name registered with
     transformers' ``AttentionInterface`` and the callable) or ``None`` when the
-    strategy is not yours. The core sets ``attn_implementation`` per module
+    strategy is not yours. ``decision.strategy`` is the one that runs: a
+    strategy with ``resolve`` (attention ``auto``) was resolved per module
+    when the Plan was built. The core sets ``attn_implementation`` per module
     from the binding; no transformers internals are patched.
     Collectives: none at install time; the returned function may issue
     sequence-parallel collectives (all-to-all, send/recv) on every call.

@@ -39,6 +39,14 @@ class Strategy:
     #: ``check(params, recipe=recipe, plan=plan) -> str | None``, a message saying why
     #: this choice cannot run, or None. Runs before any process starts.
     check: Callable[..., str | None] | None = None
+    #: Plan-time resolution of a strategy that stands for others (attention ``auto``,
+    #: ``local`` on a vision tower): ``resolve(params, *, info, plan) -> (name, params) | None``
+    #: gives the strategy of the same point that this module runs (and an instance of its
+    #: params class); None keeps this one. Called once per module when the Plan is built
+    #: (``info``: the ModuleInfo; ``plan``: every decision as the rules made it), so `weft
+    #: plan`, the plan-time checks and the run all see the one result; the result is not
+    #: resolved again. May raise PlanError for a choice this module cannot run.
+    resolve: Callable[..., tuple[str, Any] | None] | None = None
     #: Batching strategies: what `weft plan` shows of the data the strategy will feed,
     #: ``describe(params, *, recipe, plan, model, adapter, positions) -> dict`` with the
     #: optional keys ``vision_split`` (the first step's images per SP rank) and, when
@@ -121,6 +129,24 @@ class StrategyRegistry:
 
     def get(self, point: str, name: str) -> Strategy | None:
         return self._by_key.get((point, name))
+
+    def resolved(self, decision: Any, *, info: Any, plan: Any) -> Any:
+        """``decision`` (a Plan's Decision) as its strategy's ``resolve`` names it for the module
+        ``info``: the strategy that runs, ``resolved_from`` the one its rule named. Unchanged
+        when the strategy declares no ``resolve`` or keeps itself."""
+        strategy = self.get(decision.point, decision.strategy)
+        chosen = strategy.resolve(decision.params, info=info, plan=plan) if strategy and strategy.resolve else None
+        if chosen is None or chosen[0] == decision.strategy:
+            return decision
+        name, params = chosen
+        target = self.get(decision.point, name)
+        if target is None or not isinstance(params, target.params):
+            from weft.core.errors import PlanError
+
+            raise PlanError(f"{info.path or '(root)'}: {decision.point} strategy {decision.strategy!r} (plugin "
+                            f"{strategy.plugin!r}) resolved to {name!r} with {type(params).__name__}, which is "
+                            "not a registered strategy with its params")
+        return attrs.evolve(decision, strategy=name, params=params, resolved_from=decision.strategy)
 
     def names(self, point: str) -> list[str]:
         return sorted(name for (p, name) in self._by_key if p == point)

@@ -8,6 +8,11 @@ ulysses > 1, usp when both; without sequence parallelism ``local`` when the
 backend asks for a kernel (or flash-attn-4 is installed), else ``sdpa``. A vision
 tower's ``auto``: each block's windows in one flash-attn-4 varlen call where it is
 installed (``vision_local``), else ``sdpa``.
+
+``auto`` (and ``local`` on a vision tower) is resolved once, when the Plan is built
+(each strategy's ``resolve``): the plan holds the strategy each module runs, its
+head split is checked from it, and ``weft_attention`` installs what the decision
+names. Vision or text is the module's declared modality, never its path.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Literal
 
 import attrs
 
+from weft.core.errors import PlanError
 from weft.core.hookspecs import hookimpl
 from weft.core.registry import AttentionBinding, NoParams, Strategy
 
@@ -75,19 +81,65 @@ def check_backend(params, *, recipe, plan) -> str | None:
             f"(parallel.device, train.precision); backends that run here: auto, math, cpu_flash")
 
 
+def _refuse_packed_text(name: str):
+    """``resolve`` of a strategy that reads no document ids: refused on packed text at plan time."""
+
+    def resolve(params, *, info, plan):
+        if plan.packed() and info.modality == "text":
+            raise PlanError(f"{info.path}: packed documents need attention that keeps to each document; "
+                            f"{name!r} does not read document ids (use auto, ring, ulysses or usp)")
+        return None
+
+    return resolve
+
+
+def _resolve_local(params, *, info, plan):
+    """``local`` on a vision tower is its varlen form; on text it runs as named."""
+    if info.modality == "vision":
+        return "vision_local", NoParams()
+    return _refuse_packed_text("local")(params, info=info, plan=plan)
+
+
+def _vision_only(params, *, info, plan):
+    """``vision_local`` by rule: the tower's calling convention (one call per block with its
+    segments) on a text module would attend across the whole sequence unmasked."""
+    if info.modality != "vision":
+        raise PlanError(f"{info.path}: attention 'vision_local' is for a vision tower; this module is "
+                        f"{info.modality or 'not of a declared modality'} (use auto, local or sdpa)")
+    return None
+
+
+#: The parameter class of each strategy ``auto`` resolves to: it keeps the fields they share.
+_RESOLVED_PARAMS: dict[str, type] = {"ring": RingParams, "usp": RingParams, "ulysses": KernelParams,
+                                     "local": KernelParams, "sdpa": NoParams, "vision_local": NoParams}
+
+
+def _resolve_auto(params, *, info, plan):
+    if info.modality == "vision":
+        name = resolve_vision("auto", backend=params.backend)
+    else:
+        name = resolve_auto("auto", ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=plan.packed(),
+                            backend=params.backend)
+    cls = _RESOLVED_PARAMS[name]
+    fields = attrs.fields_dict(cls)
+    return name, cls(**{k: v for k, v in attrs.asdict(params).items() if k in fields})
+
+
 @hookimpl
 def weft_strategies():
     return [
         Strategy(point="attention", name="sdpa", params=NoParams,
-                 summary="torch SDPA on the whole local sequence (no sequence parallelism)"),
+                 summary="torch SDPA on the whole local sequence (no sequence parallelism)",
+                 resolve=_refuse_packed_text("sdpa")),
         Strategy(point="attention", name="eager", params=NoParams,
-                 summary="transformers' eager attention (reference; slow)"),
+                 summary="transformers' eager attention (reference; slow)", resolve=_refuse_packed_text("eager")),
         Strategy(point="attention", name="ring", params=RingParams,
                  summary="ring attention over the ring ranks, async K/V rotation, exact backward",
                  sp_dims=("ring",), check=check_backend),
         Strategy(point="attention", name="local", params=KernelParams,
                  summary="a weft block kernel (flash-attn-4 where installed) on the whole local sequence; "
-                         "no sequence parallelism", check=check_backend),
+                         "no sequence parallelism; vision_local on a vision tower", check=check_backend,
+                 resolve=_resolve_local),
         Strategy(point="attention", name="ulysses", params=KernelParams,
                  summary="head/sequence all-to-all over the Ulysses ranks; "
                          "KV heads replicated when fewer than the degree",
@@ -95,9 +147,16 @@ def weft_strategies():
         Strategy(point="attention", name="usp", params=RingParams,
                  summary="Ulysses inside, ring outside (2-D)",
                  sp_dims=("ulysses", "ring"), head_split=("ulysses",), check=check_backend),
+        # Its head split and checks are those of the strategy it resolves to; sp_dims says
+        # which sequence splits it can serve (the planner's list of fitting strategies).
         Strategy(point="attention", name="auto", params=RingParams,
-                 summary="sdpa, ring, ulysses or usp from the mesh's ulysses and ring degrees",
-                 sp_dims=("ulysses", "ring"), head_split=("ulysses",), check=check_backend),
+                 summary="resolved when planning: sdpa, local, ring, ulysses or usp from the mesh's ulysses and "
+                         "ring degrees; on a vision tower vision_local (flash-attn-4 installed) or sdpa",
+                 sp_dims=("ulysses", "ring"), resolve=_resolve_auto),
+        Strategy(point="attention", name="vision_local", params=NoParams,
+                 summary="vision tower: each block's windows and images as the segments of one flash-attn-4 "
+                         "varlen call where it runs, else one SDPA call per segment; images whole on a rank",
+                 resolve=_vision_only),
         Strategy(point="attention", name="vision_ulysses", params=VisionUlyssesParams,
                  summary="vision tower: large images' patches split over all SP ranks, "
                          "Ulysses in every block (window and full)",
@@ -138,29 +197,18 @@ def resolve_vision(strategy: str, *, backend: str = "auto") -> str:
 def traceable(decision, module_path: str, plan) -> bool:
     """Whether torch.compile may trace this attention module whole: the functions that run
     one kernel on the local sequence (``local``: weft's operators; ``sdpa``: torch's), not
-    those with collectives (ring, ulysses, usp) nor the vision tower's varlen call."""
-    if plan.modality_of(module_path) == "vision":
-        return False
-    strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring,
-                            packed=plan.packed(), backend=getattr(decision.params, "backend", "auto"))
-    return strategy in ("local", "sdpa")
+    those with collectives (ring, ulysses, usp) nor the vision tower's varlen call or window loop."""
+    return plan.modality_of(module_path) != "vision" and decision.strategy in ("local", "sdpa")
 
 
 @hookimpl
 def weft_attention(decision, module_path, plan, mesh, ctx):
-    backend = getattr(decision.params, "backend", "auto")
-    # The tower by its declared modality (the adapter's), as the planner knows it: not by its name.
-    vision = plan.modality_of(module_path) == "vision"
-    if vision:
-        strategy = resolve_vision(decision.strategy, backend=backend)
-    else:
-        strategy = resolve_auto(decision.strategy, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring,
-                                packed=plan.packed(), backend=backend)
-    if strategy in ("sdpa", "eager", "local") and plan.packed() and not vision:
-        from weft.core.errors import PlanError
-
-        raise PlanError(f"{module_path}: packed documents need attention that keeps to each document; "
-                        f"{strategy!r} does not read document ids (use auto, ring, ulysses or usp)")
+    # The decision names the strategy that runs: the Plan resolved ``auto`` (and a vision
+    # tower's ``local``) once, for `weft plan` and this run alike.
+    strategy, backend = decision.strategy, getattr(decision.params, "backend", "auto")
+    if strategy == "auto":
+        raise PlanError(f"{module_path}: attention 'auto' reached the run unresolved; a Plan from "
+                        "weft.core.recipe.rules.build_plan resolves it to the strategy that runs")
     if strategy in ("sdpa", "eager"):
         # Names transformers already registers: nothing to add to the interface.
         return AttentionBinding(name=strategy)

@@ -59,13 +59,15 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> None:
                            nprocs=world, join=True, start_method="forkserver")
 
 
-def sp_model(recipe_data: dict, *, rank: int, world: int):
+def sp_model(recipe_data: dict, *, rank: int, world: int, plugins: tuple[str, ...] = ()):
     """On an initialised gloo group: the recipe's model with weft's attention and sequence split
     installed, plus an untouched copy (transformers' own attention) as the reference.
+    ``plugins``: modules to register besides the built-ins (by name: ranks import them).
 
     Returns (model, reference, plan, mesh, split); split is None without sequence parallelism.
     """
     import copy
+    import importlib
 
     import structlog
     import torch
@@ -78,7 +80,7 @@ def sp_model(recipe_data: dict, *, rank: int, world: int):
     from weft.core.train.attention_install import install_attention
 
     recipe = Recipe.from_dict(recipe_data)
-    pm = build_plugin_manager(entry_points=False)
+    pm = build_plugin_manager(extra=[(name, importlib.import_module(name)) for name in plugins], entry_points=False)
     adapter = pm.models.for_recipe(recipe)
     model = adapter.build(recipe, device="cpu", seed=0)
     reference = copy.deepcopy(model)

@@ -111,7 +111,10 @@ def test_plan_json_is_parseable(weft, tmp_path):
     plan = json.loads(done.stdout)
     assert plan["mesh"]["dp_shard"] == 2
     vision = [m for m in plan["modules"] if m["modality"] == "vision" and m["kind"] == "attention"]
-    assert len(vision) == 2 and all(m["decisions"]["attention"]["strategy"] == "auto" for m in vision)
+    # The default rule's 'auto', resolved in the plan: whole images, one kernel call per block
+    # (vision_local) where flash-attn-4 is installed, else SDPA.
+    assert len(vision) == 2 and all(m["decisions"]["attention"]["resolved_from"] == "auto" for m in vision)
+    assert {m["decisions"]["attention"]["strategy"] for m in vision} <= {"sdpa", "vision_local"}
 
 
 def test_unknown_model_type_is_a_user_error_listing_the_adapters(weft, tmp_path):

@@ -70,18 +70,27 @@ def test_compile_rule_reaches_the_units():
 def test_attention_compiles_only_without_collectives():
     """Ring, Ulysses and USP run collectives inside the attention (dynamo would break around them)
     and the vision tower's varlen call is no torch operator: those attention modules stay eager."""
-    import types
+    from weft.core.mesh_spec import MeshSpec
+    from weft.core.plugin_manager import build_plugin_manager
+    from weft.core.recipe import Recipe
+    from weft.core.recipe.rules import ModuleInfo, build_plan
+    from weft.plugins.attention import traceable
 
-    from weft.core.recipe.rules import Decision
-    from weft.plugins.attention import KernelParams, RingParams, traceable
+    root = ModuleInfo(path="", class_name="Toy", kind="root")
+    vision = ModuleInfo(path="model.visual.blocks.0.attn", class_name="VisionAttention", kind="attention",
+                        modality="vision", heads=2, kv_heads=2, head_dim=16)
+    text = ModuleInfo(path="model.language_model.layers.0.self_attn", class_name="Attention", kind="attention",
+                      modality="text", heads=4, kv_heads=2, head_dim=16)
+    registry = build_plugin_manager(entry_points=False).registry
 
-    def plan(ulysses=1, ring=1):
-        return types.SimpleNamespace(mesh=types.SimpleNamespace(ulysses=ulysses, ring=ring), packed=lambda: False,
-                                     modality_of=lambda path: "vision" if ".visual." in path else "text")
+    def traced(rules=(), *, ulysses=1, ring=1):
+        """[vision, text]: whether each attention module compiles, as the Plan resolved it."""
+        recipe = Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "rules": list(rules)})
+        plan = build_plan(recipe=recipe, modules=[root, vision, text], registry=registry,
+                          mesh=MeshSpec(ulysses=ulysses, ring=ring), world_size=ulysses * ring)
+        return [traceable(m.get("attention"), m.info.path, plan) for m in plan.modules_for("attention")]
 
-    text = "model.language_model.layers.0.self_attn"
-    auto = Decision(point="attention", strategy="auto", params=RingParams(), source="t:1", rule="t")
-    local = Decision(point="attention", strategy="local", params=KernelParams(), source="t:1", rule="t")
-    assert traceable(auto, text, plan()) and traceable(local, text, plan())
-    assert not traceable(auto, text, plan(ring=2)) and not traceable(auto, text, plan(ulysses=2))
-    assert not traceable(auto, "model.visual.blocks.0.attn", plan())
+    # 'auto' without SP: sdpa (local where flash-attn-4 is installed) on text; the tower never.
+    assert traced() == [False, True]
+    assert traced([{"when": {"modality": "text"}, "attention": "local"}]) == [False, True]
+    assert traced(ring=2) == [False, False] and traced(ulysses=2) == [False, False]

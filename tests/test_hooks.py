@@ -367,7 +367,7 @@ def test_a_vision_tower_is_known_by_its_modality_not_its_name():
                              [ROOT_MODULE, tower, TEXT_ATTN])
     assert plan.packed() and plan.modality_of(tower.path) == "vision" and not fa4_importable()
     vision = plan.modules_for("attention")[0].get("attention")
-    assert vision.strategy == "auto"
+    assert (vision.strategy, vision.resolved_from) == ("sdpa", "auto")  # resolved once, in the Plan
     binding = pm.call_first("weft_attention", decision=vision, module_path=tower.path, plan=plan, mesh=None, ctx=ctx)
     assert binding == AttentionBinding(name="sdpa")
     assert not traceable(vision, tower.path, plan)

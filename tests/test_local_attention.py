@@ -178,7 +178,7 @@ def test_flash_kernel_pads_unchecked_head_dims(fake_fa4, monkeypatch, head_dim):
 
 def test_flash_kernel_as_ring_block(fake_fa4):
     """Ring of 4 (emulated) with the flash kernel: LSE merges and per-block backward are exact."""
-    from weft.strategies.attention.ring import emulate_ring
+    from weft.strategies.attention.emulate import emulate_ring
     from weft.strategies.sequence.layout import shard_sequence, unshard_sequence
 
     q, k, v, dout = _inputs(heads=4, kv_heads=2, seq=32, head_dim=8)
@@ -238,22 +238,28 @@ def test_auto_strategy_without_the_package_stays_sdpa(no_fa4):
 
 def test_local_binding_keeps_flash_out_of_its_name(fake_fa4):
     """transformers switches to its varlen calling convention for any name holding "flash"."""
-    from weft.core.recipe.rules import Decision
-    from weft.plugins.attention import KernelParams, weft_attention
+    from weft.core.plugin_manager import build_plugin_manager
+    from weft.core.recipe.rules import Decision, ModuleInfo
+    from weft.plugins.attention import RingParams, weft_attention
 
     class _Mesh(dict):
         def __getitem__(self, key):
             return types.SimpleNamespace(get_group=lambda: None)
 
-    plan = types.SimpleNamespace(mesh=types.SimpleNamespace(ulysses=1, ring=1), packed=lambda: False,
-                                 modality_of=lambda path: "vision" if ".visual." in path else "text")
-    decision = Decision(point="attention", strategy="auto", params=KernelParams(backend="flash"), source="t:1",
-                        rule="test")
-    binding = weft_attention(decision=decision, module_path="model.language_model.layers.0.self_attn", plan=plan,
-                             mesh=_Mesh(), ctx=None)
+    plan = types.SimpleNamespace(mesh=types.SimpleNamespace(ulysses=1, ring=1), packed=lambda: False)
+    auto = build_plugin_manager(entry_points=False).registry.get("attention", "auto")
+
+    def install(path, modality):
+        # As the Plan resolves 'auto' for the module, then as the run installs the result.
+        info = ModuleInfo(path=path, class_name="A", kind="attention", modality=modality)
+        name, params = auto.resolve(RingParams(backend="flash"), info=info, plan=plan)
+        decision = Decision(point="attention", strategy=name, params=params, source="t:1", rule="test",
+                            resolved_from="auto")
+        return weft_attention(decision=decision, module_path=path, plan=plan, mesh=_Mesh(), ctx=None)
+
+    binding = install("model.language_model.layers.0.self_attn", "text")
     assert binding.name.startswith("weft_local_") and "flash" not in binding.name
-    vision = weft_attention(decision=decision, module_path="model.visual.blocks.0.attn", plan=plan, mesh=_Mesh(),
-                            ctx=None)
+    vision = install("model.visual.blocks.0.attn", "vision")
     # The vision tower, on the contrary, wants transformers' varlen convention: one call per block.
     assert vision.name.startswith("weft_flash_vision_local_")
 

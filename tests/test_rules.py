@@ -764,6 +764,27 @@ def test_duplicate_strategy_declaration_is_refused():
 
 
 @pytest.mark.quick
+def test_a_resolving_strategy_is_replaced_in_the_plan_by_a_registered_one():
+    """A strategy's ``resolve`` runs once per module when the Plan is built: the decision names
+    what it returned (the rule's strategy kept in ``resolved_from``); a name nobody declared is
+    a plan error naming the module and the plugin."""
+    def to(name):
+        return Strategy(point="attention", name=f"test_to_{name}", plugin="test-plugin",
+                        resolve=lambda params, *, info, plan: (name, NoParams()) if info.modality == "text" else None)
+
+    registry = StrategyRegistry(REGISTRY.all() + [to("sdpa"), to("nope")])
+    plan = plan_of(Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [{"attention": "test_to_sdpa"}]}),
+                   registry=registry)
+    text, vision = decision(plan, TEXT_ATTN.path, "attention"), decision(plan, VISION_ATTN.path, "attention")
+    assert (text.strategy, text.resolved_from, vision.strategy, vision.resolved_from) == (
+        "sdpa", "test_to_sdpa", "test_to_sdpa", "")
+    with pytest.raises(PlanError, match=r"layers\.0\.self_attn: attention strategy 'test_to_nope' \(plugin "
+                                        r"'test-plugin'\) resolved to 'nope' with NoParams, which is not a registered"):
+        plan_of(Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [{"attention": "test_to_nope"}]}),
+                registry=registry)
+
+
+@pytest.mark.quick
 def test_builtin_registry_plans_with_defaults(tmp_path):
     """The built-in plugins alone carry out every default and bundled rule."""
     from weft.core.plugin_manager import build_plugin_manager
@@ -815,8 +836,11 @@ def test_plan_to_json_round_trip_shape(tmp_path):
             module["class"], module["kind"], module["modality"], module["heads"], module["kv_heads"], module["head_dim"]
         ) == (info.class_name, info.kind, info.modality, info.heads, info.kv_heads, info.head_dim)
         for d in module["decisions"].values():
-            assert set(d) == {"strategy", "params", "rule", "source"}
+            # "resolved_from" only where the Plan resolved the rule's strategy (attention 'auto').
+            assert set(d) - {"resolved_from"} == {"strategy", "params", "rule", "source"}
             assert isinstance(d["params"], dict)
+    vision = data["modules"][MODULES.index(VISION_ATTN)]["decisions"]["attention"]
+    assert vision["resolved_from"] == "auto" and vision["strategy"] in ("sdpa", "vision_local")
     text = data["modules"][MODULES.index(TEXT_ATTN)]["decisions"]
     assert text["attention"] == {
         "strategy": "test_ulysses", "params": {"backend": "auto", "chunks": 2}, "rule": "text", "source": f"{path}:4",

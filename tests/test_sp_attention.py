@@ -184,8 +184,8 @@ def test_usp_shard_round_trip():
 @pytest.mark.parametrize("causal", [True, False])
 def test_emulated_ring_equals_full_attention(layout, causal):
     """The one-process emulation the GPU benchmark times computes the same as full attention."""
+    from weft.strategies.attention.emulate import emulate_ring
     from weft.strategies.attention.kernels.blocks import KERNELS
-    from weft.strategies.attention.ring import emulate_ring
 
     world = 4
     q, k, v, dout = make_inputs(batch=2, heads=8, kv_heads=2, seq=64, head_dim=80, dtype=torch.float64, seed=3)
@@ -203,6 +203,53 @@ def test_emulated_ring_equals_full_attention(layout, causal):
     ]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert rel_err(g, w) <= 1e-10, name
+
+
+@pytest.mark.quick
+def test_emulated_ring_times_each_block_call_through_its_timer():
+    """``timer`` (what benchmarks/attention.py records CUDA events in) is entered once per
+    (phase, rank, step) in schedule order, a step without a block too, with exactly that
+    step's kernel calls inside it; the results are the untimed run's, bit for bit."""
+    import contextlib
+
+    import attrs
+
+    from weft.strategies.attention.emulate import emulate_ring
+    from weft.strategies.attention.kernels.blocks import KERNELS
+
+    world, layout = 4, "contiguous"  # causal contiguous: ranks skip the blocks in their future
+    q, k, v, dout = make_inputs(batch=1, heads=4, kv_heads=2, seq=32, head_dim=16, dtype=torch.float64, seed=4)
+    entered, calls, now = [], [], []
+
+    def counted(fn, phase):
+        def call(*args, **kwargs):
+            calls.append((phase, now[-1] if now else None))
+            return fn(*args, **kwargs)
+        return call
+
+    plain = KERNELS["cpu_flash"]
+    kernel = attrs.evolve(plain, forward=counted(plain.forward, "fwd"), backward=counted(plain.backward, "bwd"))
+
+    @contextlib.contextmanager
+    def timer(phase, rank, step):
+        entered.append((phase, rank, step))
+        now.append((phase, rank, step))
+        yield
+        now.pop()
+
+    def parts(t):
+        return [shard_sequence(t, dim=2, rank=r, world=world, layout=layout) for r in range(world)]
+
+    args = (parts(q), parts(k), parts(v), parts(dout))
+    timed = emulate_ring(*args, causal=True, scale=0.25, layout=layout, kernel=kernel, timer=timer)
+    untimed = emulate_ring(*args, causal=True, scale=0.25, layout=layout, kernel=plain)
+    assert entered == [(phase, r, st) for phase in ("fwd", "bwd") for r in range(world) for st in range(world)]
+    # Every kernel call inside the timer of its own step and phase; future blocks call nothing.
+    assert all(inside is not None and inside[0] == phase for phase, inside in calls)
+    blocks = {inside for _, inside in calls}
+    assert len(blocks) == 2 * world * (world + 1) // 2 < len(entered)
+    assert all(torch.equal(a, b) for a, b in zip(timed[0], untimed[0]))
+    assert all(torch.equal(a, b) for ga, gb in zip(timed[1], untimed[1]) for a, b in zip(ga, gb))
 
 
 def _worker_autocast(rank: int, world: int) -> None:

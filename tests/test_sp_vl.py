@@ -31,7 +31,7 @@ def _batch(preset: str, *, pad_multiple: int):
 
 
 def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strategy: str, layout: str,
-           vision: dict | None = None) -> None:
+           vision: dict | None = None, plugins: tuple[str, ...] = ()) -> None:
 
     from weft.core.train.loss import label_count, targets, token_loss_sum
     from weft.core.train.step import shard_micro_batch as shard_batch
@@ -42,7 +42,7 @@ def _check(rank: int, world: int, *, preset: str, ulysses: int, ring: int, strat
         "rules": [{"when": {"modality": "text"},
                    "attention": {"strategy": strategy, **({"layout": layout} if strategy != "ulysses" else {})}}]
         + ([{"when": {"modality": "vision"}, "attention": vision}] if vision else []),
-    }, rank=rank, world=world)
+    }, rank=rank, world=world, plugins=plugins)
 
     batch = _batch("qwen2_5_vl_tiny" if "vision" in preset or "vl" in preset else preset, pad_multiple=split.multiple)
     if "image_grid_thw" in batch:

@@ -10,16 +10,10 @@ from __future__ import annotations
 import torch
 
 from weft.strategies.attention.document_mask import document_mask
+from weft.strategies.attention.emulate import emulate_ring
 from weft.strategies.attention.kernels.blocks import KERNELS, BlockKernel, _triton_accumulate
 from weft.strategies.attention.kernels.triton_backward import backward_accumulate
-from weft.strategies.attention.ring import (
-    _accumulators,
-    _Documents,
-    _step_work,
-    attend_block,
-    attend_block_backward,
-    emulate_ring,
-)
+from weft.strategies.attention.ring import _Documents, _step_work, accumulators, attend_block, attend_block_backward
 from weft.strategies.sequence.layout import shard_sequence, unshard_sequence
 
 MATH = KERNELS["math"]
@@ -122,7 +116,7 @@ def check_packed_ring(*, world, layout, lengths, heads, kv_heads, head_dim) -> N
     local = qs[0].shape[2]
     outs, lses = [], []
     for rank in range(world):
-        out, lse = _accumulators(qs[rank], kvs[rank][1])
+        out, lse = accumulators(qs[rank], kvs[rank][1])
         for step in range(world):
             work = _step_work(rank=rank, src=(rank - step) % world, world=world, layout=layout, causal=True,
                               local_len=local, docs=docs)

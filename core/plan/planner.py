@@ -72,7 +72,7 @@ def check_strategy_params(plan: Plan, registry: Any, recipe: Recipe) -> None:
             message = strategy.check(decision.params, recipe=recipe, plan=plan)
             if message:
                 raise PlanError(
-                    f"{module.info.path or '(root)'}: {decision.point} strategy {decision.strategy!r} "
+                    f"{module.info.path or '(root)'}: {decision.point} strategy {_named(decision)} "
                     f"(rule at {decision.source}): {message}",
                     where=recipe.source,
                 )
@@ -85,17 +85,17 @@ def check_sequence_parallel(plan: Plan, registry: Any, *, where: str) -> None:
         return
     for module in plan.modules_for("attention"):
         decision = module.get("attention")
+        # The strategy that runs: the Plan resolved 'auto' for this module (a vision tower's
+        # keeps images whole and splits no heads; text's splits them as the mesh needs).
         strategy = registry.get("attention", decision.strategy)
-        # A vision tower's 'auto' keeps each image whole on a rank (one kernel call per block
-        # over its windows, plugins/attention.py resolve_vision): it splits no heads.
-        head_split = () if module.info.modality == "vision" and decision.strategy == "auto" else strategy.head_split
+        head_split = strategy.head_split
         degree = 1
         for dim in head_split:
             degree *= getattr(plan.mesh, dim)
         heads = module.info.heads or 0
         if degree > 1 and heads % degree:
             raise PlanError(
-                f"{module.info.path} has {heads} heads, which attention strategy {decision.strategy!r} "
+                f"{module.info.path} has {heads} heads, which attention strategy {_named(decision)} "
                 f"(rule at {decision.source}) splits over {' x '.join(head_split)} = {degree} ranks; "
                 f"the degree must divide the heads",
                 where=where,
@@ -108,11 +108,16 @@ def check_sequence_parallel(plan: Plan, registry: Any, *, where: str) -> None:
             fitting = [s.name for s in registry.all() if s.point == "attention" and split <= set(s.sp_dims)]
             raise PlanError(
                 f"the sequence is split over {degrees}, but {module.info.path} gets attention strategy "
-                f"{decision.strategy!r} (rule at {decision.source}), "
+                f"{_named(decision)} (rule at {decision.source}), "
                 f"which spans {sorted(spans) or 'no sequence-parallel dims'}; "
                 f"strategies that fit: {', '.join(fitting)}",
                 where=where,
             )
+
+
+def _named(decision: Any) -> str:
+    """A decision's strategy for messages, with the one its rule named when the Plan resolved it."""
+    return repr(decision.strategy) + (f" (resolved from {decision.resolved_from!r})" if decision.resolved_from else "")
 
 
 def check_heads(modules: list[ModuleInfo], mesh: MeshSpec, *, where: str) -> None:

@@ -19,10 +19,12 @@ def _console():
     return Console(width=None if sys.stdout.isatty() else 400, soft_wrap=not sys.stdout.isatty())
 
 
-def _params(decision: Any) -> str:
+def _params(decision: Any, *, explain: bool = False) -> str:
     values = attrs.asdict(decision.params)
     shown = ", ".join(f"{k}={v}" for k, v in values.items() if v not in (None, ""))
-    return f"{decision.strategy}({shown})" if shown else decision.strategy
+    text = f"{decision.strategy}({shown})" if shown else decision.strategy
+    # --explain: the strategy the rule named ('auto'), then what the Plan resolved it to.
+    return f"{decision.resolved_from} -> {text}" if explain and decision.resolved_from else text
 
 
 def render_plan(plan: Any, *, explain: bool, recipe: Any, rope: dict | None = None) -> None:
@@ -43,7 +45,8 @@ def render_plan(plan: Any, *, explain: bool, recipe: Any, rope: dict | None = No
     if explain:
         glob.add_column("rule")
     for decision in root.decisions:
-        row = [decision.point, _params(decision)] + ([f"{decision.source}  {decision.rule}"] if explain else [])
+        row = [decision.point, _params(decision, explain=explain)]
+        row += [f"{decision.source}  {decision.rule}"] if explain else []
         glob.add_row(*row)
     console.print(glob)
 
@@ -60,7 +63,7 @@ def render_plan(plan: Any, *, explain: bool, recipe: Any, rope: dict | None = No
             row = [
                 info.path, info.class_name, info.modality or "",
                 _num(info.heads), _num(info.kv_heads), _num(info.head_dim),
-                decision.point, _params(decision),
+                decision.point, _params(decision, explain=explain),
             ]
             if explain:
                 row.append(f"{decision.source}  {decision.rule}")

@@ -59,10 +59,14 @@ class Decision:
     params: Any
     source: str  # "file:line" of the deciding rule
     rule: str
+    #: The strategy the rule named when the Plan resolved it to ``strategy`` (attention
+    #: ``auto``); "" when it runs as named. Shown by `weft plan --explain`.
+    resolved_from: str = ""
 
     def to_json(self) -> dict:
-        return {"strategy": self.strategy, "params": attrs.asdict(self.params), "rule": self.rule,
+        data = {"strategy": self.strategy, "params": attrs.asdict(self.params), "rule": self.rule,
                 "source": self.source}
+        return data | ({"resolved_from": self.resolved_from} if self.resolved_from else {})
 
 
 @attrs.frozen(kw_only=True)
@@ -278,4 +282,9 @@ def build_plan(
         plans.append(ModulePlan(info=info, decisions=tuple(decisions)))
     _one_optimizer(plans)
     _adapter_rules_decide(rules, plans)
-    return Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size)
+    plan = Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size)
+    # Strategies that stand for others (attention 'auto') resolved once per module, here:
+    # `weft plan`, the plan-time checks and the run all see the strategy that runs.
+    return attrs.evolve(plan, modules=tuple(
+        attrs.evolve(m, decisions=tuple(registry.resolved(d, info=m.info, plan=plan) for d in m.decisions))
+        for m in plan.modules))

@@ -89,7 +89,7 @@ class TransformersAdapter:
     def vision_tower(self, model: torch.nn.Module) -> torch.nn.Module | None:
         from weft.plugins.models.sp_hooks import vision_tower
 
-        return vision_tower(model)
+        return vision_tower(model, modality_of=self.modality_of)
 
     def positions(self, model: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
         from weft.plugins.models.rope_index import document_positions

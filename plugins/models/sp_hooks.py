@@ -19,7 +19,7 @@ code is replaced.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -36,9 +36,11 @@ def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
     raise ValueError(f"{type(model).__name__} has no text decoder (a module with embed_tokens and layers)")
 
 
-def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+def vision_tower(model: torch.nn.Module, *, modality_of: Callable[[str], str]) -> torch.nn.Module | None:
+    """The outermost module of the vision modality that merges patches: the tower, known by
+    the family's declared modality (``modality_of``, as the plan knows it), not by its name."""
     for name, module in model.named_modules():
-        if name.endswith("visual") and hasattr(module, "spatial_merge_size"):
+        if name and modality_of(name) == "vision" and hasattr(module, "spatial_merge_size"):
             return module
     return None
 

@@ -197,7 +197,8 @@ def _step_work(*, rank: int, src: int, world: int, layout: str, causal: bool, lo
     return None if mask is None else (block, mask)
 
 
-def _accumulators(q, v):
+def accumulators(q, v):
+    """A row block's running output and log-sum-exp, zero and -inf, in the merge dtype."""
     b, h, s, _ = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(b, h, s, v.shape[-1], dtype=acc, device=q.device)
@@ -220,7 +221,7 @@ def _forward(
 
     s = q.shape[2]  # (B, H, S_local, D)
     groups = q.shape[1] // k.shape[1]
-    out, lse = _accumulators(q, v)
+    out, lse = accumulators(q, v)
     kv = torch.stack([k, v])  # (2, B, KV, S_local, D): one message per step
     for step in range(ring.world):
         if step + 1 < ring.world:
@@ -315,59 +316,6 @@ def _backward(
     _wait(travelling[1])
     dkv = travelling[0]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-
-def emulate_ring(
-    q_parts, k_parts, v_parts, dout_parts=None, *, causal: bool, scale: float, layout: str, kernel: BlockKernel
-):
-    """Every rank's block schedule run in turn in one process, without communication.
-
-    ``*_parts[r]`` is rank r's local tensor. Returns per-rank outs and, when
-    ``dout_parts`` is given, per-rank (dq, dk, dv). Same arithmetic as the real
-    ring (same blocks, kernels and merges), so one GPU can measure the schedule's
-    compute efficiency and check its numerics; the time of the P2P transfers,
-    which the real ring overlaps with compute, is not included.
-    """
-    world = len(q_parts)
-    s = q_parts[0].shape[2]
-    groups = q_parts[0].shape[1] // k_parts[0].shape[1]
-    kvs = [torch.stack([k, v]) for k, v in zip(k_parts, v_parts)]
-    outs, lses = [], []
-    for rank in range(world):
-        out, lse = _accumulators(q_parts[rank], v_parts[rank])
-        for step in range(world):
-            src = (rank - step) % world
-            block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
-            if block is not None:
-                attend_block(
-                    q_parts[rank],
-                    kvs[src],
-                    block=block,
-                    groups=groups,
-                    scale=scale,
-                    kernel=kernel,
-                    out=out,
-                    lse=lse,
-                    first=step == 0,
-                )
-        outs.append(out.to(q_parts[rank].dtype))
-        lses.append(lse)
-    if dout_parts is None:
-        return outs, None
-    acc = torch.promote_types(q_parts[0].dtype, torch.float32)
-    dqs = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in q_parts]
-    dkvs = [torch.zeros(kv.shape, dtype=acc, device=kv.device) for kv in kvs]
-    for rank in range(world):
-        for step in range(world):
-            src = (rank - step) % world
-            block = block_for(rank=rank, src=src, world=world, layout=layout, causal=causal, local_len=s)
-            if block is not None:
-                attend_block_backward(
-                    dout_parts[rank], q_parts[rank], kvs[src], outs[rank], lses[rank],
-                    block=block, groups=groups, scale=scale, kernel=kernel, dq=dqs[rank], dkv=dkvs[src],
-                )
-    grads = [(dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype)) for dq, dkv, q in zip(dqs, dkvs, q_parts)]
-    return outs, grads
 
 
 class _RingAttention(torch.autograd.Function):
