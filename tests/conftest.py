@@ -9,7 +9,8 @@ from weft_cli import run_weft
 
 @pytest.fixture
 def weft():
-    """``weft(*args, cwd=None, env=None)`` -> Done(returncode, stdout, stderr), in this process:
-    for plan, report, export, plugins, check --world-size 1 and run --nproc 1. A command that
-    starts ranks, or a test about a process, keeps a ``python -m weft`` subprocess."""
+    """``weft(*args, cwd=None, env=None)`` -> Done(returncode, stdout, stderr), in this process;
+    the ranks a command starts (check, eval, generate, run --nproc N) forked from the warm
+    forkserver (tests/forked_ranks.py). A test about a process (signals, dead peers, the
+    launcher and its restarts) keeps a ``python -m weft`` subprocess."""
     return run_weft

@@ -27,6 +27,9 @@ _PRELOAD = [
     "weft.core.train.attention_install",
     "weft.core.recipe", "weft.core.mesh", "weft.core.context", "weft.plugins.shard",
     "model_helpers", "distributed",
+    # A command's ranks (tests/forked_ranks.py): the command line and the rank jobs' modules.
+    "weft.core.commands.main", "weft.core.commands.check", "weft.core.commands.evaluate",
+    "weft.core.commands.generate", "weft.core.commands.run", "forked_ranks",
 ]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 

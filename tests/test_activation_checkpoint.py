@@ -103,12 +103,10 @@ def test_unknown_mode_is_a_clear_error():
         apply_checkpointing(torch.nn.Linear(2, 2), mode="every")
 
 
-def test_except_attention_under_fsdp2_and_ring_is_exact(tmp_path):
+def test_except_attention_under_fsdp2_and_ring_is_exact(weft, tmp_path):
     """weft check: decoder layers recomputed but for their attention kernel, FSDP2 units over a
     ring of 2 (gloo): the unsharded model's loss and gradients."""
     import json
-    import subprocess
-    import sys
     import textwrap
 
     recipe = tmp_path / "r.toml"
@@ -123,8 +121,7 @@ def test_except_attention_under_fsdp2_and_ring_is_exact(tmp_path):
         [[rules]]
         shard = { strategy = "fsdp2" }
     '''))
-    done = subprocess.run([sys.executable, "-m", "weft", "check", str(recipe), "--world-size", "2", "--json"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = weft("check", str(recipe), "--world-size", "2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["grad_max_rel_diff"] <= 1e-4, result

@@ -6,8 +6,6 @@ import io
 import json
 import pathlib
 import struct
-import subprocess
-import sys
 import zlib
 
 import pytest
@@ -107,23 +105,19 @@ def make_dataset(folder: pathlib.Path) -> tuple[pathlib.Path, dict[int, str]]:
     return path, bad_lines
 
 
-def weft_process(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
-
-
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("data"))
 
 
-def test_broken_dataset_runs_to_the_end_and_reports_each_line(dataset, tmp_path):
+def test_broken_dataset_runs_to_the_end_and_reports_each_line(weft, dataset, tmp_path):
     path, bad_lines = dataset
     assert len(bad_lines) >= 10
     run_dir = tmp_path / "run"
-    done = weft_process("run", str(ROOT / "recipes" / "tiny-vl.toml"),
-                        "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
-                        "--set", "train.max_steps=3", "--set", "train.micro_batch_tokens=256",
-                        "--run-dir", str(run_dir), cwd=tmp_path)
+    done = weft("run", str(ROOT / "recipes" / "tiny-vl.toml"),
+                "--set", "data.source='jsonl'", "--set", f"data.path='{path}'",
+                "--set", "train.max_steps=3", "--set", "train.micro_batch_tokens=256",
+                "--run-dir", str(run_dir), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["skipped_samples"] == len(bad_lines) and summary["steps"] == 3

@@ -9,14 +9,22 @@ import subprocess
 import sys
 import textwrap
 
+from weft_cli import Done, run_weft
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny-vl.toml")
 TINY_SP = str(ROOT / "recipes" / "tiny-vl-sp.toml")
 
 
-def check(*args: str, env: dict | None = None, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+def check(*args: str, env: dict | None = None, cwd: pathlib.Path) -> Done:
+    """`weft check` in this process, its ranks forked from the warm forkserver (tests/forked_ranks.py)."""
+    return run_weft("check", *args, env=env, cwd=cwd)
+
+
+def check_process(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """`python -m weft check`: its ranks from torch's elastic agent, as a user's are."""
     return subprocess.run([sys.executable, "-m", "weft", "check", *args], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=cwd)
+                          cwd=cwd)
 
 
 def test_dp2_x_ulysses2_and_other_model_families(tmp_path):
@@ -38,7 +46,8 @@ def test_dp2_x_ulysses2_and_other_model_families(tmp_path):
 
 
 def test_check_table_output(tmp_path):
-    done = check(TINY, "--world-size", "2", "--set", "parallel.ring=2", cwd=tmp_path)
+    # The one `weft check` through the real launcher: its ranks are `python -m weft _check-worker`.
+    done = check_process(TINY, "--world-size", "2", "--set", "parallel.ring=2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "loss relative difference" in done.stdout and "gradient norm relative difference" in done.stdout
     assert "OK" in done.stdout
@@ -196,8 +205,7 @@ def test_third_party_batching_under_ulysses2_x_ring2(tmp_path):
     assert result["micro_batches"] == 2  # both of the strategy's micro-batches, accumulated
     assert result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
     assert {"vision", "projector", "text"} <= set(result["grad_max_rel_diff_by_group"])
-    run = subprocess.run([sys.executable, "-m", "weft", "run", str(recipe), "--run-dir", str(tmp_path / "run")],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    run = run_weft("run", str(recipe), "--run-dir", str(tmp_path / "run"), env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)

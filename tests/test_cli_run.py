@@ -14,7 +14,8 @@ TINY = ROOT / "recipes" / "tiny-vl.toml"
 
 
 def weft_process(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    """A real launcher: these runs start 2 ranks (the other commands: the in-process ``weft`` fixture)."""
+    """The real launcher, as a user's `weft run` starts its 2 ranks (the other commands: the in-process
+    ``weft`` fixture, whose ranks are forked)."""
     return subprocess.run([sys.executable, "-m", "weft", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
@@ -63,9 +64,8 @@ def test_run_keeps_checkpoints(tiny_run):
     assert names == ["step-12", "step-6"]
 
 
-def test_resume_continues_from_newest_checkpoint(tiny_run, tmp_path):
-    done = weft_process("run", str(TINY), "--set", "train.max_steps=14", "--run-dir", str(tiny_run), "--resume",
-                        cwd=tmp_path)
+def test_resume_continues_from_newest_checkpoint(weft, tiny_run, tmp_path):
+    done = weft("run", str(TINY), "--set", "train.max_steps=14", "--run-dir", str(tiny_run), "--resume", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = read_metrics(tiny_run)
     assert [r["step"] for r in rows][-2:] == [13, 14]

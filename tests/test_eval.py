@@ -8,11 +8,11 @@ from __future__ import annotations
 import io
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 from PIL import Image
+
+from weft_cli import Done, run_weft
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny-vl.toml")
@@ -40,9 +40,9 @@ def data(tmp_path_factory) -> pathlib.Path:
     return path
 
 
-def weft(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600,
-                          cwd=cwd)
+def weft(*args, cwd=None) -> Done:
+    """In this process; the ranks a command starts are forked (tests/forked_ranks.py)."""
+    return run_weft(*args, cwd=cwd)
 
 
 def evaluate(data: pathlib.Path, *extra: str) -> dict:

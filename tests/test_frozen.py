@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import torch
 
@@ -18,13 +16,9 @@ FROZEN = ('[model]\npreset = "qwen2_5_vl_tiny"\n[data]\nnum_samples = 64\n[train
           'when = { path = "*.visual.blocks.*" }\nshard = { strategy = "fsdp2", trainable = false }\n')
 
 
-def weft_process(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
-
-
-def test_check_under_ring2_with_the_vision_tower_frozen(tmp_path):
+def test_check_under_ring2_with_the_vision_tower_frozen(weft, tmp_path):
     (tmp_path / "frozen.toml").write_text(FROZEN)
-    done = weft_process("check", "frozen.toml", "--world-size", "2", "--set", "parallel.ring=2", "--json", cwd=tmp_path)
+    done = weft("check", "frozen.toml", "--world-size", "2", "--set", "parallel.ring=2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["frozen_units"] == ["model.visual.blocks.0", "model.visual.blocks.1"]

@@ -1,8 +1,9 @@
 """FSDP2 training equals one process; checkpoints resume exactly, across a crash and a world-size change; export.
 
-Every run goes through `weft run` (the real loop, launcher, FSDP2, DCP checkpoints) with
-the test batching strategy ``fixed_global`` (tests/weft_test_plugins.py): the same
-global batch per step whatever the number of data-parallel ranks.
+Every run goes through `weft run` (the real loop, FSDP2, DCP checkpoints) with the test
+batching strategy ``fixed_global`` (tests/weft_test_plugins.py): the same global batch per
+step whatever the number of data-parallel ranks. The ranks are forked from the tests'
+forkserver (tests/forked_ranks.py), but for the restart, which is torch's elastic agent's.
 """
 
 from __future__ import annotations
@@ -56,16 +57,16 @@ def recipes(tmp_path_factory) -> dict[str, pathlib.Path]:
     return out
 
 
-def weft(*args: str, env: dict, cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    """A real launcher, for the commands that start ranks (one process: run_weft, in this one)."""
+def weft_process(*args: str, env: dict, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """A real launcher: torch's elastic agent restarts the ranks after one dies (--max-restarts)."""
     return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, env=env,
                           cwd=cwd)
 
 
 def train(recipe, run_dir, env, *extra):
-    one = "--nproc" in extra and extra[extra.index("--nproc") + 1] == "1"
-    done = (run_weft if one else weft)("run", str(recipe), "--run-dir", str(run_dir), *extra, env=env,
-                                       cwd=run_dir.parent)
+    """`weft run` in this process (its ranks forked); with --max-restarts, a real launcher."""
+    done = (weft_process if "--max-restarts" in extra else run_weft)("run", str(recipe), "--run-dir", str(run_dir),
+                                                                     *extra, env=env, cwd=run_dir.parent)
     return done
 
 
@@ -237,8 +238,8 @@ def test_model_directory_loads_shard_by_shard(single, env, tmp_path):
         [model]
         path = "{single.parent / f"{single.name}-export"}"
     '''))
-    done = weft("check", str(recipe), "--world-size", "4", "--set", "parallel.ulysses=2", "--json", env=env,
-                cwd=tmp_path)
+    done = run_weft("check", str(recipe), "--world-size", "4", "--set", "parallel.ulysses=2", "--json", env=env,
+                    cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["loss_ref"] < 5.5, result  # the trained weights (a fresh init gives ~5.75)

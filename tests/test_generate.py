@@ -16,6 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
+from weft_cli import Done, run_weft
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny-vl.toml")
 PROMPT = "What colour is this picture, and why?"
@@ -36,7 +38,13 @@ def image(tmp_path_factory) -> pathlib.Path:
     return path
 
 
-def weft(*args) -> subprocess.CompletedProcess:
+def weft(*args) -> Done:
+    """In this process; the ranks a command starts are forked (tests/forked_ranks.py)."""
+    return run_weft(*args)
+
+
+def weft_process(*args) -> subprocess.CompletedProcess:
+    """`python -m weft`: its ranks from torch's elastic agent, writing to the launcher's stdout."""
     return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600)
 
 
@@ -174,7 +182,8 @@ def test_a_hugging_face_directory_without_a_recipe(image, expected, tmp_path):
 
 
 def test_terminal_streams_the_text(image, single):
-    done = weft("generate", RECIPE, "--prompt", PROMPT, "--image", str(image), "--max-new-tokens", str(NEW),
+    # Through the real launcher: rank 0's stream reaches the user's terminal through it.
+    done = weft_process("generate", RECIPE, "--prompt", PROMPT, "--image", str(image), "--max-new-tokens", str(NEW),
                 "--nproc", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == single["text"] + "\n"  # printed token by token by rank 0, then a newline

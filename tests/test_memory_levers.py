@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 import textwrap
 
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RULES = ROOT / "recipes" / "rules" / "modality-groups.toml"
-
-
-def weft_process(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
 def test_bf16_storage_by_rule_trains_and_checkpoints_in_bf16(weft, tmp_path):
@@ -115,7 +109,7 @@ def test_an_unsharded_unit_in_another_dtype_than_its_fsdp2_root_is_a_plan_error(
     assert "model.layers.0" in done.stderr and "storage_dtype" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_offload_with_clipping_equals_the_unsharded_model(tmp_path):
+def test_offload_with_clipping_equals_the_unsharded_model(weft, tmp_path):
     """FSDP2 offload (shards and optimizer state on the CPU) with global-norm clipping: weft check
     on 2 ranks equals the unsharded model before and after clipping, norm included."""
     recipe = tmp_path / "offload.toml"
@@ -126,7 +120,7 @@ def test_offload_with_clipping_equals_the_unsharded_model(tmp_path):
         [[rules]]
         shard = {{ strategy = "fsdp2", offload = true }}
     '''))
-    done = weft_process("check", str(recipe), "--world-size", "2", "--json", cwd=tmp_path)
+    done = weft("check", str(recipe), "--world-size", "2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["grad_norm_rel_diff"] <= 1e-5 and result["clipped_grad_max_rel_diff"] <= 1e-4, result
@@ -140,25 +134,25 @@ def test_checkpoint_every_minus_one_writes_none(weft, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
 
-def test_fused_loss_under_fsdp_and_sp_equals_the_unsharded_model(tmp_path):
+def test_fused_loss_under_fsdp_and_sp_equals_the_unsharded_model(weft, tmp_path):
     """train.loss = "fused": the logits never exist (lm_head and the loss by chunks from the hidden
     states, the head's weights in the root FSDP unit); a ring of 2 over FSDP equals the
     unsharded model computing full logits, loss and every gradient."""
-    done = weft_process("check", "tiny-vl", "--world-size", "2", "--set", "train.loss=fused",
-                        "--set", "parallel.ring=2", "--json", cwd=tmp_path)
+    done = weft("check", "tiny-vl", "--world-size", "2", "--set", "train.loss=fused",
+                "--set", "parallel.ring=2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and {"head", "text", "vision"} <= set(result["grad_max_rel_diff_by_group"]), result
 
 
-def test_tied_embeddings_stay_tied_sharded_and_fused(tmp_path):
+def test_tied_embeddings_stay_tied_sharded_and_fused(weft, tmp_path):
     """tie_word_embeddings (as Qwen2.5-VL-3B): built on meta and materialised per shard, the head
     and the embedding keep one weight (one FSDP unit); with the fused loss too, exact."""
     tiny = (ROOT / "recipes" / "presets" / "qwen2_5_vl_tiny.toml").read_text()
     preset = tmp_path / "tied_tiny.toml"
     preset.write_text(tiny.replace("tie_word_embeddings = false", "tie_word_embeddings = true"))
-    done = weft_process("check", "tiny-vl", "--world-size", "2", "--set", f"model.preset={preset}",
-                        "--set", "train.loss=fused", "--json", cwd=tmp_path)
+    done = weft("check", "tiny-vl", "--world-size", "2", "--set", f"model.preset={preset}",
+                "--set", "train.loss=fused", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and "embedding" in result["grad_max_rel_diff_by_group"], result

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -223,12 +221,8 @@ def test_qwen3_vl_through_the_cli(weft, tmp_path):
     tiny = str(root / "recipes" / "tiny-vl.toml")
     preset = ["--set", "model.preset=qwen3_vl_tiny"]
 
-    def weft_process(*args):  # check on 4 ranks: a real launcher
-        return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600,
-                              cwd=tmp_path)
-
-    done = weft_process("check", tiny, "--world-size", "4", *preset, "--set", "parallel.ulysses=2",
-                        "--set", "parallel.ring=2", "--json")
+    done = weft("check", tiny, "--world-size", "4", *preset, "--set", "parallel.ulysses=2",
+                "--set", "parallel.ring=2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result

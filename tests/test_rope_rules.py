@@ -6,8 +6,6 @@ keys are plan errors; the plan and `weft check` under ring 2 use it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -113,7 +111,6 @@ def test_plan_explain_and_check_under_ring2_use_the_rule(weft, tmp_path):
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert "rotary context 16384 (yarn x4 over 4096 trained positions)" in plan.stdout
     assert "rope.toml:7" in plan.stdout and "long text: YaRN" in plan.stdout
-    check = subprocess.run([sys.executable, "-m", "weft", "check", str(recipe), "--world-size", "2", "--set",
-                            "parallel.ring=2", "--json"], capture_output=True, text=True, timeout=600)
+    check = weft("check", str(recipe), "--world-size", "2", "--set", "parallel.ring=2", "--json")
     assert check.returncode == 0, check.stderr[-3000:]
     assert json.loads(check.stdout)["ok"]

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -168,10 +166,6 @@ def test_an_over_long_video_keeps_whole_temporal_patches_and_its_answer(tmp_path
     torch.testing.assert_close(cut.pixel_values_videos, rows[::2].reshape(-1, rows.shape[-1]), rtol=0, atol=0)
 
 
-def weft_process(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
-
-
 def test_a_broken_video_is_skipped_and_counted_like_a_broken_image(weft, tmp_path):
     write_mp4(tmp_path / "clip.mp4", frames=4, fps=2)
     (tmp_path / "broken.mp4").write_bytes((tmp_path / "clip.mp4").read_bytes()[:200])  # truncated
@@ -195,8 +189,8 @@ def test_a_broken_video_is_skipped_and_counted_like_a_broken_image(weft, tmp_pat
     assert "not found" in reasons["10"]
 
 
-def test_the_bundled_video_recipe_trains_on_synthetic_videos(tmp_path):
-    done = weft_process("run", "tiny-vl-video", "--set", "train.max_steps=4", "--run-dir", "run", cwd=tmp_path)
+def test_the_bundled_video_recipe_trains_on_synthetic_videos(weft, tmp_path):
+    done = weft("run", "tiny-vl-video", "--set", "train.max_steps=4", "--run-dir", "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 4 and summary["skipped_samples"] == 0

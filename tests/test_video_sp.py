@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from weft_cli import run_weft
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny-vl-video.toml")
@@ -19,8 +19,7 @@ FROZEN = ('\n[[rules]]\nname = "vision tower frozen"\nwhen = { path = "*.visual.
 
 def check(*sets: str, recipe: str = RECIPE, cwd: pathlib.Path) -> dict:
     args = [a for s in sets for a in ("--set", s)]
-    done = subprocess.run([sys.executable, "-m", "weft", "check", recipe, "--world-size", "4", *args, "--json"],
-                          capture_output=True, text=True, timeout=600, cwd=cwd)
+    done = run_weft("check", recipe, "--world-size", "4", *args, "--json", cwd=cwd)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
@@ -53,9 +52,8 @@ def test_check_is_exact_on_long_synthetic_samples_with_a_video(tmp_path):
     one rank encoding it whole."""
     sets = ["parallel.ring=1", "parallel.ulysses=2", "data.tokens=512", "data.images=[[56, 56]]",
             "data.videos=[[4, 56, 84]]"]
-    done = subprocess.run([sys.executable, "-m", "weft", "check", "tiny-vl-sp", "--world-size", "2",
-                           *[a for s in sets for a in ("--set", s)], "--json"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = run_weft("check", "tiny-vl-sp", "--world-size", "2", *[a for s in sets for a in ("--set", s)], "--json",
+                    cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result

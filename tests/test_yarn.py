@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -141,13 +139,10 @@ def test_the_watch_reads_mrope_positions_and_names_the_factor():
     assert not [e for e, _ in quiet.events if e == "positions.beyond_trained"]
 
 
-def test_sequence_parallel_stays_exact_with_yarn(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "weft", "check", str(ROOT / "recipes" / "tiny-vl.toml"), "--world-size", "2", "--json",
-         "--set", "parallel.ring=2", "--set", "model.rope_scaling=yarn", "--set", "model.rope_factor=4",
-         "--set", "model.rope_original_max=64"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )
+def test_sequence_parallel_stays_exact_with_yarn(weft, tmp_path):
+    done = weft("check", str(ROOT / "recipes" / "tiny-vl.toml"), "--world-size", "2", "--json",
+                "--set", "parallel.ring=2", "--set", "model.rope_scaling=yarn", "--set", "model.rope_factor=4",
+                "--set", "model.rope_original_max=64", cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.lstrip().startswith("{"), done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["mesh"]["ring"] == 2, result

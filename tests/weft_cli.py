@@ -1,10 +1,11 @@
 """The command line run in this process (no interpreter start, no torch import): ``run_weft``,
 and the ``weft`` fixture (tests/conftest.py) that gives it, for the commands that run in one process.
 
-Use it for ``plan``, ``report``, ``export``, ``plugins``, ``check --world-size 1`` and
-``run --nproc 1``. A command that starts ranks (``--nproc 2+``, ``check --world-size 2+``), or a
-test about a process (exit on a signal, dead or stopped peers, the launcher, torchrun), keeps a
-real ``python -m weft`` subprocess.
+Use it for every command whose process is not what the test is about. A command that starts
+ranks (``check``, ``eval``, ``generate``, ``run --nproc 2+``) gets them forked from the warm
+forkserver (tests/forked_ranks.py), not from torch's elastic agent. A test about a process
+(exit on a signal, dead or stopped peers, the launcher and its restarts, torchrun, what the
+real launcher hands its ranks) keeps a real ``python -m weft`` subprocess.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def run_weft(*args: str | os.PathLike, cwd: str | os.PathLike | None = None, env
     changed in the process put back. ``env`` replaces the environment for the command (as
     subprocess.run's would); its PYTHONPATH entries go on sys.path for it (a test's plugin
     site). ``timeout`` is accepted for subprocess.run's signature and not enforced."""
+    from forked_ranks import forked_launcher
     from weft.core.commands.main import main
 
     argv = [str(a) for a in args]
@@ -138,7 +140,8 @@ def run_weft(*args: str | os.PathLike, cwd: str | os.PathLike | None = None, env
                 os.chdir(cwd)
             sys.argv[:] = ["weft", *argv]
             try:
-                code = main(argv)
+                with forked_launcher():
+                    code = main(argv)
             except SystemExit as stop:  # argparse's usage errors, --help
                 code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
                 if isinstance(stop.code, str):
