@@ -100,14 +100,9 @@ def test_a_run_trains_the_adapters_and_leaves_the_base(weft, tmp_path):
         torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_check_is_exact_with_lora_under_ring2(tmp_path):
-    import subprocess
-    import sys
-
+def test_check_is_exact_with_lora_under_ring2(weft, tmp_path):
     _tiny(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "weft", "check", "lora.toml", "--world-size", "2",
-                           "--set", "parallel.ring=2", "--json"], capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
+    done = weft("check", "lora.toml", "--world-size", "2", "--set", "parallel.ring=2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
@@ -135,16 +130,11 @@ def test_plan_says_what_trains_and_names_a_rule_that_adapts_nothing(weft, tmp_pa
     assert "lora.toml:12 (adapter.targets)" in message and "'q_proj'" in message
 
 
-def test_check_is_exact_for_the_gradients_of_a_too(tmp_path):
+def test_check_is_exact_for_the_gradients_of_a_too(weft, tmp_path):
     """With B = 0, A's gradients are zero at step 0 on both sides; b_init = "normal" makes the
     one step `weft check` compares reach A as well (dp 2: the adapters' reduce-scatter)."""
-    import subprocess
-    import sys
-
     _tiny(tmp_path, LORA.replace('targets = ["q_proj", "v_proj"]', 'targets = "all-linear", b_init = "normal"'))
-    done = subprocess.run([sys.executable, "-m", "weft", "check", "lora.toml", "--world-size", "2",
-                           "--set", "parallel.dp_shard=2", "--json"], capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
+    done = weft("check", "lora.toml", "--world-size", "2", "--set", "parallel.dp_shard=2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
@@ -169,18 +159,13 @@ def model_dir(tmp_path):
     return folder
 
 
-def test_lora_on_a_model_directory_loads_the_base_through_peft_layers(model_dir, tmp_path):
+def test_lora_on_a_model_directory_loads_the_base_through_peft_layers(weft, model_dir, tmp_path):
     """A base read from model.path: each rank loads its shards into PEFT's base_layer (the
     checkpoint's names), the adapters are not in the checkpoint and are drawn after it."""
-    import subprocess
-    import sys
-
     text = LORA.replace('preset = "qwen2_5_vl_tiny"', f'path = "{model_dir}"').replace("num_samples = 64",
                                                                                      "num_samples = 8")
     _tiny(tmp_path, text.replace('targets = ["q_proj", "v_proj"]', 'targets = "all-linear", b_init = "normal"'))
-    done = subprocess.run([sys.executable, "-m", "weft", "check", "lora.toml", "--world-size", "2",
-                           "--set", "parallel.ring=2", "--json"], capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
+    done = weft("check", "lora.toml", "--world-size", "2", "--set", "parallel.ring=2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["grad_params"]["plan"] == result["grad_params"]["reference"] == 28
@@ -217,21 +202,17 @@ def test_an_adapter_run_resumes_as_it_would_have_gone_on(weft, tmp_path):
 
 @pytest.mark.parametrize("mesh", [("parallel.ulysses=2", "parallel.ring=2"),
                                   ("parallel.dp_shard=2", "parallel.ring=2")], ids=["ulysses2xring2", "dp2xring2"])
-def test_check_is_exact_with_lora_on_four_ranks(tmp_path, mesh):
+def test_check_is_exact_with_lora_on_four_ranks(weft, tmp_path, mesh):
     """Issue 27's equalities: LoRA on every linear layer of both towers (B drawn, so A's
     gradients count too), the text layers fully checkpointed, under USP and dp x ring."""
-    import subprocess
-    import sys
-
     text = LORA.replace('targets = ["q_proj", "v_proj"]', 'targets = "all-linear", b_init = "normal"')
     text += ('[[rules]]\nname = "checkpointed text layers"\nwhen = { path = "*.language_model.layers.*" }\n'
              'shard = { strategy = "fsdp2", checkpoint = "full" }\n[[rules]]\nname = "lora on the tower"\n'
              'when = { path = "*.visual.blocks.*" }\n'
              'adapter = { strategy = "lora", r = 2, alpha = 4, targets = "all-linear", b_init = "normal" }\n')
     _tiny(tmp_path, text)
-    done = subprocess.run([sys.executable, "-m", "weft", "check", "lora.toml", "--world-size", "4",
-                           *(arg for m in mesh for arg in ("--set", m)), "--json"], capture_output=True, text=True,
-                          timeout=900, cwd=tmp_path)
+    done = weft("check", "lora.toml", "--world-size", "4", *(arg for m in mesh for arg in ("--set", m)), "--json",
+                cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
