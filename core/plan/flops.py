@@ -3,7 +3,9 @@
 Training FLOPs of one sequence of L tokens: ``6 N L + 6 layers hidden L^2`` — N the text
 model's parameters without the embedding, the head included (a tied head, which shares
 the embedding's weight, counted once as the head), the second term causal attention's
-score and value products (forward and backward). The vision tower is left out: it sees
+score and value products (forward and backward). A frozen weight (``trainable = false``, an
+adapter run's base) counts the FLOPs it runs: 4 per token (forward, the input's gradient),
+not 6 (no weight gradient); adapters are trained weights (6). The vision tower is left out: it sees
 only the image patches, not every token (BENCHMARKS.md counts so since issue 11). MFU
 divides by the GPU's dense bf16 peak.
 """
