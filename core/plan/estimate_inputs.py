@@ -21,9 +21,9 @@ def units_of(plan: Any, model: Any) -> list[Unit]:
         module = (model.get_submodule(path) if path else model) if model is not None else None
         counts[path] = {id(p): p.numel() for p in module.parameters()} if module is not None else {}
         trained |= {id(p) for p in module.parameters() if p.requires_grad} if module is not None else set()
-    # An adapter hook (``weft_adapter``, on the planner's meta model) froze the base: what still
-    # requires a gradient there is the adapters' parameters (plugins/adapter.py: PEFT's lora_A/B).
-    adapted = model is not None and any(not p.requires_grad for p in model.parameters())
+    # An adapter rule: its hook (``weft_adapter``, on the planner's meta model) froze the base, and
+    # what still requires a gradient there is the adapters' parameters (plugins/adapter.py).
+    adapted = model is not None and any(m.get("adapter").strategy != "none" for m in plan.modules_for("adapter"))
     units = []
     for m in decided:
         path = m.info.path
