@@ -19,7 +19,7 @@ import statistics
 from typing import Any
 
 from weft.core.errors import WeftError
-from weft.core.plan.flops import peak_tflops, sequence_flops, text_parameters
+from weft.core.plan.flops import frozen_text_parameters, peak_tflops, sequence_flops, text_parameters
 
 PANELS = (("loss", "loss"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("max_memory_gib", "peak memory (GiB)"),
           ("grad_norm", "grad norm"), ("lr", "learning rate"))
@@ -127,20 +127,28 @@ def plot(runs: list[dict], out: pathlib.Path) -> pathlib.Path:
 
 
 def _flops_per_token(run_dir: pathlib.Path) -> float | None:
-    """Training FLOPs per token (core/plan/flops.py) of the run's recipe, built on the meta device;
-    L the samples' length: data.tokens, else train.seq_len, an upper bound for chat data.
-    None if the model cannot be built."""
+    """Training FLOPs per token (core/plan/flops.py) of the run's recipe, planned on the meta device
+    (its adapters added, its frozen units and an adapter's base counted at 4 FLOPs, not 6); L the
+    samples' length: data.tokens, else train.seq_len, an upper bound for chat data. None if the
+    model cannot be built."""
     try:
         from weft.core.commands.export import run_recipe
+        from weft.core.plan.planner import plan_recipe
         from weft.core.plugin_manager import plugin_manager_from_env
 
-        recipe = run_recipe(run_dir)
-        model = plugin_manager_from_env().models.for_recipe(recipe).build(recipe, device="meta", seed=0)
+        recipe, pm = run_recipe(run_dir), plugin_manager_from_env()
+        try:
+            plan, model = plan_recipe(recipe, pm=pm, world_size=recipe.parallel.nproc)
+            for path in plan.frozen_units():
+                model.get_submodule(path).requires_grad_(False)
+        except Exception:  # noqa: BLE001 - a mesh for another world size: the model alone, all trained
+            model = pm.models.for_recipe(recipe).build(recipe, device="meta", seed=0)
     except Exception:  # noqa: BLE001 - MFU is a courtesy: without the model the report still stands
         return None
     n, layers, hidden = text_parameters(model)
     length = recipe.data.tokens or recipe.train.seq_len
-    return sequence_flops(params=n, layers=layers, hidden=hidden, length=length) / length
+    return sequence_flops(params=n, frozen=frozen_text_parameters(model), layers=layers, hidden=hidden,
+                          length=length) / length
 
 
 def _json(path: pathlib.Path) -> dict | None:

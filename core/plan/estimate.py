@@ -4,7 +4,8 @@
 plan alone: the units' parameter counts and shard rules, the model's shape, the mesh and
 the sequence length, and a small table of measured rates per GPU kind. Nothing runs on a
 GPU. The memory model counts what a step holds at its peak, in torch's own accounting
-(``max_memory_allocated``): weights, gradients and AdamW states; FSDP2's gathered copies;
+(``max_memory_allocated``): weights, gradients and AdamW states (a frozen base's weights
+only, its adapters' all three); FSDP2's gathered copies;
 every layer's saved activations by its checkpoint mode; then the larger of the loss's
 working memory and one layer's recomputation. Coefficients that depend on kernels, not
 arithmetic (what a layer saves, how much a recomputation holds at once) were fitted to
@@ -20,9 +21,11 @@ import math
 
 import attrs
 
-from weft.core.plan.flops import PEAK_TFLOPS, sequence_flops
+from weft.core.plan.flops import sequence_flops
+from weft.core.plan.gpus import GPUS, GpuKind
 
 GIB = 2**30
+__all__ = ["GIB", "GPUS", "GpuKind", "Setup", "Shape", "Unit", "layer_saved", "longest_fit", "memory", "step_seconds"]
 
 #: What one decoder layer keeps from its forward to its backward, in units of the layer's
 #: input (tokens x hidden x 2 bytes), by checkpoint mode; "off" and "attention" add the
@@ -46,35 +49,11 @@ RECOMPUTE_OFFLOADED = 10.0
 FUSED_LOSS_CHUNKS = 0.55 * GIB
 #: The chunked loss over materialised logits: float32 chunk temporaries (512 MiB chunks).
 LOGITS_LOSS_CHUNKS = 1.0 * GIB
-
-
-@attrs.frozen(kw_only=True)
-class GpuKind:
-    name: str
-    memory_gib: float  # what torch can allocate
-    matmul_tflops: float  # bf16 GEMMs at these models' shapes
-    attention_fwd_tflops: float
-    attention_bwd_tflops: float
-    #: Element-wise work, copies and launches per token per decoder layer (seconds), fitted.
-    overhead_s: float
-    link_gbps: float  # GPU-to-GPU (NVLink) per direction, GB/s
-    measured: bool  # rates measured on this kind (else scaled from the H200's by spec)
-    peak_tflops: float = PEAK_TFLOPS["H200"]  # dense bf16 peak, for MFU (H100: the same)
-
-
-GPUS = {
-    # H200: measured (BENCHMARKS.md): GEMMs ~700 TFLOP/s, flash-attn-4 forward 640 and
-    # backward 553 at 32K-128K, 28 query / 4 KV heads, d 128.
-    "h200": GpuKind(name="h200", memory_gib=139.8, matmul_tflops=700.0, attention_fwd_tflops=640.0,
-                    attention_bwd_tflops=553.0, overhead_s=6.4e-7, link_gbps=400.0, measured=True),
-    # H100 SXM: the same tensor cores and clock; 80 GB and 3.35 TB/s (element-wise work scaled).
-    "h100": GpuKind(name="h100", memory_gib=79.1, matmul_tflops=680.0, attention_fwd_tflops=620.0,
-                    attention_bwd_tflops=530.0, overhead_s=9.2e-7, link_gbps=400.0, measured=False),
-    # A100 80GB: 312 TFLOP/s bf16 peak, no flash-attn-4 (cuDNN / flash 2 rates), 2.0 TB/s.
-    "a100-80g": GpuKind(name="a100-80g", memory_gib=79.1, matmul_tflops=240.0, attention_fwd_tflops=190.0,
-                        attention_bwd_tflops=150.0, overhead_s=1.5e-6, link_gbps=250.0, measured=False,
-                        peak_tflops=PEAK_TFLOPS["A100"]),
-}
+#: What a decoder layer with adapters (PEFT LoRA) holds beyond the same layer without, in layer
+#: inputs: fitted to one run (7B at 128K on one H200, r 16 on every linear, "except_attention",
+#: compiled: 30 GiB over 28 layers). Not explained yet: on CPU, PEFT's layers under the same
+#: selective recomputation save what the plain layer saves (docs/estimate.md).
+ADAPTER_SURPLUS = 1.22
 
 
 @attrs.frozen(kw_only=True)
@@ -108,6 +87,7 @@ class Unit:
     offload: bool = False
     mlp_tile_tokens: int = 0
     trainable: bool = True  # False: a frozen unit (no gradients, no optimizer states)
+    adapter_params: int = 0  # its adapters' (LoRA's r x (in + out) per layer): trained, beside ``params``
     state_bytes: float | None = None  # optimizer state per parameter; None: two moments in the storage dtype
     source: str = ""
 
@@ -140,17 +120,17 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
     host_static = 0.0
     for u in units:
         shard = setup.fsdp if u.strategy == "fsdp2" else 1
-        size = u.params * u.storage_bytes / shard
+        trained = _trained(u)  # a frozen base's weights only; its adapters' gradients and states too
         if u.offload:  # FSDP2 offload: shards, gradients and states live on the CPU
-            host_static += (4 if u.trainable else 1) * size
+            host_static += ((u.params + u.adapter_params) + 3 * trained) * u.storage_bytes / shard
             continue
-        part["weights"] += size
-        if u.trainable:
-            part["gradients"] += size
-            per = 2 * u.storage_bytes if u.state_bytes is None else u.state_bytes
-            part["optimizer"] += u.params * per / shard
+        part["weights"] += (u.params + u.adapter_params) * u.storage_bytes / shard
+        part["gradients"] += trained * u.storage_bytes / shard
+        per = 2 * u.storage_bytes if u.state_bytes is None else u.state_bytes
+        part["optimizer"] += trained * per / shard
     fsdp = [u for u in units if u.strategy == "fsdp2"]
-    largest = max((u.params * 2 for u in fsdp if u.modality is not None), default=0)
+    largest = max(((u.params + u.adapter_params) * 2 for u in fsdp if u.modality is not None), default=0)
+    reduced = max((_trained(u) * 4 for u in fsdp if u.modality is not None), default=0)  # float32 gradients
     root = next((u for u in fsdp if u.modality is None), None)
     # FSDP2 gathers a unit (and prefetches the next); the root's own weights (embedding,
     # head) stay gathered from forward to backward when the fused loss reads the head.
@@ -159,9 +139,11 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
     part["activations"] = sum(0.0 if u.offload_activations else
                               layer_saved(u.checkpoint, shape, layer_in, tokens, tiled=u.mlp_tile_tokens > 0)
                               for u in text)
+    if any(u.adapter_params for u in text):
+        part["adapter surplus"] = sum(ADAPTER_SURPLUS * layer_in for u in text if u.adapter_params)
     vision = [u for u in units if u.modality == "vision"]
     patches = setup.patches / setup.sp  # images are spread over the SP ranks
-    if vision and shape.vision_hidden:
+    if vision and shape.vision_hidden and _backward_reaches(vision):
         v_in = patches * shape.vision_hidden * 2
         v_shape = attrs.evolve(shape, hidden=shape.vision_hidden, intermediate=shape.vision_intermediate)
         part["vision"] = sum(layer_saved(u.checkpoint, v_shape, v_in, patches) for u in vision)
@@ -170,13 +152,14 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
     recompute = max(((RECOMPUTE_OFFLOADED if u.offload_activations else RECOMPUTE_ATTENTION) * layer_in
                      + RECOMPUTE_MLP * _mlp_rows(u, tokens) * shape.intermediate * 2
                      for u in text if u.checkpoint != "off"), default=0.0)
-    if setup.loss == "fused":
-        loss = shape.vocab * shape.hidden * 2 + FUSED_LOSS_CHUNKS
+    if setup.loss == "fused":  # a frozen head has no gradient, nor its float32 sum
+        head = all(u.trainable for u in units if u.modality is None)
+        loss = shape.vocab * shape.hidden * 2 * head + FUSED_LOSS_CHUNKS
     else:
         loss = 2 * tokens * shape.vocab * 2 + LOGITS_LOSS_CHUNKS  # bf16 logits and their gradient
     # The loss runs before any layer's backward; the hidden states' gradient then flows down.
     part["loss or recomputation"] = max(loss, recompute) + layer_in
-    part["communication"] = _comm_buffers(shape, setup, tokens, largest)
+    part["communication"] = _comm_buffers(shape, setup, tokens, reduced)
     part["total"] = sum(part.values())
     # The first step: AdamW makes its states in its first optimizer step, after the backward,
     # so that step's peak is the larger of the backward's (without states) and the states'.
@@ -184,6 +167,14 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
     part["first step"] = max(part["total"] - part["optimizer"], states)
     part["host"] = host_static + _host(units, layer_in) + 8 * GIB
     return part
+
+
+def _trained(u: Unit) -> int:  # parameters with gradients and optimizer states
+    return u.params * u.trainable + u.adapter_params
+
+
+def _backward_reaches(units: list[Unit]) -> bool:  # nothing trained in it: no backward, nothing saved
+    return any(_trained(u) for u in units)
 
 
 def _mlp_rows(unit: Unit, tokens: float) -> float:
@@ -202,10 +193,10 @@ def layer_saved(mode: str, shape: Shape, layer_in: float, tokens: float, *, tile
     return saved
 
 
-def _comm_buffers(shape: Shape, setup: Setup, tokens: float, largest: float) -> float:
+def _comm_buffers(shape: Shape, setup: Setup, tokens: float, reduced: float) -> float:
     ring = 2 * tokens * 2 * shape.kv_heads * shape.head_dim * 2 if setup.ring > 1 else 0  # K/V in flight
     ulysses = 2 * tokens * (shape.hidden + 2 * shape.kv_heads * shape.head_dim) * 2 if setup.ulysses > 1 else 0
-    reduce = largest * 2 if setup.fsdp > 1 else 0  # a unit's gradients in float32 for the reduce-scatter
+    reduce = reduced if setup.fsdp > 1 else 0  # a unit's gradients in float32 for the reduce-scatter
     return ring + ulysses + reduce
 
 
@@ -219,13 +210,18 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) ->
     attention forward and backward, element-wise overhead, exposed communication."""
     tokens = setup.tokens / setup.sp
     text = [u for u in units if u.modality == "text"]
-    dense = 6 * tokens * (len(text) * shape.layer_params + shape.vocab * shape.hidden)
+    root = next((u for u in units if u.modality is None), None)
+    head = shape.vocab * shape.hidden  # 6 FLOPs per weight and token, a frozen one's 4 (no weight gradient)
+    dense = tokens * (sum(_per_token(u, shape.layer_params) for u in text)
+                      + (_per_token(root, head) if root is not None else 6 * head))
     mlp = 2 * shape.hidden * shape.intermediate  # gate and up: what "mlp" recomputes (down stops early)
-    recompute = sum(2 * tokens * (shape.layer_params if u.checkpoint in ("full", "except_attention") else
-                                  mlp if u.checkpoint == "mlp" else 0) for u in text)
+    recompute = sum(2 * tokens * (shape.layer_params + u.adapter_params if u.checkpoint in ("full", "except_attention")
+                                  else mlp if u.checkpoint == "mlp" else 0) for u in text)
     # A tiled MLP runs its forward once more (its backward makes the tiles' intermediates again).
     recompute += sum(2 * tokens * 3 * shape.hidden * shape.intermediate for u in text if u.mlp_tile_tokens)
-    vision = 6 * setup.patches / setup.sp * shape.vision_params if shape.vision_blocks else 0.0
+    towers = [u for u in units if u.modality == "vision"]
+    vision = (sum(_per_token(u, u.params) for u in towers) if _backward_reaches(towers)
+              else 2 * shape.vision_params) * setup.patches / setup.sp if shape.vision_blocks else 0.0
     # Causal attention over the whole sequence, this rank's share: 2 S^2 h forward per layer.
     attn = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp
     again = sum(1 for u in text if u.checkpoint in ("full", "attention"))
@@ -239,10 +235,17 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) ->
     part["total"] = sum(part.values())
     part["tokens_per_s"] = setup.tokens * setup.dp_shard * setup.dp_replicate / part["total"]
     # MFU as the reports and benchmarks count it (core/plan/flops.py), this rank's share of the sequence.
-    useful = sequence_flops(params=len(text) * shape.layer_params + shape.vocab * shape.hidden, layers=len(text),
-                            hidden=shape.heads * shape.head_dim, length=setup.tokens) / setup.sp
+    # A frozen weight counts the 4 FLOPs it runs, not 6; adapters are trained weights.
+    mine = [*text, *([root] if root is not None else [])]
+    useful = sequence_flops(params=len(text) * shape.layer_params + head + sum(u.adapter_params for u in mine),
+                            frozen=sum(shape.layer_params if u is not root else head for u in mine if not u.trainable),
+                            layers=len(text), hidden=shape.heads * shape.head_dim, length=setup.tokens) / setup.sp
     part["mfu"] = useful / part["total"] / (gpu.peak_tflops * 1e12)
     return part
+
+
+def _per_token(u: Unit, base: float) -> float:  # matmul FLOPs per token, its adapters' too
+    return (6 if u.trainable else 4) * base + 6 * u.adapter_params
 
 
 def _exposed_comm(units, shape: Shape, setup: Setup, gpu: GpuKind, tokens: float) -> float:

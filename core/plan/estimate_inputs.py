@@ -16,25 +16,32 @@ def units_of(plan: Any, model: Any) -> list[Unit]:
     ``model`` None (a run's out-of-memory advice), the rules alone and no parameter counts."""
     decided = [m for m in plan.modules_for("shard") if m.info.kind in ("unit", "root")]
     paths = [m.info.path for m in decided]
-    counts = {}
+    counts, trained = {}, set()
     for path in paths:
         module = (model.get_submodule(path) if path else model) if model is not None else None
         counts[path] = {id(p): p.numel() for p in module.parameters()} if module is not None else {}
+        trained |= {id(p) for p in module.parameters() if p.requires_grad} if module is not None else set()
+    # An adapter rule: its hook (``weft_adapter``, on the planner's meta model) froze the base, and
+    # what still requires a gradient there is the adapters' parameters (plugins/adapter.py).
+    adapted = model is not None and any(m.get("adapter").strategy != "none" for m in plan.modules_for("adapter"))
     units = []
     for m in decided:
         path = m.info.path
         inner = [q for q in paths if q != path and (q.startswith(path + ".") if path else True)]
         taken = {pid for q in inner for pid in counts[q]}
-        own = sum(n for pid, n in counts[path].items() if pid not in taken)
+        own = {pid: n for pid, n in counts[path].items() if pid not in taken}
+        adapters = sum(n for pid, n in own.items() if pid in trained) if adapted else 0
         decision = m.get("shard")
         params = decision.params
         units.append(Unit(
-            path=path, modality=m.info.modality if m.info.kind == "unit" else None, params=own,
+            path=path, modality=m.info.modality if m.info.kind == "unit" else None,
+            params=sum(own.values()) - adapters, adapter_params=adapters,
             strategy=decision.strategy, storage_bytes=_BYTES[getattr(params, "storage_dtype", None) or "float32"],
             checkpoint=getattr(params, "checkpoint", "off") if m.info.kind == "unit" else "off",
             offload_activations=getattr(params, "offload_activations", False),
             offload=getattr(params, "offload", False),
-            mlp_tile_tokens=getattr(params, "mlp_tile_tokens", 0), trainable=getattr(params, "trainable", True),
+            mlp_tile_tokens=getattr(params, "mlp_tile_tokens", 0),
+            trainable=getattr(params, "trainable", True) and not adapted,
             state_bytes=_state_bytes(m, storage=_BYTES[getattr(params, "storage_dtype", None) or "float32"]),
             source=decision.source,
         ))

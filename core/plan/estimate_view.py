@@ -56,6 +56,8 @@ def estimate(recipe: Any, plan: Any, model: Any, *, gpu: str, host_gib: float | 
         "tokens_per_s": round(step["tokens_per_s"]), "ranks": plan.mesh.world_size,
         "tokens_per_s_per_gpu": round(step["tokens_per_s"] / plan.mesh.world_size), "mfu": round(step["mfu"], 3),
         "fits": within(mem),
+        # Adapters (plugins/adapter.py): trained beside a frozen base, which holds its weights only.
+        "adapter_parameters": sum(u.adapter_params for u in units),
         "headroom_gib": round(kind.memory_gib - mem["total"] / GIB, 2),
         "warning": near_limit(recipe, peak_gib=mem["total"] / GIB, device_gib=kind.memory_gib, gpu=kind.name)
         if within(mem) else None,
@@ -102,6 +104,9 @@ def render_estimate(result: dict) -> None:
     measured = "measured rates" if result["rates_measured"] else "rates scaled from the H200's (not measured)"
     console.print(f"[bold]estimate[/] for one step of {result['tokens']:,} tokens on {result['gpu']} "
                   f"({result['gpu_memory_gib']} GiB; {measured}), mesh {result['mesh']}")
+    if result.get("adapter_parameters"):
+        console.print(f"adapters: {result['adapter_parameters']:,} parameters trained (gradients, optimizer "
+                      "states); the base frozen: its weights only, and no weight-gradient products")
     console.print(_parts(Table("per-rank GPU memory", "GiB"), result["memory_gib"], total="total (peak)"))
     console.print(f"host memory: ~{result['host_gib']} GiB per rank, {result['ranks_per_host']} per host "
                   f"(budget {result['host_budget_gib']} GiB: --host-gib)")

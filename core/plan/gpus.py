@@ -1,0 +1,36 @@
+"""The GPU kinds the estimate knows (core/plan/estimate.py): memory, measured or scaled rates."""
+
+from __future__ import annotations
+
+import attrs
+
+from weft.core.plan.flops import PEAK_TFLOPS
+
+
+@attrs.frozen(kw_only=True)
+class GpuKind:
+    name: str
+    memory_gib: float  # what torch can allocate
+    matmul_tflops: float  # bf16 GEMMs at these models' shapes
+    attention_fwd_tflops: float
+    attention_bwd_tflops: float
+    #: Element-wise work, copies and launches per token per decoder layer (seconds), fitted.
+    overhead_s: float
+    link_gbps: float  # GPU-to-GPU (NVLink) per direction, GB/s
+    measured: bool  # rates measured on this kind (else scaled from the H200's by spec)
+    peak_tflops: float = PEAK_TFLOPS["H200"]  # dense bf16 peak, for MFU (H100: the same)
+
+
+GPUS = {
+    # H200: measured (BENCHMARKS.md): GEMMs ~700 TFLOP/s, flash-attn-4 forward 640 and
+    # backward 553 at 32K-128K, 28 query / 4 KV heads, d 128.
+    "h200": GpuKind(name="h200", memory_gib=139.8, matmul_tflops=700.0, attention_fwd_tflops=640.0,
+                    attention_bwd_tflops=553.0, overhead_s=6.4e-7, link_gbps=400.0, measured=True),
+    # H100 SXM: the same tensor cores and clock; 80 GB and 3.35 TB/s (element-wise work scaled).
+    "h100": GpuKind(name="h100", memory_gib=79.1, matmul_tflops=680.0, attention_fwd_tflops=620.0,
+                    attention_bwd_tflops=530.0, overhead_s=9.2e-7, link_gbps=400.0, measured=False),
+    # A100 80GB: 312 TFLOP/s bf16 peak, no flash-attn-4 (cuDNN / flash 2 rates), 2.0 TB/s.
+    "a100-80g": GpuKind(name="a100-80g", memory_gib=79.1, matmul_tflops=240.0, attention_fwd_tflops=190.0,
+                        attention_bwd_tflops=150.0, overhead_s=1.5e-6, link_gbps=250.0, measured=False,
+                        peak_tflops=PEAK_TFLOPS["A100"]),
+}
