@@ -10,7 +10,8 @@ import textwrap
 import attrs
 import pytest
 
-from weft.core.plan.estimate import GIB, GPUS, Setup, Shape, Unit, layer_saved, longest_fit, memory, step_seconds
+from weft.core.plan.estimate import GIB, Setup, Shape, Unit, layer_saved, longest_fit, memory, step_seconds
+from weft.core.plan.gpus import GPUS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -22,10 +22,9 @@ import math
 import attrs
 
 from weft.core.plan.flops import sequence_flops
-from weft.core.plan.gpus import GPUS, GpuKind
+from weft.core.plan.gpus import GpuKind
 
 GIB = 2**30
-__all__ = ["GIB", "GPUS", "GpuKind", "Setup", "Shape", "Unit", "layer_saved", "longest_fit", "memory", "step_seconds"]
 
 #: What one decoder layer keeps from its forward to its backward, in units of the layer's
 #: input (tokens x hidden x 2 bytes), by checkpoint mode; "off" and "attention" add the

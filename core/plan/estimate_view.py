@@ -7,8 +7,9 @@ from typing import Any
 
 import attrs
 
-from weft.core.plan.estimate import GIB, GPUS, longest_fit, memory, step_seconds
+from weft.core.plan.estimate import GIB, longest_fit, memory, step_seconds
 from weft.core.plan.estimate_inputs import setup_of, shape_of, units_of
+from weft.core.plan.gpus import GPUS
 from weft.core.plan.memory_advice import levers
 
 #: Allocator slack and CUDA context beside what torch counts as allocated.
