@@ -84,3 +84,58 @@ def test_keeps_no_float32_copy_of_the_logits_for_backward():
     size = logits.numel() * logits.element_size()
     assert mine <= size + logits.shape[0] * logits.shape[1] * 4 + target.numel() * 8  # logits, one lse per row, targets
     assert whole >= 2 * size  # torch's form keeps its float32 log-softmax
+
+
+def _head_case(dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 19, 16, generator=g, dtype=torch.float64).to(dtype)
+    weight = torch.randn(53, 16, generator=g, dtype=torch.float64).to(dtype)
+    target = torch.randint(0, 53, (2, 19), generator=g)
+    target[0, :4] = IGNORE
+    return hidden, weight, target
+
+
+def _head_grads(hidden, weight, target, *, reuse, cap=None):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = torch.nn.functional.linear(h, w)  # (B, S, V): a product, as a model's head makes them
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap  # tanh's backward reads its output
+    seen = {}
+    logits.register_hook(lambda grad: seen.update(grad_ptr=grad.data_ptr()))
+    loss = token_loss_sum(logits, target, chunk_bytes=4 * 53 * 5, reuse_logits=reuse)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad, seen["grad_ptr"] == logits.data_ptr()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reused_logits_take_their_gradient_with_the_same_values(dtype):
+    hidden, weight, target = _head_case(dtype)
+    loss, gh, gw, in_place = _head_grads(hidden, weight, target, reuse=True)
+    ref_loss, ref_gh, ref_gw, ref_in_place = _head_grads(hidden, weight, target, reuse=False)
+    assert in_place and not ref_in_place  # the gradient lives in the logits' own storage only when asked
+    assert torch.equal(loss, ref_loss) and torch.equal(gh, ref_gh) and torch.equal(gw, ref_gw)
+
+
+@pytest.mark.quick
+def test_logits_whose_producer_reads_them_are_not_reused():
+    hidden, weight, target = _head_case()
+    loss, gh, gw, in_place = _head_grads(hidden, weight, target, reuse=True, cap=3.0)
+    ref_loss, ref_gh, ref_gw, _ = _head_grads(hidden, weight, target, reuse=False, cap=3.0)
+    assert not in_place  # a soft-cap's tanh keeps its output for backward: overwriting it would be wrong
+    assert torch.equal(gh, ref_gh) and torch.equal(gw, ref_gw)
+
+
+def test_compiled_chunk_kernels_equal_the_eager_ones():
+    from weft.core.train.loss import _chunk_backward, _chunk_forward
+
+    logits, target = _case(torch.bfloat16, s=40, v=97)
+    x, t = logits.flatten(0, 1), target.flatten()
+    grad = torch.tensor(0.37)
+    lse, part = _chunk_forward(x, t, torch.float32)
+    c_lse, c_part = torch.compile(_chunk_forward)(x, t, torch.float32)
+    assert torch.allclose(c_lse, lse, rtol=1e-6) and torch.allclose(c_part, part, rtol=1e-6)
+    g = _chunk_backward(x, t, lse, grad)
+    c_g = torch.compile(_chunk_backward)(x, t, lse, grad)
+    assert c_g.dtype == torch.bfloat16 and (c_g.float() - g.float()).abs().max() <= 2**-8 * g.float().abs().max()
+    assert torch.all(c_g[:5] == 0)  # ignored rows

@@ -155,7 +155,7 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
         head = all(u.trainable for u in units if u.modality is None)
         loss = shape.vocab * shape.hidden * 2 * head + FUSED_LOSS_CHUNKS
     else:
-        loss = 2 * tokens * shape.vocab * 2 + LOGITS_LOSS_CHUNKS  # bf16 logits and their gradient
+        loss = tokens * shape.vocab * 2 + LOGITS_LOSS_CHUNKS  # bf16 logits, their gradient in their storage
     # The loss runs before any layer's backward; the hidden states' gradient then flows down.
     part["loss or recomputation"] = max(loss, recompute) + layer_in
     part["communication"] = _comm_buffers(shape, setup, tokens, reduced)

@@ -9,9 +9,19 @@ first token of the next part).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 IGNORE = -100
+
+#: Products whose backward never reads their output (a linear layer's logits): only logits
+#: made by one of them, through views at most, may give their storage to their gradient.
+#: Any other producer (a soft-cap's tanh keeps its output, a cast is a copy) gets a fresh
+#: tensor.
+_PRODUCTS = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0"})
+_VIEWS = frozenset({"UnsafeViewBackward0", "ViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0",
+                    "SliceBackward0"})
 
 
 def targets(batch: dict) -> torch.Tensor:
@@ -22,7 +32,8 @@ def targets(batch: dict) -> torch.Tensor:
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)  # position t predicts t+1
 
 
-def token_loss_sum(logits: torch.Tensor, target: torch.Tensor, *, chunk_bytes: int = 512 << 20) -> torch.Tensor:
+def token_loss_sum(logits: torch.Tensor, target: torch.Tensor, *, chunk_bytes: int = 512 << 20,
+                   reuse_logits: bool = False) -> torch.Tensor:
     """Sum of cross-entropy over labelled positions. logits (B, S, V); target (B, S).
 
     Computed in float32 (a bf16 log-softmax over a 152K vocabulary loses digits; float64
@@ -33,47 +44,91 @@ def token_loss_sum(logits: torch.Tensor, target: torch.Tensor, *, chunk_bytes: i
     keeps a float32 log-softmax of every row (twice the bf16 logits) and makes three
     more full-size tensors in backward. By arithmetic, at 16K tokens x 152,064 vocab
     (bf16 logits 5.0 GB): ~40 GB at the peak of that form, ~11 GB here.
-    tests/test_loss.py checks the values and gradients against it and the bytes each
-    form saves for backward.
+
+    ``reuse_logits``: the caller holds the logits for nothing but this loss, so backward
+    writes their gradient into their own storage (a chunk is read before it is
+    overwritten). That is the step's peak at short lengths: the logits and a gradient of
+    their size (2 x 9.3 GiB at 32K tokens of a 152K vocabulary) are alive together
+    otherwise. Only taken where the logits come straight out of a product, whose
+    backward does not read its output (``_PRODUCTS``).
+
+    On CUDA each chunk's forward and backward are compiled (one fused kernel each instead
+    of a float32 copy, an exponential, a scatter and a product as separate passes over
+    the chunk). tests/test_loss.py checks the values and gradients against torch's form
+    and the bytes each form saves for backward.
     """
     rows = max(1, chunk_bytes // (4 * logits.shape[-1]))  # float32 bytes per row of the chunk
-    return _ChunkedCrossEntropy.apply(logits.flatten(0, 1), target.flatten(), rows)
+    reuse = reuse_logits and _made_by_product(logits)
+    return _ChunkedCrossEntropy.apply(logits.flatten(0, 1), target.flatten(), rows, reuse)
+
+
+def _made_by_product(logits: torch.Tensor) -> bool:
+    """Whether autograd reaches a product (``_PRODUCTS``) from the logits through views only."""
+    node = logits.grad_fn
+    while node is not None and type(node).__name__ in _VIEWS:
+        parents = [parent for parent, _ in node.next_functions if parent is not None]
+        node = parents[0] if len(parents) == 1 else None
+    return node is not None and type(node).__name__ in _PRODUCTS
+
+
+def _chunk_forward(x: torch.Tensor, t: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (C, V) logits, t (C,) targets -> (lse (C,), sum of the labelled rows' losses)."""
+    x = x.to(acc)
+    lse = torch.logsumexp(x, dim=-1)  # (C,)
+    picked = x.gather(1, t.clamp(min=0)[:, None]).squeeze(1)
+    return lse, torch.where(t != IGNORE, lse - picked, 0.0).sum()
+
+
+def _chunk_backward(x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """d(loss)/d(x) for one chunk, in x's dtype: (softmax - one-hot target) x grad, zero on ignored rows."""
+    scale = torch.where(t != IGNORE, grad, 0.0).to(lse.dtype)  # (C,)
+    g = torch.exp(x.to(lse.dtype) - lse[:, None])  # softmax (C, V)
+    g.scatter_add_(1, t.clamp(min=0)[:, None], -torch.ones_like(g[:, :1]))  # minus the one-hot target
+    return (g * scale[:, None]).to(x.dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    # One compiled kernel per chunk function for the process (torch's own compile cache
+    # holds the graphs either way); automatic dynamic shapes, so the ragged last chunk and
+    # new sequence lengths recompile once, not once per length.
+    return torch.compile(fn)
+
+
+def _kernel(fn, device: torch.device):
+    return _compiled(fn) if device.type == "cuda" else fn
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Sum over rows with target != IGNORE of logsumexp(x) - x[target], by chunks of rows."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, rows: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, rows: int, reuse: bool) -> torch.Tensor:
         # logits (N, V) any float dtype; target (N,) long
         n = logits.shape[0]
         acc = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for float64 logits
         lse = torch.empty(n, dtype=acc, device=logits.device)  # (N,)
         total = torch.zeros((), dtype=acc, device=logits.device)
+        forward = _kernel(_chunk_forward, logits.device)
         for start in range(0, n, rows):
-            x = logits[start:start + rows].to(acc)  # (C, V)
-            t = target[start:start + rows]
-            keep = t != IGNORE
-            lse[start:start + rows] = row_lse = torch.logsumexp(x, dim=-1)
-            picked = x.gather(1, t.clamp(min=0)[:, None]).squeeze(1)
-            total += torch.where(keep, row_lse - picked, 0.0).sum()
+            row_lse, part = forward(logits[start:start + rows], target[start:start + rows], acc)
+            lse[start:start + rows] = row_lse
+            total += part
         ctx.save_for_backward(logits, target, lse)
-        ctx.rows = rows
+        ctx.rows, ctx.reuse = rows, reuse
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, target, lse = ctx.saved_tensors
-        out = torch.empty_like(logits)  # (N, V) in the logits' dtype
+        # (N, V) in the logits' dtype; with reuse, the logits' own storage: each chunk is
+        # read by the kernel before its gradient is written back over it.
+        out = logits if ctx.reuse else torch.empty_like(logits)
+        backward = _kernel(_chunk_backward, logits.device)
         for start in range(0, logits.shape[0], ctx.rows):
-            x = logits[start:start + ctx.rows].to(lse.dtype)
-            t = target[start:start + ctx.rows]
-            keep = (t != IGNORE).to(lse.dtype)  # (C,)
-            g = torch.exp(x - lse[start:start + ctx.rows, None])  # softmax (C, V)
-            g.scatter_add_(1, t.clamp(min=0)[:, None], -keep[:, None])  # minus the one-hot target
-            g *= (grad * keep)[:, None]  # ignored rows: zero
-            out[start:start + ctx.rows] = g
-        return out, None, None
+            stop = start + ctx.rows
+            out[start:stop] = backward(logits[start:stop], target[start:stop], lse[start:stop], grad)
+        return out, None, None, None
 
 
 def label_count(target: torch.Tensor) -> torch.Tensor:

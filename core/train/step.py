@@ -168,7 +168,8 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
             if fused is not None:
                 part = fused.loss_sum(batch, target)
             else:
-                part = token_loss_sum(model(**batch, use_cache=False).logits, target)  # logits (B, S_local, V)
+                # The logits live for the loss only: their gradient may take their storage.
+                part = token_loss_sum(model(**batch, use_cache=False).logits, target, reuse_logits=True)  # (B, S_local, V)
         # Gradient reductions average over all world_size ranks (FSDP and
         # grad_sync alike); scaling by world_size turns that mean into the
         # sum of every rank's share of (global loss sum / global label count).
