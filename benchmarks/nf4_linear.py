@@ -71,7 +71,7 @@ def main() -> None:
                      "bf16_s": t_bf16, "nf4_s": t_nf4, "F.linear_on_nf4_s": t_fn, "peak_gib_nf4": peak_nf4,
                      "max_abs_err": err})
         print(rows[-1], flush=True)
-        del w, q, x, gy
+        w = q = x = gy = None  # freed before the next shape
         torch.cuda.empty_cache()
 
     # PEFT over a linear whose weight is an NF4 tensor

@@ -169,7 +169,9 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
                 part = fused.loss_sum(batch, target)
             else:
                 # The logits live for the loss only: their gradient may take their storage.
-                part = token_loss_sum(model(**batch, use_cache=False).logits, target, reuse_logits=True)  # (B, S_local, V)
+                logits = model(**batch, use_cache=False).logits  # (B, S_local, V)
+                part = token_loss_sum(logits, target, reuse_logits=True)
+                del logits
         # Gradient reductions average over all world_size ranks (FSDP and
         # grad_sync alike); scaling by world_size turns that mean into the
         # sum of every rank's share of (global loss sum / global label count).
