@@ -73,17 +73,21 @@ class ModelAdapter(Protocol):
     def config(self, recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | None]:
         """The transformers config (YaRN applied from ``[model]``) and the processor folder."""
 
-    def build(self, recipe: Recipe, *, device: torch.device | str, seed: int) -> torch.nn.Module:
+    def build(self, recipe: Recipe, *, device: torch.device | str, seed: int,
+              quantize: dict[str, str] | None = None) -> torch.nn.Module:
         """The whole model through its transformers auto class: on ``meta`` only the
         structure; else weights from ``model.path``, or a preset's random init from ``seed``
-        (the same values ``materialize`` gives a sharded model: the unsharded reference)."""
+        (the same values ``materialize`` gives a sharded model: the unsharded reference).
+        ``quantize``: as ``materialize`` (passed only when a rule asks for it)."""
 
     def materialize(self, model: torch.nn.Module, recipe: Recipe, *, device: torch.device, seed: int,
-                    log: Any) -> None:
+                    log: Any, quantize: dict[str, str] | None = None) -> None:
         """Give a meta-device model (sharded or not) its storage on ``device`` and its weights:
         each rank reads only its shards of ``model.path``, or draws only its rows of a
         preset's random init, which depends on the seed alone (not the world size, not the
-        device); no process ever holds the whole model."""
+        device); no process ever holds the whole model. ``quantize`` ({unit path: method},
+        passed only when a rule asks for it): those units' linear weights stored quantised,
+        each unit quantised before the next is materialised (strategies/model/materialize.py)."""
 
     def describe(self, model: torch.nn.Module) -> list[ModuleInfo]:
         """Root first, then shard units and attention modules with modality and heads."""

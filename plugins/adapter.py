@@ -169,6 +169,9 @@ def _merge(model) -> None:
     layer back in the adapter layer's place: the model transformers' from_pretrained builds."""
     from peft.tuners.lora import LoraLayer
 
+    from weft.strategies.model.quantize import dequantize
+
+    dequantize(model)  # 4-bit base weights: merged in their dequantised values, the ones trained with
     adapted = [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer)]
     for name, module in adapted:
         module.merge()

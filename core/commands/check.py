@@ -115,12 +115,14 @@ def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: fl
     """Loss and gradients of the unsharded model on every rank's micro-batches, in each of
     ``precisions`` (float32, bf16 autocast): one model, built once, its gradients cleared between.
     ``frozen``: module paths whose parameters take no gradient (the plan's frozen units);
-    ``plan`` and ``pm``: the ranks' adapters (``weft_adapter``), added and drawn alike."""
+    ``plan`` and ``pm``: the ranks' adapters (``weft_adapter``), added and drawn alike, and their
+    quantised units, quantised alike."""
     from weft.core.train.loss import label_count, targets, token_loss_sum
     from weft.core.train.step import autocast_for
 
     _exact_matmuls()
-    model = adapter.build(recipe, device=device, seed=recipe.train.seed)
+    quantize = plan.quantized_units() if plan is not None else {}  # the ranks' 4-bit units, the same codes
+    model = adapter.build(recipe, device=device, seed=recipe.train.seed, **({"quantize": quantize} if quantize else {}))
     if plan is not None and pm is not None:
         from weft.core.context import RunContext
         from weft.core.plan.planner import add_adapters

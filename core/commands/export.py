@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
@@ -39,9 +39,17 @@ def load_checkpoint_into(model: torch.nn.Module, path: pathlib.Path) -> None:
         dtype = getattr(getattr(meta, "properties", None), "dtype", None)
         if dtype is not None and dtype != param.dtype:
             param.data = param.data.to(dtype)
-    state = {"model": get_model_state_dict(model)}
+    # Frozen weights are not in a checkpoint (core/run/checkpoint.py): the model as built holds
+    # them; everything that trains must be there.
+    wanted = {k: v for k, v in get_model_state_dict(model).items() if f"model.{k}" in saved}
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(trained - set(wanted))
+    if missing:
+        raise WeftError(f"checkpoint {path} lacks {len(missing)} trained tensors of this model, e.g. {missing[:3]}",
+                        where=str(path))
+    state = {"model": wanted}
     dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
 
 
 def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int | None = None) -> pathlib.Path:
@@ -59,8 +67,15 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int |
         # DCP's loader wants a process group; one rank is enough to reshard any save.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = adapter.build(recipe, device="cpu", seed=recipe.train.seed)
-        adapters = _with_adapters(model, recipe, pm=pm)
+        plan = _rules_plan(adapter.build(recipe, device="meta", seed=recipe.train.seed), recipe, pm=pm)
+        # 4-bit units quantised as the run quantised them: merging an adapter into their
+        # (dequantised) weights, not into the original ones, gives the model that was trained.
+        quantize = plan.quantized_units()
+        model = adapter.build(recipe, device="cpu", seed=recipe.train.seed,
+                              **({"quantize": quantize} if quantize else {}))
+        adapters = _with_adapters(model, plan, recipe, pm=pm)
+        for path in plan.frozen_units():  # not in the checkpoint: the model as built holds them
+            model.get_submodule(path).requires_grad_(False)
         load_checkpoint_into(model, checkpoint)
         for added in adapters:  # a plain model, as from_pretrained builds it
             added.merge(model)
@@ -74,17 +89,21 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int |
     return checkpoint
 
 
-def _with_adapters(model: torch.nn.Module, recipe: Recipe, *, pm: Any) -> list:
-    """The run's adapters (its rules' ``weft_adapter``) on the model, so the checkpoint's names
-    fit; refused where a plugin's adapters cannot be merged into the base's weights."""
+def _rules_plan(model: torch.nn.Module, recipe: Recipe, *, pm: Any) -> Any:
+    """The run's rules on one process: adapters, frozen and 4-bit units do not depend on the mesh,
+    and the run's own mesh may not resolve where export runs."""
     from weft.core.mesh_spec import MeshSpec
-    from weft.core.plan.planner import add_adapters
     from weft.core.recipe.rules import build_plan
 
-    # The rules alone (the adapters' decisions do not depend on the mesh): the run's own mesh
-    # may not resolve on the one process export runs in.
     modules = pm.models.for_recipe(recipe).describe(model)
-    plan = build_plan(recipe=recipe, modules=modules, registry=pm.registry, mesh=MeshSpec(), world_size=1)
+    return build_plan(recipe=recipe, modules=modules, registry=pm.registry, mesh=MeshSpec(), world_size=1)
+
+
+def _with_adapters(model: torch.nn.Module, plan: Any, recipe: Recipe, *, pm: Any) -> list:
+    """The run's adapters (its rules' ``weft_adapter``) on the model, so the checkpoint's names
+    fit; refused where a plugin's adapters cannot be merged into the base's weights."""
+    from weft.core.plan.planner import add_adapters
+
     adapters = add_adapters(model, plan=plan, pm=pm, ctx=None)
     if any(added.merge is None for added in adapters):
         raise WeftError("this run's adapters cannot be merged into the base's weights (their plugin gives no "

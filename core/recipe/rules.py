@@ -123,6 +123,11 @@ class Plan:
         return [m.info.path for m in self.modules if m.info.kind == "unit" and m.get("shard") is not None
                 and not getattr(m.get("shard").params, "trainable", True)]
 
+    def quantized_units(self) -> dict[str, str]:
+        """{unit path: method} for the units whose shard rule stores their linear weights quantised."""
+        return {m.info.path: method for m in self.modules if m.info.kind == "unit" and m.get("shard") is not None
+                and (method := getattr(m.get("shard").params, "quantize", "none")) != "none"}
+
     def modules_for(self, point: str, strategy: str | None = None) -> list[ModulePlan]:
         return [
             m

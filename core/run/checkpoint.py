@@ -1,4 +1,5 @@
-"""Atomic, self-checking checkpoints through torch.distributed.checkpoint: model, optimizer, schedule, RNG, step.
+"""Atomic, self-checking checkpoints through torch.distributed.checkpoint: the trained weights,
+optimizer, schedule, RNG, step (frozen weights are rebuilt from the recipe: ``_TRAINED_ONLY``).
 
 A checkpoint is written to ``checkpoints/.tmp-step-N`` and renamed to ``step-N`` by
 rank 0 after every rank finished, so a crash mid-save leaves the last good checkpoint
@@ -30,13 +31,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from weft.core.errors import EXIT_RUNTIME, WeftError
 from weft.core.train.collectives import any_rank, collective_device
 
 _STEP = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
+#: What trains, not what is rebuilt: frozen parameters (a frozen unit, the base under adapters,
+#: 4-bit weights) are made again from the run's recipe (``model.path`` or the seed) when it
+#: resumes or exports, so a checkpoint of a LoRA run holds its adapters and their optimizer
+#: states (megabytes), not a copy of the base.
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+_LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 class CheckpointError(WeftError):
@@ -59,7 +66,7 @@ def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank:
     tmp = root / f".tmp-step-{step}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     device = collective_device(next(model.parameters()).device)
     error, mine = None, {}
     if rank == 0:
@@ -136,10 +143,11 @@ def verify(path: pathlib.Path, *, rank: int = 0, world: int = 1) -> str | None:
 def load(*, path: pathlib.Path, model, optimizer, scheduler, rank: int) -> int:
     """Restore a checkpoint in place; returns the step it was taken after."""
     meta = json.loads((path / "meta.json").read_text())
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp.load(state, checkpoint_id=str(path))  # every trained tensor must be there: DCP raises otherwise
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_LOAD_TRAINED)
     scheduler.load_state_dict(meta["scheduler"])
     rng = path / f"rng-rank{rank}.pt"
     if rng.is_file() and meta["world_size"] == dist.get_world_size():

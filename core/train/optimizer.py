@@ -79,9 +79,13 @@ def lr_lambda(recipe: Any):
 def state_gib(model: torch.nn.Module, optimizer: Any) -> dict[str, float]:
     """This rank's bytes (GiB) of weights, gradients and optimizer states, as they stand:
     read after a backward and an optimizer step, it shows what frozen units and sharding
-    save. A DTensor counts its local shard."""
+    save. A DTensor counts its local shard; a tensor subclass that stores other tensors (a 4-bit
+    weight, 8-bit optimizer states) counts those."""
     def local(t: torch.Tensor) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
+        if hasattr(type(t), "__tensor_flatten__"):
+            inner, _ = t.__tensor_flatten__()
+            return sum(local(getattr(t, name)) for name in inner)
         return t.numel() * t.element_size()
 
     params = list(model.parameters())

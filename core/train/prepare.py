@@ -59,7 +59,9 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
                  model=adapter.name, params=sum(p.numel() for p in model.parameters()), device=str(ctx.device),
                  gpu=gpu)
     pm.call_all("weft_shard", model=model, plan=plan, mesh=mesh, ctx=ctx)
-    adapter.materialize(model, recipe, device=ctx.device, seed=recipe.train.seed, log=ctx.log)
+    quantize = plan.quantized_units()  # passed only when asked: a family's own materialize may not take it
+    adapter.materialize(model, recipe, device=ctx.device, seed=recipe.train.seed, log=ctx.log,
+                        **({"quantize": quantize} if quantize else {}))
     for added in adapters:  # after the base's weights: the adapters are not in its checkpoint
         added.init(model, seed=recipe.train.seed)
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)

@@ -40,21 +40,24 @@ class TransformersAdapter:
     def config(self, recipe: Recipe) -> tuple[Any, str | None]:
         return build.model_config(recipe)
 
-    def build(self, recipe: Recipe, *, device: torch.device | str, seed: int) -> torch.nn.Module:
+    def build(self, recipe: Recipe, *, device: torch.device | str, seed: int,
+              quantize: dict[str, str] | None = None) -> torch.nn.Module:
         config = self.config(recipe)[0]
         if recipe.model.path is not None and str(device) != "meta":
-            return build.from_pretrained(recipe, auto_class=self.auto_class, config=config, device=device)
+            model = build.from_pretrained(recipe, auto_class=self.auto_class, config=config, device=device)
+            build.quantize_units(model, quantize or {})
+            return model
         model = build.on_meta(auto_class=self.auto_class, config=config)
         if str(device) != "meta":
-            self.materialize(model, recipe, device=torch.device(device), seed=seed, log=None)
+            self.materialize(model, recipe, device=torch.device(device), seed=seed, log=None, quantize=quantize)
         return model
 
     def materialize(self, model: torch.nn.Module, recipe: Recipe, *, device: torch.device, seed: int,
-                    log: Any) -> None:
+                    log: Any, quantize: dict[str, str] | None = None) -> None:
         if recipe.model.path is not None:
-            build.load_weights(model, recipe, device=device, log=log)
+            build.load_weights(model, recipe, device=device, log=log, quantize=quantize)
         else:
-            build.init_weights(model, device=device, seed=seed, log=log)
+            build.init_weights(model, device=device, seed=seed, log=log, quantize=quantize)
 
     def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path) -> None:
         build.export(model, processor=self.config(recipe)[1], out_dir=out_dir)

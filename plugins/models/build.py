@@ -87,22 +87,55 @@ def on_meta(*, auto_class: str, config: Any) -> torch.nn.Module:
         return getattr(transformers, auto_class).from_config(config, dtype=torch.float32)
 
 
-def init_weights(model: torch.nn.Module, *, device: torch.device, seed: int, log: Any) -> None:
+def init_weights(model: torch.nn.Module, *, device: torch.device, seed: int, log: Any,
+                 quantize: dict[str, str] | None = None) -> None:
     """A preset's random init on a meta-device model, sharded or whole: storage on ``device``,
     then each rank draws only its rows, from the seed and the parameter's name on the CPU's
     generator, so the weights are the same whatever the world size and the device
-    (strategies/model/seeded_init.py); rotary tables and other non-persistent buffers recomputed."""
+    (strategies/model/seeded_init.py); rotary tables and other non-persistent buffers recomputed.
+    ``quantize``: {unit path: method}: those units materialised and quantised one at a time."""
     from weft.strategies.model.seeded_init import init_parameters
     from weft.strategies.model.sharded_load import reset_non_persistent_buffers
 
-    model.to_empty(device=device)
-    retie(model)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     std = float(getattr(config, "initializer_range", None) or getattr(model.config, "initializer_range", 0.02))
-    filled = init_parameters(model, seed=seed, std=std)
+    filled = _materialize(model, device=device, quantize=quantize, log=log,
+                          fill=lambda include: init_parameters(model, seed=seed, std=std, include=include))
     rotary = reset_non_persistent_buffers(model)
     if log is not None:
         log.info("weights.initialised", seed=seed, std=std, parameters=filled, rotary_tables=rotary)
+
+
+def quantize_units(model: torch.nn.Module, quantize: dict[str, str]) -> None:
+    """{unit path: method}: those units' linear weights quantised in place (a model already whole)."""
+    from weft.strategies.model.quantize import quantize_linears
+
+    for path, method in quantize.items():
+        quantize_linears(model.get_submodule(path), method=method)
+
+
+def _materialize(model: torch.nn.Module, *, device: torch.device, quantize: dict[str, str] | None, fill,
+                 log: Any) -> int:
+    """Storage for every tensor and ``fill``'s values; with ``quantize``, unit by unit, each unit's
+    linear weights quantised before the next one exists in full precision."""
+    if not quantize:
+        model.to_empty(device=device)
+        retie(model)
+        return fill(None)
+    from weft.strategies.model.materialize import materialize_in_parts
+    from weft.strategies.model.quantize import quantize_linears
+
+    totals: dict[str, int] = {}
+
+    def finish(path: str, module: torch.nn.Module) -> None:
+        for key, value in quantize_linears(module, method=quantize[path]).items():
+            totals[key] = totals.get(key, 0) + value
+
+    filled = materialize_in_parts(model, device=device, parts=list(quantize), fill=fill, finish=finish)
+    retie(model)
+    if log is not None:
+        log.info("weights.quantized", units=len(quantize), methods=sorted(set(quantize.values())), **totals)
+    return filled
 
 
 def text_split(*, plan: Any, mesh: Any) -> Any:
@@ -145,18 +178,19 @@ def retie(model: torch.nn.Module) -> None:
                            "materialising; shard them in one FSDP unit")
 
 
-def load_weights(model: torch.nn.Module, recipe: Recipe, *, device: torch.device, log) -> None:
-    """Materialise a meta-device (sharded) model and fill it from the recipe's model directory."""
+def load_weights(model: torch.nn.Module, recipe: Recipe, *, device: torch.device, log,
+                 quantize: dict[str, str] | None = None) -> None:
+    """Materialise a meta-device (sharded) model and fill it from the recipe's model directory
+    (``quantize``: as ``init_weights``)."""
     from weft.strategies.model.sharded_load import load_sharded, reset_non_persistent_buffers
 
-    model.to_empty(device=device)
-    retie(model)
     tied = ({"lm_head.weight": "model.language_model.embed_tokens.weight"}
             if getattr(model.config, "tie_word_embeddings", False) else None)
     if tied and not any(n == "model.language_model.embed_tokens.weight" for n, _ in model.named_parameters()):
         tied = {"lm_head.weight": "model.embed_tokens.weight"}
     try:
-        tensors = load_sharded(model, recipe.model_dir(), tied=tied)
+        tensors = _materialize(model, device=device, quantize=quantize, log=log,
+                               fill=lambda include: load_sharded(model, recipe.model_dir(), tied=tied, include=include))
     except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError) as error:
         raise WeftError(f"cannot load the weights: {error}", where=f"{recipe.source} (model.path)") from None
     rotary = reset_non_persistent_buffers(model)

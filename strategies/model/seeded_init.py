@@ -17,6 +17,7 @@ the rest normal(0, std).
 from __future__ import annotations
 
 import hashlib
+from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -32,19 +33,20 @@ _NORM_KINDS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnor
 
 
 def init_parameters(model: torch.nn.Module, *, seed: int, std: float, block_rows: int = 1024,
-                    only: frozenset[str] | None = None) -> int:
+                    only: frozenset[str] | None = None, include: Callable[[str], bool] | None = None) -> int:
     """Fill every parameter of ``model`` in place (plain tensors or DTensors sharded on any
     dims, e.g. FSDP2's Shard(0) or HSDP's (Replicate, Shard(0))). Their storage must exist
     (after ``to_empty``); buffers are left alone. ``only``: fill just the parameters of these
-    names (without wrapper prefixes), e.g. the adapters added to a model already filled.
-    Returns the number of parameters filled."""
+    names (without wrapper prefixes), e.g. the adapters added to a model already filled;
+    ``include``: just those whose name (as ``named_parameters`` gives it) it accepts, e.g. one
+    unit's (strategies/model/materialize.py). Returns the number of parameters filled."""
     if block_rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     modules = dict(model.named_modules())
     count = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if only is not None and _canonical(name) not in only:
+            if (only is not None and _canonical(name) not in only) or (include is not None and not include(name)):
                 continue
             owner_name, _, leaf = name.rpartition(".")
             owner = modules[owner_name]

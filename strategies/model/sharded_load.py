@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -62,11 +63,13 @@ def source_name(name: str, available: dict) -> str | None:
     return None
 
 
-def load_sharded(model: torch.nn.Module, path: pathlib.Path, *, tied: dict[str, str] | None = None) -> int:
+def load_sharded(model: torch.nn.Module, path: pathlib.Path, *, tied: dict[str, str] | None = None,
+                 include: Callable[[str], bool] | None = None) -> int:
     """Copy every parameter and persistent buffer of ``model`` from the checkpoint at ``path``.
 
     ``tied``: model name -> name of the tensor it shares (tied embeddings), used when the
-    checkpoint leaves the tied copy out. Returns the number of tensors loaded.
+    checkpoint leaves the tied copy out; ``include``: only the tensors whose name it accepts
+    (one unit's, strategies/model/materialize.py). Returns the number of tensors loaded.
     """
     available = checkpoint_files(path)
     handles: dict[pathlib.Path, object] = {}
@@ -74,6 +77,8 @@ def load_sharded(model: torch.nn.Module, path: pathlib.Path, *, tied: dict[str, 
     loaded = 0
     persistent = {name for name, _ in model.named_buffers()} - _non_persistent(model)
     targets = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in persistent]
+    if include is not None:
+        targets = [(n, t) for n, t in targets if include(n)]
     for name, tensor in targets:
         if ADAPTER_PART in name and source_name(name, available) is None:
             continue  # an adapter's own parameter, filled by its init after the base's weights
