@@ -46,12 +46,17 @@ RECOMPUTE_OFFLOADED = 10.0
 #: The fused loss's working memory beyond its two gradients besides the float32 sum's
 #: surplus over the bf16 head gradient (256 MiB chunks; measured 1.57 GiB at 128K).
 FUSED_LOSS_CHUNKS = 0.55 * GIB
+#: Bytes of a weight stored as torchao's NF4 (4-bit codes, an 8-bit scaler per 64 values, the
+#: scalers' own scalers): measured 0.518 at 72B's MLP shapes (BENCHMARKS.md, "A frozen NF4 base
+#: linear").
+NF4_BYTES = 0.518
 #: The chunked loss over materialised logits: float32 chunk temporaries (512 MiB chunks).
 LOGITS_LOSS_CHUNKS = 1.0 * GIB
 #: What a decoder layer with adapters (PEFT LoRA) holds beyond the same layer without, in layer
 #: inputs: fitted to one run (7B at 128K on one H200, r 16 on every linear, "except_attention",
 #: compiled: 30 GiB over 28 layers). Not explained yet: on CPU, PEFT's layers under the same
-#: selective recomputation save what the plain layer saves (docs/estimate.md).
+#: selective recomputation save what the plain layer saves (docs/estimate.md). Not counted for
+#: fully recomputed layers (they keep their input alone).
 ADAPTER_SURPLUS = 1.22
 
 
@@ -87,6 +92,7 @@ class Unit:
     mlp_tile_tokens: int = 0
     trainable: bool = True  # False: a frozen unit (no gradients, no optimizer states)
     adapter_params: int = 0  # its adapters' (LoRA's r x (in + out) per layer): trained, beside ``params``
+    quantized_params: int = 0  # of ``params``, the linear weights stored in 4 bits (``quantize = "nf4"``)
     state_bytes: float | None = None  # optimizer state per parameter; None: two moments in the storage dtype
     source: str = ""
 
@@ -123,7 +129,8 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
         if u.offload:  # FSDP2 offload: shards, gradients and states live on the CPU
             host_static += ((u.params + u.adapter_params) + 3 * trained) * u.storage_bytes / shard
             continue
-        part["weights"] += (u.params + u.adapter_params) * u.storage_bytes / shard
+        part["weights"] += ((u.params - u.quantized_params + u.adapter_params) * u.storage_bytes
+                            + u.quantized_params * NF4_BYTES) / shard
         part["gradients"] += trained * u.storage_bytes / shard
         per = 2 * u.storage_bytes if u.state_bytes is None else u.state_bytes
         part["optimizer"] += trained * per / shard
@@ -138,8 +145,11 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
     part["activations"] = sum(0.0 if u.offload_activations else
                               layer_saved(u.checkpoint, shape, layer_in, tokens, tiled=u.mlp_tile_tokens > 0)
                               for u in text)
-    if any(u.adapter_params for u in text):
-        part["adapter surplus"] = sum(ADAPTER_SURPLUS * layer_in for u in text if u.adapter_params)
+    # The surplus was measured under selective recomputation; a fully recomputed layer keeps its
+    # input alone whatever its inside (torch's checkpoint saves nothing else), adapters or not.
+    surplus = [u for u in text if u.adapter_params and u.checkpoint != "full"]
+    if surplus:
+        part["adapter surplus"] = sum(ADAPTER_SURPLUS * layer_in for u in surplus)
     vision = [u for u in units if u.modality == "vision"]
     patches = setup.patches / setup.sp  # images are spread over the SP ranks
     if vision and shape.vision_hidden and _backward_reaches(vision):

@@ -42,10 +42,24 @@ def units_of(plan: Any, model: Any) -> list[Unit]:
             offload=getattr(params, "offload", False),
             mlp_tile_tokens=getattr(params, "mlp_tile_tokens", 0),
             trainable=getattr(params, "trainable", True) and not adapted,
+            quantized_params=_quantized(model, path, own) if getattr(params, "quantize", "none") != "none" else 0,
             state_bytes=_state_bytes(m, storage=_BYTES[getattr(params, "storage_dtype", None) or "float32"]),
             source=decision.source,
         ))
     return units
+
+
+def _quantized(model: Any, path: str, own: dict) -> int:
+    """The unit's own linear weights a 4-bit rule quantises: whole 64-value blocks, adapters' not
+    (as strategies/model/quantize.py does)."""
+    if model is None:
+        return 0
+    import torch
+
+    module = model.get_submodule(path) if path else model
+    return sum(layer.weight.numel() for name, layer in module.named_modules()
+               if isinstance(layer, torch.nn.Linear) and "lora_" not in name and id(layer.weight) in own
+               and layer.weight.numel() % 64 == 0)
 
 
 def _state_bytes(module: Any, *, storage: int) -> float | None:
