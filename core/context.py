@@ -31,6 +31,7 @@ class RunContext:
     adapter: ModelAdapter | None = None  # the model family's adapter (weft_models)
     positions: PositionWatch | None = None  # largest position id seen, vs the rotary context
     optimizer: Any = None  # the run's optimizer (weft_optimizer), once made; guards may read its state
+    adapter_dir: pathlib.Path | None = None  # weft eval/generate --adapter: a saved adapter the adapter hook loads
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n

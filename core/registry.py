@@ -89,6 +89,11 @@ class Adapters:
     #: ``merge(model)``: fold the trained adapters into the base's weights and remove their
     #: layers, in place, on a whole (unsharded) model: what `weft export` writes. None: cannot.
     merge: Callable[..., None] | None = None
+    #: ``save(model, tensors, out_dir, *, base)``: write the trained adapters (``tensors``: their
+    #: values by name in the model, read from a checkpoint) as the library that loads them expects
+    #: (PEFT's adapter directory), ``model`` built on the meta device with the adapters added,
+    #: ``base`` the model they adapt (a path or a preset's name). None: only a merged export.
+    save: Callable[..., None] | None = None
 
 
 VERDICTS: tuple[str, ...] = ("continue", "checkpoint", "skip", "abort")  # weakest first

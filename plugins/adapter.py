@@ -64,6 +64,9 @@ def weft_strategies():
 
 @hookimpl
 def weft_adapter(model, plan, ctx):
+    folder = getattr(ctx, "adapter_dir", None) if ctx is not None else None
+    if folder is not None:  # weft eval/generate --adapter: the directory's adapter, not the rules'
+        return _from_directory(model, folder, ctx=ctx)
     decided = plan.modules_for("adapter", "lora")
     if not decided:
         return None
@@ -96,7 +99,54 @@ def weft_adapter(model, plan, ctx):
     if ctx is not None and ctx.log is not None:
         ctx.log.info("adapter.lora", **summary)
     return Adapters(names=tuple(sorted(added)), init=lambda m, *, seed: _init(m, params_of=params_of, seed=seed),
-                    summary=summary, merge=_merge)
+                    summary=summary, merge=_merge, save=_save)
+
+
+def _from_directory(model, folder, *, ctx):
+    """A saved PEFT adapter (``adapter_config.json``, ``adapter_model.safetensors``) on the model:
+    its layers added as its config says, frozen (eval and generate train nothing), their
+    weights read after the base's, each rank its shards (strategies/model/sharded_load.py)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from weft.core.errors import WeftError
+
+    try:
+        config = LoraConfig.from_pretrained(str(folder))
+    except (ValueError, TypeError, OSError) as error:
+        raise WeftError(f"{folder}/adapter_config.json is not a LoRA adapter's config ({error})",
+                        where="--adapter") from None
+    before = {name for name, _ in model.named_parameters()}
+    try:
+        inject_adapter_in_model(config, model)
+    except ValueError as error:  # PEFT: its target modules are not in this model
+        raise WeftError(f"the adapter in {folder} does not fit this model: {error}", where="--adapter") from None
+    # PEFT renames each adapted layer's weights (under ``base_layer``): new names, old tensors.
+    added = tuple(sorted(name for name, _ in model.named_parameters() if name not in before and ".lora_" in name))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    summary = {"layers": sum(1 for n in added if ".lora_A." in n), "parameters": sum(
+        p.numel() for n, p in model.named_parameters() if n in added), "from": str(folder)}
+    if ctx.log is not None:
+        ctx.log.info("adapter.loaded", **summary)
+    return Adapters(names=added, init=lambda m, *, seed: _load(m, folder=folder, names=frozenset(added)),
+                    summary=summary, merge=_merge, save=_save)
+
+
+def _load(model, *, folder, names: frozenset) -> None:
+    import pathlib
+
+    from weft.core.errors import WeftError
+    from weft.strategies.model.sharded_load import load_sharded
+
+    try:
+        load_sharded(model, pathlib.Path(folder), include=names.__contains__, name_map=_peft_name)
+    except (KeyError, ValueError) as error:
+        raise WeftError(f"cannot load the adapter's weights: {error}", where="--adapter") from None
+
+
+def _peft_name(name: str) -> str:
+    """A model's adapter parameter as PEFT's adapter directory names it (no adapter name)."""
+    return "base_model.model." + name.replace(".default.", ".")
 
 
 def _one_config(by_layer: dict):
@@ -179,6 +229,25 @@ def _merge(model) -> None:
         setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
     if hasattr(model, "peft_config"):
         del model.peft_config  # nothing of PEFT's left in the exported model's config
+
+
+def _save(model, tensors: dict, out_dir, *, base: str) -> None:
+    """PEFT's adapter directory, as ``PeftModel.save_pretrained`` writes it: adapter_config.json
+    (the one adapter's config, ``base_model_name_or_path`` = ``base``) and
+    adapter_model.safetensors (keys ``base_model.model.<layer>.lora_A.weight``: PeftModel's own
+    names, without the adapter's name), loadable by ``PeftModel.from_pretrained``."""
+    import pathlib
+
+    from safetensors.torch import save_file
+
+    config = model.peft_config["default"]
+    config.base_model_name_or_path = base
+    config.inference_mode = True
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out_dir))
+    named = {_peft_name(name): t.contiguous() for name, t in tensors.items() if ".lora_" in name}
+    save_file(named, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def _shown(targets) -> str:

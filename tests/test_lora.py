@@ -89,7 +89,7 @@ def test_a_run_trains_the_adapters_and_leaves_the_base(weft, tmp_path):
     assert lora_b and all(v.abs().max() > 0 for v in lora_b)  # the adapters moved
     # `weft export` folds the adapters into the base's weights: a plain transformers model with
     # the adapted model's logits.
-    assert weft("export", "run", "hf", cwd=tmp_path).returncode == 0
+    assert weft("export", "run", "hf", "--merge", cwd=tmp_path).returncode == 0
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     merged = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf")
@@ -193,7 +193,7 @@ def test_an_adapter_run_resumes_as_it_would_have_gone_on(weft, tmp_path):
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["start_step"] == 2
     assert losses("b")[3] == losses("a")[3] and losses("b")[4] == losses("a")[4]
     for run in ("a", "b"):
-        assert weft("export", run, f"{run}-hf", cwd=tmp_path).returncode == 0
+        assert weft("export", run, f"{run}-hf", "--merge", cwd=tmp_path).returncode == 0
     from safetensors.torch import load_file
 
     a, b = load_file(tmp_path / "a-hf" / "model.safetensors"), load_file(tmp_path / "b-hf" / "model.safetensors")
@@ -217,3 +217,46 @@ def test_check_is_exact_with_lora_on_four_ranks(weft, tmp_path, mesh):
     result = json.loads(done.stdout)
     assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
     assert result["grad_params"]["plan"] == result["grad_params"]["reference"] > 28  # both towers' adapters
+
+
+def test_export_writes_a_peft_adapter_directory_that_peft_and_weft_eval_load(weft, tmp_path):
+    """`weft export` of a LoRA run: PEFT's adapter directory (no base weights in it);
+    `PeftModel.from_pretrained` over the base gives the trained model's logits, and
+    `weft eval --adapter DIR` the loss `weft eval --run-dir` gives."""
+    import torch.distributed as dist
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from model_helpers import build_model
+    from weft.core.commands.export import load_checkpoint_into
+    from weft.core.run.checkpoint import checkpoint_dirs
+
+    recipe = _tiny(tmp_path, LORA.replace("checkpoint_every = 0", "checkpoint_every = 6"))
+    assert weft("run", "lora.toml", "--nproc", "1", "--run-dir", "run", cwd=tmp_path).returncode == 0
+    done = weft("export", "run", "ad", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tensors = load_file(tmp_path / "ad" / "adapter_model.safetensors")
+    assert len(tensors) == 8 and all(k.startswith("base_model.model.") and ".lora_" in k for k in tensors)
+    config = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["base_model_name_or_path"] == "qwen2_5_vl_tiny"
+    assert json.loads((tmp_path / "ad" / "weft_export.json").read_text())["adapters"] == "adapter directory"
+
+    trained, _, _ = _adapted(recipe)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        load_checkpoint_into(trained, checkpoint_dirs(tmp_path / "run")[-1])
+    finally:
+        dist.destroy_process_group()
+    peft_model = PeftModel.from_pretrained(build_model(recipe), tmp_path / "ad")
+    ids = torch.randint(0, 100, (1, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, trained(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    losses = {}
+    for flag, value in (("--run-dir", "run"), ("--adapter", "ad")):
+        done = weft("eval", "lora.toml", flag, value, "--max-batches", "2", "--json", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[flag] = json.loads(done.stdout)["loss"]
+    assert abs(losses["--adapter"] - losses["--run-dir"]) <= 1e-6 * abs(losses["--run-dir"])
+    done = weft("eval", "lora.toml", "--adapter", "run", cwd=tmp_path)  # not an adapter directory: a message
+    assert done.returncode == 2 and "has no adapter_config.json" in done.stderr

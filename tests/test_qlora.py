@@ -120,7 +120,7 @@ def test_a_4bit_run_checkpoints_its_adapters_alone_resumes_and_exports_what_it_t
         3: losses[3], 4: losses[4]}
     # Export: the adapters merged into the dequantised 4-bit weights: transformers' model
     # computes what the trained (4-bit + adapters) model computes.
-    assert weft("export", "a", "hf", cwd=tmp_path).returncode == 0
+    assert weft("export", "a", "hf", "--merge", cwd=tmp_path).returncode == 0
     import torch.distributed as dist
     from transformers import Qwen2_5_VLForConditionalGeneration
 

@@ -37,14 +37,16 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 
 
 def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
-              run_dir: pathlib.Path | None, step: int | None, max_batches: int = 0) -> dict:
+              run_dir: pathlib.Path | None, step: int | None, max_batches: int = 0,
+              adapter_dir: str | None = None) -> dict:
     from weft.core.mesh_spec import MESH_ORDER
     from weft.core.run.rank_job import prepare_inference
     from weft.core.train.loss import IGNORE, targets
     from weft.core.train.step import autocast_for, run_micro_batches
 
     pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
-                                                 device_type=device_type, run_dir=run_dir, step=step, one_pass=True)
+                                                 device_type=device_type, run_dir=run_dir, step=step, one_pass=True,
+                                                 adapter_dir=adapter_dir)
     decision = run.plan.decision("batching")
     steps = pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
                           model=run.model, ctx=ctx)

@@ -52,7 +52,11 @@ def load_checkpoint_into(model: torch.nn.Module, path: pathlib.Path) -> None:
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
 
 
-def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int | None = None) -> pathlib.Path:
+def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int | None = None,
+           merge: bool = False) -> pathlib.Path:
+    """A run's checkpoint as a Hugging Face model directory; a run with adapters as the
+    adapters' own directory (PEFT's: ``PeftModel.from_pretrained(base, out_dir)``), unless
+    ``merge``: then a plain model with the adapters folded into the base's weights."""
     recipe = run_recipe(run_dir)
     adapter = pm.models.for_recipe(recipe)
     found = checkpoint_dirs(run_dir)
@@ -67,26 +71,53 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int |
         # DCP's loader wants a process group; one rank is enough to reshard any save.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        plan = _rules_plan(adapter.build(recipe, device="meta", seed=recipe.train.seed), recipe, pm=pm)
-        # 4-bit units quantised as the run quantised them: merging an adapter into their
-        # (dequantised) weights, not into the original ones, gives the model that was trained.
-        quantize = plan.quantized_units()
-        model = adapter.build(recipe, device="cpu", seed=recipe.train.seed,
-                              **({"quantize": quantize} if quantize else {}))
-        adapters = _with_adapters(model, plan, recipe, pm=pm)
-        for path in plan.frozen_units():  # not in the checkpoint: the model as built holds them
-            model.get_submodule(path).requires_grad_(False)
-        load_checkpoint_into(model, checkpoint)
-        for added in adapters:  # a plain model, as from_pretrained builds it
-            added.merge(model)
+        meta = adapter.build(recipe, device="meta", seed=recipe.train.seed)
+        plan = _rules_plan(meta, recipe, pm=pm)
+        adapters = _with_adapters(meta, plan, recipe, pm=pm, merge=merge)
+        if adapters and not merge:  # the adapters alone: the base is never built
+            _save_adapters(meta, adapters, checkpoint, out_dir, recipe=recipe)
+            kind = "adapter directory"
+        else:
+            # 4-bit units quantised as the run quantised them: merging an adapter into their
+            # (dequantised) weights, not into the original ones, gives the model that was trained.
+            quantize = plan.quantized_units()
+            model = adapter.build(recipe, device="cpu", seed=recipe.train.seed,
+                                  **({"quantize": quantize} if quantize else {}))
+            adapters = _with_adapters(model, plan, recipe, pm=pm, merge=merge)
+            for path in plan.frozen_units():  # not in the checkpoint: the model as built holds them
+                model.get_submodule(path).requires_grad_(False)
+            load_checkpoint_into(model, checkpoint)
+            for added in adapters:  # a plain model, as from_pretrained builds it
+                added.merge(model)
+            kind = "merged" if adapters else None
     finally:
         if started:
             dist.destroy_process_group()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    adapter.export(model, recipe, out_dir)
+    if kind != "adapter directory":
+        out_dir.mkdir(parents=True, exist_ok=True)
+        adapter.export(model, recipe, out_dir)
     (out_dir / "weft_export.json").write_text(json.dumps(
-        {"run_dir": str(run_dir), "checkpoint": checkpoint.name, "adapters": "merged" if adapters else None}, indent=1))
+        {"run_dir": str(run_dir), "checkpoint": checkpoint.name, "adapters": kind}, indent=1))
     return checkpoint
+
+
+def _save_adapters(meta: torch.nn.Module, adapters: list, checkpoint: pathlib.Path, out_dir: pathlib.Path, *,
+                   recipe: Recipe) -> None:
+    """The adapters' tensors read from the checkpoint alone (a 72B run's adapters, not its base),
+    in the dtypes they were trained in, written by their plugin's ``save``."""
+    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    params = dict(meta.named_parameters())
+    names = [name for added in adapters for name in added.names]
+    missing = [n for n in names if f"model.{n}" not in saved]
+    if missing:
+        raise WeftError(f"checkpoint {checkpoint} lacks {len(missing)} adapter tensors, e.g. {missing[:3]}",
+                        where=str(checkpoint))
+    tensors = {n: torch.empty(params[n].shape, dtype=saved[f"model.{n}"].properties.dtype) for n in names}
+    state = {"model": tensors}
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    base = str(recipe.model.path) if recipe.model.path is not None else recipe.model.preset
+    for added in adapters:
+        added.save(meta, {n: state["model"][n] for n in added.names}, out_dir, base=base)
 
 
 def _rules_plan(model: torch.nn.Module, recipe: Recipe, *, pm: Any) -> Any:
@@ -99,13 +130,16 @@ def _rules_plan(model: torch.nn.Module, recipe: Recipe, *, pm: Any) -> Any:
     return build_plan(recipe=recipe, modules=modules, registry=pm.registry, mesh=MeshSpec(), world_size=1)
 
 
-def _with_adapters(model: torch.nn.Module, plan: Any, recipe: Recipe, *, pm: Any) -> list:
+def _with_adapters(model: torch.nn.Module, plan: Any, recipe: Recipe, *, pm: Any, merge: bool) -> list:
     """The run's adapters (its rules' ``weft_adapter``) on the model, so the checkpoint's names
-    fit; refused where a plugin's adapters cannot be merged into the base's weights."""
+    fit; refused where their plugin cannot write what was asked."""
     from weft.core.plan.planner import add_adapters
 
     adapters = add_adapters(model, plan=plan, pm=pm, ctx=None)
-    if any(added.merge is None for added in adapters):
+    if merge and any(added.merge is None for added in adapters):
         raise WeftError("this run's adapters cannot be merged into the base's weights (their plugin gives no "
-                        "merge), so weft export cannot write them as a Hugging Face model", where=recipe.source)
+                        "merge): export them without --merge", where=recipe.source)
+    if not merge and any(added.save is None for added in adapters):
+        raise WeftError("this run's adapters have no directory format of their own (their plugin gives no save): "
+                        "export with --merge for a plain model", where=recipe.source)
     return adapters

@@ -39,12 +39,14 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 
 def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,
               images: list[str], videos: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
-              run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False) -> dict:
+              run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False,
+              adapter_dir: str | None = None) -> dict:
     from weft.core.run.rank_job import prepare_inference
     from weft.core.train.step import autocast_for
 
     pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
-                                                 device_type=device_type, run_dir=run_dir, step=step)
+                                                 device_type=device_type, run_dir=run_dir, step=step,
+                                                 adapter_dir=adapter_dir)
     model, device = run.model, ctx.device
     inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None
               else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))

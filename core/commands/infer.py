@@ -66,6 +66,9 @@ def _common(parser: Any, positive: Callable[[str], int]) -> None:
     parser.add_argument("--run-dir", type=pathlib.Path, default=None,
                         help="weights from this weft run's newest checkpoint (default: the recipe's initial ones)")
     parser.add_argument("--step", type=positive, default=None, help="with --run-dir: this step's checkpoint")
+    parser.add_argument("--adapter", type=pathlib.Path, default=None, metavar="DIR",
+                        help="a PEFT adapter directory (adapter_config.json, adapter_model.safetensors; `weft export` "
+                             "of a LoRA run writes one) applied over the recipe's model, instead of its adapter rules")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -101,6 +104,9 @@ def _forwarded(args: Any, overrides: list[str], options: dict, *,
     if args.run_dir is not None and not (args.run_dir / "checkpoints").is_dir():
         raise WeftError(f"{args.run_dir} has no checkpoints/ folder; --run-dir takes a weft run directory",
                         where="--run-dir")
+    if args.adapter is not None:
+        _check_adapter_dir(args)
+        options = {**options, "adapter_dir": str(args.adapter.resolve())}
     recipe = _recipe(args.recipe, overrides)
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.run.model_files import check_processor_files, check_weight_files
@@ -112,6 +118,16 @@ def _forwarded(args: Any, overrides: list[str], options: dict, *,
     if args.run_dir is not None:
         forwarded += ["--run-dir", str(args.run_dir.resolve())] + (["--step", str(args.step)] if args.step else [])
     return recipe, forwarded
+
+
+def _check_adapter_dir(args: Any) -> None:
+    if args.run_dir is not None:
+        raise WeftError("--adapter gives the adapters' weights, --run-dir a run's: give one of them", where="--adapter")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (args.adapter / name).is_file():
+            raise WeftError(f"{args.adapter} has no {name}; --adapter takes a PEFT adapter directory "
+                            "(adapter_config.json and adapter_model.safetensors, as `weft export` writes for a LoRA "
+                            "run)", where="--adapter")
 
 
 def _cmd_eval(args) -> int:

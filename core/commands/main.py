@@ -97,6 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", type=pathlib.Path)
     export.add_argument("--step", type=_positive, default=None,
                         help="export this step's checkpoint instead of the newest")
+    export.add_argument("--merge", action="store_true",
+                        help="a run with adapters: fold them into the base's weights and write a plain model "
+                             "(default: the adapters' own directory, PEFT's adapter_config.json and "
+                             "adapter_model.safetensors)")
     export.set_defaults(func=_cmd_export)
 
     plugins = sub.add_parser("plugins", help="hook points, plugins and their strategies")
@@ -208,7 +212,7 @@ def _cmd_check_worker(args) -> int:
 def _cmd_export(args) -> int:
     from weft.core.commands.export import export
 
-    checkpoint = export(args.run_dir, args.out_dir, step=args.step, pm=plugin_manager_from_env())
+    checkpoint = export(args.run_dir, args.out_dir, step=args.step, pm=plugin_manager_from_env(), merge=args.merge)
     print(f"weft: exported {checkpoint} to {args.out_dir}", file=sys.stderr)
     return EXIT_OK
 

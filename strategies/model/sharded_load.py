@@ -64,12 +64,13 @@ def source_name(name: str, available: dict) -> str | None:
 
 
 def load_sharded(model: torch.nn.Module, path: pathlib.Path, *, tied: dict[str, str] | None = None,
-                 include: Callable[[str], bool] | None = None) -> int:
+                 include: Callable[[str], bool] | None = None, name_map: Callable[[str], str] | None = None) -> int:
     """Copy every parameter and persistent buffer of ``model`` from the checkpoint at ``path``.
 
     ``tied``: model name -> name of the tensor it shares (tied embeddings), used when the
     checkpoint leaves the tied copy out; ``include``: only the tensors whose name it accepts
-    (one unit's, strategies/model/materialize.py). Returns the number of tensors loaded.
+    (one unit's, strategies/model/materialize.py); ``name_map``: a model name to the name it
+    has in the files (a PEFT adapter directory's). Returns the number of tensors loaded.
     """
     available = checkpoint_files(path)
     handles: dict[pathlib.Path, object] = {}
@@ -79,12 +80,13 @@ def load_sharded(model: torch.nn.Module, path: pathlib.Path, *, tied: dict[str, 
     targets = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in persistent]
     if include is not None:
         targets = [(n, t) for n, t in targets if include(n)]
-    for name, tensor in targets:
-        if ADAPTER_PART in name and source_name(name, available) is None:
+    for model_name, tensor in targets:
+        name = name_map(model_name) if name_map is not None else model_name
+        if ADAPTER_PART in name and source_name(name, available) is None and name_map is None:
             continue  # an adapter's own parameter, filled by its init after the base's weights
         source = source_name(name, available) or (source_name(tied[name], available) if tied and name in tied else None)
         if source is None:
-            missing.append(name)
+            missing.append(model_name)
             continue
         file = available[source]
         handle = handles.get(file) or handles.setdefault(file, _open(file))
