@@ -345,9 +345,10 @@ def test_a_frozen_weight_counts_the_flops_it_runs():
     assert sequence_flops(params=1000, frozen=900, layers=2, hidden=8, length=16) == full - 2 * 900 * 16
 
 
-#: ``benchmarks/variants/7b-lora-128k.toml`` on one H200 (BENCHMARKS.md, "LoRA by rule: the first
-#: 7B row at 128K"): 4,266 tokens/s (30.7 s a step), 106.84 GiB allocated at the peak, states
-#: weights 15.52 / gradients 0.075 / optimizer 0.150 GiB.
+#: ``recipes/qwen2.5-vl-7b-lora-128k-1gpu.toml`` (then benchmarks/variants/7b-lora-128k.toml) on
+#: one H200 (BENCHMARKS.md, "LoRA by rule: the first 7B row at 128K"): 4,266 tokens/s (30.7 s
+#: a step), 106.84 GiB allocated at the peak, states weights 15.52 / gradients 0.075 /
+#: optimizer 0.150 GiB.
 LORA_128K = {"gib": 106.84, "seconds": 131_072 / 4266, "states": (15.52, 0.075, 0.150)}
 
 
@@ -358,7 +359,7 @@ def test_the_lora_row_against_its_measured_run():
     base's weight-gradient products gone); the peak within 15% — but ADAPTER_SURPLUS (the 30 GiB
     the PEFT layers hold beyond the arithmetic, not explained yet) was fitted to this very row,
     so the peak is a fit, not a prediction (docs/estimate.md)."""
-    units, shape, setup = _plan(ROOT / "benchmarks" / "variants" / "7b-lora-128k.toml")
+    units, shape, setup = _plan(ROOT / "recipes" / "qwen2.5-vl-7b-lora-128k-1gpu.toml")
     assert sum(u.adapter_params for u in units) == 28 * 16 * (7168 + 4096 + 4096 + 7168 + 3 * 22528)
     mem = memory(units, shape, setup)
     states = (round(mem["weights"] / GIB, 2), round(mem["gradients"] / GIB, 3), round(mem["optimizer"] / GIB, 3))
@@ -378,11 +379,11 @@ def test_the_longest_length_of_an_adapter_run_uses_the_same_counts():
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe
 
-    loaded = Recipe.from_toml(str(ROOT / "benchmarks" / "variants" / "7b-lora-128k.toml"))
+    loaded = Recipe.from_toml(str(ROOT / "recipes" / "qwen2.5-vl-7b-lora-128k-1gpu.toml"))
     plan, model = plan_recipe(loaded, pm=plugin_manager_from_env(), world_size=1)
     result = estimate(loaded, plan, model, gpu="h200")
     assert result["adapter_parameters"] == 40_370_176 and result["memory_gib"]["gradients"] < 0.1
-    units, shape, setup = _plan(ROOT / "benchmarks" / "variants" / "7b-lora-128k.toml")
+    units, shape, setup = _plan(ROOT / "recipes" / "qwen2.5-vl-7b-lora-128k-1gpu.toml")
     budget = (GPUS["h200"].memory_gib - HEADROOM_GIB) * GIB
     longest = result["longest_tokens"]
     assert memory(units, shape, attrs.evolve(setup, tokens=longest))["total"] <= budget

@@ -77,6 +77,15 @@ def test_check_is_exact_with_a_4bit_base_under_ring2_and_dp2(weft, tmp_path):
         results[mesh] = result = json.loads(done.stdout)
         assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
         assert result["grad_params"] == {"reference": 28, "plan": 28}  # the adapters only
+    # Composed with what a long 4-bit run needs: the layers' inputs in host memory, their MLPs
+    # tiled, the fused loss.
+    _write(tmp_path, QLORA.replace('checkpoint = "full" }', 'checkpoint = "full", offload_activations = true, '
+                                   'mlp_tile_tokens = 256 }').replace('precision = "fp32"', 'precision = "fp32"\n'
+                                                                       'loss = "fused"'))
+    done = weft("check", "q.toml", "--world-size", "2", "--set", "parallel.ring=2", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    composed = json.loads(done.stdout)
+    assert composed["ok"] and composed["loss_rel_diff"] <= 1e-5 and composed["grad_max_rel_diff"] <= 1e-4
     _write(tmp_path, QLORA.replace('quantize = "nf4", ', ""))
     done = weft("check", "q.toml", "--world-size", "2", "--set", "parallel.ring=2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
