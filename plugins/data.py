@@ -16,6 +16,8 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
     config, processor = adapter.config(recipe)
     if recipe.data.source == "synthetic" and recipe.data.tokens:
         return long_synthetic(recipe, config=config, processor=processor)
+    if recipe.data.source == "text":
+        return text_corpus(recipe, config=config, processor=processor)
     if processor is None:
         raise WeftError("this model has no processor (tokenizer and image processor) to read data with; "
                         "set model.processor to a processor folder", where=f"{recipe.source} (model.processor)")
@@ -69,6 +71,34 @@ def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
         temporal_patch_size=getattr(vision, "temporal_patch_size", 2), in_channels=getattr(vision, "in_channels", 3),
     )
     return tokenizer, samples
+
+
+def text_corpus(recipe, *, config, processor) -> tuple[Any, Any]:
+    """(tokenizer or None, samples) of the text files ``data.path`` names, tokenized by the
+    model's tokenizer, or by a byte-level BPE trained on them when the model has none."""
+    import pathlib
+
+    from weft.strategies.data.text_corpus import STDLIB, corpus_files, corpus_tokenizer, text_samples
+
+    pattern = recipe.data.path
+    if not pattern.startswith(STDLIB):
+        pattern = str(recipe.relative(pattern))
+    files = corpus_files(pattern, base=pathlib.Path.cwd())
+    where = f"{recipe.source} (data.path)"
+    if not files:
+        raise WeftError(f"data.path {recipe.data.path!r} names no file (a glob of plain text files; "
+                        "\"<stdlib>/**/*.py\" takes the Python standard library's sources)", where=where)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tokenizer = _tokenizer_if_any(processor) if processor is not None else None
+    if tokenizer is not None:
+        end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        end = end if isinstance(end, int) and end != tokenizer.unk_token_id else tokenizer.eos_token_id
+        encode = lambda body: tokenizer(body, add_special_tokens=False, verbose=False).input_ids  # noqa: E731
+    else:  # a preset of a real size: a tokenizer of the corpus itself, within the model's vocabulary
+        cache = pathlib.Path.home() / ".cache" / "weft" / "text-tokenizers"
+        encode, end = corpus_tokenizer(files, vocab_size=min(text.vocab_size, 32768), cache_dir=cache)
+    return tokenizer, text_samples(files, encode=encode, end=end, tokens=recipe.data.tokens,
+                                   num_samples=recipe.data.num_samples)
 
 
 def video_limits(recipe, processor):

@@ -15,11 +15,14 @@ def _doc(text: str) -> dict[str, str]:
 
 @attrs.frozen(kw_only=True)
 class DataSection:
-    source: Literal["synthetic", "jsonl"] = attrs.field(default="synthetic",
-                                                        metadata=_doc("synthetic conversations or a JSONL chat file"))
+    source: Literal["synthetic", "jsonl", "text"] = attrs.field(default="synthetic", metadata=_doc(
+        "synthetic conversations, a JSONL chat file, or plain text files packed into samples of data.tokens tokens "
+        "(real text for loss curves)"))
     path: str | None = attrs.field(default=None, metadata=_doc(
-        "JSONL file (chat format), relative to the recipe (with --set: to the current folder)"))
-    num_samples: int = attrs.field(default=256, validator=in_range(low=1), metadata=_doc("synthetic samples"))
+        "jsonl: the JSONL file (chat format); text: a glob of plain text files (** recursive; \"<stdlib>/**/*.py\": "
+        "the Python standard library's sources); relative to the recipe (with --set: to the current folder)"))
+    num_samples: int = attrs.field(default=256, validator=in_range(low=1), metadata=_doc(
+        "synthetic samples; text: the most samples taken from the files"))
     min_side: int = attrs.field(default=28, validator=in_range(low=28),
                                 metadata=_doc("smallest synthetic image side, px"))
     max_side: int = attrs.field(default=112, validator=in_range(low=28),
@@ -38,7 +41,7 @@ class DataSection:
                               metadata=_doc("cache tokenized samples next to the dataset (<file>.weft-cache/)"))
     tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
         "synthetic: samples of exactly this many tokens, ids from the model's vocabulary, no tokenizer needed "
-        "(0: short chat conversations through the model's processor)"))
+        "(0: short chat conversations through the model's processor); text: the length of every sample"))
     tokens_max: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
         "synthetic with tokens: each sample's length drawn from [tokens, tokens_max]; 0 = exactly tokens"))
     images: tuple[tuple[int, ...], ...] = attrs.field(default=(), metadata=_doc(
@@ -58,6 +61,12 @@ class DataSection:
     def __attrs_post_init__(self) -> None:
         if self.source == "jsonl" and self.path is None:
             raise ValueError("data.source = 'jsonl' needs data.path")
+        if self.source == "text" and (self.path is None or not self.tokens):
+            raise ValueError("data.source = 'text' packs the files of data.path (a glob, e.g. \"<stdlib>/**/*.py\") "
+                             "into samples of data.tokens tokens: set both")
+        if self.source == "text" and (self.images or self.videos or self.tokens_max):
+            raise ValueError("data.source = 'text' makes text-only samples of exactly data.tokens tokens: drop "
+                             "data.images, data.videos and data.tokens_max")
         if self.source == "synthetic" and self.path is not None:
             # Training on synthetic data while the user meant their file is the worst silent failure.
             raise ValueError(f"data.path = {self.path!r} is read only with data.source = 'jsonl'; "
