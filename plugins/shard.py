@@ -35,6 +35,13 @@ class KeepParams:
     trainable: bool = attrs.field(default=True, metadata={
         "doc": "false: the unit's parameters are frozen (no gradients, no optimizer state, no gradient reduction); "
                "its forward still runs and gradients still flow through it to the units before"})
+    matmul: Literal["default", "float8"] = attrs.field(default="default", metadata={
+        "doc": "float8: the unit's linear layers multiply in float8 (torchao's float8 training; GPUs with float8 "
+               "units: Ada, Hopper, Blackwell), layers with a dimension not a multiple of 16 and adapters' layers "
+               "excepted; default: in the storage (or autocast) dtype"})
+    float8_recipe: Literal["rowwise", "tensorwise"] = attrs.field(default="rowwise", metadata={
+        "doc": "with matmul = float8, the scaling: rowwise (a scale per row) or tensorwise (one per tensor: faster, "
+               "coarser)"})
     quantize: Literal["none", "nf4"] = attrs.field(default="none", metadata={
         "doc": "nf4: the unit's frozen linear weights stored in 4 bits (torchao NF4, QLoRA's format: ~0.52 bytes a "
                "weight), quantised as the unit materialises; the unit must be frozen (trainable = false) or its "
@@ -55,6 +62,14 @@ def check_keep(params, *, recipe, plan) -> str | None:
     if params.offload_activations and params.checkpoint != "full":
         return (f"offload_activations = true needs checkpoint = 'full' (got {params.checkpoint!r}): only a fully "
                 "checkpointed unit keeps nothing but its input")
+    if params.matmul == "float8":
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            return "matmul = 'float8' needs the torchao package (pip install 'weft[float8]')"
+        if params.quantize != "none":
+            return (f"matmul = 'float8' and quantize = {params.quantize!r} on one unit: a 4-bit weight is not "
+                    "multiplied in float8; choose one")
     if params.quantize != "none":
         return _check_quantize(params, plan=plan)
     return None
@@ -94,6 +109,9 @@ def weft_shard(model, plan, mesh, ctx):
     # its sharding: torch's order is checkpointing, then FSDP.
     _check_storage(plan)
     _cast_storage(model, plan)
+    converted = _float8_units(model, plan, device=ctx.device)  # module swaps: before checkpointing and compile
+    if converted:
+        ctx.log.info("shard.float8", layers=converted)
     frozen = plan.frozen_units()
     for path in frozen:
         model.get_submodule(path).requires_grad_(False)
@@ -175,6 +193,36 @@ def _check_storage(plan) -> None:
                             f"an FSDP2 root stored in {want}; FSDP2 gathers them with the root's, in one dtype: give "
                             f"it storage_dtype = {want!r}, or shard it with strategy 'fsdp2'",
                             where=f"{m.get('shard').source} (shard.storage_dtype)")
+
+
+def _float8_units(model, plan, *, device) -> int:
+    """``matmul = "float8"``: each such unit's eligible linear layers swapped for torchao's
+    Float8Linear; a device without float8 matrix units is the rule's error."""
+    units = [u for u in plan.modules_for("shard") if u.info.kind == "unit"
+             and getattr(u.get("shard").params, "matmul", "default") == "float8"]
+    if not units:
+        return 0
+    from weft.strategies.model.float8 import convert, has_float8_units
+
+    if not has_float8_units(device):
+        from weft.core.errors import PlanError
+
+        rule = units[0].get("shard")
+        name = torch_device_name(device)
+        raise PlanError(f"shard rule {rule.rule!r} asks for matmul = 'float8' on {len(units)} units, but {name} has "
+                        "no float8 matrix units (GPUs of compute capability 8.9 or more: Ada, Hopper, Blackwell); "
+                        "drop the key to multiply in the storage dtype", where=f"{rule.source} (shard.matmul)")
+    return sum(len(convert(model.get_submodule(u.info.path), recipe=u.get("shard").params.float8_recipe))
+               for u in units)
+
+
+def torch_device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+    return f"the {device.type} device"
 
 
 def _tile_mlps(model, plan) -> int:
