@@ -2,7 +2,8 @@
 # Issue 15's GPU rows: Qwen2.5-VL-7B (random init) prefilling a 128K-token prompt (one
 # 448x448 image, the rest synthetic text: the bundled 128K recipe's own first sample) and
 # decoding 100 tokens, on one H200 (dynamic cache) and over two (ring 2, sharded cache); then
-# the same with the paged cache (benchmarks/variants/7b-128k-paged-cache.toml).
+# the same with the paged cache (benchmarks/variants/7b-128k-paged-cache.toml), and on one with
+# the static cache (benchmarks/variants/7b-128k-static-cache.toml).
 # Run from a scratch folder with weft installed (the checkout's weft/ would shadow it):
 #   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh      # OUT=... for the JSON
 set -uo pipefail
@@ -15,11 +16,13 @@ here=$(cd "$(dirname "$0")" && pwd)
 paged=("$here/variants/7b-128k-paged-cache.toml" "${common[@]:1}")
 python3 -m weft generate "${paged[@]}" --nproc 1 > "$out/one-paged.json" 2> "$out/one-paged.err"
 python3 -m weft generate "${paged[@]}" --nproc 2 --set parallel.ring=2 > "$out/two-paged.json" 2> "$out/two-paged.err"
+static=("$here/variants/7b-128k-static-cache.toml" "${common[@]:1}")
+python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static.json" 2> "$out/one-static.err"
 python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rows = {}
-for name in ("one", "two", "one-paged", "two-paged"):
+for name in ("one", "two", "one-paged", "two-paged", "one-static"):
     try:
         rows[name] = json.loads((out / f"{name}.json").read_text())
     except ValueError:
@@ -33,7 +36,7 @@ for name, r in rows.items():
 if "one" in rows and "two" in rows:
     print(f"prefill speed-up on two: {rows['one']['prefill_s'] / rows['two']['prefill_s']:.2f}x; "
           f"same tokens: {rows['one']['tokens'] == rows['two']['tokens']}")
-for name in ("one-paged", "two-paged"):
+for name in ("one-paged", "two-paged", "one-static"):
     if name in rows and "one" in rows:
         print(f"{name}: same tokens as the dynamic cache: {rows[name]['tokens'] == rows['one']['tokens']}")
 PY

@@ -8,6 +8,8 @@
   prompt's images and videos and text pages written in place (``page_tokens`` rows each),
   split over the sequence-parallel ranks as ``sharded`` splits them; decoding merges the
   partitions and the ranks by log-sum-exp (plugins/paged_cache.py);
+- ``static``: every layer's keys and values preallocated to the prompt plus the new tokens
+  and written in place, one process (plugins/static_cache.py);
 - ``auto`` (the default rules'): ``sharded`` when the plan splits the sequence, else ``dynamic``.
 """
 
@@ -29,9 +31,18 @@ def weft_strategies():
                  summary="transformers' DynamicCache, whole sequence on each rank"),
         Strategy(point="kv_cache", name="sharded", params=NoParams,
                  summary="each SP rank keeps its part of the sequence; decoding merges partial attention by LSE"),
+        Strategy(point="kv_cache", name="static", params=NoParams, check=_one_process,
+                 summary="preallocated to the prompt plus the new tokens, written in place; one process"),
         Strategy(point="kv_cache", name="paged", params=PagedParams,
                  summary="a vision pool and text pages per layer (split over SP ranks); merged by LSE"),
     ]
+
+
+def _one_process(params, *, recipe, plan) -> str | None:
+    if plan.mesh.sp > 1:
+        return ("the static cache keeps the whole sequence on each process; with sequence parallelism "
+                f"({plan.mesh.sp} ranks) use the sharded or paged cache")
+    return None
 
 
 @attrs.frozen(kw_only=True)
@@ -50,6 +61,10 @@ def weft_kv_cache(decision, model, plan, mesh, ctx):
         from transformers import DynamicCache
 
         return DynamicCache(config=config)
+    if strategy == "static":
+        from weft.plugins.static_cache import StaticCache
+
+        return StaticCache(num_layers=config.num_hidden_layers)
     if strategy not in ("sharded", "paged"):
         return None
     group = mesh.sp.get_group() if plan.mesh.sp > 1 else None

@@ -222,3 +222,24 @@ def test_prompt_from_the_recipes_long_synthetic_data():
 def test_mistakes_are_messages(args, message):
     done = weft("generate", RECIPE, *args)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_static_cache_equals_transformers_generate(image, expected, single, tmp_path):
+    """The preallocated cache (rows written in place, the rows past the position masked) gives
+    transformers' tokens; it holds the prompt plus every new token from the prefill on."""
+    recipe = tmp_path / "static.toml"
+    text = pathlib.Path(RECIPE).read_text().replace('include = ["rules/', f'include = ["{ROOT}/recipes/rules/')
+    recipe.write_text(text + '\n[[rules]]\nname = "static cache"\nwhen = { modality = "text" }\n'
+                      'kv_cache = { strategy = "static" }\n')
+    done = weft("generate", str(recipe), "--prompt", PROMPT, "--image", str(image), "--max-new-tokens", str(NEW),
+                "--json", "--nproc", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["cache"] == "StaticCache"
+    _same(got, expected)
+    whole = single["cache_bytes_per_rank"][0]  # the dynamic cache: prompt + NEW - 1 rows
+    per_token = whole / (expected["prompt_tokens"] + NEW - 1)
+    assert got["cache_bytes_per_rank"][0] == pytest.approx(per_token * (expected["prompt_tokens"] + NEW), rel=1e-9)
+    done = weft("generate", str(recipe), "--prompt", PROMPT, "--image", str(image), "--max-new-tokens", "2",
+                "--nproc", "2", "--set", "parallel.ring=2")
+    assert done.returncode == 2 and "the static cache keeps the whole sequence" in " ".join(done.stderr.split())

@@ -65,6 +65,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         with torch.no_grad(), autocast:
             _prefill(model, run=run, inputs=inputs, cache=new_cache(), device=device)
     cache = new_cache()
+    if hasattr(cache, "reserve"):  # a preallocated cache: the prompt and every token to come
+        cache.reserve(length + max_new_tokens)
     dist.barrier()
     start = time.perf_counter()
     with torch.no_grad(), autocast:
@@ -87,6 +89,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         with torch.compiler.set_stance("force_eager"):
             while len(tokens) < max_new_tokens and tokens[-1] not in stops:
                 position = length + len(tokens) - 1
+                if hasattr(cache, "at"):  # a preallocated cache: where this token's row goes
+                    cache.at(position, device=device)
                 # No attention mask: positions then follow the cache's (global) length, as
                 # transformers' generate slices them.
                 output = model(input_ids=torch.tensor([[tokens[-1]]], device=device),

@@ -185,11 +185,13 @@ def _generate(args) -> int:
     # The prompt, and the decoding of what is generated, read the tokenizer and the image processor.
     recipe, forwarded = _forwarded(args, list(args.overrides), options, needs=lambda recipe: prompt_needs())
     nproc = args.nproc or recipe.parallel.nproc
-    if args.prompt_from_data:
-        from weft.core.plan.planner import plan_recipe
-        from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.plan.planner import plan_recipe
+    from weft.core.plugin_manager import plugin_manager_from_env
 
-        dp = plan_recipe(recipe, pm=plugin_manager_from_env(), world_size=nproc)[0].mesh.dp
+    # The plan here first: its mistakes (a cache that cannot take the mesh, ...) are exit-2
+    # messages before any rank starts.
+    dp = plan_recipe(recipe, pm=plugin_manager_from_env(), world_size=nproc)[0].mesh.dp
+    if args.prompt_from_data:
         if dp > 1:
             raise WeftError(f"--prompt-from-data gives every rank one prompt, but the plan has {dp} data-parallel "
                             "groups; give the ranks to sequence parallelism (parallel.ring / parallel.ulysses)",
