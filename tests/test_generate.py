@@ -243,3 +243,44 @@ def test_static_cache_equals_transformers_generate(image, expected, single, tmp_
     done = weft("generate", str(recipe), "--prompt", PROMPT, "--image", str(image), "--max-new-tokens", "2",
                 "--nproc", "2", "--set", "parallel.ring=2")
     assert done.returncode == 2 and "the static cache keeps the whole sequence" in " ".join(done.stderr.split())
+
+
+@pytest.mark.quick
+def test_greedy_decoding_on_the_device_stops_at_the_first_stop_token_of_a_read_back():
+    """Tokens come back every READ_EVERY steps; a stop token inside a read-back ends the
+    answer there (the steps computed after it are dropped), with each token's log-probability."""
+    import types
+
+    import torch.distributed as dist
+
+    from weft.core.commands import generate as gen
+
+    script = [5, 6, 7, 9, 8, 8, 8, 8]  # the model's argmax after each input; 9 is a stop
+
+    class Scripted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, *, input_ids, cache_position, **kwargs):
+            assert cache_position.item() == 11 + self.calls  # the device counter follows the positions
+            logits = torch.full((1, 1, 12), -4.0)
+            logits[0, 0, script[self.calls]] = 4.0
+            self.calls += 1
+            return types.SimpleNamespace(logits=logits)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, tokens, logprobs, shown = Scripted(), [4], [-0.1], []
+        old, gen.READ_EVERY = gen.READ_EVERY, 3
+        try:
+            gen._decode_greedy(model, cache=None, tokens=tokens, logprobs=logprobs, length=11, max_new_tokens=8,
+                               stops={9}, device=torch.device("cpu"), show=shown.append)
+        finally:
+            gen.READ_EVERY = old
+    finally:
+        dist.destroy_process_group()
+    assert tokens == [4, 5, 6, 7, 9] and shown == [5, 6, 7, 9]
+    assert model.calls == 6  # two read-backs of 3 steps: the stop came in the second
+    want = float(torch.log_softmax(torch.tensor([4.0] + [-4.0] * 11, dtype=torch.float64), dim=0)[0])
+    assert logprobs[1:] == pytest.approx([want] * 4)

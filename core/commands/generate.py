@@ -53,8 +53,10 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     length = inputs["input_ids"].shape[1]
     text_rules = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
     choose = _chooser(temperature=temperature, top_p=top_p, seed=seed)
-    if stream and rank == 0:  # rank 0's stdout is the terminal's: the text as it comes
-        choose = _streaming(choose, decode=lambda ids: ctx.adapter.decode_tokens(recipe, ids))
+    show = (_printer(decode=lambda ids: ctx.adapter.decode_tokens(recipe, ids)) if stream and rank == 0
+            else None)  # rank 0's stdout is the terminal's: the text as it comes
+    if show is not None:
+        choose = _streaming(choose, show=show)
     eos = model.generation_config.eos_token_id
     stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     autocast = autocast_for(recipe.train.precision, device_type)
@@ -87,15 +89,13 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         # each one-token step would otherwise recompile on the growing cache (its length,
         # each layer's cache object) until torch's recompile limit, seconds a token.
         with torch.compiler.set_stance("force_eager"):
-            while len(tokens) < max_new_tokens and tokens[-1] not in stops:
+            if temperature <= 0:
+                _decode_greedy(model, cache=cache, tokens=tokens, logprobs=logprobs, length=length,
+                               max_new_tokens=max_new_tokens, stops=stops, device=device, show=show)
+            while temperature > 0 and len(tokens) < max_new_tokens and tokens[-1] not in stops:
                 position = length + len(tokens) - 1
-                if hasattr(cache, "at"):  # a preallocated cache: where this token's row goes
-                    cache.at(position, device=device)
-                # No attention mask: positions then follow the cache's (global) length, as
-                # transformers' generate slices them.
-                output = model(input_ids=torch.tensor([[tokens[-1]]], device=device),
-                               past_key_values=cache, use_cache=True, logits_to_keep=1,
-                               cache_position=torch.tensor([position], device=device))
+                output = _step(model, cache=cache, token=torch.tensor([[tokens[-1]]], device=device),
+                               position=position, cache_position=torch.tensor([position], device=device))
                 _pick(choose, output.logits[:, -1].float(), tokens, logprobs)
         sync()
     decode_s = time.perf_counter() - start - prefill_s
@@ -172,21 +172,78 @@ def _pick(choose, logits: torch.Tensor, tokens: list[int], logprobs: list[float]
     logprobs.append(float(torch.log_softmax(logits.double(), dim=-1)[0, token]))
 
 
-def _streaming(choose, *, decode):
-    """``choose``, printing the text each new token adds (decoded whole: a token may complete
-    a multi-byte character)."""
+def _printer(*, decode):
+    """``show(token)``: prints the text each new token adds (decoded whole: a token may
+    complete a multi-byte character)."""
     tokens: list[int] = []
     shown = ""
 
-    def streamed(logits: torch.Tensor) -> int:
+    def show(token: int) -> None:
         nonlocal shown
-        tokens.append(choose(logits))
+        tokens.append(token)
         text = decode(tokens)
         print(text[len(shown):], end="", flush=True)
         shown = text
-        return tokens[-1]
+
+    return show
+
+
+def _streaming(choose, *, show):
+    """``choose``, showing each token it chooses."""
+
+    def streamed(logits: torch.Tensor) -> int:
+        token = choose(logits)
+        show(token)
+        return token
 
     return streamed
+
+
+def _step(model: torch.nn.Module, *, cache, token: torch.Tensor, position: int, cache_position: torch.Tensor):
+    """One decoding step: ``token`` (1, 1) at ``position`` through the model into ``cache``."""
+    if hasattr(cache, "at"):  # a preallocated cache: where this token's row goes
+        cache.at(position, device=token.device)
+    # No attention mask: positions then follow the cache's (global) length, as transformers'
+    # generate slices them.
+    return model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                 cache_position=cache_position)
+
+
+#: Greedy tokens read back to the host (stop check, streaming) every this many steps.
+READ_EVERY = 16
+
+
+def _decode_greedy(model: torch.nn.Module, *, cache, tokens: list[int], logprobs: list[float], length: int,
+                   max_new_tokens: int, stops: set[int], device: torch.device, show) -> None:
+    """Greedy decoding with the chosen token kept on the device: each step's input is the
+    previous step's argmax (broadcast from rank 0) and its position a device counter, so the
+    host never waits for a token before launching the next step; the tokens come back every
+    ``READ_EVERY`` steps, where the stop tokens are looked for (steps past a stop are
+    computed and dropped). The same tokens and log-probabilities as choosing on the host."""
+    if tokens[-1] in stops or len(tokens) >= max_new_tokens:
+        return
+    current = torch.tensor([[tokens[-1]]], device=device)  # (1, 1)
+    cache_position = torch.tensor([length], device=device)  # the first decoded token's position
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for step in range(len(tokens), max_new_tokens):
+        output = _step(model, cache=cache, token=current, position=length + step - 1,
+                       cache_position=cache_position)
+        logits = output.logits[:, -1].float()  # (1, V)
+        chosen = logits.argmax(dim=-1)  # (1,)
+        dist.broadcast(chosen, src=0)
+        pending.append((chosen, torch.log_softmax(logits.double(), dim=-1).gather(1, chosen[:, None])[:, 0]))
+        current, cache_position = chosen[:, None], cache_position + 1
+        if len(pending) == READ_EVERY or step == max_new_tokens - 1:
+            ids = torch.cat([t for t, _ in pending]).tolist()
+            values = torch.cat([v for _, v in pending]).tolist()
+            pending.clear()
+            for token, value in zip(ids, values):
+                tokens.append(int(token))
+                logprobs.append(float(value))
+                if show is not None:
+                    show(int(token))
+                if token in stops:
+                    return
 
 
 def _chooser(*, temperature: float, top_p: float, seed: int):
