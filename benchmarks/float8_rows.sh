@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 29's rows on one H200, in calls of under 10 minutes (weft, torchao and flash-attn-4 on
+# PYTHONPATH as DEVELOPERS.md says; from the checkout's root):
+#   bash benchmarks/float8_rows.sh a   # 7B 32K: bf16 as bundled, float8 rowwise, float8 tensorwise (6 steps each)
+#   bash benchmarks/float8_rows.sh b   # plain transformers at 32K (same lease); 7B 128K float8 rowwise (3 steps)
+#   bash benchmarks/float8_rows.sh c   # loss curves: 0.5B on the standard library's text, every variant
+set -uo pipefail
+dest=${OUT:-/tmp/f8-out}; work=/tmp/f8; mkdir -p "$dest" "$work"
+here=$(cd "$(dirname "$0")" && pwd)
+run() {  # $1 name, $2 recipe, $3 steps, $4 seconds
+  (cd "$work" && timeout "$4" python3 -m weft run "$2" --run-dir "$work/$1" --set "train.max_steps=$3" \
+    > "$dest/$1.log" 2>&1); echo "$1 rc=$?" | tee -a "$dest/status.txt"
+  cp "$work/$1/metrics.jsonl" "$dest/$1.metrics.jsonl" 2>/dev/null
+  grep -E "step.end" "$dest/$1.log" | tail -n 2 | cut -c1-300
+}
+case "${1:?stage a, b or c}" in
+  a)
+    run bf16-32k qwen2.5-vl-7b-32k-1gpu 6 180
+    run f8row-32k "$here/variants/7b-32k-float8-rowwise.toml" 6 200
+    run f8tensor-32k "$here/variants/7b-32k-float8-tensorwise.toml" 6 $((590 - SECONDS)) ;;
+  b)
+    timeout 200 python3 "$here/train.py" --out "$dest/hf" --only 7b:32768 --steps 5 --skip-weft > "$dest/hf.log" 2>&1
+    echo "hf rc=$?" | tee -a "$dest/status.txt"; tail -n 3 "$dest/hf.log"
+    run f8row-128k "$here/variants/7b-128k-float8-rowwise.toml" 3 $((590 - SECONDS)) ;;
+  c)
+    timeout 580 python3 "$here/loss_curves.py" --out "$dest/curves" --steps 300 > "$dest/curves.log" 2>&1
+    echo "curves rc=$?" | tee -a "$dest/status.txt"; tail -n 8 "$dest/curves.log" ;;
+esac
