@@ -31,6 +31,9 @@ def test_files_become_one_stream_cut_into_samples_of_one_length(tmp_path):
     assert all(torch.equal(s.labels, s.input_ids) for s in samples)  # the loss on every token
     assert len(list(text_samples(files, encode=encode, end=0, tokens=4, num_samples=2))) == 2
     assert corpus_files("<stdlib>/json/__init__.py", base=tmp_path)[0].name == "__init__.py"
+    # The standard library's folder holds the installed packages too: not the library's text.
+    stdlib = corpus_files("<stdlib>/**/__init__.py", base=tmp_path)
+    assert stdlib and not any("site-packages" in p.parts or "dist-packages" in p.parts for p in stdlib)
 
 
 @pytest.mark.quick
@@ -43,6 +46,9 @@ def test_a_corpus_trains_its_own_tokenizer_once(tmp_path):
     before = saved.stat().st_mtime_ns
     again, _ = corpus_tokenizer(files, vocab_size=600, cache_dir=tmp_path / "cache")
     assert again("def decode(self, s):") == ids and saved.stat().st_mtime_ns == before  # read, not retrained
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait ".encode("latin-1") * 50)  # not UTF-8: replaced, read
+    encode, _ = corpus_tokenizer([*files, tmp_path / "latin1.txt"], vocab_size=600, cache_dir=tmp_path / "cache")
+    assert encode("au lait")
 
 
 def test_a_tiny_model_learns_real_text(weft, tmp_path):

@@ -26,17 +26,21 @@ import torch
 from weft.strategies.data.conversation import Sample
 
 STDLIB = "<stdlib>"
+_INSTALLED = {"site-packages", "dist-packages"}
 END_OF_TEXT = "<|endoftext|>"
 
 
 def corpus_files(pattern: str, *, base: pathlib.Path) -> list[pathlib.Path]:
     """The regular files ``pattern`` names (``**`` recursive), sorted; a relative pattern is
     taken from ``base``, one opening with ``<stdlib>/`` from the standard library's folder."""
-    if pattern == STDLIB or pattern.startswith(STDLIB + "/"):
+    stdlib = pattern == STDLIB or pattern.startswith(STDLIB + "/")
+    if stdlib:
         pattern = sysconfig.get_paths()["stdlib"] + pattern[len(STDLIB):]
     elif not pathlib.Path(pattern).is_absolute():
         pattern = str(base / pattern)
-    return sorted(pathlib.Path(p) for p in glob.glob(pattern, recursive=True) if pathlib.Path(p).is_file())
+    found = (pathlib.Path(p) for p in glob.glob(pattern, recursive=True))
+    # The standard library's folder also holds the installed packages: not the library's own text.
+    return sorted(p for p in found if p.is_file() and not (stdlib and _INSTALLED & set(p.parts)))
 
 
 def text_samples(files: Sequence[pathlib.Path], *, encode: Callable[[str], list[int]], end: int | None,
@@ -78,7 +82,9 @@ def corpus_tokenizer(files: Sequence[pathlib.Path], *, vocab_size: int, cache_di
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tokenizer.train([str(f) for f in files], trainer)
+        # The files as text_samples reads them (undecodable bytes replaced), not as raw bytes.
+        texts = (f.read_text(encoding="utf-8", errors="replace") for f in files)
+        tokenizer.train_from_iterator(texts, trainer, length=len(files))
         cache_dir.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".tmp")
         tokenizer.save(str(partial))
