@@ -51,6 +51,8 @@ class Strategy:
     #: ``describe(params, *, recipe, plan, model, adapter, positions) -> dict`` with the
     #: optional keys ``vision_split`` (the first step's images per SP rank) and, when
     #: ``positions`` is true, ``positions`` (largest position ids; `weft plan --positions`).
+    #: The root's shard strategy: ``lines``, what `weft plan` prints under the plan of what its
+    #: rules do inside the units (e.g. which linear layers multiply in float8).
     describe: Callable[..., dict] | None = None
 
 

@@ -94,10 +94,36 @@ def _check_quantize(params, *, plan) -> str | None:
 def weft_strategies():
     return [
         Strategy(point="shard", name="fsdp2", params=Fsdp2Params,
-                 summary="FSDP2 fully_shard per unit over dp_shard x SP ranks", check=check_keep),
+                 summary="FSDP2 fully_shard per unit over dp_shard x SP ranks", check=check_keep, describe=describe),
         Strategy(point="shard", name="none", params=KeepParams,
-                 summary="keep the module whole on every rank; grad_sync averages its gradients", check=check_keep),
+                 summary="keep the module whole on every rank; grad_sync averages its gradients", check=check_keep,
+                 describe=describe),
     ]
+
+
+def describe(params, *, recipe, plan, model, adapter, positions) -> dict:
+    """What `weft plan` prints of the shard rules' effect inside the units: the linear layers
+    that multiply in float8, by rule, and those the rule leaves in their dtype."""
+    import torch
+
+    from weft.strategies.model.float8 import eligible
+
+    lines = []
+    by_rule: dict[str, list] = {}
+    for unit in plan.modules_for("shard"):
+        decision = unit.get("shard")
+        if unit.info.kind == "unit" and getattr(decision.params, "matmul", "default") == "float8":
+            by_rule.setdefault(f"{decision.rule!r} ({decision.source})", []).append(unit.info.path)
+    for rule, paths in by_rule.items():
+        taken, left = [], []
+        for path in paths:
+            for name, layer in model.get_submodule(path).named_modules():
+                if isinstance(layer, torch.nn.Linear):
+                    (taken if eligible(layer, name) else left).append(f"{path}.{name}")
+        shown = f"; left in their dtype: {len(left)}, e.g. {left[0]}" if left else ""
+        lines.append(f"float8 matmuls: {len(taken)} linear layers in {len(paths)} units by rule {rule}, e.g. "
+                     f"{taken[0] if taken else '-'}{shown}")
+    return {"lines": lines}
 
 
 @hookimpl

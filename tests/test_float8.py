@@ -69,3 +69,11 @@ def test_float8_and_a_4bit_base_on_one_unit_are_refused(weft, tmp_path):
     (tmp_path / "f8.toml").write_text(text)
     done = weft("plan", "f8.toml", cwd=tmp_path)
     assert done.returncode == 2 and "a 4-bit weight is not multiplied in float8" in " ".join(done.stderr.split())
+
+
+def test_plan_says_which_linear_layers_multiply_in_float8(weft, tmp_path):
+    (tmp_path / "f8.toml").write_text(FLOAT8)
+    done = weft("plan", "f8.toml", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ("float8 matmuls: 14 linear layers in 2 units by rule 'float8 text layers' (" in done.stdout
+            and "e.g. model.language_model.layers.0.self_attn.q_proj" in done.stdout)

@@ -170,6 +170,11 @@ def _cmd_plan(args) -> int:
 
     render_plan(plan, explain=args.explain, recipe=recipe, rope=rope)
     render_trainable(plan, model)
+    root = plan.root().get("shard")
+    inside = pm.registry.get("shard", root.strategy).describe if root is not None else None
+    for line in (inside(root.params, recipe=recipe, plan=plan, model=model, adapter=adapter,
+                        positions=False) if inside else {}).get("lines", []):
+        print(line)
     if positions is not None:
         render_positions(positions)
     if images:
