@@ -30,21 +30,23 @@ class StaticLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         state = self.state
-        if state["phase"] == "prefill":  # (B, Hkv, S, D): the prompt
+        if state["phase"] == "prefill":  # (1, Hkv, S, D): the prompt of row state["row"]
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            b, h, s, d = key_states.shape
-            capacity = max(state["capacity"], s)
-            self.keys = key_states.new_zeros((b, h, capacity, d))  # (B, Hkv, capacity, D)
-            self.values = value_states.new_zeros((b, h, capacity, value_states.shape[-1]))
-            self.keys[:, :, :s] = key_states
-            self.values[:, :, :s] = value_states
+            _, h, s, d = key_states.shape
+            if state["row"] == 0 or self.keys.dim() != 4:  # the first prompt of a batch allocates
+                shape = (state["rows"], h, max(state["capacity"], s), d)  # (B, Hkv, capacity, D)
+                self.keys = key_states.new_zeros(shape)
+                self.values = value_states.new_zeros((*shape[:3], value_states.shape[-1]))
+            self.keys[state["row"], :, :s] = key_states[0]
+            self.values[state["row"], :, :s] = value_states[0]
             return key_states, value_states
-        # decode: the one new token, at the shared position
-        if state["position"] is None or int(self.keys.shape[2]) <= 0:
+        # decode: one new token per row, each at its row's position
+        if state["position"] is None:
             raise RuntimeError("the static cache decodes after its prefill")
-        self.keys.index_copy_(2, state["position"], key_states)
-        self.values.index_copy_(2, state["position"], value_states)
+        rows = torch.arange(self.keys.shape[0], device=self.keys.device)
+        self.keys[rows, :, state["position"]] = key_states[:, :, 0]  # (B, Hkv, D) written in place
+        self.values[rows, :, state["position"]] = value_states[:, :, 0]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -59,26 +61,35 @@ class StaticCache(Cache):
     attention in transformers' AttentionInterface (the core selects it after the prefill)."""
 
     def __init__(self, *, num_layers: int) -> None:
-        self.state = {"phase": "prefill", "capacity": 0, "position": None, "length": 0, "prompt": 0}
+        self.state = {"phase": "prefill", "capacity": 0, "rows": 1, "row": 0, "position": None, "length": 0,
+                      "prompt": 0}
         super().__init__(layers=[StaticLayer(state=self.state) for _ in range(num_layers)])
         self.decode_attention = f"weft_static_decode_{id(self):x}"
         AttentionInterface.register(self.decode_attention, self._attend)
 
-    def reserve(self, tokens: int) -> None:
-        """Rows every layer allocates at the prefill: the prompt plus the tokens to generate."""
-        self.state["capacity"] = tokens
+    def reserve(self, tokens: int, *, rows: int = 1) -> None:
+        """What every layer allocates at the prefill: ``tokens`` positions (the longest prompt
+        plus the tokens to generate) for each of ``rows`` prompts decoded together."""
+        self.state.update(capacity=tokens, rows=rows)
 
-    def begin_prefill(self, *, keep: torch.Tensor | None, prompt: int, vision: torch.Tensor | None = None) -> None:
+    def begin_prefill(self, *, keep: torch.Tensor | None, prompt: int, vision: torch.Tensor | None = None,
+                      row: int = 0) -> None:
+        """The prompt of ``row`` (its prefill alone, one after another) goes in next."""
         if keep is not None:
             raise ValueError("the static cache keeps the whole sequence on one process; under sequence parallelism "
                              "use the sharded or paged cache")
-        self.state.update(phase="prefill", length=0, prompt=prompt, position=None)  # empty until the prefill ends
+        # empty until the prefill ends
+        self.state.update(phase="prefill", length=0, prompt=prompt, position=None, row=row)
 
     def begin_decode(self) -> None:
         self.state.update(phase="decode", length=self.state["prompt"])
 
-    def at(self, position: int, *, device: torch.device) -> None:
-        """The next token is written at ``position`` (the cache then holds ``position + 1`` rows)."""
+    def at(self, position: int | torch.Tensor, *, device: torch.device) -> None:
+        """Where the next token of each row is written: one position for every row, or (B,) on
+        the device (prompts of different lengths); the rows past it are masked."""
+        if isinstance(position, torch.Tensor):
+            self.state["position"] = position
+            return
         if self.state["position"] is None:
             self.state["position"] = torch.zeros(1, dtype=torch.long, device=device)
         self.state["position"].fill_(position)
@@ -86,8 +97,9 @@ class StaticCache(Cache):
 
     def _attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query (B, Hq, 1, D), key/value (B, Hkv, capacity, D) -> (B, 1, Hq, D), no weights
-        visible = torch.arange(key.shape[2], device=key.device) <= self.state["position"]  # (capacity,)
+        position = self.state["position"].reshape(-1, 1)  # (B or 1, 1)
+        visible = torch.arange(key.shape[2], device=key.device)[None, :] <= position  # (B or 1, capacity)
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=visible[None, None, None, :], scale=scaling,
+            query, key, value, attn_mask=visible[:, None, None, :], scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None

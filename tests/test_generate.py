@@ -253,7 +253,7 @@ def test_greedy_decoding_on_the_device_stops_at_the_first_stop_token_of_a_read_b
 
     import torch.distributed as dist
 
-    from weft.core.commands import generate as gen
+    from weft.core.commands import decode as gen
 
     script = [5, 6, 7, 9, 8, 8, 8, 8]  # the model's argmax after each input; 9 is a stop
 
@@ -274,7 +274,7 @@ def test_greedy_decoding_on_the_device_stops_at_the_first_stop_token_of_a_read_b
         model, tokens, logprobs, shown = Scripted(), [4], [-0.1], []
         old, gen.READ_EVERY = gen.READ_EVERY, 3
         try:
-            gen._decode_greedy(model, cache=None, tokens=tokens, logprobs=logprobs, length=11, max_new_tokens=8,
+            gen.decode_greedy(model, cache=None, tokens=tokens, logprobs=logprobs, length=11, max_new_tokens=8,
                                stops={9}, device=torch.device("cpu"), show=shown.append)
         finally:
             gen.READ_EVERY = old
@@ -284,3 +284,28 @@ def test_greedy_decoding_on_the_device_stops_at_the_first_stop_token_of_a_read_b
     assert model.calls == 6  # two read-backs of 3 steps: the stop came in the second
     want = float(torch.log_softmax(torch.tensor([4.0] + [-4.0] * 11, dtype=torch.float64), dim=0)[0])
     assert logprobs[1:] == pytest.approx([want] * 4)
+
+
+def test_prompts_decoded_together_get_the_answers_each_gets_alone(image, expected, tmp_path):
+    """--prompt-file: prompts of different lengths (one with the image) prefilled one by one into
+    the rows of one static cache and decoded together: each row's tokens and log-probabilities
+    are the ones its prompt gets alone."""
+    shutil_copy = __import__("shutil").copy
+    shutil_copy(image, tmp_path / "red.png")
+    lines = [{"prompt": PROMPT, "images": ["red.png"]}, {"prompt": "Say something short."},
+             {"prompt": VIDEO_PROMPT}]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    done = weft("generate", RECIPE, "--prompt-file", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", str(NEW),
+                "--json", "--nproc", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["cache"] == "StaticCache" and len(got["answers"]) == 3 and len(set(got["prompt_tokens"])) == 3
+    _same(got["answers"][0], expected)
+    for line, answer in zip(lines[1:], got["answers"][1:]):
+        alone = weft("generate", RECIPE, "--prompt", line["prompt"], "--max-new-tokens", str(NEW), "--json",
+                     "--nproc", "1")
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        _same(answer, json.loads(alone.stdout))
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n')
+    done = weft("generate", RECIPE, "--prompt-file", str(tmp_path / "bad.jsonl"))
+    assert done.returncode == 2 and "bad.jsonl:2" in done.stderr and '"prompt": a string' in done.stderr

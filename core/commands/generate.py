@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from weft.core.commands.decode import decode_greedy, decode_step, printer, streaming, text_attention
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
@@ -40,7 +41,7 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,
               images: list[str], videos: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
               run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False,
-              adapter_dir: str | None = None) -> dict:
+              adapter_dir: str | None = None, prompts: list[dict] | None = None) -> dict:
     from weft.core.run.rank_job import prepare_inference
     from weft.core.train.step import autocast_for
 
@@ -48,15 +49,22 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                                                  device_type=device_type, run_dir=run_dir, step=step,
                                                  adapter_dir=adapter_dir)
     model, device = run.model, ctx.device
+    if prompts is not None:
+        from weft.core.commands.generate_batch import generate_batch
+
+        return dict(generate_batch(model, run=run, ctx=ctx, pm=pm, recipe=recipe, prompts=prompts,
+                                   max_new_tokens=max_new_tokens, autocast=autocast_for(recipe.train.precision,
+                                                                                        device_type)),
+                    checkpoint=checkpoint)
     inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None
               else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))
     length = inputs["input_ids"].shape[1]
     text_rules = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
     choose = _chooser(temperature=temperature, top_p=top_p, seed=seed)
-    show = (_printer(decode=lambda ids: ctx.adapter.decode_tokens(recipe, ids)) if stream and rank == 0
+    show = (printer(decode=lambda ids: ctx.adapter.decode_tokens(recipe, ids)) if stream and rank == 0
             else None)  # rank 0's stdout is the terminal's: the text as it comes
     if show is not None:
-        choose = _streaming(choose, show=show)
+        choose = streaming(choose, show=show)
     eos = model.generation_config.eos_token_id
     stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     autocast = autocast_for(recipe.train.precision, device_type)
@@ -84,18 +92,18 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         # Decoding attends from one query to the whole cache: the cache's own attention, or
         # transformers' SDPA over a whole-sequence cache (weft's training kernels take
         # equal query and key lengths).
-        _text_attention(model, getattr(cache, "decode_attention", None) or "sdpa")
+        text_attention(model, getattr(cache, "decode_attention", None) or "sdpa")
         # Units a rule compiles (for training and the prefill) run eagerly while decoding:
         # each one-token step would otherwise recompile on the growing cache (its length,
         # each layer's cache object) until torch's recompile limit, seconds a token.
         with torch.compiler.set_stance("force_eager"):
             if temperature <= 0:
-                _decode_greedy(model, cache=cache, tokens=tokens, logprobs=logprobs, length=length,
-                               max_new_tokens=max_new_tokens, stops=stops, device=device, show=show)
+                decode_greedy(model, cache=cache, tokens=tokens, logprobs=logprobs, length=length,
+                              max_new_tokens=max_new_tokens, stops=stops, device=device, show=show)
             while temperature > 0 and len(tokens) < max_new_tokens and tokens[-1] not in stops:
                 position = length + len(tokens) - 1
-                output = _step(model, cache=cache, token=torch.tensor([[tokens[-1]]], device=device),
-                               position=position, cache_position=torch.tensor([position], device=device))
+                output = decode_step(model, cache=cache, token=torch.tensor([[tokens[-1]]], device=device),
+                                     position=position, cache_position=torch.tensor([position], device=device))
                 _pick(choose, output.logits[:, -1].float(), tokens, logprobs)
         sync()
     decode_s = time.perf_counter() - start - prefill_s
@@ -172,80 +180,6 @@ def _pick(choose, logits: torch.Tensor, tokens: list[int], logprobs: list[float]
     logprobs.append(float(torch.log_softmax(logits.double(), dim=-1)[0, token]))
 
 
-def _printer(*, decode):
-    """``show(token)``: prints the text each new token adds (decoded whole: a token may
-    complete a multi-byte character)."""
-    tokens: list[int] = []
-    shown = ""
-
-    def show(token: int) -> None:
-        nonlocal shown
-        tokens.append(token)
-        text = decode(tokens)
-        print(text[len(shown):], end="", flush=True)
-        shown = text
-
-    return show
-
-
-def _streaming(choose, *, show):
-    """``choose``, showing each token it chooses."""
-
-    def streamed(logits: torch.Tensor) -> int:
-        token = choose(logits)
-        show(token)
-        return token
-
-    return streamed
-
-
-def _step(model: torch.nn.Module, *, cache, token: torch.Tensor, position: int, cache_position: torch.Tensor):
-    """One decoding step: ``token`` (1, 1) at ``position`` through the model into ``cache``."""
-    if hasattr(cache, "at"):  # a preallocated cache: where this token's row goes
-        cache.at(position, device=token.device)
-    # No attention mask: positions then follow the cache's (global) length, as transformers'
-    # generate slices them.
-    return model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                 cache_position=cache_position)
-
-
-#: Greedy tokens read back to the host (stop check, streaming) every this many steps.
-READ_EVERY = 16
-
-
-def _decode_greedy(model: torch.nn.Module, *, cache, tokens: list[int], logprobs: list[float], length: int,
-                   max_new_tokens: int, stops: set[int], device: torch.device, show) -> None:
-    """Greedy decoding with the chosen token kept on the device: each step's input is the
-    previous step's argmax (broadcast from rank 0) and its position a device counter, so the
-    host never waits for a token before launching the next step; the tokens come back every
-    ``READ_EVERY`` steps, where the stop tokens are looked for (steps past a stop are
-    computed and dropped). The same tokens and log-probabilities as choosing on the host."""
-    if tokens[-1] in stops or len(tokens) >= max_new_tokens:
-        return
-    current = torch.tensor([[tokens[-1]]], device=device)  # (1, 1)
-    cache_position = torch.tensor([length], device=device)  # the first decoded token's position
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for step in range(len(tokens), max_new_tokens):
-        output = _step(model, cache=cache, token=current, position=length + step - 1,
-                       cache_position=cache_position)
-        logits = output.logits[:, -1].float()  # (1, V)
-        chosen = logits.argmax(dim=-1)  # (1,)
-        dist.broadcast(chosen, src=0)
-        pending.append((chosen, torch.log_softmax(logits.double(), dim=-1).gather(1, chosen[:, None])[:, 0]))
-        current, cache_position = chosen[:, None], cache_position + 1
-        if len(pending) == READ_EVERY or step == max_new_tokens - 1:
-            ids = torch.cat([t for t, _ in pending]).tolist()
-            values = torch.cat([v for _, v in pending]).tolist()
-            pending.clear()
-            for token, value in zip(ids, values):
-                tokens.append(int(token))
-                logprobs.append(float(value))
-                if show is not None:
-                    show(int(token))
-                if token in stops:
-                    return
-
-
 def _chooser(*, temperature: float, top_p: float, seed: int):
     """The next token from (1, V) logits: greedy at temperature 0, else nucleus sampling from
     one seeded generator (in float64 on the host, so every rank and world size draws alike);
@@ -266,15 +200,6 @@ def _chooser(*, temperature: float, top_p: float, seed: int):
         return int(token)
 
     return choose
-
-
-def _text_attention(model: torch.nn.Module, name: str) -> None:
-    """Decode the text model with ``name``; the vision tower keeps its own."""
-    vision = getattr(model.config, "vision_config", None)
-    if vision is None:
-        model.set_attn_implementation(name)
-    else:
-        model.set_attn_implementation({"text_config": name, "vision_config": vision._attn_implementation})
 
 
 def _cache_bytes(cache) -> int:

@@ -25,6 +25,10 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
     generate.add_argument("recipe", nargs="?", help="recipe TOML file (or --model-dir)")
     source = generate.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the user's turn")
+    source.add_argument("--prompt-file", type=pathlib.Path, default=None, metavar="FILE.jsonl",
+                        help="several prompts decoded together (greedy, one process): one JSON object a line, "
+                             "{\"prompt\": TEXT, \"images\": [PATH...], \"videos\": [PATH...]}, paths relative to "
+                             "the file")
     source.add_argument("--prompt-from-data", action="store_true",
                         help="the first sample of the recipe's data as the prompt (e.g. long synthetic: data.tokens)")
     generate.add_argument("--image", dest="images", action="append", default=[], type=pathlib.Path,
@@ -176,10 +180,12 @@ def _generate(args) -> int:
                 raise WeftError(f"no such file: {path}; {flag} takes {kind} file", where=flag)
         if args.prompt_from_data and paths:
             raise WeftError(f"{flag} goes with --prompt; --prompt-from-data takes the data's own", where=flag)
+    prompts = _prompt_file(args) if args.prompt_file is not None else None
     options = {"prompt": args.prompt, "images": [str(p.resolve()) for p in args.images],
                "videos": [str(p.resolve()) for p in args.videos],
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-               "seed": args.seed, "stream": not args.json, "warmup": args.warmup}
+               "seed": args.seed, "stream": not args.json, "warmup": args.warmup,
+               **({"prompts": prompts} if prompts is not None else {})}
     from weft.core.run.model_files import prompt_needs
 
     # The prompt, and the decoding of what is generated, read the tokenizer and the image processor.
@@ -196,9 +202,18 @@ def _generate(args) -> int:
             raise WeftError(f"--prompt-from-data gives every rank one prompt, but the plan has {dp} data-parallel "
                             "groups; give the ranks to sequence parallelism (parallel.ring / parallel.ulysses)",
                             where="--prompt-from-data")
+    if prompts is not None and nproc != 1:
+        raise WeftError(f"--prompt-file decodes its prompts together on one process; got {nproc} ranks "
+                        "(--nproc 1)", where="--prompt-file")
     result = run_generate(nproc=nproc, args=forwarded)
     if args.json:
         print(json.dumps(result, indent=1))
+    elif prompts is not None:
+        for index, answer in enumerate(result["answers"]):
+            print(f"[{index}] {answer['text']}")
+        print(f"weft generate: {len(prompts)} prompts ({sum(result['prompt_tokens']):,} tokens) decoded together; "
+              f"prefill {result['prefill_tokens_per_s']:,.0f} tokens/s, decode {result['decode_ms_per_step']:.1f} "
+              f"ms a step, {result['decode_tokens_per_s']:,.0f} tokens/s in all", file=sys.stderr)
     else:
         print()  # after the streamed text
         per_rank = ", ".join(f"{b / 2**20:.2f}" for b in result["cache_bytes_per_rank"])
@@ -206,6 +221,41 @@ def _generate(args) -> int:
               f"prefill {result['prefill_tokens_per_s']:,.0f} tokens/s, decode {result['decode_ms_per_token']:.1f} "
               f"ms/token; {result['cache']} MiB per rank: {per_rank}", file=sys.stderr)
     return EXIT_OK
+
+
+def _prompt_file(args: Any) -> list[dict]:
+    """The prompts of ``--prompt-file``: checked here, each mistake a message naming its line."""
+    if not args.prompt_file.is_file():
+        raise WeftError(f"no such file: {args.prompt_file}; --prompt-file takes a JSONL file of prompts",
+                        where="--prompt-file")
+    if args.temperature > 0:
+        raise WeftError("--prompt-file decodes greedily (--temperature 0)", where="--temperature")
+    if args.images or args.videos:
+        raise WeftError("--image and --video go with --prompt; a --prompt-file line names its own", where="--image")
+    prompts = []
+    for number, line in enumerate(args.prompt_file.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{args.prompt_file}:{number}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise WeftError(f"not JSON ({error.msg}); each line is one object, e.g. {{\"prompt\": \"...\"}}",
+                            where=where) from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
+            raise WeftError("each line needs \"prompt\": a string (and may give \"images\", \"videos\": lists of "
+                            "paths)", where=where)
+        paths = {}
+        for key in ("images", "videos"):
+            found = [(args.prompt_file.parent / p).resolve() for p in entry.get(key, [])]
+            missing = [str(p) for p in found if not p.is_file()]
+            if missing:
+                raise WeftError(f"{key}: no such file {missing[0]}", where=where)
+            paths[key] = [str(p) for p in found]
+        prompts.append({"prompt": entry["prompt"], **paths})
+    if not prompts:
+        raise WeftError(f"{args.prompt_file} holds no prompt", where="--prompt-file")
+    return prompts
 
 
 def _cmd_generate_worker(args) -> int:

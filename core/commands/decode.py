@@ -1,0 +1,91 @@
+"""The decoding step and its loops, shared by `weft generate`'s one prompt and its batches:
+one step through the model into the cache, greedy decoding with the token kept on the
+device, the text shown as it comes, the text model's attention switched to the cache's."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+#: Greedy tokens read back to the host (stop check, streaming) every this many steps.
+READ_EVERY = 16
+
+
+def printer(*, decode):
+    """``show(token)``: prints the text each new token adds (decoded whole: a token may
+    complete a multi-byte character)."""
+    tokens: list[int] = []
+    shown = ""
+
+    def show(token: int) -> None:
+        nonlocal shown
+        tokens.append(token)
+        text = decode(tokens)
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+
+    return show
+
+
+def streaming(choose, *, show):
+    """``choose``, showing each token it chooses."""
+
+    def streamed(logits: torch.Tensor) -> int:
+        token = choose(logits)
+        show(token)
+        return token
+
+    return streamed
+
+
+def decode_step(model: torch.nn.Module, *, cache, token: torch.Tensor, position: int,
+                cache_position: torch.Tensor):
+    """One decoding step: ``token`` (1, 1) at ``position`` through the model into ``cache``."""
+    if hasattr(cache, "at"):  # a preallocated cache: where this token's row goes
+        cache.at(position, device=token.device)
+    # No attention mask: positions then follow the cache's (global) length, as transformers'
+    # generate slices them.
+    return model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                 cache_position=cache_position)
+
+
+def decode_greedy(model: torch.nn.Module, *, cache, tokens: list[int], logprobs: list[float], length: int,
+                   max_new_tokens: int, stops: set[int], device: torch.device, show) -> None:
+    """Greedy decoding with the chosen token kept on the device: each step's input is the
+    previous step's argmax (broadcast from rank 0) and its position a device counter, so the
+    host never waits for a token before launching the next step; the tokens come back every
+    ``READ_EVERY`` steps, where the stop tokens are looked for (steps past a stop are
+    computed and dropped). The same tokens and log-probabilities as choosing on the host."""
+    if tokens[-1] in stops or len(tokens) >= max_new_tokens:
+        return
+    current = torch.tensor([[tokens[-1]]], device=device)  # (1, 1)
+    cache_position = torch.tensor([length], device=device)  # the first decoded token's position
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for step in range(len(tokens), max_new_tokens):
+        output = decode_step(model, cache=cache, token=current, position=length + step - 1,
+                       cache_position=cache_position)
+        logits = output.logits[:, -1].float()  # (1, V)
+        chosen = logits.argmax(dim=-1)  # (1,)
+        dist.broadcast(chosen, src=0)
+        pending.append((chosen, torch.log_softmax(logits.double(), dim=-1).gather(1, chosen[:, None])[:, 0]))
+        current, cache_position = chosen[:, None], cache_position + 1
+        if len(pending) == READ_EVERY or step == max_new_tokens - 1:
+            ids = torch.cat([t for t, _ in pending]).tolist()
+            values = torch.cat([v for _, v in pending]).tolist()
+            pending.clear()
+            for token, value in zip(ids, values):
+                tokens.append(int(token))
+                logprobs.append(float(value))
+                if show is not None:
+                    show(int(token))
+                if token in stops:
+                    return
+
+
+def text_attention(model: torch.nn.Module, name: str) -> None:
+    """Decode the text model with ``name``; the vision tower keeps its own."""
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        model.set_attn_implementation(name)
+    else:
+        model.set_attn_implementation({"text_config": name, "vision_config": vision._attn_implementation})
