@@ -18,6 +18,10 @@ python3 -m weft generate "${paged[@]}" --nproc 1 > "$out/one-paged.json" 2> "$ou
 python3 -m weft generate "${paged[@]}" --nproc 2 --set parallel.ring=2 > "$out/two-paged.json" 2> "$out/two-paged.err"
 static=("$here/variants/7b-128k-static-cache.toml" "${common[@]:1}")
 python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static.json" 2> "$out/one-static.err"
+# Issue 28's batch row: 8 prompts of 16K tokens decoded together, against one of them alone.
+short=(--set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --json --nproc 1)
+python3 -m weft generate qwen2.5-vl-7b-128k-1gpu --prompt-from-data 1 "${short[@]}" > "$out/16k-one.json" 2> "$out/16k-one.err"
+python3 -m weft generate qwen2.5-vl-7b-128k-1gpu --prompt-from-data 8 "${short[@]}" > "$out/16k-eight.json" 2> "$out/16k-eight.err"
 python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -36,6 +40,14 @@ for name, r in rows.items():
 if "one" in rows and "two" in rows:
     print(f"prefill speed-up on two: {rows['one']['prefill_s'] / rows['two']['prefill_s']:.2f}x; "
           f"same tokens: {rows['one']['tokens'] == rows['two']['tokens']}")
+try:
+    one, eight = (json.loads((out / f"16k-{n}.json").read_text()) for n in ("one", "eight"))
+    single = 1e3 / one["decode_ms_per_token"]
+    print(f"16K x 8 together: {eight['decode_tokens_per_s']:,.0f} tokens/s against one prompt's {single:,.0f} "
+          f"({eight['decode_tokens_per_s'] / single:.2f}x); first answer as alone: "
+          f"{eight['answers'][0]['tokens'] == one['tokens']}")
+except (OSError, ValueError, KeyError) as error:
+    print(f"16K batch: FAILED ({error}; see 16k-*.err)")
 for name in ("one-paged", "two-paged", "one-static"):
     if name in rows and "one" in rows:
         print(f"{name}: same tokens as the dynamic cache: {rows[name]['tokens'] == rows['one']['tokens']}")

@@ -309,3 +309,20 @@ def test_prompts_decoded_together_get_the_answers_each_gets_alone(image, expecte
     (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n')
     done = weft("generate", RECIPE, "--prompt-file", str(tmp_path / "bad.jsonl"))
     assert done.returncode == 2 and "bad.jsonl:2" in done.stderr and '"prompt": a string' in done.stderr
+
+
+def test_the_datas_first_prompts_decoded_together():
+    """--prompt-from-data N: the data's first N samples as rows of one batch; the first row's
+    answer is what --prompt-from-data gives it alone, and a row's answer does not depend on
+    how many rows decode beside it."""
+    args = ("--set", "data.tokens=48", "--set", "train.micro_batch_tokens=48", "--max-new-tokens", "6", "--json",
+            "--nproc", "1")
+    alone = weft("generate", RECIPE, "--prompt-from-data", *args)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    answers = {}
+    for count in (2, 3):
+        done = weft("generate", RECIPE, "--prompt-from-data", str(count), *args)
+        assert done.returncode == 0, done.stderr[-3000:]
+        answers[count] = json.loads(done.stdout)["answers"]
+    _same(answers[2][0], json.loads(alone.stdout))
+    assert [a["tokens"] for a in answers[2]] == [a["tokens"] for a in answers[3][:2]]

@@ -41,7 +41,7 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,
               images: list[str], videos: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
               run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False,
-              adapter_dir: str | None = None, prompts: list[dict] | None = None) -> dict:
+              adapter_dir: str | None = None, prompts: list[dict] | None = None, from_data: int = 1) -> dict:
     from weft.core.run.rank_job import prepare_inference
     from weft.core.train.step import autocast_for
 
@@ -49,10 +49,13 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                                                  device_type=device_type, run_dir=run_dir, step=step,
                                                  adapter_dir=adapter_dir)
     model, device = run.model, ctx.device
-    if prompts is not None:
+    if prompts is not None or from_data > 1:
         from weft.core.commands.generate_batch import generate_batch
 
-        return dict(generate_batch(model, run=run, ctx=ctx, pm=pm, recipe=recipe, prompts=prompts,
+        batch = ([ctx.adapter.prompt_inputs(recipe, text=p["prompt"], images=p.get("images", []),
+                                            videos=p.get("videos", [])) for p in prompts] if prompts is not None
+                 else _prompts_from_data(recipe, run=run, pm=pm, ctx=ctx, count=from_data))
+        return dict(generate_batch(model, run=run, ctx=ctx, pm=pm, recipe=recipe, inputs=batch,
                                    max_new_tokens=max_new_tokens, autocast=autocast_for(recipe.train.precision,
                                                                                         device_type)),
                     checkpoint=checkpoint)
@@ -158,6 +161,11 @@ def _vision_rows(model: torch.nn.Module, ids: torch.Tensor, *, run) -> torch.Ten
 def _prompt_from_data(recipe: Recipe, *, run, pm, ctx) -> dict[str, torch.Tensor]:
     """The first sample of the recipe's own data as the prompt, labels dropped: long
     synthetic prompts (data.tokens, data.images) for models without a bundled tokenizer."""
+    return _prompts_from_data(recipe, run=run, pm=pm, ctx=ctx, count=1)[0]
+
+
+def _prompts_from_data(recipe: Recipe, *, run, pm, ctx, count: int) -> list[dict[str, torch.Tensor]]:
+    """The first ``count`` samples of the recipe's own data as prompts (one a micro-batch)."""
     if run.plan.mesh.dp > 1:
         raise WeftError(f"--prompt-from-data gives every rank one prompt, but the plan has {run.plan.mesh.dp} "
                         "data-parallel groups; set parallel.dp_shard/dp_replicate so that all ranks share the "
@@ -165,12 +173,17 @@ def _prompt_from_data(recipe: Recipe, *, run, pm, ctx) -> dict[str, torch.Tensor
     ctx.one_pass = True
     steps = pm.call_first("weft_batching", decision=run.plan.decision("batching"), recipe=recipe, plan=run.plan,
                           mesh=run.mesh, model=run.model, ctx=ctx)
-    first = next(iter(steps))[0]
-    if first["input_ids"].shape[0] != 1:
-        raise WeftError(f"the data's first micro-batch holds {first['input_ids'].shape[0]} samples; a prompt is "
-                        "one: set train.micro_batch_tokens to the sample length (data.tokens)",
-                        where="--prompt-from-data")
-    return {k: v for k, v in first.items() if k not in ("labels", "shift_labels")}
+    found = []
+    for micro_batches in steps:
+        for batch in micro_batches:
+            if batch["input_ids"].shape[0] != 1:
+                raise WeftError(f"the data's micro-batches hold {batch['input_ids'].shape[0]} samples; a prompt is "
+                                "one: set train.micro_batch_tokens to the sample length (data.tokens)",
+                                where="--prompt-from-data")
+            found.append({k: v for k, v in batch.items() if k not in ("labels", "shift_labels")})
+            if len(found) == count:
+                return found
+    raise WeftError(f"--prompt-from-data {count}: the data gives {len(found)} prompts", where="--prompt-from-data")
 
 
 def _pick(choose, logits: torch.Tensor, tokens: list[int], logprobs: list[float]) -> None:

@@ -1,4 +1,5 @@
-"""`weft generate --prompt-file`: several prompts decoded together, greedily, on one process.
+"""`weft generate --prompt-file` / `--prompt-from-data N`: several prompts decoded together,
+greedily, on one process.
 
 Each prompt is prefilled alone, through the plan's own attention, into its row of one
 preallocated cache (the ``static`` cache: (B, Hkv, capacity, D) per layer, capacity the
@@ -22,11 +23,10 @@ from weft.core.commands.decode import text_attention
 from weft.core.recipe import Recipe
 
 
-def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recipe: Recipe, prompts: list[dict],
+def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recipe: Recipe, inputs: list[dict],
                    max_new_tokens: int, autocast: Any) -> dict:
+    """``inputs``: each prompt's model inputs (B = 1), as ``prompt_inputs`` or the data give them."""
     device = ctx.device
-    inputs = [ctx.adapter.prompt_inputs(recipe, text=p["prompt"], images=p.get("images", []),
-                                        videos=p.get("videos", [])) for p in prompts]
     lengths = [int(x["input_ids"].shape[1]) for x in inputs]
     positions_of = ctx.adapter.positions(model)
     # The next text position after each prompt: its largest rotary position plus one.
@@ -41,7 +41,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     static = Decision(point="kv_cache", strategy="static", params=NoParams(), source="--prompt-file",
                       rule="several prompts decode together in the static cache")
     cache = pm.call_first("weft_kv_cache", decision=static, model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
-    cache.reserve(max(lengths) + max_new_tokens, rows=len(prompts))
+    cache.reserve(max(lengths) + max_new_tokens, rows=len(inputs))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
     tokens: list[list[int]] = []

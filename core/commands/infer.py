@@ -29,8 +29,9 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
                         help="several prompts decoded together (greedy, one process): one JSON object a line, "
                              "{\"prompt\": TEXT, \"images\": [PATH...], \"videos\": [PATH...]}, paths relative to "
                              "the file")
-    source.add_argument("--prompt-from-data", action="store_true",
-                        help="the first sample of the recipe's data as the prompt (e.g. long synthetic: data.tokens)")
+    source.add_argument("--prompt-from-data", nargs="?", type=_positive_count, const=1, default=None, metavar="N",
+                        help="the first sample of the recipe's data as the prompt (e.g. long synthetic: data.tokens); "
+                             "with N, its first N samples decoded together (greedy, one process)")
     generate.add_argument("--image", dest="images", action="append", default=[], type=pathlib.Path,
                           metavar="PATH", help="an image before the prompt (repeatable)")
     generate.add_argument("--video", dest="videos", action="append", default=[], type=pathlib.Path,
@@ -185,7 +186,8 @@ def _generate(args) -> int:
                "videos": [str(p.resolve()) for p in args.videos],
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                "seed": args.seed, "stream": not args.json, "warmup": args.warmup,
-               **({"prompts": prompts} if prompts is not None else {})}
+               **({"prompts": prompts} if prompts is not None else {}),
+               **({"from_data": args.prompt_from_data} if (args.prompt_from_data or 1) > 1 else {})}
     from weft.core.run.model_files import prompt_needs
 
     # The prompt, and the decoding of what is generated, read the tokenizer and the image processor.
@@ -202,16 +204,21 @@ def _generate(args) -> int:
             raise WeftError(f"--prompt-from-data gives every rank one prompt, but the plan has {dp} data-parallel "
                             "groups; give the ranks to sequence parallelism (parallel.ring / parallel.ulysses)",
                             where="--prompt-from-data")
-    if prompts is not None and nproc != 1:
-        raise WeftError(f"--prompt-file decodes its prompts together on one process; got {nproc} ranks "
-                        "(--nproc 1)", where="--prompt-file")
+    batched = prompts is not None or (args.prompt_from_data or 1) > 1
+    flag = "--prompt-file" if prompts is not None else "--prompt-from-data"
+    if batched and nproc != 1:
+        raise WeftError(f"{flag} decodes its prompts together on one process; got {nproc} ranks (--nproc 1)",
+                        where=flag)
+    if batched and args.temperature > 0:
+        raise WeftError(f"{flag} with several prompts decodes greedily (--temperature 0)", where="--temperature")
     result = run_generate(nproc=nproc, args=forwarded)
     if args.json:
         print(json.dumps(result, indent=1))
-    elif prompts is not None:
+    elif batched:
         for index, answer in enumerate(result["answers"]):
             print(f"[{index}] {answer['text']}")
-        print(f"weft generate: {len(prompts)} prompts ({sum(result['prompt_tokens']):,} tokens) decoded together; "
+        print(f"weft generate: {len(result['answers'])} prompts ({sum(result['prompt_tokens']):,} tokens) decoded "
+              "together; "
               f"prefill {result['prefill_tokens_per_s']:,.0f} tokens/s, decode {result['decode_ms_per_step']:.1f} "
               f"ms a step, {result['decode_tokens_per_s']:,.0f} tokens/s in all", file=sys.stderr)
     else:
@@ -223,13 +230,23 @@ def _generate(args) -> int:
     return EXIT_OK
 
 
+def _positive_count(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count of prompts, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 prompt, got {value}")
+    return value
+
+
 def _prompt_file(args: Any) -> list[dict]:
     """The prompts of ``--prompt-file``: checked here, each mistake a message naming its line."""
     if not args.prompt_file.is_file():
         raise WeftError(f"no such file: {args.prompt_file}; --prompt-file takes a JSONL file of prompts",
                         where="--prompt-file")
-    if args.temperature > 0:
-        raise WeftError("--prompt-file decodes greedily (--temperature 0)", where="--temperature")
     if args.images or args.videos:
         raise WeftError("--image and --video go with --prompt; a --prompt-file line names its own", where="--image")
     prompts = []
