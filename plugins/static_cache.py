@@ -50,10 +50,11 @@ class StaticLayer(DynamicLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.state["length"]
+        # Rows of different lengths (a batch): the buffer's; the model takes positions as given.
+        return self.state["length"] if self.state["length"] is not None else int(self.keys.shape[2])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.state["length"] + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
 
 class StaticCache(Cache):
@@ -88,7 +89,7 @@ class StaticCache(Cache):
         """Where the next token of each row is written: one position for every row, or (B,) on
         the device (prompts of different lengths); the rows past it are masked."""
         if isinstance(position, torch.Tensor):
-            self.state["position"] = position
+            self.state.update(position=position, length=None)  # the rows' lengths live on the device only
             return
         if self.state["position"] is None:
             self.state["position"] = torch.zeros(1, dtype=torch.long, device=device)
@@ -97,6 +98,16 @@ class StaticCache(Cache):
 
     def _attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query (B, Hq, 1, D), key/value (B, Hkv, capacity, D) -> (B, 1, Hq, D), no weights
+        if query.is_cuda and query.shape[0] == 1 and isinstance(self.state["length"], int):
+            # One prompt on the GPU: the filled rows only, through cuDNN's attention (grouped-query
+            # heads read as they are; a masked SDPA over the whole buffer would repeat the KV
+            # heads). A host length: eager decoding; a captured graph needs the masked form.
+            from weft.strategies.attention.sharded_decode import partial_attention
+
+            rows = self.state["length"] + 1
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            out, _ = partial_attention(query, key[:, :, :rows], value[:, :, :rows], scale=scale)
+            return out.to(query.dtype).transpose(1, 2).contiguous(), None
         position = self.state["position"].reshape(-1, 1)  # (B or 1, 1)
         visible = torch.arange(key.shape[2], device=key.device)[None, :] <= position  # (B or 1, capacity)
         out = torch.nn.functional.scaled_dot_product_attention(
