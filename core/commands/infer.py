@@ -29,7 +29,7 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
                         help="several prompts decoded together (greedy, one process): one JSON object a line, "
                              "{\"prompt\": TEXT, \"images\": [PATH...], \"videos\": [PATH...]}, paths relative to "
                              "the file")
-    source.add_argument("--prompt-from-data", nargs="?", type=_positive_count, const=1, default=None, metavar="N",
+    source.add_argument("--prompt-from-data", nargs="?", type=positive, const=1, default=None, metavar="N",
                         help="the first sample of the recipe's data as the prompt (e.g. long synthetic: data.tokens); "
                              "with N, its first N samples decoded together (greedy, one process)")
     generate.add_argument("--image", dest="images", action="append", default=[], type=pathlib.Path,
@@ -228,18 +228,6 @@ def _generate(args) -> int:
               f"prefill {result['prefill_tokens_per_s']:,.0f} tokens/s, decode {result['decode_ms_per_token']:.1f} "
               f"ms/token; {result['cache']} MiB per rank: {per_rank}", file=sys.stderr)
     return EXIT_OK
-
-
-def _positive_count(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count of prompts, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1 prompt, got {value}")
-    return value
 
 
 def _prompt_file(args: Any) -> list[dict]:
