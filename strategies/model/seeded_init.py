@@ -46,6 +46,7 @@ def init_parameters(model: torch.nn.Module, *, seed: int, std: float, block_rows
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     modules = dict(model.named_modules())
     count = 0
+    normal = []  # (local, global shape, offset, key, padding row): drawn together below
     with torch.no_grad():
         for name, param in model.named_parameters():
             if (only is not None and _canonical(name) not in only) or (include is not None and not include(name)):
@@ -62,9 +63,9 @@ def init_parameters(model: torch.nn.Module, *, seed: int, std: float, block_rows
                 local.zero_()
             else:
                 padding_row = owner.padding_idx if isinstance(owner, torch.nn.Embedding) else None
-                _fill_normal(local, global_shape=tuple(param.shape), offset=offset, key=_canonical(name), seed=seed,
-                             std=std, block_rows=block_rows, padding_row=padding_row)
+                normal.append((local, tuple(param.shape), offset, _canonical(name), padding_row))
             count += 1
+        _fill_normals(normal, seed=seed, std=std, block_rows=block_rows)
     return count
 
 
@@ -110,40 +111,48 @@ def _local_part(param: torch.Tensor, *, name: str) -> tuple[torch.Tensor, tuple[
     return local, tuple(offset)
 
 
-def _fill_normal(local: torch.Tensor, *, global_shape: tuple[int, ...], offset: tuple[int, ...], key: str, seed: int,
-                 std: float, block_rows: int, padding_row: int | None) -> None:
-    if not global_shape:  # a 0-D parameter: one block of one value
-        local.copy_(_block(seed=seed, key=key, index=0, shape=(), std=std))
-        return
-    rows = global_shape[0]
-    first, stop = offset[0], offset[0] + local.shape[0]  # this rank's global rows [first, stop)
-    # The other dims: whole unless the placement shards them too.
-    inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:]))
+def _fill_normals(jobs: list, *, seed: int, std: float, block_rows: int) -> None:
+    """Fill each job's ``local`` (its rank's part of a parameter) with its normal draws.
 
-    def draw(index: int) -> tuple[int, int, torch.Tensor]:
-        """This rank's rows [lo, hi) of block ``index``, already in the shard's dtype (rounded
+    Each block has its own generator, so blocks drawn on several threads (torch's normal_
+    releases the GIL; one generator draws on one core) are the same values as drawn in turn;
+    the blocks of every parameter of the call are drawn together (a unit's small and large
+    matrices keep all cores busy): a 72B model's 72e9 values take minutes on one core. A
+    thread per core, two blocks in flight per thread (each up to block_rows x the widest row,
+    ~120 MB at 72B's MLP): bounded host memory. Measured on one H200 host (16 cores, then 8
+    threads a parameter, float32 copies): 72B's random init and 4-bit quantisation in 172 s."""
+    tasks = []  # (job, block index)
+    for job, (local, global_shape, offset, key, _) in enumerate(jobs):
+        if not global_shape:  # a 0-D parameter: one block of one value
+            local.copy_(_block(seed=seed, key=key, index=0, shape=(), std=std))
+            continue
+        first, stop = offset[0], offset[0] + local.shape[0]  # this rank's global rows [first, stop)
+        tasks += [(job, index) for index in range(first // block_rows, (stop - 1) // block_rows + 1)]
+    if not tasks:
+        return
+
+    def draw(task: tuple[int, int]) -> tuple[int, int, int, torch.Tensor]:
+        """Job ``job``'s rows [lo, hi) of block ``index``, already in the shard's dtype (rounded
         on the drawing thread, as the copy would round it: half the bytes to move for bf16)."""
+        job, index = task
+        local, global_shape, offset, key, padding_row = jobs[job]
         start = index * block_rows
-        block = _block(seed=seed, key=key, index=index, shape=(min(block_rows, rows - start), *global_shape[1:]),
-                       std=std)  # (n, *global_shape[1:])
+        block = _block(seed=seed, key=key, index=index,
+                       shape=(min(block_rows, global_shape[0] - start), *global_shape[1:]), std=std)
         if padding_row is not None and start <= padding_row < start + block.shape[0]:
             block[padding_row - start] = 0.0
+        first, stop = offset[0], offset[0] + local.shape[0]
+        # The other dims: whole unless the placement shards them too.
+        inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:]))
         lo, hi = max(first, start), min(stop, start + block.shape[0])
-        return lo, hi, block[(slice(lo - start, hi - start), *inner)].to(local.dtype)
+        return job, lo - first, hi - first, block[(slice(lo - start, hi - start), *inner)].to(local.dtype)
 
-    indices = range(first // block_rows, (stop - 1) // block_rows + 1)
-    # Each block has its own generator, so blocks drawn on several threads (torch's normal_
-    # releases the GIL; one generator draws on one core) are the same values as drawn in turn:
-    # a 72B model's 72e9 values take minutes on one core.
-    # A thread per core, two blocks in flight per thread (each up to block_rows x the widest
-    # row, ~120 MB at 72B's MLP): bounded host memory. Measured on one H200 host (16 cores, 8
-    # threads, float32 copies): 72B's random init and 4-bit quantisation in 172 s.
-    workers = max(1, min(len(indices), os.cpu_count() or 1))
+    workers = max(1, min(len(tasks), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         window = 2 * workers  # blocks drawn ahead of the copies
-        for at in range(0, len(indices), window):
-            for lo, hi, rows_drawn in pool.map(draw, indices[at:at + window]):
-                local[lo - first:hi - first].copy_(rows_drawn)
+        for at in range(0, len(tasks), window):
+            for job, lo, hi, rows in pool.map(draw, tasks[at:at + window]):
+                jobs[job][0][lo:hi].copy_(rows)
 
 
 def _block(*, seed: int, key: str, index: int, shape: tuple[int, ...], std: float) -> torch.Tensor:
