@@ -78,12 +78,9 @@ def text_corpus(recipe, *, config, processor) -> tuple[Any, Any]:
     model's tokenizer, or by a byte-level BPE trained on them when the model has none."""
     import pathlib
 
-    from weft.strategies.data.text_corpus import STDLIB, corpus_files, corpus_tokenizer, text_samples
+    from weft.strategies.data.text_corpus import corpus_files, corpus_tokenizer, text_samples
 
-    pattern = recipe.data.path
-    if not pattern.startswith(STDLIB):
-        pattern = str(recipe.relative(pattern))
-    files = corpus_files(pattern, base=pathlib.Path.cwd())
+    files = corpus_files(recipe.data.path, base=recipe.relative("."))  # relative to the recipe, as data paths are
     where = f"{recipe.source} (data.path)"
     if not files:
         raise WeftError(f"data.path {recipe.data.path!r} names no file (a glob of plain text files; "

@@ -63,9 +63,7 @@ def check_keep(params, *, recipe, plan) -> str | None:
         return (f"offload_activations = true needs checkpoint = 'full' (got {params.checkpoint!r}): only a fully "
                 "checkpointed unit keeps nothing but its input")
     if params.matmul == "float8":
-        import importlib.util
-
-        if importlib.util.find_spec("torchao") is None:
+        if not _has_torchao():
             return "matmul = 'float8' needs the torchao package (pip install 'weft[float8]')"
         if params.quantize != "none":
             return (f"matmul = 'float8' and quantize = {params.quantize!r} on one unit: a 4-bit weight is not "
@@ -75,10 +73,14 @@ def check_keep(params, *, recipe, plan) -> str | None:
     return None
 
 
-def _check_quantize(params, *, plan) -> str | None:
+def _has_torchao() -> bool:
     import importlib.util
 
-    if importlib.util.find_spec("torchao") is None:
+    return importlib.util.find_spec("torchao") is not None
+
+
+def _check_quantize(params, *, plan) -> str | None:
+    if not _has_torchao():
         return f"quantize = {params.quantize!r} needs the torchao package (pip install 'weft[qlora]')"
     if params.trainable and not plan.modules_for("adapter", "lora"):
         return (f"quantize = {params.quantize!r} stores weights no optimizer can update: freeze the unit "
@@ -234,7 +236,7 @@ def _float8_units(model, plan, *, device) -> int:
         from weft.core.errors import PlanError
 
         rule = units[0].get("shard")
-        name = torch_device_name(device)
+        name = _device_name(device)
         raise PlanError(f"shard rule {rule.rule!r} asks for matmul = 'float8' on {len(units)} units, but {name} has "
                         "no float8 matrix units (GPUs of compute capability 8.9 or more: Ada, Hopper, Blackwell); "
                         "drop the key to multiply in the storage dtype", where=f"{rule.source} (shard.matmul)")
@@ -242,7 +244,7 @@ def _float8_units(model, plan, *, device) -> int:
                for u in units)
 
 
-def torch_device_name(device) -> str:
+def _device_name(device) -> str:
     import torch
 
     if device.type == "cuda":

@@ -1,14 +1,14 @@
 """The ``static`` KV cache: every layer's keys and values preallocated, written in place.
 
 Each layer holds (B, Hkv, capacity, D) buffers, capacity = the prompt plus the tokens to
-generate (``reserve``, called by the core before the prefill): the prefill copies the
-prompt's keys and values in and hands them back unchanged (the recipe's own attention runs
-on the prompt alone); each decoded token is one row written at its position by
-``index_copy_`` from a device tensor. Nothing is concatenated and no tensor changes shape
-from one token to the next, which a captured CUDA graph needs; transformers' dynamic cache
-copies the whole cache at every token (at 128K, 7 GB per token for the 7B). Decoding attends
-over the whole buffer with the rows past the current position masked out (an O(capacity)
-read, as the filled rows are). One process, whole sequence: under sequence parallelism the
+generate, for B rows (``reserve``, called by the core before the prefill): each prefill
+copies its prompt's keys and values into its row and hands them back unchanged (the
+recipe's own attention runs on the prompt alone); each decoded token is one row written in
+place at its position, a device tensor (one for every row, or one a row). Nothing is
+concatenated and no tensor changes shape from one token to the next, which a captured CUDA
+graph needs; transformers' dynamic cache copies the whole cache at every token (at 128K,
+7 GB per token for the 7B). Decoding attends over the whole buffer with the rows past the
+current position masked out (on the GPU, one prompt: its filled rows through cuDNN). One process, whole sequence: under sequence parallelism the
 ``sharded`` and ``paged`` caches split it over the ranks.
 """
 
@@ -21,8 +21,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 class StaticLayer(DynamicLayer):
     """One decoder layer's buffers; ``state`` (shared by the layers) holds the phase, the
-    capacity, the position the next token is written at (a (1,) device tensor) and the
-    length so far."""
+    capacity and rows, the row being prefilled, the position the next token is written at
+    (a (1,) or (B,) device tensor) and the length so far (None when the rows differ)."""
 
     def __init__(self, *, state: dict) -> None:
         super().__init__()

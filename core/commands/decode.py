@@ -1,6 +1,7 @@
 """The decoding step and its loops, shared by `weft generate`'s one prompt and its batches:
 one step through the model into the cache, greedy decoding with the token kept on the
-device, the text shown as it comes, the text model's attention switched to the cache's."""
+device, the text shown as it comes, the stop tokens, the cache's bytes, the text model's
+attention switched to the cache's."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def decode_step(model: torch.nn.Module, *, cache, token: torch.Tensor, position:
 
 
 def decode_greedy(model: torch.nn.Module, *, cache, tokens: list[int], logprobs: list[float], length: int,
-                   max_new_tokens: int, stops: set[int], device: torch.device, show) -> None:
+                  max_new_tokens: int, stops: set[int], device: torch.device, show) -> None:
     """Greedy decoding with the chosen token kept on the device: each step's input is the
     previous step's argmax (broadcast from rank 0) and its position a device counter, so the
     host never waits for a token before launching the next step; the tokens come back every
@@ -63,7 +64,7 @@ def decode_greedy(model: torch.nn.Module, *, cache, tokens: list[int], logprobs:
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     for step in range(len(tokens), max_new_tokens):
         output = decode_step(model, cache=cache, token=current, position=length + step - 1,
-                       cache_position=cache_position)
+                             cache_position=cache_position)
         logits = output.logits[:, -1].float()  # (1, V)
         chosen = logits.argmax(dim=-1)  # (1,)
         dist.broadcast(chosen, src=0)
@@ -80,6 +81,22 @@ def decode_greedy(model: torch.nn.Module, *, cache, tokens: list[int], logprobs:
                     show(int(token))
                 if token in stops:
                     return
+
+
+def stop_tokens(model: torch.nn.Module) -> set[int]:
+    """The ids that end an answer: the model's generation config's end-of-sequence ids."""
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def cache_bytes(cache) -> int:
+    """This rank's cached keys and values (any transformers cache of per-layer tensors; a
+    paged cache's vision pool and text pages as allocated)."""
+    if hasattr(cache, "partition_bytes"):
+        parts = cache.partition_bytes()
+        return parts["vision"] + parts["text_capacity"]
+    return int(sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None))
 
 
 def text_attention(model: torch.nn.Module, name: str) -> None:

@@ -20,7 +20,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from weft.core.commands.decode import decode_greedy, decode_step, printer, streaming, text_attention
+from weft.core.commands.decode import (
+    cache_bytes,
+    decode_greedy,
+    decode_step,
+    printer,
+    stop_tokens,
+    streaming,
+    text_attention,
+)
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
@@ -68,8 +76,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
             else None)  # rank 0's stdout is the terminal's: the text as it comes
     if show is not None:
         choose = streaming(choose, show=show)
-    eos = model.generation_config.eos_token_id
-    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    stops = stop_tokens(model)
     autocast = autocast_for(recipe.train.precision, device_type)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     new_cache = functools.partial(pm.call_first, "weft_kv_cache", decision=text_rules[0], model=model,
@@ -112,7 +119,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     decode_s = time.perf_counter() - start - prefill_s
     # Each rank's cache bytes, and a paged cache's vision pool and text pages: one gather.
     gathered = [None] * world_size
-    dist.all_gather_object(gathered, (_cache_bytes(cache), getattr(cache, "partition_bytes", lambda: None)()))
+    dist.all_gather_object(gathered, (cache_bytes(cache), getattr(cache, "partition_bytes", lambda: None)()))
     local_bytes, partitions = [g[0] for g in gathered], [g[1] for g in gathered]
     return {"tokens": tokens, "logprobs": logprobs, "text": ctx.adapter.decode_tokens(recipe, tokens),
             "prompt_tokens": length,
@@ -213,16 +220,6 @@ def _chooser(*, temperature: float, top_p: float, seed: int):
         return int(token)
 
     return choose
-
-
-def _cache_bytes(cache) -> int:
-    """This rank's cached keys and values (any transformers cache of per-layer tensors; a
-    paged cache's vision pool and text pages as allocated)."""
-    if hasattr(cache, "partition_bytes"):
-        parts = cache.partition_bytes()
-        return parts["vision"] + parts["text_capacity"]
-    return int(sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
-                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None))
 
 
 def check_options(*, max_new_tokens: int, temperature: float, top_p: float) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from weft.core.commands.decode import text_attention
+from weft.core.commands.decode import cache_bytes, stop_tokens, text_attention
 from weft.core.recipe import Recipe
 
 
@@ -31,14 +31,13 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     positions_of = ctx.adapter.positions(model)
     # The next text position after each prompt: its largest rotary position plus one.
     starts = [int(positions_of(_as_sample(x)).max()) + 1 for x in inputs]
-    eos = model.generation_config.eos_token_id
-    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    stops = stop_tokens(model)
     # The batch's cache is the kv_cache hook's ``static`` one whatever the rules say: it alone
     # keeps rows of different lengths, each written at its own position.
     from weft.core.recipe.rules import Decision
     from weft.core.registry import NoParams
 
-    static = Decision(point="kv_cache", strategy="static", params=NoParams(), source="--prompt-file",
+    static = Decision(point="kv_cache", strategy="static", params=NoParams(), source="weft generate (several prompts)",
                       rule="several prompts decode together in the static cache")
     cache = pm.call_first("weft_kv_cache", decision=static, model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
     cache.reserve(max(lengths) + max_new_tokens, rows=len(inputs))
@@ -88,8 +87,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         "prompt_tokens": lengths, "prefill_s": prefill_s, "prefill_tokens_per_s": sum(lengths) / max(prefill_s, 1e-9),
         "decode_steps": steps - 1, "decode_ms_per_step": 1e3 * decode_s / max(steps - 1, 1),
         "decode_tokens_per_s": new / max(decode_s, 1e-9), "cache": type(cache).__name__,
-        "cache_bytes_per_rank": [int(sum(t.numel() * t.element_size() for layer in cache.layers
-                                         for t in (layer.keys, layer.values)))], "world_size": 1,
+        "cache_bytes_per_rank": [cache_bytes(cache)], "world_size": 1,
         "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
 
