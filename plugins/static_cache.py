@@ -8,8 +8,9 @@ place at its position, a device tensor (one for every row, or one a row). Nothin
 concatenated and no tensor changes shape from one token to the next, which a captured CUDA
 graph needs; transformers' dynamic cache copies the whole cache at every token (at 128K,
 7 GB per token for the 7B). Decoding attends over the whole buffer with the rows past the
-current position masked out (on the GPU, one prompt: its filled rows through cuDNN). One process, whole sequence: under sequence parallelism the
-``sharded`` and ``paged`` caches split it over the ranks.
+current position masked out (on the GPU, one prompt: its filled rows through cuDNN). One
+process, whole sequence: under sequence parallelism the ``sharded`` and ``paged`` caches
+split it over the ranks.
 """
 
 from __future__ import annotations
