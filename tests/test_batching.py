@@ -63,3 +63,29 @@ def test_data_parallel_ranks_see_disjoint_samples():
 def test_over_long_samples_are_left_out():
     batches = pack_micro_batches([10, 500, 20], budget=100, seed=0, epoch=0)
     assert sorted(i for b in batches for i in b) == [0, 2]
+
+
+def test_prefetching_stops_its_thread_when_the_consumer_stops_early():
+    """A consumer that leaves early (an error, enough items) ends the producer thread before
+    it goes on: none is left running into interpreter exit. Errors reach the consumer at
+    their item; a full pass yields every item in order."""
+    import threading
+
+    from weft.strategies.data.prefetch import prefetched
+
+    def alive() -> int:
+        return sum(t.name == "weft-prefetch" and t.is_alive() for t in threading.enumerate())
+
+    assert list(prefetched(iter(range(10)), depth=2)) == list(range(10))
+    items = prefetched(iter(range(1000)), depth=2)
+    assert next(items) == 0 and alive() == 1
+    items.close()
+    assert alive() == 0
+
+    def broken():
+        yield 1
+        raise ValueError("bad sample")
+
+    with pytest.raises(ValueError, match="bad sample"):
+        list(prefetched(broken(), depth=2))
+    assert alive() == 0

@@ -218,10 +218,15 @@ def test_prompt_from_the_recipes_long_synthetic_data():
     (["--prompt", "hi", "--image", "missing.png"], "--image: no such file: missing.png"),
     (["--prompt-from-data", "--nproc", "2"], "--prompt-from-data: --prompt-from-data gives every rank one prompt"),
     (["--prompt", "hi", "--model-dir", "."], "--model-dir: give a recipe or --model-dir, not both"),
+    # Found by the rank, inside the data's prefetching: its exit code is the command's, and the
+    # rank ends cleanly (the prefetch thread stopped, not torn down at interpreter exit).
+    (["--prompt-from-data", "2", "--nproc", "1", "--set", "data.tokens=48"],
+     "--prompt-from-data: the data's micro-batches hold"),
 ])
 def test_mistakes_are_messages(args, message):
     done = weft("generate", RECIPE, *args)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr, done.stderr[-2000:]
 
 
 def test_static_cache_equals_transformers_generate(image, expected, single, tmp_path):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import pathlib
 import tempfile
+import traceback
 from typing import Any, Callable
 
-from weft.core.errors import RunFailed, WeftError
+from weft.core.errors import EXIT_GUARD, EXIT_USER, RunFailed, WeftError
 from weft.core.recipe import Recipe
 
 
@@ -21,8 +22,11 @@ def launch_ranks(command: str, *, nproc: int, args: list[str], out: pathlib.Path
 
     code = launch_local(nproc=nproc, args=["-m", "weft", f"_{command}-worker", *args, "--out", str(out)])
     if code != 0 or not out.is_file():
-        raise RunFailed(f"the {nproc}-rank `weft {command}` failed (exit code {code}); its ranks' output above "
-                        "says why", where=f"weft {command}")
+        failed = RunFailed(f"the {nproc}-rank `weft {command}` failed (exit code {code}); its ranks' output above "
+                           "says why", where=f"weft {command}")
+        if code in (EXIT_USER, EXIT_GUARD):  # a rank's own message said what to fix: its exit code is the command's
+            failed.exit_code = code
+        raise failed
 
 
 def launch_job(command: str, *, nproc: int, args: list[str]) -> dict:
@@ -43,7 +47,12 @@ def run_on_rank(recipe: Recipe, *, out: pathlib.Path, job: Callable[..., dict | 
     try:
         result = job(recipe, rank=rank, world_size=world_size, local_rank=local_rank, device_type=device_type,
                      **options)
-    except BaseException:
+    except BaseException as error:
+        # The traceback's frames hold the job's locals (the model, its meshes and their
+        # groups' threads): freed now, before the groups go, not at interpreter exit, where
+        # destroying them aborts the rank ("terminate called without an active exception",
+        # exit -6 instead of the error's own code).
+        traceback.clear_frames(error.__traceback__)
         close_process_group(clean=False)
         raise
     if rank == 0 and result is not None:

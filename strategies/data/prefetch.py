@@ -21,17 +21,37 @@ def prefetched(items: Iterable[T], depth: int) -> Iterator[T]:
         return
     buffer: queue.Queue = queue.Queue(maxsize=depth)
     done = object()
+    stop = threading.Event()
+
+    def offer(item) -> bool:  # False once the consumer has gone
+        while not stop.is_set():
+            try:
+                buffer.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def fill():
         try:
             for item in items:
-                buffer.put(item)
+                if not offer(item):
+                    return
         except BaseException as error:  # hand the error to the consumer
-            buffer.put(error)
-        buffer.put(done)
+            offer(error)
+        offer(done)
 
-    threading.Thread(target=fill, daemon=True, name="weft-prefetch").start()
-    while (item := buffer.get()) is not done:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    thread = threading.Thread(target=fill, daemon=True, name="weft-prefetch")
+    thread.start()
+    try:
+        while (item := buffer.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        # A consumer that stops early (an error, enough prompts, the last step) ends the
+        # producer here and waits for its current item: left running into interpreter exit,
+        # a producer inside torch's C++ (a collate's torch.cat) is torn down there and aborts
+        # the process ("terminate called without an active exception").
+        stop.set()
+        thread.join()
