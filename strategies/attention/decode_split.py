@@ -32,6 +32,8 @@ over the filled rows to rounding (tests/test_decode_split.py).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 #: Target rows of one chunk: at 128K, ~64 chunks x Hkv heads -> a few hundred GEMMs per call.
@@ -73,7 +75,8 @@ def split_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         splits = 1
     groups, chunk = hq // hkv, n // splits
     # The run's autocast would cast these GEMMs' float32 inputs down: the dtypes are chosen here.
-    with torch.autocast(query.device.type, enabled=False):
+    kind = query.device.type
+    with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext():
         q = query.to(key.dtype).reshape(b, hkv, 1, groups, d)  # (B, Hkv, 1, G, D): head h = kv * G + g
         q = q.expand(b, hkv, splits, groups, d).reshape(b * hkv * splits, groups, d)  # a small copy
         k = key.reshape(b * hkv * splits, chunk, d)  # (B x Hkv x S, C, D): a view of the buffer
