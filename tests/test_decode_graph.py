@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import io
 import pathlib
+import types
 
 import pytest
 import torch
@@ -161,6 +162,39 @@ def test_every_step_dispatches_the_same_operators(tiny):
     assert len(traces[0]) > 100  # the whole forward was seen
     assert not [f for f, _ in traces[0] if f is torch.ops.aten._local_scalar_dense.default]
     assert traces[0] == traces[1]
+
+
+def test_warm_up_then_one_capture_then_replays(tiny):
+    """The order on CUDA, with the CUDA parts stood in for: WARMUP eager steps, one capture
+    (which runs nothing, so that step's replay follows at once), then a replay per token;
+    the tokens are the eager step's."""
+    from weft.core.commands.decode_graph import WARMUP
+
+    calls = []
+
+    class Staged(GreedyStep):
+        def _warm(self):
+            calls.append("warm")
+            self._step()
+
+        def _record(self):
+            calls.append("record")
+            self.graph = types.SimpleNamespace(replay=self._step)  # what the capture recorded
+
+        def _replay(self):
+            calls.append("replay")
+            self.graph.replay()
+            self.replays += 1
+
+    eager = _step_on(tiny, "cpu")
+    with torch.no_grad():
+        eager_tokens = [int(eager()[0]) for _ in range(5)]
+        plain = _step_on(tiny, "cpu")  # a fresh prefill: the model's decode attention is this cache's
+        staged = Staged(tiny["model"], cache=plain.cache, token=plain.token, rotary=plain.rotary, row=plain.row,
+                        capture=True)
+        staged_tokens = [int(staged()[0]) for _ in range(5)]
+    assert calls == ["warm"] * WARMUP + ["record", "replay"] + ["replay"] * (4 - WARMUP)
+    assert staged_tokens == eager_tokens == tiny["tokens"][1:6] and staged.replays == 5 - WARMUP
 
 
 def test_what_keeps_a_step_from_being_captured(tiny):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 
 import torch
 import torch.distributed as dist
@@ -101,8 +102,9 @@ class GreedyStep:
         self.logprob = torch.zeros(rows, dtype=torch.float64, device=token.device)  # (B,)
         self.capture, self.steps = capture, 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.pool_bytes = 0
+        self.pool_bytes, self.capture_s, self.replays = 0, 0.0, 0
         self.error: str | None = None  # why a capture failed (then every step is eager)
+        self._first_replay: torch.cuda.Event | None = None  # times the replays without a host sync
 
     def _step(self) -> None:
         """The step itself: what is captured, and what runs eagerly."""
@@ -138,7 +140,7 @@ class GreedyStep:
         torch.cuda.synchronize(self.row.device)
         gc.collect()
         torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.row.device)
+        before, start = torch.cuda.memory_reserved(self.row.device), time.perf_counter()
         try:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._step()
@@ -147,13 +149,29 @@ class GreedyStep:
             torch.cuda.synchronize(self.row.device)
             return
         self.pool_bytes = torch.cuda.memory_reserved(self.row.device) - before
-        self.graph = graph
+        self.capture_s, self.graph = time.perf_counter() - start, graph
+
+    def replay_ms(self) -> float | None:
+        """The replays' mean GPU time (ms a token, the read-backs' gaps included), or None."""
+        if not self.replays:
+            return None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return self._first_replay.elapsed_time(end) / self.replays
+
+    def _replay(self) -> None:
+        if self._first_replay is None:
+            self._first_replay = torch.cuda.Event(enable_timing=True)
+            self._first_replay.record()
+        self.graph.replay()
+        self.replays += 1
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graph is None and self.capture and self.steps >= WARMUP:
             self._record()  # records the step without running it; the replay below runs it
         if self.graph is not None:
-            self.graph.replay()
+            self._replay()
         elif self.capture:
             self._warm()
         else:
@@ -169,7 +187,8 @@ def decode_greedy_buffered(model: torch.nn.Module, *, cache, tokens: list[int], 
     the tokens come back every ``read_every`` steps (the stop check, the streamed text);
     ``row``: the cache row of the first decoded token (the prompt's length); ``rotary``: its
     rotary position ids ((3, 1, 1) or (1, 1)). Returns what the step reports: whether a graph
-    was replayed, its pool's bytes, and why not."""
+    was replayed (else why not), its pool's bytes, the capture's host seconds, the replays'
+    count and mean GPU ms a token (the eager warm-up steps and the capture are not in it)."""
     blocked = "no step to decode" if tokens[-1] in stops or len(tokens) >= max_new_tokens else None
     blocked = blocked or (None if capture else "--no-cuda-graph")
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -190,9 +209,11 @@ def decode_greedy_buffered(model: torch.nn.Module, *, cache, tokens: list[int], 
                 pending.clear()
                 if _take(ids, values, tokens=tokens, logprobs=logprobs, stops=stops, show=show):
                     break
-    graphed = step is not None and step.graph is not None
-    return {"cuda_graph": graphed, "graph_pool_bytes": step.pool_bytes if step is not None else 0,
-            **({} if graphed else {"cuda_graph_off": (step.error if step is not None and step.error else blocked)})}
+    if step is None or step.graph is None:
+        return {"cuda_graph": False, "graph_pool_bytes": 0,
+                "cuda_graph_off": step.error if step is not None and step.error else blocked}
+    return {"cuda_graph": True, "graph_pool_bytes": step.pool_bytes, "graph_capture_s": step.capture_s,
+            "graph_replays": step.replays, "graph_ms_per_token": step.replay_ms()}
 
 
 def _take(ids: list[int], values: list[float], *, tokens: list[int], logprobs: list[float], stops: set[int],
