@@ -33,6 +33,7 @@ over the filled rows to rounding (tests/test_decode_split.py).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -50,13 +51,22 @@ def split_rows(rows: int, *, chunk: int = CHUNK_ROWS) -> tuple[int, int]:
     return per_split * splits, splits
 
 
+#: Whether this torch's CUDA GEMMs write bf16/fp16 products as float32 (``out_dtype``).
+_FLOAT32_OUT = {"cuda": True}
+
+
 def _scores_dtype_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b batched, in float32 at least: bf16/fp16 on CUDA written as float32 by the GEMM
     (no float32 copy of the cache); on the CPU (tests, no such kernel) upcast first."""
     if a.dtype in (torch.float32, torch.float64):
         return torch.bmm(a, b)
-    if a.is_cuda:
-        return torch.bmm(a, b, out_dtype=torch.float32)
+    if a.is_cuda and _FLOAT32_OUT["cuda"]:
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError) as error:  # a torch or GPU without it: exact, but a float32 copy a call
+            _FLOAT32_OUT["cuda"] = False
+            warnings.warn(f"bmm(out_dtype=float32) unavailable ({error}); split_decode_attention copies the cache "
+                          "to float32 at every call", stacklevel=2)
     return torch.bmm(a.float(), b.float())
 
 
