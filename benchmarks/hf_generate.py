@@ -79,7 +79,8 @@ def main() -> None:
     print(json.dumps({
         "runner": "transformers.generate", "cache": args.cache, "preset": args.preset, "world_size": 1,
         "prompt_tokens": args.tokens, "prefill_s": prefill_s, "prefill_tokens_per_s": args.tokens / prefill_s,
-        "decode_ms_per_token": decode_ms, "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0,
+        "decode_ms_per_token": decode_ms,
+        "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0,
         "tokens": tokens.tolist(), "torch": torch.__version__,
     }))
 

@@ -1,16 +1,19 @@
 """The ``static`` KV cache: every layer's keys and values preallocated, written in place.
 
 Each layer holds (B, Hkv, capacity, D) buffers, capacity = the prompt plus the tokens to
-generate, for B rows (``reserve``, called by the core before the prefill): each prefill
-copies its prompt's keys and values into its row and hands them back unchanged (the
-recipe's own attention runs on the prompt alone); each decoded token is one row written in
-place at its position, a device tensor (one for every row, or one a row). Nothing is
-concatenated and no tensor changes shape from one token to the next, which a captured CUDA
-graph needs; transformers' dynamic cache copies the whole cache at every token (at 128K,
-7 GB per token for the 7B). Decoding attends over the whole buffer with the rows past the
-current position masked out (on the GPU, one prompt: its filled rows through cuDNN). One
-process, whole sequence: under sequence parallelism the ``sharded`` and ``paged`` caches
-split it over the ranks.
+generate (past 2048 rows rounded up to equal chunks: fewer spare rows than chunks), for B
+rows (``reserve``, called by the core before the prefill): each prefill copies its prompt's
+keys and values into its row and hands them back unchanged (the recipe's own attention runs
+on the prompt alone); each decoded token is one row written in place at its position, a
+device tensor (one for every row, or one a row). Nothing is concatenated and no tensor
+changes shape from one token to the next, which a captured CUDA graph needs; transformers'
+dynamic cache copies the whole cache at every token (at 128K, 7 GB per token for the 7B).
+Decoding attends over the whole buffer, the rows past each row's position masked from the
+device position (``split_decode_attention``: split-KV, the buffer's rows a multiple of its
+chunks, no host-side length anywhere), so a decoding step reads no host state that changes
+from one token to the next and can be captured as a CUDA graph
+(core/commands/decode_graph.py). One process, whole sequence: under sequence parallelism
+the ``sharded`` and ``paged`` caches split it over the ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
+
+from weft.strategies.attention.decode_split import split_decode_attention, split_rows
 
 
 class StaticLayer(DynamicLayer):
@@ -36,7 +41,10 @@ class StaticLayer(DynamicLayer):
                 self.lazy_initialization(key_states, value_states)
             _, h, s, d = key_states.shape
             if state["row"] == 0 or self.keys.dim() != 4:  # the first prompt of a batch allocates
-                shape = (state["rows"], h, max(state["capacity"], s), d)  # (B, Hkv, capacity, D)
+                # A few rows past the capacity (fewer than one a chunk), so the decode attention's
+                # chunks are views of the buffer.
+                rows, state["splits"] = split_rows(max(state["capacity"], s))
+                shape = (state["rows"], h, rows, d)  # (B, Hkv, capacity rounded up, D)
                 self.keys = key_states.new_zeros(shape)
                 self.values = value_states.new_zeros((*shape[:3], value_states.shape[-1]))
             self.keys[state["row"], :, :s] = key_states[0]
@@ -45,13 +53,18 @@ class StaticLayer(DynamicLayer):
         # decode: one new token per row, each at its row's position
         if state["position"] is None:
             raise RuntimeError("the static cache decodes after its prefill")
-        rows = torch.arange(self.keys.shape[0], device=self.keys.device)
-        self.keys[rows, :, state["position"]] = key_states[:, :, 0]  # (B, Hkv, D) written in place
-        self.values[rows, :, state["position"]] = value_states[:, :, 0]
+        b, h, _, d = self.keys.shape
+        # (B, Hkv, 1, D) rows written in place at each row's position: a scatter from the device
+        # position (one for every row broadcasts), no host index.
+        where = state["position"].reshape(-1, 1, 1, 1).expand(b, h, 1, d)
+        self.keys.scatter_(2, where, key_states.to(self.keys.dtype))
+        self.values.scatter_(2, where.expand(b, h, 1, self.values.shape[-1]), value_states.to(self.values.dtype))
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        # Rows of different lengths (a batch): the buffer's; the model takes positions as given.
+        # A host position (eager decoding, a prefill): the length so far, from which the model
+        # numbers the next token. A device position (a batch, a captured step): the buffer's
+        # rows, the same answer at every token; the caller passes the positions.
         return self.state["length"] if self.state["length"] is not None else int(self.keys.shape[2])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -62,10 +75,15 @@ class StaticCache(Cache):
     """See the module docstring. ``decode_attention``: the name of this cache's decode
     attention in transformers' AttentionInterface (the core selects it after the prefill)."""
 
+    #: A decoding step at a device position (``at(tensor)``) has the same shapes, kernels and
+    #: host state at every token: core/commands/decode_graph.py captures it.
+    capturable = True
+
     def __init__(self, *, num_layers: int) -> None:
         self.state = {"phase": "prefill", "capacity": 0, "rows": 1, "row": 0, "position": None, "length": 0,
-                      "prompt": 0}
+                      "prompt": 0, "splits": 1}
         super().__init__(layers=[StaticLayer(state=self.state) for _ in range(num_layers)])
+        self._host_position: torch.Tensor | None = None
         self.decode_attention = f"weft_static_decode_{id(self):x}"
         AttentionInterface.register(self.decode_attention, self._attend)
 
@@ -92,26 +110,16 @@ class StaticCache(Cache):
         if isinstance(position, torch.Tensor):
             self.state.update(position=position, length=None)  # the rows' lengths live on the device only
             return
-        if self.state["position"] is None:
-            self.state["position"] = torch.zeros(1, dtype=torch.long, device=device)
-        self.state["position"].fill_(position)
-        self.state["length"] = position
+        if self._host_position is None:  # its own tensor: a caller's device position is never written here
+            self._host_position = torch.zeros(1, dtype=torch.long, device=device)
+        self._host_position.fill_(position)
+        self.state.update(position=self._host_position, length=position)
 
     def _attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        # query (B, Hq, 1, D), key/value (B, Hkv, capacity, D) -> (B, 1, Hq, D), no weights
-        if query.is_cuda and query.shape[0] == 1 and isinstance(self.state["length"], int):
-            # One prompt on the GPU: the filled rows only, through cuDNN's attention (grouped-query
-            # heads read as they are; a masked SDPA over the whole buffer would repeat the KV
-            # heads). A host length: eager decoding; a captured graph needs the masked form.
-            from weft.strategies.attention.sharded_decode import partial_attention
-
-            rows = self.state["length"] + 1
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            out, _ = partial_attention(query, key[:, :, :rows], value[:, :, :rows], scale=scale)
-            return out.to(query.dtype).transpose(1, 2).contiguous(), None
-        position = self.state["position"].reshape(-1, 1)  # (B or 1, 1)
-        visible = torch.arange(key.shape[2], device=key.device)[None, :] <= position  # (B or 1, capacity)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=visible[:, None, None, :], scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1])
+        # query (B, Hq, 1, D), key/value (B, Hkv, rows, D) -> (B, 1, Hq, D), no weights.
+        # transformers' mask is not used (none is made for this attention's name): each row sees
+        # the cache up to its position, read from the device.
+        lengths = self.state["position"].reshape(-1) + 1  # (B or 1,)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = split_decode_attention(query, key, value, lengths=lengths, scale=scale, splits=self.state["splits"])
         return out.transpose(1, 2).contiguous(), None

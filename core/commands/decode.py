@@ -5,6 +5,9 @@ attention switched to the cache's."""
 
 from __future__ import annotations
 
+import types
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -106,3 +109,22 @@ def text_attention(model: torch.nn.Module, name: str) -> None:
         model.set_attn_implementation(name)
     else:
         model.set_attn_implementation({"text_config": name, "vision_config": vision._attn_implementation})
+
+
+def prompt_sample(inputs: dict) -> Any:
+    """The prompt's tensors as the family's ``positions`` reads a sample (B = 1 dropped)."""
+    ids = inputs["input_ids"][0]
+    return types.SimpleNamespace(
+        input_ids=ids, num_tokens=int(ids.shape[0]), image_grid_thw=inputs.get("image_grid_thw"),
+        video_grid_thw=inputs.get("video_grid_thw"), second_per_grid_ts=inputs.get("second_per_grid_ts"),
+        mm_token_type_ids=inputs.get("mm_token_type_ids", torch.zeros_like(inputs["input_ids"]))[0])
+
+
+def next_rotary(inputs: dict, *, positions_of) -> torch.Tensor:
+    """The rotary position ids of the first token after the prompt ``inputs``, (3, 1, 1) for
+    mRoPE or (1, 1): the prompt's largest plus one (the data's own ids where it gives them,
+    else the model's rope index, ``positions_of``), as transformers' generate numbers it."""
+    ids = inputs.get("position_ids")
+    if ids is None:
+        ids = positions_of(prompt_sample(inputs))
+    return torch.full((*ids.shape[:-1], 1), int(ids.max()) + 1, dtype=torch.long)

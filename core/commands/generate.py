@@ -21,14 +21,17 @@ import torch
 import torch.distributed as dist
 
 from weft.core.commands.decode import (
+    READ_EVERY,
     cache_bytes,
     decode_greedy,
     decode_step,
+    next_rotary,
     printer,
     stop_tokens,
     streaming,
     text_attention,
 )
+from weft.core.commands.decode_graph import decode_greedy_buffered
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
@@ -49,7 +52,8 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,
               images: list[str], videos: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
               run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False,
-              adapter_dir: str | None = None, prompts: list[dict] | None = None, from_data: int = 1) -> dict:
+              adapter_dir: str | None = None, prompts: list[dict] | None = None, from_data: int = 1,
+              cuda_graph: bool = True) -> dict:
     from weft.core.run.rank_job import prepare_inference
     from weft.core.train.step import autocast_for
 
@@ -106,8 +110,17 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         # Units a rule compiles (for training and the prefill) run eagerly while decoding:
         # each one-token step would otherwise recompile on the growing cache (its length,
         # each layer's cache object) until torch's recompile limit, seconds a token.
+        graph = {"cuda_graph": False, "graph_pool_bytes": 0}
         with torch.compiler.set_stance("force_eager"):
-            if temperature <= 0:
+            if temperature <= 0 and getattr(cache, "capturable", False):
+                # A cache read in place from device positions: the step from device buffers,
+                # captured as a CUDA graph where it can be (core/commands/decode_graph.py).
+                graph = decode_greedy_buffered(
+                    model, cache=cache, tokens=tokens, logprobs=logprobs, row=length,
+                    rotary=next_rotary(inputs, positions_of=ctx.adapter.positions(model)),
+                    max_new_tokens=max_new_tokens, stops=stops, device=device, show=show, capture=cuda_graph,
+                    read_every=READ_EVERY)
+            elif temperature <= 0:
                 decode_greedy(model, cache=cache, tokens=tokens, logprobs=logprobs, length=length,
                               max_new_tokens=max_new_tokens, stops=stops, device=device, show=show)
             while temperature > 0 and len(tokens) < max_new_tokens and tokens[-1] not in stops:
@@ -125,7 +138,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
             "prompt_tokens": length,
             "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9),
             "decode_ms_per_token": 1e3 * decode_s / max(len(tokens) - 1, 1), "cache": type(cache).__name__,
-            "cache_bytes_per_rank": local_bytes, "world_size": world_size,
+            "cache_bytes_per_rank": local_bytes, "world_size": world_size, **graph,
             **({"cache_partitions_per_rank": partitions} if partitions[0] is not None else {}),
             "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             "checkpoint": checkpoint}

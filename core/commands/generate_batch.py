@@ -14,12 +14,11 @@ prompt gets alone (tests/test_generate.py).
 from __future__ import annotations
 
 import time
-import types
 from typing import Any
 
 import torch
 
-from weft.core.commands.decode import cache_bytes, stop_tokens, text_attention
+from weft.core.commands.decode import cache_bytes, prompt_sample, stop_tokens, text_attention
 from weft.core.recipe import Recipe
 
 
@@ -30,7 +29,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     lengths = [int(x["input_ids"].shape[1]) for x in inputs]
     positions_of = ctx.adapter.positions(model)
     # The next text position after each prompt: its largest rotary position plus one.
-    starts = [int(positions_of(_as_sample(x)).max()) + 1 for x in inputs]
+    starts = [int(positions_of(prompt_sample(x)).max()) + 1 for x in inputs]
     stops = stop_tokens(model)
     # The batch's cache is the kv_cache hook's ``static`` one whatever the rules say: it alone
     # keeps rows of different lengths, each written at its own position.
@@ -91,11 +90,3 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
 
-
-def _as_sample(inputs: dict) -> Any:
-    """The prompt's tensors as the family's ``positions`` reads a sample (B = 1 dropped)."""
-    ids = inputs["input_ids"][0]
-    return types.SimpleNamespace(
-        input_ids=ids, num_tokens=int(ids.shape[0]), image_grid_thw=inputs.get("image_grid_thw"),
-        video_grid_thw=inputs.get("video_grid_thw"), second_per_grid_ts=inputs.get("second_per_grid_ts"),
-        mm_token_type_ids=inputs.get("mm_token_type_ids", torch.zeros_like(inputs["input_ids"]))[0])

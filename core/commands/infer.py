@@ -42,6 +42,8 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
     generate.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     generate.add_argument("--warmup", action="store_true",
                           help="one untimed prefill first (compiled modules compile there): benchmarks")
+    generate.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                          help="the static cache's greedy steps eagerly, not replayed as a captured CUDA graph")
     _common(generate, positive)
     generate.set_defaults(func=_cmd_generate)
 
@@ -185,7 +187,7 @@ def _generate(args) -> int:
     options = {"prompt": args.prompt, "images": [str(p.resolve()) for p in args.images],
                "videos": [str(p.resolve()) for p in args.videos],
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-               "seed": args.seed, "stream": not args.json, "warmup": args.warmup,
+               "seed": args.seed, "stream": not args.json, "warmup": args.warmup, "cuda_graph": args.cuda_graph,
                **({"prompts": prompts} if prompts is not None else {}),
                **({"from_data": args.prompt_from_data} if (args.prompt_from_data or 1) > 1 else {})}
     from weft.core.run.model_files import prompt_needs

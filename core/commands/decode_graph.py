@@ -1,0 +1,229 @@
+"""Greedy decoding with no host work in the step: one step captured as a CUDA graph, replayed
+per token (the static cache, one process, on CUDA), or the same step run eagerly.
+
+A decoding step of the 7B at 128K launches some 900 kernels from Python; once the cache is
+read in place (the static cache, split-KV attention from a device position) the host's
+launches, not the GPU, set the pace. A CUDA graph launches them all at once. It replays
+exactly what was recorded, so the step must not depend on anything the host decides per
+token. ``GreedyStep`` owns its inputs as buffers at fixed addresses — the token (B, 1),
+the rotary position ids (3, B, 1) for mRoPE or (B, 1), the cache row each row's token is
+written at (B,) — and its outputs (the argmax (B,) and its log-probability (B,)); the step
+runs the one-token forward into the cache, takes the argmax on the device and advances its
+own inputs in place (token = argmax, positions + 1).
+
+What the forward asks of the host, checked in transformers' Qwen2.5-VL (Qwen2/Llama alike):
+- positions: passed, so the model computes none (no ``get_seq_length``, no rope index
+  from the stored ``rope_deltas``); ``cache.at(tensor)`` makes the cache's length answers
+  the buffer's rows in any case, the same at every token;
+- the mask: the cache's decode attention is a name transformers has no mask function
+  for, so ``create_causal_mask`` returns before asking the cache for sizes; the attention
+  masks from the device position itself;
+- the rotary embedding: default, YaRN and linear scaling compute from the ids on the
+  device; ``dynamic`` and ``longrope`` compare the largest id on the host each call (not
+  captured: ``capture_blocker``);
+- activation checkpointing's hooks (composable ``checkpoint``) stash the RNG state per
+  module even under no_grad: switched off while decoding (nothing is recomputed without a
+  backward), which also spares the eager step that host work;
+- autocast's cast cache: off inside the step, so a cast made while capturing is the
+  graph's own tensor, not one that the enclosing autocast frees when it exits.
+
+On CUDA the first ``WARMUP`` steps run eagerly on a side stream (lazy initialisation,
+cuBLAS workspaces, allocator growth: outside the capture, as torch.cuda.graph asks);
+they are real decoding steps. Then one step is captured into a graph with its own memory
+pool (``pool_bytes``: what the allocator reserved for it) and every later token is one
+replay. Anywhere else (the CPU, several ranks, a cache that is not ``capturable``, FSDP,
+``--no-cuda-graph``), and if the capture fails, the same step runs eagerly on the same
+buffers: the CPU tests run exactly the code that is captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+
+#: Eager steps before the capture (on CUDA): lazy initialisation happens outside the graph.
+WARMUP = 2
+
+
+def capture_blocker(model: torch.nn.Module, *, cache, device: torch.device, world: int) -> str | None:
+    """Why the greedy step of ``model`` over ``cache`` cannot be captured here (None: it can)."""
+    if device.type != "cuda":
+        return f"decoding on {device.type}"
+    if world > 1:
+        return f"{world} ranks choose together (a broadcast per token)"
+    if not getattr(cache, "capturable", False):
+        return f"the {type(cache).__name__} changes shape or host state per token"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    kinds = [rope.get("rope_type")] if "rope_type" in rope else [r.get("rope_type") for r in rope.values()
+                                                                 if isinstance(r, dict)]
+    if any(kind and ("dynamic" in kind or kind == "longrope") for kind in kinds):
+        return f"the {'/'.join(k for k in kinds if k)} rotary embedding reads its largest position on the host"
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "FSDP gathers and frees the weights in every forward"
+    return None
+
+
+@contextlib.contextmanager
+def checkpoint_hooks_off(model: torch.nn.Module):
+    """Activation checkpointing's hooks off (restored after): no backward follows decoding."""
+    from torch.distributed._composable import checkpoint
+
+    states = [s for m in model.modules() if (s := checkpoint.state(m)) is not None and s.enable_hook]
+    for state in states:
+        state.enable_hook = False
+    try:
+        yield
+    finally:
+        for state in states:
+            state.enable_hook = True
+
+
+class GreedyStep:
+    """One greedy step over ``cache`` per call, from device buffers (see the module docstring).
+
+    ``token`` (B, 1): the last chosen tokens; ``rotary``: the next token's rotary position ids,
+    (3, B, 1) or (B, 1); ``row`` (B,) or (1,): the cache row it is written at. Each call
+    returns fresh (B,) tensors of the chosen tokens and their log-probabilities (float64),
+    on the device; nothing is read back."""
+
+    def __init__(self, model: torch.nn.Module, *, cache, token: torch.Tensor, rotary: torch.Tensor,
+                 row: torch.Tensor, capture: bool, world: int = 1) -> None:
+        self.model, self.cache, self.world = model, cache, world
+        self.token, self.rotary, self.row = token.clone(), rotary.clone(), row.clone()  # the step's own buffers
+        rows = token.shape[0]
+        self.chosen = torch.zeros(rows, dtype=torch.long, device=token.device)  # (B,)
+        self.logprob = torch.zeros(rows, dtype=torch.float64, device=token.device)  # (B,)
+        self.capture, self.steps = capture, 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.pool_bytes, self.capture_s, self.replays = 0, 0.0, 0
+        self.error: str | None = None  # why a capture failed (then every step is eager)
+        self._first_replay: torch.cuda.Event | None = None  # times the replays without a host sync
+
+    def _step(self) -> None:
+        """The step itself: what is captured, and what runs eagerly."""
+        self.cache.at(self.row, device=self.row.device)  # a device position: no host length
+        cached = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)  # the casts this step makes are its own (the module docstring)
+        try:
+            output = self.model(input_ids=self.token, position_ids=self.rotary, past_key_values=self.cache,
+                                use_cache=True, logits_to_keep=1, cache_position=self.row[:1])
+        finally:
+            torch.set_autocast_cache_enabled(cached)
+        logits = output.logits[:, -1].float()  # (B, V)
+        chosen = logits.argmax(dim=-1)  # (B,)
+        if self.world > 1:  # never captured (capture_blocker): rank 0's choice for every rank
+            dist.broadcast(chosen, src=0)
+        self.logprob.copy_(torch.log_softmax(logits.double(), dim=-1).gather(1, chosen[:, None])[:, 0])
+        self.chosen.copy_(chosen)
+        self.token.copy_(chosen[:, None])
+        self.rotary.add_(1)  # a new text token: every mRoPE axis one further
+        self.row.add_(1)
+
+    def _warm(self) -> None:
+        stream = torch.cuda.Stream(device=self.row.device)
+        stream.wait_stream(torch.cuda.current_stream(self.row.device))
+        with torch.cuda.stream(stream):
+            self._step()
+        torch.cuda.current_stream(self.row.device).wait_stream(stream)
+
+    def _record(self) -> None:
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        # torch.cuda.graph collects garbage and empties the allocator's cache as it starts:
+        # done first, so the reserved bytes gained over the capture are the graph pool's.
+        torch.cuda.synchronize(self.row.device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        before, start = torch.cuda.memory_reserved(self.row.device), time.perf_counter()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self._step()
+        except Exception as error:  # noqa: BLE001 - any failure to capture: decode eagerly instead
+            self.capture, self.error = False, f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            torch.cuda.synchronize(self.row.device)
+            return
+        self.pool_bytes = torch.cuda.memory_reserved(self.row.device) - before
+        self.capture_s, self.graph = time.perf_counter() - start, graph
+
+    def replay_ms(self) -> float | None:
+        """The replays' mean GPU time (ms a token, the read-backs' gaps included), or None."""
+        if not self.replays:
+            return None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return self._first_replay.elapsed_time(end) / self.replays
+
+    def _replay(self) -> None:
+        if self._first_replay is None:
+            self._first_replay = torch.cuda.Event(enable_timing=True)
+            self._first_replay.record()
+        self.graph.replay()
+        self.replays += 1
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graph is None and self.capture and self.steps >= WARMUP:
+            self._record()  # records the step without running it; the replay below runs it
+        if self.graph is not None:
+            self._replay()
+        elif self.capture:
+            self._warm()
+        else:
+            self._step()
+        self.steps += 1
+        return self.chosen.clone(), self.logprob.clone()  # the next replay overwrites the buffers
+
+
+def decode_greedy_buffered(model: torch.nn.Module, *, cache, tokens: list[int], logprobs: list[float], row: int,
+                           rotary: torch.Tensor, max_new_tokens: int, stops: set[int], device: torch.device,
+                           show, capture: bool, read_every: int) -> dict:
+    """``decode_greedy``'s loop through a ``GreedyStep``: ``tokens``/``logprobs`` grow in place,
+    the tokens come back every ``read_every`` steps (the stop check, the streamed text);
+    ``row``: the cache row of the first decoded token (the prompt's length); ``rotary``: its
+    rotary position ids ((3, 1, 1) or (1, 1)). Returns what the step reports: whether a graph
+    was replayed (else why not), its pool's bytes, the capture's host seconds, the replays'
+    count and mean GPU ms a token (the eager warm-up steps and the capture are not in it)."""
+    blocked = "no step to decode" if tokens[-1] in stops or len(tokens) >= max_new_tokens else None
+    blocked = blocked or (None if capture else "--no-cuda-graph")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    blocked = blocked or capture_blocker(model, cache=cache, device=device, world=world)
+    step = None
+    if len(tokens) < max_new_tokens and tokens[-1] not in stops:
+        step = GreedyStep(model, cache=cache, token=torch.tensor([[tokens[-1]]], device=device),
+                          rotary=rotary.to(device), row=torch.tensor([row], device=device), capture=blocked is None,
+                          world=world)
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with checkpoint_hooks_off(model):
+            for index in range(len(tokens), max_new_tokens):
+                pending.append(step())
+                if len(pending) < read_every and index < max_new_tokens - 1:
+                    continue
+                ids = torch.cat([t for t, _ in pending]).tolist()
+                values = torch.cat([v for _, v in pending]).tolist()
+                pending.clear()
+                if _take(ids, values, tokens=tokens, logprobs=logprobs, stops=stops, show=show):
+                    break
+    if step is None or step.graph is None:
+        return {"cuda_graph": False, "graph_pool_bytes": 0,
+                "cuda_graph_off": step.error if step is not None and step.error else blocked}
+    return {"cuda_graph": True, "graph_pool_bytes": step.pool_bytes, "graph_capture_s": step.capture_s,
+            "graph_replays": step.replays, "graph_ms_per_token": step.replay_ms()}
+
+
+def _take(ids: list[int], values: list[float], *, tokens: list[int], logprobs: list[float], stops: set[int],
+          show) -> bool:
+    """Keep the read-back tokens up to the first stop (the steps past it are dropped); True at a stop."""
+    for token, value in zip(ids, values):
+        tokens.append(int(token))
+        logprobs.append(float(value))
+        if show is not None:
+            show(int(token))
+        if token in stops:
+            return True
+    return False

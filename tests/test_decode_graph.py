@@ -1,0 +1,217 @@
+"""The greedy step from device buffers (core/commands/decode_graph.py), as it runs where no
+CUDA graph is captured (the CPU): the tiny Qwen2.5-VL with an image over the static cache
+gives transformers' generate's tokens and log-probabilities, and the eager loop's
+(``decode_greedy``, host positions); it stops at a stop token inside a read-back.
+
+That the step is capturable, checked without a GPU: it reads nothing back from the device
+(it runs on the meta device, where every read of a tensor's value to the host raises:
+``.item()``, ``int()``, ``bool()``, ``.tolist()``, ``.cpu()``), and the host decides nothing
+per token (two consecutive steps dispatch the same operators with the same shapes and the
+same scalar arguments, so one captured step is every step)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pathlib
+import types
+
+import pytest
+import torch
+from PIL import Image
+
+from weft.core.commands import decode
+from weft.core.commands.decode_graph import GreedyStep, capture_blocker, decode_greedy_buffered
+
+pytestmark = pytest.mark.quick
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROMPT = "What colour is this picture, and why?"
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny model, its prompt with an image, and transformers' greedy answer."""
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.recipe import Recipe
+
+    image = tmp_path_factory.mktemp("graph") / "red.png"
+    buffer = io.BytesIO()
+    Image.new("RGB", (84, 56), (200, 30, 30)).save(buffer, format="PNG")
+    image.write_bytes(buffer.getvalue())
+    recipe = Recipe.from_toml(str(ROOT / "recipes" / "tiny-vl.toml"))
+    adapter = plugin_manager_from_env().models.for_recipe(recipe)
+    model = adapter.build(recipe, device="cpu", seed=recipe.train.seed).eval()
+    inputs = adapter.prompt_inputs(recipe, text=PROMPT, images=[str(image)])
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [float(torch.log_softmax(s.double(), dim=-1)[0, t]) for s, t in zip(out.scores, tokens)]
+    return {"model": model, "adapter": adapter, "inputs": inputs, "tokens": tokens, "logprobs": logprobs,
+            "attention": model.config.get_text_config()._attn_implementation}
+
+
+def _prefilled(tiny):
+    """A static cache holding the prompt; the first token and its log-probability."""
+    from weft.plugins.static_cache import StaticCache
+
+    model, inputs = tiny["model"], tiny["inputs"]
+    length = inputs["input_ids"].shape[1]
+    decode.text_attention(model, tiny["attention"])  # the prefill's own, not an earlier cache's decode attention
+    cache = StaticCache(num_layers=model.config.get_text_config().num_hidden_layers)
+    cache.reserve(length + NEW)
+    cache.begin_prefill(keep=None, prompt=length)
+    with torch.no_grad():
+        logits = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].double()
+    cache.begin_decode()
+    decode.text_attention(model, cache.decode_attention)
+    token = int(logits.argmax())
+    return cache, [token], [float(torch.log_softmax(logits, dim=-1)[0, token])]
+
+
+def _buffered(tiny, *, stops=frozenset(), read_every=decode.READ_EVERY):
+    cache, tokens, logprobs = _prefilled(tiny)
+    rotary = decode.next_rotary(tiny["inputs"], positions_of=tiny["adapter"].positions(tiny["model"]))
+    with torch.no_grad():
+        report = decode_greedy_buffered(tiny["model"], cache=cache, tokens=tokens, logprobs=logprobs,
+                                        row=tiny["inputs"]["input_ids"].shape[1], rotary=rotary,
+                                        max_new_tokens=NEW, stops=set(stops), device=torch.device("cpu"),
+                                        show=None, capture=True, read_every=read_every)
+    return tokens, logprobs, report
+
+
+def test_equals_transformers_generate_and_the_eager_loop(tiny):
+    import torch.distributed as dist
+
+    tokens, logprobs, report = _buffered(tiny)
+    assert report == {"cuda_graph": False, "graph_pool_bytes": 0, "cuda_graph_off": "decoding on cpu"}
+    assert len(tiny["tokens"]) == NEW and tokens == tiny["tokens"]
+    assert logprobs == pytest.approx(tiny["logprobs"], abs=1e-5)
+    # The eager loop over the same cache (host positions, the model numbering the tokens).
+    cache, eager, eager_logprobs = _prefilled(tiny)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with torch.no_grad():
+            decode.decode_greedy(tiny["model"], cache=cache, tokens=eager, logprobs=eager_logprobs,
+                                 length=tiny["inputs"]["input_ids"].shape[1], max_new_tokens=NEW, stops=set(),
+                                 device=torch.device("cpu"), show=None)
+    finally:
+        dist.destroy_process_group()
+    assert tokens == eager and logprobs == pytest.approx(eager_logprobs, abs=1e-12)
+
+
+def test_a_stop_inside_a_read_back_ends_the_answer(tiny):
+    stop = tiny["tokens"][4]
+    first = tiny["tokens"].index(stop)
+    tokens, logprobs, _ = _buffered(tiny, stops={stop}, read_every=3)
+    assert tokens == tiny["tokens"][:first + 1] and len(logprobs) == len(tokens)
+
+
+def _step_on(tiny, device: str) -> GreedyStep:
+    """A step after the prefill, with the model, the cache and the buffers on ``device``."""
+    cache, tokens, _ = _prefilled(tiny)
+    model = tiny["model"]
+    if device == "meta":
+        model = copy.deepcopy(model).to("meta")  # its own config too: the decode attention set as it was
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys.to("meta"), layer.values.to("meta")
+    rotary = decode.next_rotary(tiny["inputs"], positions_of=tiny["adapter"].positions(tiny["model"]))
+    length = tiny["inputs"]["input_ids"].shape[1]
+    return GreedyStep(model, cache=cache, token=torch.tensor([[tokens[0]]], device=device),
+                      rotary=rotary.to(device), row=torch.tensor([length], device=device), capture=False)
+
+
+def test_the_step_reads_nothing_back_from_the_device(tiny):
+    """On the meta device a tensor has no values: a step that read one to the host would raise."""
+    with pytest.raises(RuntimeError):
+        torch.zeros(1, device="meta").item()  # the premise
+    step = _step_on(tiny, "meta")
+    with torch.no_grad():
+        for _ in range(2):
+            chosen, logprob = step()
+    assert chosen.device.type == "meta" and chosen.shape == (1,) and logprob.dtype == torch.float64
+
+
+def test_every_step_dispatches_the_same_operators(tiny):
+    """Two consecutive steps on the CPU: the same operators, shapes and scalar arguments, and no
+    value read back (``_local_scalar_dense``: ``.item()``, ``int()``, ``bool()``, indexing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+
+    class Trace(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            def describe(x):
+                return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+
+            self.ops.append((func, repr(tree_map(describe, (args, kwargs or {})))))
+            return func(*args, **(kwargs or {}))
+
+    step = _step_on(tiny, "cpu")
+    traces = []
+    with torch.no_grad():
+        for _ in range(2):
+            with Trace() as trace:
+                step()
+            traces.append(trace.ops)
+    assert len(traces[0]) > 100  # the whole forward was seen
+    assert not [f for f, _ in traces[0] if f is torch.ops.aten._local_scalar_dense.default]
+    assert traces[0] == traces[1]
+
+
+def test_warm_up_then_one_capture_then_replays(tiny):
+    """The order on CUDA, with the CUDA parts stood in for: WARMUP eager steps, one capture
+    (which runs nothing, so that step's replay follows at once), then a replay per token;
+    the tokens are the eager step's."""
+    from weft.core.commands.decode_graph import WARMUP
+
+    calls = []
+
+    class Staged(GreedyStep):
+        def _warm(self):
+            calls.append("warm")
+            self._step()
+
+        def _record(self):
+            calls.append("record")
+            self.graph = types.SimpleNamespace(replay=self._step)  # what the capture recorded
+
+        def _replay(self):
+            calls.append("replay")
+            self.graph.replay()
+            self.replays += 1
+
+    eager = _step_on(tiny, "cpu")
+    with torch.no_grad():
+        eager_tokens = [int(eager()[0]) for _ in range(5)]
+        plain = _step_on(tiny, "cpu")  # a fresh prefill: the model's decode attention is this cache's
+        staged = Staged(tiny["model"], cache=plain.cache, token=plain.token, rotary=plain.rotary, row=plain.row,
+                        capture=True)
+        staged_tokens = [int(staged()[0]) for _ in range(5)]
+    assert calls == ["warm"] * WARMUP + ["record", "replay"] + ["replay"] * (4 - WARMUP)
+    assert staged_tokens == eager_tokens == tiny["tokens"][1:6] and staged.replays == 5 - WARMUP
+
+
+def test_what_keeps_a_step_from_being_captured(tiny):
+    from transformers import DynamicCache
+
+    from weft.plugins.static_cache import StaticCache
+
+    model, cuda = tiny["model"], torch.device("cuda")  # a device object only: nothing runs
+    static = StaticCache(num_layers=1)
+    assert capture_blocker(model, cache=static, device=cuda, world=1) is None
+    assert capture_blocker(model, cache=static, device=torch.device("cpu"), world=1) == "decoding on cpu"
+    assert "2 ranks" in capture_blocker(model, cache=static, device=cuda, world=2)
+    assert "DynamicCache" in capture_blocker(model, cache=DynamicCache(), device=cuda, world=1)
+    config = model.config.get_text_config()
+    saved = dict(config.rope_parameters)
+    config.rope_parameters = {**saved, "rope_type": "dynamic", "factor": 2.0}
+    try:
+        assert "dynamic rotary embedding" in capture_blocker(model, cache=static, device=cuda, world=1)
+    finally:
+        config.rope_parameters = saved

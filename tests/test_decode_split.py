@@ -1,0 +1,108 @@
+"""The split-KV decode attention (strategies/attention/decode_split.py) equals SDPA over each
+row's filled cache rows: rows of different lengths in one batch, grouped-query heads
+(Qwen2.5-VL's 28 query over 4 KV heads, at a small head size), float32 and float64, one
+chunk or many; the buffer layout (``split_rows``) and the cache's own decode attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weft.strategies.attention.decode_split import split_decode_attention, split_rows
+
+pytestmark = pytest.mark.quick
+
+TOLERANCE = {torch.float32: 2e-6, torch.float64: 1e-12}
+
+
+def _reference(query, key, value, lengths, scale):
+    """SDPA of each row over its first lengths[b] rows alone (no mask: the rows are sliced)."""
+    rows = []
+    for b, length in enumerate(lengths.tolist()):
+        rows.append(torch.nn.functional.scaled_dot_product_attention(
+            query[b:b + 1], key[b:b + 1, :, :length], value[b:b + 1, :, :length], scale=scale, enable_gqa=True))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("hq, hkv, d", [(28, 4, 8), (4, 4, 16), (6, 2, 8)], ids=["qwen2.5-vl", "mha", "gqa3"])
+@pytest.mark.parametrize("chunk", [8, 4096], ids=["chunks", "one-chunk"])
+def test_equals_sdpa_over_the_filled_rows(dtype, hq, hkv, d, chunk):
+    torch.manual_seed(0)
+    rows, splits = split_rows(37, chunk=chunk)
+    assert rows >= 37 and rows % splits == 0
+    query = torch.randn(3, hq, 1, d, dtype=dtype)  # (B, Hq, 1, D)
+    key = torch.randn(3, hkv, rows, d, dtype=dtype)  # (B, Hkv, rows, D): the rows past a length are noise
+    value = torch.randn(3, hkv, rows, d, dtype=dtype)
+    lengths = torch.tensor([1, 20, 37])  # a row that sees one key, one halfway, one the whole capacity
+    got = split_decode_attention(query, key, value, lengths=lengths, scale=0.3, splits=splits)
+    want = _reference(query, key, value, lengths, 0.3)
+    assert got.dtype == dtype and got.shape == (3, hq, 1, d)
+    assert (got - want).abs().max() < TOLERANCE[dtype]
+
+
+def test_one_length_for_every_row_and_a_split_that_does_not_divide():
+    torch.manual_seed(1)
+    query, key, value = torch.randn(2, 28, 1, 8), torch.randn(2, 4, 30, 8), torch.randn(2, 4, 30, 8)
+    want = _reference(query, key, value, torch.tensor([11, 11]), 8 ** -0.5)
+    for splits in (1, 3, 7):  # 7 does not divide 30: one chunk
+        got = split_decode_attention(query, key, value, lengths=torch.tensor([11]), scale=8 ** -0.5, splits=splits)
+        assert (got - want).abs().max() < 2e-6
+
+
+def test_no_copy_of_the_cache():
+    """The chunks are views of the buffer: the keys and values are never repeated per query
+    head nor copied (what a 128K bf16 cache cannot afford per layer per token)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        """The largest tensor an op allocates (views and in-place ops share an input's storage)."""
+
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, out.numel())
+            return out
+
+    rows, splits = split_rows(4096, chunk=512)
+    query, key, value = torch.randn(1, 28, 1, 8), torch.randn(1, 4, rows, 8), torch.randn(1, 4, rows, 8)
+    with Sizes() as sizes:
+        split_decode_attention(query, key, value, lengths=torch.tensor([3000]), scale=0.5, splits=splits)
+    assert sizes.largest <= 28 * rows  # the scores (B, Hq, rows); the cache holds 4 * rows * 8
+
+
+def test_split_rows():
+    assert split_rows(60) == (60, 1)  # one chunk below its size: no spare row
+    rows, splits = split_rows(131172)  # 128K prompt + 100 new tokens
+    assert splits == 65 and rows % splits == 0 and 0 <= rows - 131172 < splits
+
+
+def test_the_static_cache_decodes_rows_of_different_lengths():
+    """The cache's decode attention (its registered AttentionInterface function) over rows
+    written at their own positions: SDPA over each row's filled rows."""
+    from weft.plugins.static_cache import StaticCache
+
+    torch.manual_seed(2)
+    cache = StaticCache(num_layers=1)
+    cache.reserve(9, rows=2)
+    prompts = [torch.randn(1, 2, 5, 4), torch.randn(1, 2, 3, 4)]
+    for row, keys in enumerate(prompts):
+        cache.begin_prefill(keep=None, prompt=keys.shape[2], row=row)
+        cache.update(keys, keys * 2, 0)
+    cache.begin_decode()
+    cache.at(torch.tensor([5, 3]), device=torch.device("cpu"))
+    new = torch.randn(2, 2, 1, 4)
+    keys, values = cache.update(new, new * 2, 0)
+    query = torch.randn(2, 6, 1, 4)
+    out, _ = cache._attend(None, query, keys, values, None, scaling=0.5)  # (B, 1, Hq, D)
+    for row, prompt in enumerate(prompts):
+        k = torch.cat([prompt, new[row:row + 1]], dim=2)
+        want = torch.nn.functional.scaled_dot_product_attention(query[row:row + 1], k, k * 2, scale=0.5,
+                                                                enable_gqa=True)
+        assert (out[row:row + 1].transpose(1, 2) - want).abs().max() < 2e-6
