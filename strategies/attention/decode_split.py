@@ -33,6 +33,7 @@ over the filled rows to rounding (tests/test_decode_split.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -51,8 +52,20 @@ def split_rows(rows: int, *, chunk: int = CHUNK_ROWS) -> tuple[int, int]:
     return per_split * splits, splits
 
 
-#: Whether this torch's CUDA GEMMs write bf16/fp16 products as float32 (``out_dtype``).
-_FLOAT32_OUT = {"cuda": True}
+@functools.cache
+def _gemm_writes_float32(device: torch.device) -> bool:
+    """Whether this torch's GEMMs on ``device`` write bf16 products as float32 (``out_dtype``).
+    Asked once per device, by a tiny product: the first decoding steps are eager, so the answer
+    is known before a CUDA graph captures the step (a failing call inside a capture would
+    spoil it)."""
+    a = torch.zeros(1, 1, 1, dtype=torch.bfloat16, device=device)
+    try:
+        torch.bmm(a, a, out_dtype=torch.float32)
+    except (RuntimeError, TypeError) as error:  # exact without it, but a float32 copy of the cache a call
+        warnings.warn(f"bmm(out_dtype=float32) unavailable on {device} ({error}); split_decode_attention "
+                      "copies the cache to float32 at every call", stacklevel=3)
+        return False
+    return True
 
 
 def _scores_dtype_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -60,13 +73,8 @@ def _scores_dtype_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (no float32 copy of the cache); on the CPU (tests, no such kernel) upcast first."""
     if a.dtype in (torch.float32, torch.float64):
         return torch.bmm(a, b)
-    if a.is_cuda and _FLOAT32_OUT["cuda"]:
-        try:
-            return torch.bmm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError) as error:  # a torch or GPU without it: exact, but a float32 copy a call
-            _FLOAT32_OUT["cuda"] = False
-            warnings.warn(f"bmm(out_dtype=float32) unavailable ({error}); split_decode_attention copies the cache "
-                          "to float32 at every call", stacklevel=2)
+    if a.is_cuda and _gemm_writes_float32(a.device):
+        return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(a.float(), b.float())
 
 
