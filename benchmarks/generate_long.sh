@@ -18,6 +18,8 @@ python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 
 common=(qwen2.5-vl-7b-128k-1gpu --prompt-from-data --max-new-tokens 100 --warmup --json)
 static=("$here/variants/7b-128k-static-cache.toml" "${common[@]:1}")
 python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static.json" 2> "$out/one-static.err"
+# The same step without its CUDA graph: the tokens must be the graphed step's.
+python3 -m weft generate "${static[@]}" --nproc 1 --no-cuda-graph > "$out/one-static-eager.json" 2> "$out/one-static-eager.err"
 # The batch row: 8 prompts of 16K tokens decoded together, against one of them alone (both
 # through the static cache, which the batch path always uses).
 short=(--set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --warmup --json --nproc 1)
@@ -34,17 +36,20 @@ python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rows = {}
-for name in ("hf", "one-static", "one", "one-paged", "two", "two-paged"):
+for name in ("hf", "one-static", "one-static-eager", "one", "one-paged", "two", "two-paged"):
     try:
         rows[name] = json.loads((out / f"{name}.json").read_text())
     except (OSError, ValueError):
         print(f"{name}: not run or FAILED (see {name}.err)")
-print("| runner | GPUs | cache | prompt | prefill s | prefill tok/s | decode ms/token | cache GiB per GPU | peak GiB |")
-print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+print("| runner | GPUs | cache | prompt | prefill s | prefill tok/s | decode ms/token | graph ms/token | graph pool MiB | cache GiB per GPU | peak GiB |")
+print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 for name, r in rows.items():
     cache = ", ".join(f"{b / 2**30:.2f}" for b in r.get("cache_bytes_per_rank", []))
-    print(f"| {r.get('runner', 'weft generate')} | {r['world_size']} | {r['cache']} | {r['prompt_tokens']:,} | {r['prefill_s']:.2f} | "
-          f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_ms_per_token']:.1f} | {cache} | {r['max_memory_gib']:.1f} |")
+    graph = (f"{r['graph_ms_per_token']:.2f} | {r['graph_pool_bytes'] / 2**20:,.0f}" if r.get("cuda_graph")
+             else f"— ({r.get('cuda_graph_off') or 'no graph'}) | —")
+    print(f"| {r.get('runner', 'weft generate')} | {r['world_size']} | {r['cache']} | {r['prompt_tokens']:,} | "
+          f"{r['prefill_s']:.2f} | {r['prefill_tokens_per_s']:,.0f} | {r['decode_ms_per_token']:.1f} | {graph} | "
+          f"{cache} | {r['max_memory_gib']:.1f} |")
 if "one" in rows and "two" in rows:
     print(f"prefill speed-up on two: {rows['one']['prefill_s'] / rows['two']['prefill_s']:.2f}x; "
           f"same tokens: {rows['one']['tokens'] == rows['two']['tokens']}")
@@ -59,6 +64,8 @@ except (OSError, ValueError, KeyError) as error:
 if "hf" in rows and "one-static" in rows:
     print(f"static cache against plain transformers: decode {rows['hf']['decode_ms_per_token'] / rows['one-static']['decode_ms_per_token']:.2f}x, "
           f"prefill {rows['hf']['prefill_s'] / rows['one-static']['prefill_s']:.2f}x")
+if "one-static" in rows and "one-static-eager" in rows:
+    print(f"graphed step, same tokens as the eager step: {rows['one-static']['tokens'] == rows['one-static-eager']['tokens']}")
 for name in ("one-paged", "two-paged", "one-static"):
     if name in rows and "one" in rows:
         print(f"{name}: same tokens as the dynamic cache: {rows[name]['tokens'] == rows['one']['tokens']}")

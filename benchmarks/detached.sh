@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Work longer than one 10-minute device call: start it in a process session of its own (the
+# device keeps such a process running between calls while the machine stays warm), then
+# watch it from calls that follow one another without a pause (the machine is given back 30 s
+# after a call).
+#   bash benchmarks/detached.sh start DIR CMD...   # CMD's output in DIR/log, DIR/rc when it ends
+#   bash benchmarks/detached.sh wait DIR SECONDS   # until DIR/rc exists or SECONDS pass; DIR -> $OUT
+set -uo pipefail
+what=${1:?start or wait}; dir=${2:?folder}; shift 2
+case "$what" in
+  start)
+    mkdir -p "$dir"
+    setsid nohup bash -c '"$@" > "$0/log" 2>&1; echo $? > "$0/rc"' "$dir" "$@" < /dev/null > /dev/null 2>&1 &
+    sleep 2; echo "started in $dir: $*" ;;
+  wait)
+    limit=${1:?seconds}; start=$SECONDS
+    while [ ! -e "$dir/rc" ] && [ $((SECONDS - start)) -lt "$limit" ]; do sleep 5; done
+    [ -n "${OUT:-}" ] && cp -r "$dir/." "$OUT/" 2>/dev/null
+    if [ -e "$dir/rc" ]; then echo "ended: rc $(cat "$dir/rc")"; else echo "still running after ${limit}s"; fi
+    tail -c 3000 "$dir/log" ;;
+  *) echo "detached.sh: start or wait, not $what" >&2; exit 2 ;;
+esac
