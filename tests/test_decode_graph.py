@@ -86,7 +86,8 @@ def test_equals_transformers_generate_and_the_eager_loop(tiny):
     import torch.distributed as dist
 
     tokens, logprobs, report = _buffered(tiny)
-    assert report == {"cuda_graph": False, "graph_pool_bytes": 0, "cuda_graph_off": "decoding on cpu"}
+    assert report == {"cuda_graph": False, "graph_pool_bytes": 0, "cuda_graph_off": "decoding on cpu",
+                      "decode_steps": NEW - 1}
     assert len(tiny["tokens"]) == NEW and tokens == tiny["tokens"]
     assert logprobs == pytest.approx(tiny["logprobs"], abs=1e-5)
     # The eager loop over the same cache (host positions, the model numbering the tokens).
@@ -215,3 +216,29 @@ def test_what_keeps_a_step_from_being_captured(tiny):
         assert "dynamic rotary embedding" in capture_blocker(model, cache=static, device=cuda, world=1)
     finally:
         config.rope_parameters = saved
+
+
+def test_rows_of_a_batch_stop_on_their_own(monkeypatch):
+    """Each row keeps its tokens up to its own stop (the steps after it dropped), the others
+    go on; the loop ends at the read-back where the last row stops, not at max_new_tokens."""
+    from weft.core.commands import decode_graph
+
+    script = [[5, 7], [9, 7], [2, 8], [4, 2], [6, 6], [6, 6], [6, 6], [6, 6]]  # step -> (row 0, row 1)
+
+    class Scripted:
+        def __init__(self, *args, **kwargs):
+            self.steps, self.graph, self.error = 0, None, None
+
+        def __call__(self):
+            self.steps += 1
+            return torch.tensor(script[self.steps - 1]), torch.full((2,), -0.5, dtype=torch.float64)
+
+    monkeypatch.setattr(decode_graph, "GreedyStep", Scripted)
+    tokens, logprobs = [[1], [1]], [[-0.1], [-0.1]]
+    report = decode_graph.decode_rows_buffered(
+        torch.nn.Linear(1, 1), cache=None, tokens=tokens, logprobs=logprobs, rows=[4, 6],
+        rotary=torch.zeros(2, 1, dtype=torch.long), max_new_tokens=9, stops={2}, device=torch.device("cpu"),
+        show=None, capture=False, read_every=2)
+    assert tokens == [[1, 5, 9, 2], [1, 7, 7, 8, 2]]
+    assert logprobs == [[-0.1, -0.5, -0.5, -0.5], [-0.1, -0.5, -0.5, -0.5, -0.5]]
+    assert report["decode_steps"] == 4 and report["cuda_graph_off"] == "--no-cuda-graph"

@@ -183,47 +183,67 @@ class GreedyStep:
 def decode_greedy_buffered(model: torch.nn.Module, *, cache, tokens: list[int], logprobs: list[float], row: int,
                            rotary: torch.Tensor, max_new_tokens: int, stops: set[int], device: torch.device,
                            show, capture: bool, read_every: int) -> dict:
-    """``decode_greedy``'s loop through a ``GreedyStep``: ``tokens``/``logprobs`` grow in place,
-    the tokens come back every ``read_every`` steps (the stop check, the streamed text);
-    ``row``: the cache row of the first decoded token (the prompt's length); ``rotary``: its
-    rotary position ids ((3, 1, 1) or (1, 1)). Returns what the step reports: whether a graph
-    was replayed (else why not), its pool's bytes, the capture's host seconds, the replays'
-    count and mean GPU ms a token (the eager warm-up steps and the capture are not in it)."""
-    blocked = "no step to decode" if tokens[-1] in stops or len(tokens) >= max_new_tokens else None
+    """One prompt through ``decode_rows_buffered``: ``tokens``/``logprobs`` grow in place; ``row``:
+    the cache row of the first decoded token (the prompt's length); ``rotary``: its rotary
+    position ids ((3, 1, 1) or (1, 1)); ``show`` streams each token read back."""
+    return decode_rows_buffered(model, cache=cache, tokens=[tokens], logprobs=[logprobs], rows=[row], rotary=rotary,
+                                max_new_tokens=max_new_tokens, stops=stops, device=device, show=show,
+                                capture=capture, read_every=read_every)
+
+
+def decode_rows_buffered(model: torch.nn.Module, *, cache, tokens: list[list[int]], logprobs: list[list[float]],
+                         rows: list[int], rotary: torch.Tensor, max_new_tokens: int, stops: set[int],
+                         device: torch.device, show, capture: bool, read_every: int) -> dict:
+    """Greedy decoding of B rows together through one ``GreedyStep``: row b's ``tokens[b]`` /
+    ``logprobs[b]`` (each holding its first token) grow in place up to ``max_new_tokens`` or a
+    stop token; the tokens come back every ``read_every`` steps (the stop check; ``show``, for
+    one row, streams them); the step goes on until every row has stopped or the longest may.
+    ``rows``: each row's cache row for its first decoded token; ``rotary``: their rotary
+    position ids ((3, B, 1) or (B, 1)). Returns what the step reports: whether a graph was
+    replayed (else why not), its pool's bytes, the capture's host seconds, the replays' count
+    and mean GPU ms a token (the eager warm-up steps and the capture are not in it)."""
+    done = [t[-1] in stops or len(t) >= max_new_tokens for t in tokens]
+    blocked = "no step to decode" if all(done) else None
     blocked = blocked or (None if capture else "--no-cuda-graph")
     world = dist.get_world_size() if dist.is_initialized() else 1
     blocked = blocked or capture_blocker(model, cache=cache, device=device, world=world)
     step = None
-    if len(tokens) < max_new_tokens and tokens[-1] not in stops:
-        step = GreedyStep(model, cache=cache, token=torch.tensor([[tokens[-1]]], device=device),
-                          rotary=rotary.to(device), row=torch.tensor([row], device=device), capture=blocked is None,
+    if not all(done):
+        step = GreedyStep(model, cache=cache, token=torch.tensor([[t[-1]] for t in tokens], device=device),
+                          rotary=rotary.to(device), row=torch.tensor(rows, device=device), capture=blocked is None,
                           world=world)
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         with checkpoint_hooks_off(model):
-            for index in range(len(tokens), max_new_tokens):
+            for index in range(min(len(t) for t in tokens), max_new_tokens):
                 pending.append(step())
                 if len(pending) < read_every and index < max_new_tokens - 1:
                     continue
-                ids = torch.cat([t for t, _ in pending]).tolist()
-                values = torch.cat([v for _, v in pending]).tolist()
+                ids = torch.stack([t for t, _ in pending]).T.tolist()  # (B, steps)
+                values = torch.stack([v for _, v in pending]).T.tolist()
                 pending.clear()
-                if _take(ids, values, tokens=tokens, logprobs=logprobs, stops=stops, show=show):
+                for b in range(len(tokens)):
+                    if not done[b]:
+                        done[b] = _take(ids[b], values[b], tokens=tokens[b], logprobs=logprobs[b], stops=stops,
+                                        limit=max_new_tokens, show=show if len(tokens) == 1 else None)
+                if all(done):
                     break
+    steps = {"decode_steps": step.steps if step is not None else 0}  # run, read-back granularity included
     if step is None or step.graph is None:
         return {"cuda_graph": False, "graph_pool_bytes": 0,
-                "cuda_graph_off": step.error if step is not None and step.error else blocked}
+                "cuda_graph_off": step.error if step is not None and step.error else blocked, **steps}
     return {"cuda_graph": True, "graph_pool_bytes": step.pool_bytes, "graph_capture_s": step.capture_s,
-            "graph_replays": step.replays, "graph_ms_per_token": step.replay_ms()}
+            "graph_replays": step.replays, "graph_ms_per_token": step.replay_ms(), **steps}
 
 
 def _take(ids: list[int], values: list[float], *, tokens: list[int], logprobs: list[float], stops: set[int],
-          show) -> bool:
-    """Keep the read-back tokens up to the first stop (the steps past it are dropped); True at a stop."""
+          limit: int, show) -> bool:
+    """Keep a row's read-back tokens up to its first stop or ``limit`` tokens (the steps past
+    either are dropped); True once the row is done."""
     for token, value in zip(ids, values):
         tokens.append(int(token))
         logprobs.append(float(value))
         if show is not None:
             show(int(token))
-        if token in stops:
+        if token in stops or len(tokens) >= limit:
             return True
     return False

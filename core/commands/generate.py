@@ -68,8 +68,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                                             videos=p.get("videos", [])) for p in prompts] if prompts is not None
                  else _prompts_from_data(recipe, run=run, pm=pm, ctx=ctx, count=from_data))
         return dict(generate_batch(model, run=run, ctx=ctx, pm=pm, recipe=recipe, inputs=batch,
-                                   max_new_tokens=max_new_tokens, autocast=autocast_for(recipe.train.precision,
-                                                                                        device_type)),
+                                   max_new_tokens=max_new_tokens, cuda_graph=cuda_graph,
+                                   autocast=autocast_for(recipe.train.precision, device_type)),
                     checkpoint=checkpoint)
     inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None
               else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))

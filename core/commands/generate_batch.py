@@ -18,13 +18,15 @@ from typing import Any
 
 import torch
 
-from weft.core.commands.decode import cache_bytes, prompt_sample, stop_tokens, text_attention
+from weft.core.commands.decode import READ_EVERY, cache_bytes, prompt_sample, stop_tokens, text_attention
+from weft.core.commands.decode_graph import decode_rows_buffered
 from weft.core.recipe import Recipe
 
 
 def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recipe: Recipe, inputs: list[dict],
-                   max_new_tokens: int, autocast: Any) -> dict:
-    """``inputs``: each prompt's model inputs (B = 1), as ``prompt_inputs`` or the data give them."""
+                   max_new_tokens: int, autocast: Any, cuda_graph: bool = True) -> dict:
+    """``inputs``: each prompt's model inputs (B = 1), as ``prompt_inputs`` or the data give them;
+    ``cuda_graph``: the rows' step replayed as a CUDA graph where it can be."""
     device = ctx.device
     lengths = [int(x["input_ids"].shape[1]) for x in inputs]
     positions_of = ctx.adapter.positions(model)
@@ -57,26 +59,13 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         prefill_s = time.perf_counter() - start
         cache.begin_decode()
         text_attention(model, cache.decode_attention)
-        current = torch.tensor([[t[0]] for t in tokens], device=device)  # (B, 1)
-        cache_rows = torch.tensor(lengths, device=device)  # (B,): where each row's next token is written
-        rotary = torch.tensor(starts, device=device)[:, None]  # (B, 1): its rotary position
-        done = [t[0] in stops for t in tokens]
-        steps = 1
+        rotary = torch.tensor(starts)[:, None]  # (B, 1): each row's next rotary position
+        # Units a rule compiles run eagerly while decoding (see generate.py); the rows' step from
+        # device buffers, captured as a CUDA graph where it can be (core/commands/decode_graph.py).
         with torch.compiler.set_stance("force_eager"):
-            while steps < max_new_tokens and not all(done):
-                cache.at(cache_rows, device=device)
-                output = model(input_ids=current, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                               position_ids=rotary, cache_position=cache_rows[:1])
-                logits = output.logits[:, -1].double()  # (B, V)
-                chosen = logits.argmax(dim=-1)  # (B,)
-                values = torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
-                for row, (token, value) in enumerate(zip(chosen.tolist(), values.tolist())):
-                    if not done[row]:
-                        tokens[row].append(int(token))
-                        logprobs[row].append(float(value))
-                        done[row] = token in stops
-                current, cache_rows, rotary = chosen[:, None], cache_rows + 1, rotary + 1
-                steps += 1
+            graph = decode_rows_buffered(model, cache=cache, tokens=tokens, logprobs=logprobs, rows=lengths,
+                                         rotary=rotary, max_new_tokens=max_new_tokens, stops=stops, device=device,
+                                         show=None, capture=cuda_graph, read_every=READ_EVERY)
         sync()
     decode_s = time.perf_counter() - start - prefill_s
     new = sum(len(t) - 1 for t in tokens)
@@ -84,9 +73,9 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         "answers": [{"tokens": t, "logprobs": lp, "text": ctx.adapter.decode_tokens(recipe, t)}
                     for t, lp in zip(tokens, logprobs)],
         "prompt_tokens": lengths, "prefill_s": prefill_s, "prefill_tokens_per_s": sum(lengths) / max(prefill_s, 1e-9),
-        "decode_steps": steps - 1, "decode_ms_per_step": 1e3 * decode_s / max(steps - 1, 1),
+        "decode_ms_per_step": 1e3 * decode_s / max(graph["decode_steps"], 1),
         "decode_tokens_per_s": new / max(decode_s, 1e-9), "cache": type(cache).__name__,
-        "cache_bytes_per_rank": [cache_bytes(cache)], "world_size": 1,
+        "cache_bytes_per_rank": [cache_bytes(cache)], "world_size": 1, **graph,
         "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
 
