@@ -87,6 +87,13 @@ class StaticCache(Cache):
         self.decode_attention = f"weft_static_decode_{id(self):x}"
         AttentionInterface.register(self.decode_attention, self._attend)
 
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # Outside the compiled attention (a prefill under a rule's compile): traced, the layer's
+        # index and its layer object's state would be guards, one compilation per layer up to
+        # torch's recompile limit, the rest of the layers eager.
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def reserve(self, tokens: int, *, rows: int = 1) -> None:
         """What every layer allocates at the prefill: ``tokens`` positions (the longest prompt
         plus the tokens to generate) for each of ``rows`` prompts decoded together."""

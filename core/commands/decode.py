@@ -128,3 +128,12 @@ def next_rotary(inputs: dict, *, positions_of) -> torch.Tensor:
     if ids is None:
         ids = positions_of(prompt_sample(inputs))
     return torch.full((*ids.shape[:-1], 1), int(ids.max()) + 1, dtype=torch.long)
+
+
+def layer_index_dynamic():
+    """Around a prefill: the attention modules' ``layer_idx`` (an int attribute, which torch.compile
+    holds constant) traced as a dynamic int, so a rule's compiled attention is compiled twice
+    (the first layer, then every other one), not once a layer until torch's recompile limit
+    leaves the rest eager. The caches keep their update out of the trace (``StaticCache.update``),
+    where the index would pick a layer object and guard on it again."""
+    return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)

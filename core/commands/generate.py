@@ -25,6 +25,7 @@ from weft.core.commands.decode import (
     cache_bytes,
     decode_greedy,
     decode_step,
+    layer_index_dynamic,
     next_rotary,
     printer,
     stop_tokens,
@@ -162,8 +163,9 @@ def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.
         cache.begin_prefill(keep=None if keep is None else keep.to(device), prompt=length,
                             vision=_vision_rows(model, batch["input_ids"][0], run=run).to(device))
     held = torch.tensor(len(last))
-    output = model(**{k: v.to(device) for k, v in batch.items()}, past_key_values=cache, use_cache=True,
-                   logits_to_keep=(last if len(last) else torch.tensor([0])).to(device))
+    with layer_index_dynamic():
+        output = model(**{k: v.to(device) for k, v in batch.items()}, past_key_values=cache, use_cache=True,
+                       logits_to_keep=(last if len(last) else torch.tensor([0])).to(device))
     logits = output.logits[:, -1].float() * held.to(device)  # (1, V): zero where the row is not ours
     if run.split is not None:
         dist.all_reduce(logits, group=run.mesh.sp.get_group())

@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from weft.core.commands.decode import READ_EVERY, cache_bytes, prompt_sample, stop_tokens, text_attention
+from weft.core.commands.decode import (
+    READ_EVERY,
+    cache_bytes,
+    layer_index_dynamic,
+    prompt_sample,
+    stop_tokens,
+    text_attention,
+)
 from weft.core.commands.decode_graph import decode_rows_buffered
 from weft.core.recipe import Recipe
 
@@ -49,8 +56,9 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     with torch.no_grad(), autocast:
         for row, x in enumerate(inputs):
             cache.begin_prefill(keep=None, prompt=lengths[row], row=row)
-            output = model(**{k: v.to(device) for k, v in x.items()}, past_key_values=cache, use_cache=True,
-                           logits_to_keep=1)
+            with layer_index_dynamic():
+                output = model(**{k: v.to(device) for k, v in x.items()}, past_key_values=cache, use_cache=True,
+                               logits_to_keep=1)
             logits = output.logits[:, -1].double()  # (1, V)
             chosen = int(logits.argmax(dim=-1))
             tokens.append([chosen])
