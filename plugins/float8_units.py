@@ -38,16 +38,17 @@ def float8_units(model, plan, *, device) -> int:
         return 0
     from weft.strategies.model.float8 import convert, has_float8_units
 
-    if not has_float8_units(device):
+    if not has_float8_units(device) and not all(u.get("shard").params.float8_emulate for u in units):
         from weft.core.errors import PlanError
 
-        rule = units[0].get("shard")
+        rule = next(u.get("shard") for u in units if not u.get("shard").params.float8_emulate)
         name = _device_name(device)
         raise PlanError(f"shard rule {rule.rule!r} asks for matmul = 'float8' on {len(units)} units, but {name} has "
                         "no float8 matrix units (GPUs of compute capability 8.9 or more: Ada, Hopper, Blackwell); "
-                        "drop the key to multiply in the storage dtype", where=f"{rule.source} (shard.matmul)")
-    return sum(len(convert(model.get_submodule(u.info.path), recipe=u.get("shard").params.float8_recipe))
-               for u in units)
+                        "drop the key to multiply in the storage dtype, or set float8_emulate = true for float8's "
+                        "numerics without its speed", where=f"{rule.source} (shard.matmul)")
+    return sum(len(convert(model.get_submodule(u.info.path), recipe=u.get("shard").params.float8_recipe,
+                           emulate=u.get("shard").params.float8_emulate)) for u in units)
 
 
 def _device_name(device) -> str:

@@ -43,6 +43,10 @@ class KeepParams:
     float8_recipe: Literal["rowwise", "tensorwise"] = attrs.field(default="rowwise", metadata={
         "doc": "with matmul = float8, the scaling: rowwise (a scale per row) or tensorwise (one per tensor: faster, "
                "coarser)"})
+    float8_emulate: bool = attrs.field(default=False, metadata={
+        "doc": "with matmul = float8: cast to float8 and back as the recipe does, but multiply in the storage "
+               "dtype (torchao's emulation): float8's numerics on any device (a CPU check, a GPU without float8 "
+               "units), none of its speed"})
     quantize: Literal["none", "nf4"] = attrs.field(default="none", metadata={
         "doc": "nf4: the unit's frozen linear weights stored in 4 bits (torchao NF4, QLoRA's format: ~0.52 bytes a "
                "weight), quantised as the unit materialises; the unit must be frozen (trainable = false) or its "

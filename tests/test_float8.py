@@ -77,3 +77,25 @@ def test_plan_says_which_linear_layers_multiply_in_float8(weft, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert ("float8 matmuls: 14 linear layers in 2 units by rule 'float8 text layers' (" in done.stdout
             and "e.g. model.language_model.layers.0.self_attn.q_proj" in done.stdout)
+
+
+def test_emulated_float8_trains_through_the_loop_near_bf16(weft, tmp_path):
+    """float8_emulate = true: torchao's float8 casts with high-precision products, so the whole
+    loop (recomputation, the fused loss, the optimizer) runs float8's numerics on the CPU. The
+    loss is bf16's within float8's error, but not bf16's (the casts are in use)."""
+    import json
+
+    losses = {}
+    for name, extra in (("bf16", ""), ("float8", ', float8_emulate = true')):
+        text = FLOAT8.replace('float8_recipe = "tensorwise" }', f'float8_recipe = "rowwise"{extra}, '
+                              'checkpoint = "full" }').replace("max_steps = 2", "max_steps = 3")
+        if name == "bf16":
+            text = text.replace('matmul = "float8", float8_recipe = "rowwise", ', "")
+        (tmp_path / f"{name}.toml").write_text(text)
+        done = weft("run", f"{name}.toml", "--run-dir", name, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses[name] = [json.loads(line)["loss"] for line in metrics]
+    assert len(losses["float8"]) == 3
+    for bf16, float8 in zip(losses["bf16"], losses["float8"]):
+        assert bf16 != float8 and abs(float8 - bf16) / bf16 < 0.02, losses

@@ -30,12 +30,15 @@ def has_float8_units(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
 
 
-def convert(module: torch.nn.Module, *, recipe: str) -> list[str]:
+def convert(module: torch.nn.Module, *, recipe: str, emulate: bool = False) -> list[str]:
     """The eligible linear layers under ``module`` swapped for torchao's ``Float8Linear`` with
-    ``recipe``'s scaling, in place (before compile and FSDP2, torchao's order). Returns the
-    converted layers' names, relative to ``module``."""
+    ``recipe``'s scaling, in place (before compile and FSDP2, torchao's order). ``emulate``: the
+    float8 casts with high-precision products (torchao's emulation: the numerics anywhere, no
+    float8 matrix units needed). Returns the converted layers' names, relative to ``module``."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown float8 recipe {recipe!r}; accepted: {', '.join(RECIPES)}")
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     converted: list[str] = []
@@ -46,5 +49,6 @@ def convert(module: torch.nn.Module, *, recipe: str) -> list[str]:
             return True
         return False
 
-    convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=take)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    convert_to_float8_training(module, config=config, module_filter_fn=take)
     return converted
