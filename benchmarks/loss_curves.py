@@ -9,8 +9,9 @@ Each variant is one `weft run` (its own process) of the same recipe: Qwen2.5-0.5
 tokens, 16,384 tokens a step, lr 1e-3 after 20 warm-up steps, seed 0; the variants differ
 only in their rules (below). Writes loss_curves.json (every step's loss and tokens/s per
 variant), loss_curves.md (final loss = mean of the last 20 steps, against bf16's) and, with
-matplotlib, loss_curves.png. `--preset qwen2_text_tiny --tokens 256 --batch 1024` runs the
-whole thing in seconds on a CPU (float8 variants need a GPU with float8 units).
+matplotlib, loss_curves.png. `--preset qwen2_text_tiny --tokens 256 --batch 1024 --emulate` runs
+the whole thing in seconds on a CPU (`--emulate`: the float8 variants' numerics without
+float8 matrix units).
 """
 
 from __future__ import annotations
@@ -54,11 +55,15 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen2_5_0_5b")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per sample")
     parser.add_argument("--batch", type=int, default=16384, help="tokens per step")
+    parser.add_argument("--emulate", action="store_true",
+                        help="float8 variants with float8_emulate = true (their numerics on a CPU, not their speed)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in args.only.split(","):
         shard, train = VARIANTS[name]
+        if args.emulate and "float8" in shard:
+            shard += ", float8_emulate = true"
         recipe = args.out / f"{name}.toml"
         recipe.write_text(recipe_text(preset=args.preset, tokens=args.tokens, batch=args.batch, steps=args.steps,
                                       shard=shard, train=train))
