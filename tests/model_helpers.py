@@ -25,3 +25,24 @@ def optimizer_for(recipe, model, *, world_size=1):
     plan, _ = plan_recipe(recipe, pm=pm, world_size=world_size, model=model)
     ctx = RunContext(recipe=recipe, device=torch.device("cpu"))
     return make_optimizer(recipe, model, plan=plan, pm=pm, ctx=ctx)
+
+
+def transformers_greedy(recipe_path: str, *, prompt: str, image: str, new: int) -> dict:
+    """transformers' own greedy ``generate`` of ``new`` tokens on a recipe's model (its seed's
+    weights) for one prompt with one image: the model, adapter and inputs, the tokens and
+    their log-probabilities (float64 log-softmax of the scores)."""
+    import torch
+
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.recipe import Recipe
+
+    recipe = Recipe.from_toml(recipe_path)
+    adapter = plugin_manager_from_env().models.for_recipe(recipe)
+    model = adapter.build(recipe, device="cpu", seed=recipe.train.seed).eval()
+    inputs = adapter.prompt_inputs(recipe, text=prompt, images=[image])
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=new, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [float(torch.log_softmax(s.double(), dim=-1)[0, t]) for s, t in zip(out.scores, tokens)]
+    return {"model": model, "adapter": adapter, "inputs": inputs, "tokens": tokens, "logprobs": logprobs}

@@ -33,24 +33,15 @@ NEW = 10
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny model, its prompt with an image, and transformers' greedy answer."""
-    from weft.core.plugin_manager import plugin_manager_from_env
-    from weft.core.recipe import Recipe
+    from model_helpers import transformers_greedy
 
     image = tmp_path_factory.mktemp("graph") / "red.png"
     buffer = io.BytesIO()
     Image.new("RGB", (84, 56), (200, 30, 30)).save(buffer, format="PNG")
     image.write_bytes(buffer.getvalue())
-    recipe = Recipe.from_toml(str(ROOT / "recipes" / "tiny-vl.toml"))
-    adapter = plugin_manager_from_env().models.for_recipe(recipe)
-    model = adapter.build(recipe, device="cpu", seed=recipe.train.seed).eval()
-    inputs = adapter.prompt_inputs(recipe, text=PROMPT, images=[str(image)])
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True)
-    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    logprobs = [float(torch.log_softmax(s.double(), dim=-1)[0, t]) for s, t in zip(out.scores, tokens)]
-    return {"model": model, "adapter": adapter, "inputs": inputs, "tokens": tokens, "logprobs": logprobs,
-            "attention": model.config.get_text_config()._attn_implementation}
+    found = transformers_greedy(str(ROOT / "recipes" / "tiny-vl.toml"), prompt=PROMPT, image=str(image), new=NEW)
+    model = found["model"]
+    return {**found, "attention": model.config.get_text_config()._attn_implementation}
 
 
 def _prefilled(tiny):

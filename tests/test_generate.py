@@ -58,18 +58,10 @@ def generate(image: pathlib.Path, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def expected(image) -> dict:
     """transformers' generate on the model as it ships, same weights, same prompt encoding."""
-    from weft.core.plugin_manager import plugin_manager_from_env
-    from weft.core.recipe import Recipe
+    from model_helpers import transformers_greedy
 
-    recipe = Recipe.from_toml(RECIPE)
-    adapter = plugin_manager_from_env().models.for_recipe(recipe)
-    model = adapter.build(recipe, device="cpu", seed=recipe.train.seed).eval()
-    inputs = adapter.prompt_inputs(recipe, text=PROMPT, images=[str(image)])
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True)
-    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    logprobs = [float(torch.log_softmax(s.double(), dim=-1)[0, t]) for s, t in zip(out.scores, tokens)]
+    found = transformers_greedy(RECIPE, prompt=PROMPT, image=str(image), new=NEW)
+    model, inputs, tokens, logprobs = found["model"], found["inputs"], found["tokens"], found["logprobs"]
     image_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum())
     return {"tokens": tokens, "logprobs": logprobs, "prompt_tokens": inputs["input_ids"].shape[1],
             "image_tokens": image_tokens}
