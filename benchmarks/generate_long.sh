@@ -8,15 +8,20 @@
 # two-GPU rows (ring 2, sharded cache) where two GPUs are visible. Rows in the order a short
 # lease should get them. Run from a scratch folder with weft installed (the checkout's weft/
 # would shadow it):
-#   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh      # OUT=... for the JSON
+#   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh [28|15|all]   # OUT=... for the JSON
+# 28: plain transformers and the static cache's rows (graphed, eager, the 16K batch); 15: the
+# dynamic and paged caches' (and the two-GPU ones); all (the default): both. The table covers
+# whatever rows the folder holds.
 set -uo pipefail
+rows=${1:-all}
 out="${OUT:-generate-long}"
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 > "$out/hf.json" 2> "$out/hf.err"
 common=(qwen2.5-vl-7b-128k-1gpu --prompt-from-data --max-new-tokens 100 --warmup --json)
 static=("$here/variants/7b-128k-static-cache.toml" "${common[@]:1}")
+if [ "$rows" != 15 ]; then
+python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 > "$out/hf.json" 2> "$out/hf.err"
 python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static.json" 2> "$out/one-static.err"
 # The same step without its CUDA graph: the tokens must be the graphed step's.
 python3 -m weft generate "${static[@]}" --nproc 1 --no-cuda-graph > "$out/one-static-eager.json" 2> "$out/one-static-eager.err"
@@ -25,12 +30,15 @@ python3 -m weft generate "${static[@]}" --nproc 1 --no-cuda-graph > "$out/one-st
 short=(--set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --warmup --json --nproc 1)
 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 1 "${short[@]}" > "$out/16k-one.json" 2> "$out/16k-one.err"
 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 8 "${short[@]}" > "$out/16k-eight.json" 2> "$out/16k-eight.err"
+fi
+if [ "$rows" != 28 ]; then
 python3 -m weft generate "${common[@]}" --nproc 1 > "$out/one.json" 2> "$out/one.err"
 paged=("$here/variants/7b-128k-paged-cache.toml" "${common[@]:1}")
 python3 -m weft generate "${paged[@]}" --nproc 1 > "$out/one-paged.json" 2> "$out/one-paged.err"
 if [ "$gpus" -ge 2 ]; then
   python3 -m weft generate "${common[@]}" --nproc 2 --set parallel.ring=2 > "$out/two.json" 2> "$out/two.err"
   python3 -m weft generate "${paged[@]}" --nproc 2 --set parallel.ring=2 > "$out/two-paged.json" 2> "$out/two-paged.err"
+fi
 fi
 python3 - "$out" <<'PY'
 import json, pathlib, sys
