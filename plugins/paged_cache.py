@@ -17,66 +17,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
-from weft.plugins.sharded_cache import ShardedCache
-from weft.strategies.attention.sharded_decode import decode_owner, grown_capacity
+from weft.plugins.sharded_cache import ShardedCache, ShardedLayer
 
 
-class PagedLayer(DynamicLayer):
+class PagedLayer(ShardedLayer):
     """One decoder layer's cache on this rank: ``vision_keys``/``vision_values`` (B, Hkv, Nv, D)
-    and ``keys``/``values`` (B, Hkv, capacity, D) of which the first ``text_len`` rows are filled."""
+    beside the sharded layer's text buffer, ``keys``/``values`` (B, Hkv, capacity, D) of which
+    the first ``filled`` rows are filled (whole pages of ``page_tokens`` rows)."""
 
     def __init__(self, *, state: dict) -> None:
-        super().__init__()
-        self.state = state  # shared by the layers: phase, keep and vision masks, prompt, rank, world, page
-        self.total = 0  # tokens of the whole sequence cached so far, on every rank
-        self.text_len = 0
+        super().__init__(state=state)  # shared by the layers: ... and the page's rows
         self.vision_keys = self.vision_values = None
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))  # (B, Hkv, 0, D)
-        self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        state = self.state
-        if state["phase"] == "prefill":  # key_states: (B, Hkv, S_local, D), this rank's part
-            keep, vision = state["keep"], state["vision"]
-            rows = torch.ones(key_states.shape[-2], dtype=torch.bool, device=key_states.device) \
-                if keep is None else keep
-            pooled = rows & vision if vision is not None else torch.zeros_like(rows)
-            self.vision_keys, self.vision_values = key_states[:, :, pooled], value_states[:, :, pooled]
-            self._append(key_states[:, :, rows & ~pooled], value_states[:, :, rows & ~pooled])
-            self.total += state["prompt"]
-            return key_states, value_states  # the prefill's attention works on the whole part
-        # decode: the same new token on every rank; one rank keeps it (round robin)
-        if decode_owner(self.total - state["prompt"], state["world"]) == state["rank"]:
-            self._append(key_states, value_states)
-        self.total += key_states.shape[-2]
-        return self.keys[:, :, :self.text_len], self.values[:, :, :self.text_len]
-
-    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``keys``/``values`` (B, Hkv, n, D) after the filled text rows, growing by pages."""
-        n = keys.shape[-2]
-        if self.keys.shape[-2] < self.text_len + n:
-            capacity = grown_capacity(self.text_len + n, page=self.state["page"])
-            grown_k = self.keys.new_empty((*keys.shape[:2], capacity, keys.shape[-1]))
-            grown_v = self.values.new_empty((*values.shape[:2], capacity, values.shape[-1]))
-            grown_k[:, :, :self.text_len] = self.keys[:, :, :self.text_len]
-            grown_v[:, :, :self.text_len] = self.values[:, :, :self.text_len]
-            self.keys, self.values = grown_k, grown_v
-        self.keys[:, :, self.text_len:self.text_len + n] = keys
-        self.values[:, :, self.text_len:self.text_len + n] = values
-        self.text_len += n
-
-    def get_seq_length(self) -> int:
-        return self.total
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.total + query_length, 0
+    def prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """This rank's part of the prompt: its image and video rows into the vision pool, at
+        their exact size; its other real rows into the text pages."""
+        keep, vision = self.state["keep"], self.state["vision"]
+        rows = torch.ones(key_states.shape[-2], dtype=torch.bool, device=key_states.device) if keep is None else keep
+        pooled = rows & vision if vision is not None else torch.zeros_like(rows)
+        self.vision_keys, self.vision_values = key_states[:, :, pooled], value_states[:, :, pooled]
+        self.append(key_states[:, :, rows & ~pooled], value_states[:, :, rows & ~pooled])
 
     def partition_bytes(self) -> dict[str, int]:
         """Bytes held: the vision pool, the text rows filled, the text buffer's whole pages."""
@@ -84,7 +45,7 @@ class PagedLayer(DynamicLayer):
             return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
         row = size(self.keys[:, :, :1], self.values[:, :, :1]) if self.keys is not None else 0
-        return {"vision": size(self.vision_keys, self.vision_values), "text": row * self.text_len,
+        return {"vision": size(self.vision_keys, self.vision_values), "text": row * self.filled,
                 "text_capacity": size(self.keys, self.values)}
 
 

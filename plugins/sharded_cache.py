@@ -5,8 +5,9 @@ each layer's ``update`` receives this rank's part of the keys and values, keeps 
 of real tokens (the core pads the prompt to the split's multiple) and hands the part back
 unchanged to the ring or Ulysses attention. Decode (``begin_decode``): every rank runs the
 whole model on the new token; ``update`` keeps its keys and values on one rank (round
-robin, strategies/attention/sharded_decode.py) and returns this rank's shard, over which the decode
-attention (registered with transformers' AttentionInterface) attends and merges by
+robin, strategies/attention/sharded_decode.py), written in place into a buffer that grows by
+whole pages, and returns this rank's filled rows, over which the decode attention (registered
+with transformers' AttentionInterface; split-KV over the shard) attends and merges by
 log-sum-exp across the group. ``get_seq_length`` is the global length, so the model's own
 position and cache-position arithmetic is the unsharded one.
 """
@@ -19,36 +20,69 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
-from weft.strategies.attention.sharded_decode import decode_owner, partitioned_decode_attention
+from weft.strategies.attention.sharded_decode import decode_owner, grown_capacity, partitioned_decode_attention
+
+#: Rows a sharded cache's buffer grows by when it fills (the paged cache's ``page_tokens``).
+GROW_ROWS = 256
 
 
 class ShardedLayer(DynamicLayer):
-    """One decoder layer's shard of the cache on this rank."""
+    """One decoder layer's shard of the cache on this rank: ``keys``/``values`` (B, Hkv,
+    capacity, D) of which the first ``filled`` rows hold this rank's tokens, written in place
+    (a full buffer grows by whole pages: one copy per page of tokens, not the whole cache
+    concatenated at every token as transformers' dynamic cache does)."""
 
     def __init__(self, *, state: dict) -> None:
         super().__init__()
         self.state = state  # shared by the layers: phase, keep mask, prompt length, rank, world
         self.total = 0  # tokens of the whole sequence cached so far, on every rank
+        self.filled = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))  # (B, Hkv, 0, D)
+        self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         state = self.state
         if state["phase"] == "prefill":  # key_states: (B, Hkv, S_local, D), this rank's part
-            keep = state["keep"]
-            kept_k = key_states if keep is None else key_states[:, :, keep]
-            kept_v = value_states if keep is None else value_states[:, :, keep]
-            self.keys = torch.cat([self.keys, kept_k], dim=-2)
-            self.values = torch.cat([self.values, kept_v], dim=-2)
+            self.prefill(key_states, value_states)
             self.total += state["prompt"]
             return key_states, value_states  # the SP attention works on the padded part
         # decode: the same new token on every rank; one rank keeps it (the k-th decoded
         # token of every layer goes to the same rank: k = tokens past the prompt)
         if decode_owner(self.total - state["prompt"], state["world"]) == state["rank"]:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.append(key_states, value_states)
         self.total += key_states.shape[-2]
-        return self.keys, self.values
+        return self.keys[:, :, :self.filled], self.values[:, :, :self.filled]
+
+    def prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """This rank's part of the prompt: the rows of real tokens kept, in a buffer with room for
+        this rank's share of the tokens to come (``ShardedCache.reserve``)."""
+        keep, state = self.state["keep"], self.state
+        coming = max(state["reserved"] - state["prompt"], 0)
+        self.append(key_states if keep is None else key_states[:, :, keep],
+                    value_states if keep is None else value_states[:, :, keep],
+                    spare=-(-coming // state["world"]))  # round robin: at most ceil(coming / W) here
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, *, spare: int | None = None) -> None:
+        """Write ``keys``/``values`` (B, Hkv, n, D) after the filled rows; a buffer too small is
+        replaced by one of the filled rows, these and ``spare`` rows more, or (``spare`` None)
+        of whole pages."""
+        n = keys.shape[-2]
+        if self.keys.shape[-2] < self.filled + n:
+            capacity = (self.filled + n + spare if spare is not None
+                        else grown_capacity(self.filled + n, page=self.state.get("page", GROW_ROWS)))
+            grown_k = self.keys.new_empty((*keys.shape[:2], capacity, keys.shape[-1]))
+            grown_v = self.values.new_empty((*values.shape[:2], capacity, values.shape[-1]))
+            grown_k[:, :, :self.filled] = self.keys[:, :, :self.filled]
+            grown_v[:, :, :self.filled] = self.values[:, :, :self.filled]
+            self.keys, self.values = grown_k, grown_v
+        self.keys[:, :, self.filled:self.filled + n] = keys
+        self.values[:, :, self.filled:self.filled + n] = values
+        self.filled += n
 
     def get_seq_length(self) -> int:
         return self.total
@@ -64,14 +98,19 @@ class ShardedCache(Cache):
     layer_class = ShardedLayer
 
     def __init__(self, *, num_layers: int, rank: int, world: int, group: Any, **extra: Any) -> None:
-        self.state = {"phase": "prefill", "keep": None, "vision": None, "prompt": 0, "rank": rank, "world": world,
-                      **extra}
+        self.state = {"phase": "prefill", "keep": None, "vision": None, "prompt": 0, "reserved": 0, "rank": rank,
+                      "world": world, **extra}
         self.group = group
         super().__init__(layers=[self.layer_class(state=self.state) for _ in range(num_layers)])
         # The decode attention: registered under a name of this cache, selected by the core
         # for the text model once the prefill is done.
         self.decode_attention = f"weft_{type(self).__name__.lower()}_decode_{id(self):x}"
         AttentionInterface.register(self.decode_attention, self._attend)
+
+    def reserve(self, tokens: int) -> None:
+        """The prompt and the tokens to generate (called before the prefill): each rank's buffer
+        is allocated once, its part of the prompt and its share of the new tokens."""
+        self.state["reserved"] = tokens
 
     def begin_prefill(self, *, keep: torch.Tensor | None, prompt: int, vision: torch.Tensor | None = None) -> None:
         """``keep``: (S_local,) bool, this rank's rows that are real tokens (not padding);

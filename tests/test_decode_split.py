@@ -45,7 +45,7 @@ def test_one_length_for_every_row_and_a_split_that_does_not_divide():
     torch.manual_seed(1)
     query, key, value = torch.randn(2, 28, 1, 8), torch.randn(2, 4, 30, 8), torch.randn(2, 4, 30, 8)
     want = _reference(query, key, value, torch.tensor([11, 11]), 8 ** -0.5)
-    for splits in (1, 3, 7):  # 7 does not divide 30: one chunk
+    for splits in (1, 3, 7, 30, 64):  # 7 leaves a rest of 2 rows past 7 chunks of 4; 64: one row a chunk
         got = split_decode_attention(query, key, value, lengths=torch.tensor([11]), scale=8 ** -0.5, splits=splits)
         assert (got - want).abs().max() < 2e-6
 
@@ -106,3 +106,22 @@ def test_the_static_cache_decodes_rows_of_different_lengths():
         want = torch.nn.functional.scaled_dot_product_attention(query[row:row + 1], k, k * 2, scale=0.5,
                                                                 enable_gqa=True)
         assert (out[row:row + 1].transpose(1, 2) - want).abs().max() < 2e-6
+
+
+@pytest.mark.parametrize("splits", [1, 4, 5])
+def test_the_log_sum_exp_merges_partitions_as_one_softmax(splits):
+    """``return_lse``: the scores' log-sum-exp, with which two partitions of the keys (a rank's
+    shard, a vision pool and text pages) merge into attention over their union."""
+    from weft.strategies.attention.sharded_decode import merge_partials
+
+    torch.manual_seed(2)
+    query = torch.randn(2, 6, 1, 8, dtype=torch.float64)
+    key, value = torch.randn(2, 2, 23, 8, dtype=torch.float64), torch.randn(2, 2, 23, 8, dtype=torch.float64)
+    parts = [split_decode_attention(query, k, v, lengths=None, scale=0.4, splits=splits, return_lse=True)
+             for k, v in ((key[:, :, :9], value[:, :, :9]), (key[:, :, 9:], value[:, :, 9:]))]
+    merged = merge_partials(torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts]))
+    want = _reference(query, key, value, torch.tensor([23, 23]), 0.4)
+    assert (merged - want).abs().max() < 1e-12
+    scores = torch.einsum("bhd,bhnd->bhn", query[:, :, 0], key.repeat_interleave(3, dim=1)) * 0.4
+    whole = split_decode_attention(query, key, value, lengths=None, scale=0.4, splits=splits, return_lse=True)[1]
+    assert (whole[..., 0] - torch.logsumexp(scores, dim=-1)).abs().max() < 1e-12

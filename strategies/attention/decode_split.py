@@ -6,12 +6,15 @@ here depends on a host-side length: the rows past each row's length are masked f
 device tensor ``lengths``, so every call has the same shapes and the same kernels from
 one token to the next, which a captured CUDA graph replays.
 
-The cache dimension is cut into ``splits`` chunks of ``N // splits`` rows (the static
-cache sizes its buffer so that the split is exact: ``split_rows``). One batched GEMM gives
-every (row, KV head, chunk) its scores, one more its part of P @ V: B x Hkv x splits
-independent matrices, so a single query per row still fills the GPU at 128K, where one
-GEMM over the whole cache reduces 128K rows in a handful of thread blocks (or leaves it to
-the library's choice of split-K). The chunks' parts of P @ V are summed in float32.
+One batched GEMM gives every (row, KV head) its scores over the whole cache (its output
+tiles spread over the cache's rows); P @ V runs as B x Hkv x ``splits`` independent products
+over chunks of ``N // splits`` rows (the static cache sizes its buffer so that the split is
+exact: ``split_rows``; a rest past the last whole chunk is one more product), summed in
+float32: a single query per row still fills the GPU at 128K, where one product reducing over
+the whole cache runs in a handful of thread blocks (or leaves it to the library's choice of
+split-K). With ``return_lse`` the scores' log-sum-exp comes too, so partitions of the keys
+(a rank's shard, a vision pool, text pages) merge into one softmax
+(strategies/attention/sharded_decode.py).
 
 Numerics, as the flash kernels do them:
 
@@ -79,36 +82,50 @@ def _scores_dtype_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def split_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                           lengths: torch.Tensor, scale: float, splits: int = 1) -> torch.Tensor:
+                           lengths: torch.Tensor | None, scale: float, splits: int = 1,
+                           return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query per row ``query`` (B, Hq, 1, D) over ``key``/``value`` (B, Hkv, N, D), row b
     seeing its first ``lengths[b]`` cache rows (``lengths``: (B,) or (1,) long, on the device,
-    at least 1). ``splits`` must divide N (else one chunk). Returns (B, Hq, 1, Dv) in the
-    query's dtype."""
+    at least 1; None: every row). P @ V runs as ``splits`` chunks of ``N // splits`` rows (a
+    rest past the last whole chunk as one more product). Returns (B, Hq, 1, Dv) in the query's
+    dtype; with ``return_lse`` also the scores' log-sum-exp (B, Hq, 1) in their dtype (float32;
+    float64 for a float64 cache), for merging
+    with other partitions of the keys (strategies/attention/sharded_decode.py)."""
     b, hq, sq, d = query.shape
     hkv, n, dv = key.shape[1], key.shape[2], value.shape[-1]
     if sq != 1 or hq % hkv:
         raise ValueError(f"split_decode_attention takes one query per row and Hq a multiple of Hkv; got query "
                          f"{tuple(query.shape)}, key {tuple(key.shape)}")
-    if splits < 1 or n % splits:
-        splits = 1
-    groups, chunk = hq // hkv, n // splits
+    groups = hq // hkv
+    splits = max(1, min(splits, n))
+    chunk = n // splits
+    whole = chunk * splits  # the rows in whole chunks; the rest (< one chunk) is one more product
     # The run's autocast would cast these GEMMs' float32 inputs down: the dtypes are chosen here.
     kind = query.device.type
     with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext():
-        q = query.to(key.dtype).reshape(b, hkv, 1, groups, d)  # (B, Hkv, 1, G, D): head h = kv * G + g
-        q = q.expand(b, hkv, splits, groups, d).reshape(b * hkv * splits, groups, d)  # a small copy
-        k = key.reshape(b * hkv * splits, chunk, d)  # (B x Hkv x S, C, D): a view of the buffer
-        scores = _scores_dtype_bmm(q, k.transpose(1, 2))  # (B x Hkv x S, G, C), float32 or float64
-        scores = scores.view(b, hkv, splits, groups, chunk).mul_(scale)
-        rows = torch.arange(n, device=key.device).view(1, 1, splits, 1, chunk)
-        visible = rows < lengths.reshape(-1, 1, 1, 1, 1)  # (B or 1, 1, S, 1, C)
-        scores.masked_fill_(~visible, float("-inf"))
-        # One softmax over the row's whole cache (all chunks): its max and sum over (S, C).
-        top = scores.amax(dim=(2, 4), keepdim=True)  # (B, Hkv, 1, G, 1): finite, row 0 is visible
+        q = query.to(key.dtype).reshape(b * hkv, groups, d)  # (B x Hkv, G, D): head h = kv * G + g
+        scores = _scores_dtype_bmm(q, key.reshape(b * hkv, n, d).transpose(1, 2))  # (B x Hkv, G, N), float32+
+        scores = scores.view(b, hkv, groups, n).mul_(scale)
+        if lengths is not None:
+            visible = torch.arange(n, device=key.device) < lengths.reshape(-1, 1, 1, 1)  # (B or 1, 1, 1, N)
+            scores.masked_fill_(~visible, float("-inf"))
+        # One softmax over the row's whole cache: its max and sum over N (no per-chunk rescaling).
+        top = scores.amax(dim=-1, keepdim=True)  # (B, Hkv, G, 1): finite, row 0 is visible
         probs = scores.sub_(top).exp_()
-        probs = probs.div_(probs.sum(dim=(2, 4), keepdim=True))
-        p = probs.to(value.dtype).view(b * hkv * splits, groups, chunk)
-        v = value.reshape(b * hkv * splits, chunk, dv)  # a view, as the keys
-        parts = _scores_dtype_bmm(p, v)  # (B x Hkv x S, G, Dv): each chunk's part of P @ V
-        out = parts.view(b, hkv, splits, groups, dv).sum(dim=2)  # (B, Hkv, G, Dv), float32 sum
-    return out.reshape(b, hq, 1, dv).to(query.dtype)
+        total = probs.sum(dim=-1, keepdim=True)
+        probs = probs.div_(total).to(value.dtype)  # (B, Hkv, G, N)
+        # P @ V as B x Hkv x S independent products over chunks of the cache (views of it), the
+        # parts summed in float32: a single query still fills the GPU at 128K.
+        p = probs[..., :whole].reshape(b, hkv, groups, splits, chunk).transpose(2, 3)  # (B, Hkv, S, G, C)
+        v = value[:, :, :whole].reshape(b * hkv * splits, chunk, dv)
+        parts = _scores_dtype_bmm(p.reshape(b * hkv * splits, groups, chunk), v)  # (B x Hkv x S, G, Dv)
+        out = parts.view(b, hkv, splits, groups, dv).sum(dim=2)  # (B, Hkv, G, Dv)
+        if whole < n:
+            rest = probs[..., whole:].reshape(b * hkv, groups, n - whole)
+            out = out + _scores_dtype_bmm(rest, value[:, :, whole:].reshape(b * hkv, n - whole, dv)).view(
+                b, hkv, groups, dv)
+    out = out.reshape(b, hq, 1, dv).to(query.dtype)
+    if not return_lse:
+        return out
+    lse = (top + total.log()).reshape(b, hq, 1)  # (B, Hq, 1), the scores' dtype: float32, or float64
+    return out, lse

@@ -27,12 +27,15 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if key.shape[2] == 0:
         return (query.new_zeros((b, hq, sq, d), dtype=torch.float32),
                 query.new_full((b, hq, sq), float("-inf"), dtype=torch.float32))
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and d <= 128:
-        # A bf16 cache of 128K tokens is not copied to float32 per layer per token: cuDNN's
-        # attention (grouped-query heads, float32 accumulation, its LSE) reads it as it is.
-        from weft.strategies.attention.kernels.blocks import KERNELS
+    if sq == 1 and hq % key.shape[1] == 0:
+        # One new token (decoding): the split-KV attention, which reads a bf16 cache as it is
+        # (float32 scores, grouped-query heads as a view) in chunks that fill the GPU, with the
+        # same kernels whatever the shard's length (cuDNN planned a graph per new length: the
+        # cost of a whole decoded token at 128K, BENCHMARKS.md).
+        from weft.strategies.attention.decode_split import CHUNK_ROWS, split_decode_attention
 
-        out, lse = KERNELS["cudnn"].forward(query, key, value, causal=False, scale=scale)
+        out, lse = split_decode_attention(query, key, value, lengths=None, scale=scale,
+                                          splits=max(1, key.shape[2] // CHUNK_ROWS), return_lse=True)
         return out.float(), lse.float()
     groups = hq // key.shape[1]  # grouped-query attention: each KV head serves `groups` query heads
     q = query.float().reshape(b, key.shape[1], groups * sq, d)  # (B, Hkv, G x Sq, D)
