@@ -233,3 +233,41 @@ def test_rows_of_a_batch_stop_on_their_own(monkeypatch):
     assert tokens == [[1, 5, 9, 2], [1, 7, 7, 8, 2]]
     assert logprobs == [[-0.1, -0.5, -0.5, -0.5], [-0.1, -0.5, -0.5, -0.5, -0.5]]
     assert report["decode_steps"] == 4 and report["cuda_graph_off"] == "--no-cuda-graph"
+
+
+def test_a_read_back_in_the_checked_warm_up_step_decodes_eagerly(tiny, monkeypatch):
+    """The last warm-up step runs under torch's synchronisation check (CUDA's, stood in for
+    here): a read-back there is named by its line, the step runs again unchecked, and every
+    later step is eager; the tokens are the eager loop's all the same."""
+    import contextlib
+
+    modes = []
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+    class ReadsBack(GreedyStep):
+        def _step(self):
+            if modes[-1:] == ["error"]:
+                modes.append("raised")
+                raise RuntimeError("called a synchronizing CUDA operation")
+            super()._step()
+
+        def _record(self):
+            raise AssertionError("a step that reads back is never captured")
+
+    eager = _step_on(tiny, "cpu")
+    with torch.no_grad():
+        eager_tokens = [int(eager()[0]) for _ in range(5)]
+        plain = _step_on(tiny, "cpu")
+        step = ReadsBack(tiny["model"], cache=plain.cache, token=plain.token, rotary=plain.rotary, row=plain.row,
+                         capture=True)
+        tokens = [int(step()[0]) for _ in range(5)]
+    assert tokens == eager_tokens and modes == ["error", "raised", "default"]
+    assert not step.capture and "reads back from the device at" in step.error and "test_decode_graph.py" in step.error
