@@ -39,6 +39,10 @@ class LoraParams:
         "doc": "linear layers to adapt inside the matched module: their names or name suffixes (\"q_proj\", "
                "\"mlp.down_proj\"), or \"all-linear\": every linear layer but the output head"})
     rslora: bool = attrs.field(default=False, metadata={"doc": "rank-stabilised LoRA: scale by alpha / sqrt(r)"})
+    dora: bool = attrs.field(default=False, metadata={
+        "doc": "DoRA (PEFT's use_dora): each adapted layer's weight as a magnitude per output row times the "
+               "direction of W + B @ A, the magnitudes trained too (drawn as the rows' norms, so the model starts "
+               "as the base); each forward also computes W + B @ A's row norms (a weight-sized product a layer)"})
     b_init: Literal["zeros", "normal"] = attrs.field(default="zeros", metadata={
         "doc": "zeros: the adapted model starts as the base; normal: B drawn like A (N(0, 1/r)), so A's gradients "
                "are not zero at step 0 (for `weft check` of them)"})
@@ -49,6 +53,12 @@ def check_peft(params, *, recipe, plan) -> str | None:
 
     if importlib.util.find_spec("peft") is None:
         return "needs the peft package (pip install 'weft[lora]')"
+    if params.dora and (quantized := plan.quantized_units()):
+        # PEFT's DoRA reads a quantised base through bitsandbytes' call, which torchao's NF4
+        # weight does not answer (its forward fails): refused here rather than at step 1.
+        return (f"dora = true over a 4-bit base ({len(quantized)} units with quantize = 'nf4', e.g. "
+                f"{next(iter(quantized))}): PEFT's DoRA layers cannot read torchao's NF4 weights; drop dora or "
+                "quantize")
     return None
 
 
@@ -144,8 +154,15 @@ def _load(model, *, folder, names: frozenset) -> None:
         raise WeftError(f"cannot load the adapter's weights: {error}", where="--adapter") from None
 
 
+#: The name part of a DoRA layer's magnitudes (PEFT's ``lora_magnitude_vector``).
+MAGNITUDE = ".lora_magnitude_vector."
+
+
 def _peft_name(name: str) -> str:
-    """A model's adapter parameter as PEFT's adapter directory names it (no adapter name)."""
+    """A model's adapter parameter as PEFT's adapter directory names it (no adapter name; a DoRA
+    magnitude without its ``.weight``)."""
+    if MAGNITUDE in name:
+        return "base_model.model." + name.split(MAGNITUDE)[0] + MAGNITUDE.rstrip(".")
     return "base_model.model." + name.replace(".default.", ".")
 
 
@@ -163,9 +180,10 @@ def _one_config(by_layer: dict):
     decisions = [d for d, _ in by_layer.values()]
     first = decisions[0]
     for d in decisions:
-        if (d.params.dropout, d.params.rslora) != (first.params.dropout, first.params.rslora):
-            raise PlanError(f"adapter rules {first.rule!r} ({first.source}) and {d.rule!r} give different dropout or "
-                            "rslora; one PEFT adapter has one of each: give them the same",
+        if (d.params.dropout, d.params.rslora, d.params.dora) != (first.params.dropout, first.params.rslora,
+                                                                 first.params.dora):
+            raise PlanError(f"adapter rules {first.rule!r} ({first.source}) and {d.rule!r} give different dropout, "
+                            "rslora or dora; one PEFT adapter has one of each: give them the same",
                             where=f"{d.source} (adapter)")
     r, alpha = collections.Counter((d.params.r, d.params.alpha) for d in decisions).most_common(1)[0][0]
     # Exact paths: PEFT matches a target by equality or a '.'-prefixed suffix, and a pattern as
@@ -174,6 +192,7 @@ def _one_config(by_layer: dict):
     ranks = {re.escape(path): d.params.r for path, (d, _) in by_layer.items() if d.params.r != r}
     alphas = {re.escape(path): d.params.alpha for path, (d, _) in by_layer.items() if d.params.alpha != alpha}
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=first.params.dropout, use_rslora=first.params.rslora,
+                      use_dora=first.params.dora,
                       target_modules=sorted(by_layer), rank_pattern=ranks, alpha_pattern=alphas, bias="none",
                       init_lora_weights="gaussian")
 
@@ -208,10 +227,15 @@ def _init(model, *, params_of: dict, seed: int) -> None:
     values whatever the sharding, as `weft check`'s unsharded reference needs."""
     from weft.strategies.model.seeded_init import init_parameters, zero_parameters
 
-    drawn = {n: p for n, p in params_of.items() if ".lora_A." in n or p.b_init == "normal"}
+    magnitudes = {n for n in params_of if MAGNITUDE in n}
+    drawn = {n: p for n, p in params_of.items() if ".lora_A." in n or (p.b_init == "normal" and n not in magnitudes)}
     for r in sorted({p.r for p in drawn.values()}):
         init_parameters(model, seed=seed, std=1.0 / r, only=frozenset(n for n, p in drawn.items() if p.r == r))
-    zero_parameters(model, only=frozenset(n for n in params_of if n not in drawn))
+    zero_parameters(model, only=frozenset(n for n in params_of if n not in drawn and n not in magnitudes))
+    if magnitudes:
+        from weft.strategies.model.dora import init_magnitudes
+
+        init_magnitudes(model)
 
 
 def _merge(model) -> None:
