@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from weft.core.commands import decode
-from weft.core.commands.decode_graph import GreedyStep, capture_blocker, decode_greedy_buffered
+from weft.core.commands.decode_graph import DecodeStep, capture_blocker, decode_buffered
 
 pytestmark = pytest.mark.quick
 
@@ -62,14 +62,14 @@ def _prefilled(tiny):
     return cache, [token], [float(torch.log_softmax(logits, dim=-1)[0, token])]
 
 
-def _buffered(tiny, *, stops=frozenset(), read_every=decode.READ_EVERY):
+def _buffered(tiny, *, stops=frozenset(), read_every=decode.READ_EVERY, sampling=None):
     cache, tokens, logprobs = _prefilled(tiny)
     rotary = decode.next_rotary(tiny["inputs"], positions_of=tiny["adapter"].positions(tiny["model"]))
     with torch.no_grad():
-        report = decode_greedy_buffered(tiny["model"], cache=cache, tokens=tokens, logprobs=logprobs,
-                                        row=tiny["inputs"]["input_ids"].shape[1], rotary=rotary,
-                                        max_new_tokens=NEW, stops=set(stops), device=torch.device("cpu"),
-                                        show=None, capture=True, read_every=read_every)
+        report = decode_buffered(tiny["model"], cache=cache, tokens=tokens, logprobs=logprobs,
+                                 row=tiny["inputs"]["input_ids"].shape[1], rotary=rotary,
+                                 max_new_tokens=NEW, stops=set(stops), device=torch.device("cpu"),
+                                 show=None, capture=True, read_every=read_every, sampling=sampling)
     return tokens, logprobs, report
 
 
@@ -101,7 +101,7 @@ def test_a_stop_inside_a_read_back_ends_the_answer(tiny):
     assert tokens == tiny["tokens"][:first + 1] and len(logprobs) == len(tokens)
 
 
-def _step_on(tiny, device: str) -> GreedyStep:
+def _step_on(tiny, device: str) -> DecodeStep:
     """A step after the prefill, with the model, the cache and the buffers on ``device``."""
     cache, tokens, _ = _prefilled(tiny)
     model = tiny["model"]
@@ -111,7 +111,7 @@ def _step_on(tiny, device: str) -> GreedyStep:
             layer.keys, layer.values = layer.keys.to("meta"), layer.values.to("meta")
     rotary = decode.next_rotary(tiny["inputs"], positions_of=tiny["adapter"].positions(tiny["model"]))
     length = tiny["inputs"]["input_ids"].shape[1]
-    return GreedyStep(model, cache=cache, token=torch.tensor([[tokens[0]]], device=device),
+    return DecodeStep(model, cache=cache, token=torch.tensor([[tokens[0]]], device=device),
                       rotary=rotary.to(device), row=torch.tensor([length], device=device), capture=False)
 
 
@@ -164,7 +164,7 @@ def test_warm_up_then_one_capture_then_replays(tiny):
 
     calls = []
 
-    class Staged(GreedyStep):
+    class Staged(DecodeStep):
         def _warm(self):
             calls.append("warm")
             self._step()
@@ -224,7 +224,7 @@ def test_rows_of_a_batch_stop_on_their_own(monkeypatch):
             self.steps += 1
             return torch.tensor(script[self.steps - 1]), torch.full((2,), -0.5, dtype=torch.float64)
 
-    monkeypatch.setattr(decode_graph, "GreedyStep", Scripted)
+    monkeypatch.setattr(decode_graph, "DecodeStep", Scripted)
     tokens, logprobs = [[1], [1]], [[-0.1], [-0.1]]
     report = decode_graph.decode_rows_buffered(
         torch.nn.Linear(1, 1), cache=None, tokens=tokens, logprobs=logprobs, rows=[4, 6],
@@ -252,7 +252,7 @@ def test_a_read_back_in_the_checked_warm_up_step_decodes_eagerly(tiny, monkeypat
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
 
-    class ReadsBack(GreedyStep):
+    class ReadsBack(DecodeStep):
         def _step(self):
             if modes[-1:] == ["error"]:
                 modes.append("raised")
@@ -271,3 +271,50 @@ def test_a_read_back_in_the_checked_warm_up_step_decodes_eagerly(tiny, monkeypat
         tokens = [int(step()[0]) for _ in range(5)]
     assert tokens == eager_tokens and modes == ["error", "raised", "default"]
     assert not step.capture and "reads back from the device at" in step.error and "test_decode_graph.py" in step.error
+
+
+def test_nucleus_draws_follow_the_nucleus():
+    """``nucleus_from_noise`` over 40,000 rows of the same logits: tokens outside the top-p
+    nucleus never come, the others as often as their renormalised probabilities say (within
+    4 standard deviations); a tiny temperature is the argmax."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(40_000, 6)
+    noise = torch.rand(40_000, 6, generator=torch.Generator().manual_seed(0))
+    drawn = decode.nucleus_from_noise(logits, noise, temperature=0.7, top_p=0.9)
+    probs = torch.softmax(logits[0] / 0.7, dim=-1)
+    nucleus = int((probs.sort(descending=True).values.cumsum(0) - probs.sort(descending=True).values < 0.9).sum())
+    want = torch.zeros(6)
+    want[:nucleus] = probs[:nucleus] / probs[:nucleus].sum()  # the logits are in descending order already
+    counts = torch.bincount(drawn, minlength=6).double() / 40_000
+    assert counts[nucleus:].sum() == 0 and 1 < nucleus < 6
+    sigma = (want * (1 - want) / 40_000).sqrt()
+    assert ((counts - want).abs() <= 4 * sigma + 1e-12).all(), (counts, want)
+    assert (decode.nucleus_from_noise(logits, noise, temperature=1e-4, top_p=1.0) == 0).all()
+
+
+def test_sampled_steps_are_the_loop_that_draws_the_same_noise(tiny):
+    """Sampling in the buffered step (uniform draws from a seeded generator filled before each
+    step, nucleus on the device) gives what a plain loop over the eager step with the same
+    draws gives; the log-probabilities are the model's (before the temperature)."""
+    import torch.distributed as dist
+
+    from weft.core.commands.decode_graph import Sampling
+
+    sampling = Sampling(temperature=0.9, top_p=0.8, generator=torch.Generator().manual_seed(3))
+    tokens, logprobs, _ = _buffered(tiny, sampling=sampling)
+    cache, want, want_logprobs = _prefilled(tiny)
+    generator, length = torch.Generator().manual_seed(3), tiny["inputs"]["input_ids"].shape[1]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with torch.no_grad():
+            while len(want) < NEW:
+                position = length + len(want) - 1
+                logits = decode.decode_step(tiny["model"], cache=cache, token=torch.tensor([[want[-1]]]),
+                                            position=position, cache_position=torch.tensor([position])).logits[:, -1]
+                noise = torch.rand(logits.shape, generator=generator)
+                token = int(decode.nucleus_from_noise(logits.float(), noise, temperature=0.9, top_p=0.8)[0])
+                want.append(token)
+                want_logprobs.append(float(torch.log_softmax(logits.double(), dim=-1)[0, token]))
+    finally:
+        dist.destroy_process_group()
+    assert tokens == want and logprobs == pytest.approx(want_logprobs, abs=1e-9)
+    assert tokens != tiny["tokens"]  # not the greedy answer

@@ -237,6 +237,12 @@ def test_static_cache_equals_transformers_generate(image, expected, single, tmp_
     whole = single["cache_bytes_per_rank"][0]  # the dynamic cache: prompt + NEW - 1 rows
     per_token = whole / (expected["prompt_tokens"] + NEW - 1)
     assert got["cache_bytes_per_rank"][0] == pytest.approx(per_token * (expected["prompt_tokens"] + NEW), rel=1e-9)
+    # Sampling through the same buffered step (the draws on the device): seeded, so a second run
+    # gives the same tokens; not the greedy ones.
+    sampled = [json.loads(weft("generate", str(recipe), "--prompt", PROMPT, "--image", str(image), "--max-new-tokens",
+                               str(NEW), "--temperature", "1.5", "--seed", "4", "--json", "--nproc", "1").stdout)
+               for _ in range(2)]
+    assert sampled[0]["tokens"] == sampled[1]["tokens"] != got["tokens"] and len(sampled[0]["tokens"]) == NEW
     done = weft("generate", str(recipe), "--prompt", PROMPT, "--image", str(image), "--max-new-tokens", "2",
                 "--nproc", "2", "--set", "parallel.ring=2")
     assert done.returncode == 2 and "the static cache keeps the whole sequence" in " ".join(done.stderr.split())

@@ -5,7 +5,7 @@ A decoding step of the 7B at 128K launches some 900 kernels from Python; once th
 read in place (the static cache, split-KV attention from a device position) the host's
 launches, not the GPU, set the pace. A CUDA graph launches them all at once. It replays
 exactly what was recorded, so the step must not depend on anything the host decides per
-token. ``GreedyStep`` owns its inputs as buffers at fixed addresses — the token (B, 1),
+token. ``DecodeStep`` owns its inputs as buffers at fixed addresses — the token (B, 1),
 the rotary position ids (3, B, 1) for mRoPE or (B, 1), the cache row each row's token is
 written at (B,) — and its outputs (the argmax (B,) and its log-probability (B,)); the step
 runs the one-token forward into the cache, takes the argmax on the device and advances its
@@ -43,11 +43,24 @@ import gc
 import time
 import traceback
 
+import attrs
 import torch
 import torch.distributed as dist
 
+from weft.core.commands.decode import nucleus_from_noise
+
 #: Eager steps before the capture (on CUDA): lazy initialisation happens outside the graph.
 WARMUP = 2
+
+
+@attrs.frozen(kw_only=True)
+class Sampling:
+    """Nucleus sampling in the step (``nucleus_from_noise``): its temperature, top-p and the
+    seeded generator (on the step's device) its uniform draws come from."""
+
+    temperature: float
+    top_p: float
+    generator: torch.Generator
 
 
 def capture_blocker(model: torch.nn.Module, *, cache, device: torch.device, world: int) -> str | None:
@@ -86,7 +99,7 @@ def checkpoint_hooks_off(model: torch.nn.Module):
             state.enable_hook = True
 
 
-class GreedyStep:
+class DecodeStep:
     """One greedy step over ``cache`` per call, from device buffers (see the module docstring).
 
     ``token`` (B, 1): the last chosen tokens; ``rotary``: the next token's rotary position ids,
@@ -95,11 +108,12 @@ class GreedyStep:
     on the device; nothing is read back."""
 
     def __init__(self, model: torch.nn.Module, *, cache, token: torch.Tensor, rotary: torch.Tensor,
-                 row: torch.Tensor, capture: bool, world: int = 1) -> None:
-        self.model, self.cache, self.world = model, cache, world
+                 row: torch.Tensor, capture: bool, world: int = 1, sampling: Sampling | None = None) -> None:
+        self.model, self.cache, self.world, self.sampling = model, cache, world, sampling
         self.token, self.rotary, self.row = token.clone(), rotary.clone(), row.clone()  # the step's own buffers
         rows = token.shape[0]
         self.chosen = torch.zeros(rows, dtype=torch.long, device=token.device)  # (B,)
+        self.noise = None  # (B, V) uniform draws of the sampled step, refilled before each step
         self.logprob = torch.zeros(rows, dtype=torch.float64, device=token.device)  # (B,)
         self.capture, self.steps = capture, 0
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -118,7 +132,11 @@ class GreedyStep:
         finally:
             torch.set_autocast_cache_enabled(cached)
         logits = output.logits[:, -1].float()  # (B, V)
-        chosen = logits.argmax(dim=-1)  # (B,)
+        if self.sampling is None:
+            chosen = logits.argmax(dim=-1)  # (B,)
+        else:
+            chosen = nucleus_from_noise(logits, self.noise, temperature=self.sampling.temperature,
+                                        top_p=self.sampling.top_p)
         if self.world > 1:  # never captured (capture_blocker): rank 0's choice for every rank
             dist.broadcast(chosen, src=0)
         self.logprob.copy_(torch.log_softmax(logits.double(), dim=-1).gather(1, chosen[:, None])[:, 0])
@@ -188,7 +206,17 @@ class GreedyStep:
         self.graph.replay()
         self.replays += 1
 
+    def _draw(self) -> None:
+        """The next step's uniform draws, into the buffer the step reads: an ordinary kernel
+        before the step (a captured graph then replays no random draw of its own)."""
+        if self.noise is None:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            self.noise = torch.empty(self.token.shape[0], vocab, device=self.token.device)  # (B, V)
+        torch.rand(self.noise.shape, generator=self.sampling.generator, device=self.noise.device, out=self.noise)
+
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sampling is not None:
+            self._draw()
         if self.graph is None and self.capture and self.steps >= WARMUP:
             self._record()  # records the step without running it; the replay below runs it
         if self.graph is not None:
@@ -201,21 +229,23 @@ class GreedyStep:
         return self.chosen.clone(), self.logprob.clone()  # the next replay overwrites the buffers
 
 
-def decode_greedy_buffered(model: torch.nn.Module, *, cache, tokens: list[int], logprobs: list[float], row: int,
-                           rotary: torch.Tensor, max_new_tokens: int, stops: set[int], device: torch.device,
-                           show, capture: bool, read_every: int) -> dict:
+def decode_buffered(model: torch.nn.Module, *, cache, tokens: list[int], logprobs: list[float], row: int,
+                    rotary: torch.Tensor, max_new_tokens: int, stops: set[int], device: torch.device,
+                    show, capture: bool, read_every: int, sampling: Sampling | None = None) -> dict:
     """One prompt through ``decode_rows_buffered``: ``tokens``/``logprobs`` grow in place; ``row``:
     the cache row of the first decoded token (the prompt's length); ``rotary``: its rotary
     position ids ((3, 1, 1) or (1, 1)); ``show`` streams each token read back."""
     return decode_rows_buffered(model, cache=cache, tokens=[tokens], logprobs=[logprobs], rows=[row], rotary=rotary,
                                 max_new_tokens=max_new_tokens, stops=stops, device=device, show=show,
-                                capture=capture, read_every=read_every)
+                                capture=capture, read_every=read_every, sampling=sampling)
 
 
 def decode_rows_buffered(model: torch.nn.Module, *, cache, tokens: list[list[int]], logprobs: list[list[float]],
                          rows: list[int], rotary: torch.Tensor, max_new_tokens: int, stops: set[int],
-                         device: torch.device, show, capture: bool, read_every: int) -> dict:
-    """Greedy decoding of B rows together through one ``GreedyStep``: row b's ``tokens[b]`` /
+                         device: torch.device, show, capture: bool, read_every: int,
+                         sampling: Sampling | None = None) -> dict:
+    """Decoding of B rows together through one ``DecodeStep`` (greedy, or ``sampling``'s nucleus
+    draws on the device): row b's ``tokens[b]`` /
     ``logprobs[b]`` (each holding its first token) grow in place up to ``max_new_tokens`` or a
     stop token; the tokens come back every ``read_every`` steps (the stop check; ``show``, for
     one row, streams them); the step goes on until every row has stopped or the longest may.
@@ -230,9 +260,9 @@ def decode_rows_buffered(model: torch.nn.Module, *, cache, tokens: list[list[int
     blocked = blocked or capture_blocker(model, cache=cache, device=device, world=world)
     step = None
     if not all(done):
-        step = GreedyStep(model, cache=cache, token=torch.tensor([[t[-1]] for t in tokens], device=device),
+        step = DecodeStep(model, cache=cache, token=torch.tensor([[t[-1]] for t in tokens], device=device),
                           rotary=rotary.to(device), row=torch.tensor(rows, device=device), capture=blocked is None,
-                          world=world)
+                          world=world, sampling=sampling)
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         with checkpoint_hooks_off(model):
             for index in range(min(len(t) for t in tokens), max_new_tokens):

@@ -32,7 +32,7 @@ from weft.core.commands.decode import (
     streaming,
     text_attention,
 )
-from weft.core.commands.decode_graph import decode_greedy_buffered
+from weft.core.commands.decode_graph import Sampling, decode_buffered
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
@@ -113,14 +113,18 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         # each layer's cache object) until torch's recompile limit, seconds a token.
         graph = {"cuda_graph": False, "graph_pool_bytes": 0}
         with torch.compiler.set_stance("force_eager"):
-            if temperature <= 0 and getattr(cache, "capturable", False):
+            if getattr(cache, "capturable", False) and (temperature <= 0 or world_size == 1):
                 # A cache read in place from device positions: the step from device buffers,
-                # captured as a CUDA graph where it can be (core/commands/decode_graph.py).
-                graph = decode_greedy_buffered(
+                # captured as a CUDA graph where it can be (core/commands/decode_graph.py),
+                # sampling (one process) on the device from a generator seeded there.
+                sampling = None if temperature <= 0 else Sampling(
+                    temperature=temperature, top_p=top_p,
+                    generator=torch.Generator(device=device).manual_seed(seed))
+                graph = decode_buffered(
                     model, cache=cache, tokens=tokens, logprobs=logprobs, row=length,
                     rotary=next_rotary(inputs, positions_of=ctx.adapter.positions(model)),
                     max_new_tokens=max_new_tokens, stops=stops, device=device, show=show, capture=cuda_graph,
-                    read_every=READ_EVERY)
+                    read_every=READ_EVERY, sampling=sampling)
             elif temperature <= 0:
                 decode_greedy(model, cache=cache, tokens=tokens, logprobs=logprobs, length=length,
                               max_new_tokens=max_new_tokens, stops=stops, device=device, show=show)
