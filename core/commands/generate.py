@@ -62,6 +62,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                                                  device_type=device_type, run_dir=run_dir, step=step,
                                                  adapter_dir=adapter_dir)
     model, device = run.model, ctx.device
+    if run.fused is not None:  # no loss here: its hook would hold the prefill's last hidden states (1 GB at 128K)
+        run.fused.handle.remove()
     if prompts is not None or from_data > 1:
         from weft.core.commands.generate_batch import generate_batch
 
