@@ -25,6 +25,8 @@ python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 
 python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static.json" 2> "$out/one-static.err"
 # The same step without its CUDA graph: the tokens must be the graphed step's.
 python3 -m weft generate "${static[@]}" --nproc 1 --no-cuda-graph > "$out/one-static-eager.json" 2> "$out/one-static-eager.err"
+# flash-attn-4's split-KV decode in place of weft's (benchmarks/variants/7b-128k-static-flash.toml).
+python3 -m weft generate "$here/variants/7b-128k-static-flash.toml" "${common[@]:1}" --nproc 1 > "$out/one-static-flash.json" 2> "$out/one-static-flash.err"
 # The batch row: 8 prompts of 16K tokens decoded together, against one of them alone (both
 # through the static cache, which the batch path always uses).
 short=(--set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --warmup --json --nproc 1)
@@ -44,7 +46,7 @@ python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rows = {}
-for name in ("hf", "one-static", "one-static-eager", "one", "one-paged", "two", "two-paged"):
+for name in ("hf", "one-static", "one-static-eager", "one-static-flash", "one", "one-paged", "two", "two-paged"):
     try:
         rows[name] = json.loads((out / f"{name}.json").read_text())
     except (OSError, ValueError):
@@ -72,6 +74,9 @@ except (OSError, ValueError, KeyError) as error:
 if "hf" in rows and "one-static" in rows:
     print(f"static cache against plain transformers: decode {rows['hf']['decode_ms_per_token'] / rows['one-static']['decode_ms_per_token']:.2f}x, "
           f"prefill {rows['hf']['prefill_s'] / rows['one-static']['prefill_s']:.2f}x")
+if "one-static" in rows and "one-static-flash" in rows:
+    same = sum(a == b for a, b in zip(rows["one-static"]["tokens"], rows["one-static-flash"]["tokens"]))
+    print(f"flash-attn-4 decode against weft's split-KV: {same} of {len(rows['one-static']['tokens'])} tokens the same")
 if "one-static" in rows and "one-static-eager" in rows:
     print(f"graphed step, same tokens as the eager step: {rows['one-static']['tokens'] == rows['one-static-eager']['tokens']}")
 for name in ("one-paged", "two-paged", "one-static"):

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 
 from weft.core.hookspecs import hookimpl
@@ -31,7 +33,7 @@ def weft_strategies():
                  summary="transformers' DynamicCache, whole sequence on each rank"),
         Strategy(point="kv_cache", name="sharded", params=NoParams,
                  summary="each SP rank keeps its part of the sequence; decoding merges partial attention by LSE"),
-        Strategy(point="kv_cache", name="static", params=NoParams, check=_one_process,
+        Strategy(point="kv_cache", name="static", params=StaticParams, check=_one_process,
                  summary="preallocated to the prompt plus the new tokens, written in place; one process"),
         Strategy(point="kv_cache", name="paged", params=PagedParams,
                  summary="a vision pool and text pages per layer (split over SP ranks); merged by LSE"),
@@ -43,6 +45,13 @@ def _one_process(params, *, recipe, plan) -> str | None:
         return ("the static cache keeps the whole sequence on each process; with sequence parallelism "
                 f"({plan.mesh.sp} ranks) use the sharded or paged cache")
     return None
+
+
+@attrs.frozen(kw_only=True)
+class StaticParams:
+    decode_kernel: Literal["split", "flash"] = attrs.field(default="split", metadata={
+        "doc": "the decode attention: split (weft's split-KV in plain torch, any device) or flash "
+               "(flash-attn-4's split-KV forward from the device lengths; CUDA with flash-attn-4)"})
 
 
 @attrs.frozen(kw_only=True)
@@ -64,7 +73,10 @@ def weft_kv_cache(decision, model, plan, mesh, ctx):
     if strategy == "static":
         from weft.plugins.static_cache import StaticCache
 
-        return StaticCache(num_layers=config.num_hidden_layers)
+        # A core-made decision (a batch of prompts) may carry no params: the default kernel.
+        kernel = getattr(decision.params, "decode_kernel", "split")
+        return StaticCache(num_layers=config.num_hidden_layers, kernel=kernel,
+                           device=ctx.device if ctx is not None else None)
     if strategy not in ("sharded", "paged"):
         return None
     group = mesh.sp.get_group() if plan.mesh.sp > 1 else None

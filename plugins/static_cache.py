@@ -79,7 +79,10 @@ class StaticCache(Cache):
     #: host state at every token: core/commands/decode_graph.py captures it.
     capturable = True
 
-    def __init__(self, *, num_layers: int) -> None:
+    def __init__(self, *, num_layers: int, kernel: str = "split", device: torch.device | None = None) -> None:
+        if kernel == "flash":
+            _check_flash(device)
+        self.kernel = kernel
         self.state = {"phase": "prefill", "capacity": 0, "rows": 1, "row": 0, "position": None, "length": 0,
                       "prompt": 0, "splits": 1}
         super().__init__(layers=[StaticLayer(state=self.state) for _ in range(num_layers)])
@@ -128,5 +131,22 @@ class StaticCache(Cache):
         # the cache up to its position, read from the device.
         lengths = self.state["position"].reshape(-1) + 1  # (B or 1,)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = split_decode_attention(query, key, value, lengths=lengths, scale=scale, splits=self.state["splits"])
+        if self.kernel == "flash":
+            from weft.strategies.attention.kernels.flash_ops import fa4_decode
+
+            out = fa4_decode(query, key, value, lengths=lengths, scale=scale)
+        else:
+            out = split_decode_attention(query, key, value, lengths=lengths, scale=scale,
+                                         splits=self.state["splits"])
         return out.transpose(1, 2).contiguous(), None
+
+
+def _check_flash(device: torch.device | None) -> None:
+    """``decode_kernel = "flash"`` runs only where flash-attn-4 does: the rule's error otherwise."""
+    from weft.core.errors import WeftError
+    from weft.strategies.attention.kernels.blocks import fa4_importable
+
+    if device is None or device.type != "cuda" or not fa4_importable():
+        where = "no flash-attn-4 installed" if device is not None and device.type == "cuda" else f"the {device} device"
+        raise WeftError(f"kv_cache decode_kernel = 'flash' runs flash-attn-4's decode on a CUDA GPU; here: {where}; "
+                        "use decode_kernel = 'split' (any device)", where="kv_cache.decode_kernel")

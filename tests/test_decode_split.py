@@ -125,3 +125,15 @@ def test_the_log_sum_exp_merges_partitions_as_one_softmax(splits):
     scores = torch.einsum("bhd,bhnd->bhn", query[:, :, 0], key.repeat_interleave(3, dim=1)) * 0.4
     whole = split_decode_attention(query, key, value, lengths=None, scale=0.4, splits=splits, return_lse=True)[1]
     assert (whole[..., 0] - torch.logsumexp(scores, dim=-1)).abs().max() < 1e-12
+
+
+def test_the_flash_decode_kernel_is_the_rules_error_where_it_cannot_run():
+    """decode_kernel = "flash" needs flash-attn-4 on a CUDA GPU: on the CPU a message naming
+    the key and what runs anywhere, not a failure inside the first decoded token."""
+    from weft.core.errors import WeftError
+    from weft.plugins.static_cache import StaticCache
+
+    with pytest.raises(WeftError, match="decode_kernel = 'flash' runs flash-attn-4's decode on a CUDA GPU; here: "
+                                        "the cpu device; use decode_kernel = 'split'"):
+        StaticCache(num_layers=1, kernel="flash", device=torch.device("cpu"))
+    assert StaticCache(num_layers=1, device=torch.device("cpu")).kernel == "split"

@@ -45,8 +45,10 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     from weft.core.recipe.rules import Decision
     from weft.core.registry import NoParams
 
-    static = Decision(point="kv_cache", strategy="static", params=NoParams(), source="weft generate (several prompts)",
-                      rule="several prompts decode together in the static cache")
+    ruled = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
+    static = ruled[0] if ruled and ruled[0].strategy == "static" else Decision(  # the rule's own, its kernel too
+        point="kv_cache", strategy="static", params=NoParams(), source="weft generate (several prompts)",
+        rule="several prompts decode together in the static cache")
     cache = pm.call_first("weft_kv_cache", decision=static, model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
     cache.reserve(max(lengths) + max_new_tokens, rows=len(inputs))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

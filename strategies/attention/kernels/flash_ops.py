@@ -44,3 +44,20 @@ def fa4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 @fa4_backward.register_fake
 def _(dout, q, k, v, out, lse, causal, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def fa4_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, lengths: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """One new token per row through flash-attn-4's split-KV forward: ``query`` (B, Hq, 1, D)
+    over a preallocated cache ``key``/``value`` (B, Hkv, N, D), row b seeing its first
+    ``lengths[b]`` rows (``seqused_k``, read on the device: no host length, the same kernel at
+    every token); the split count is the library's heuristic for the GPU's SMs, grouped-query
+    heads packed by it. The cache is handed over as (B, N, Hkv, D) views (its strides are
+    16-byte aligned, so nothing is copied). Returns (B, Hq, 1, D)."""
+    from flash_attn.cute.interface import _flash_attn_fwd  # optional extra: flash-attn-4
+
+    b = query.shape[0]
+    used = lengths.reshape(-1).to(torch.int32).expand(b).contiguous()  # (B,): one for every row broadcasts
+    out, *_ = _flash_attn_fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), seqused_k=used,
+                              softmax_scale=scale, causal=False, num_splits=0)
+    return out.transpose(1, 2)  # (B, Hq, 1, D)
