@@ -10,7 +10,8 @@
 # would shadow it):
 #   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh [28|15|all]   # OUT=... for the JSON
 # 28: plain transformers and the static cache's rows (graphed, eager, the 16K batch); 15: the
-# dynamic and paged caches' (and the two-GPU ones); all (the default): both. The table covers
+# static cache through flash-attn-4's decode, the dynamic and paged caches' (and the two-GPU
+# ones); all (the default): both. The table covers
 # whatever rows the folder holds.
 set -uo pipefail
 rows=${1:-all}
@@ -25,8 +26,6 @@ python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 
 python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static.json" 2> "$out/one-static.err"
 # The same step without its CUDA graph: the tokens must be the graphed step's.
 python3 -m weft generate "${static[@]}" --nproc 1 --no-cuda-graph > "$out/one-static-eager.json" 2> "$out/one-static-eager.err"
-# flash-attn-4's split-KV decode in place of weft's (benchmarks/variants/7b-128k-static-flash.toml).
-python3 -m weft generate "$here/variants/7b-128k-static-flash.toml" "${common[@]:1}" --nproc 1 > "$out/one-static-flash.json" 2> "$out/one-static-flash.err"
 # The batch row: 8 prompts of 16K tokens decoded together, against one of them alone (both
 # through the static cache, which the batch path always uses).
 short=(--set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --warmup --json --nproc 1)
@@ -34,6 +33,8 @@ python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-fro
 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 8 "${short[@]}" > "$out/16k-eight.json" 2> "$out/16k-eight.err"
 fi
 if [ "$rows" != 28 ]; then
+# flash-attn-4's split-KV decode in place of weft's (benchmarks/variants/7b-128k-static-flash.toml).
+python3 -m weft generate "$here/variants/7b-128k-static-flash.toml" "${common[@]:1}" --nproc 1 > "$out/one-static-flash.json" 2> "$out/one-static-flash.err"
 python3 -m weft generate "${common[@]}" --nproc 1 > "$out/one.json" 2> "$out/one.err"
 paged=("$here/variants/7b-128k-paged-cache.toml" "${common[@]:1}")
 python3 -m weft generate "${paged[@]}" --nproc 1 > "$out/one-paged.json" 2> "$out/one-paged.err"

@@ -2,8 +2,8 @@
 # Issues 28 and 29's GPU rows on one H200, in the order a 30-minute lease should get them,
 # into FOLDER: the static cache's decoding against plain transformers (generate_long.sh 28),
 # the 7B at 32K in bf16 and float8 (float8_rows.sh a), plain transformers at 32K and the 128K
-# float8 row (b), the loss curves on real text (c), then the dynamic/paged decoding rows
-# (generate_long.sh 15). weft, torchao and flash-attn-4 on PYTHONPATH (DEVELOPERS.md). It runs
+# float8 row (b), the loss curves on real text (c), then flash-attn-4's decode and the dynamic/paged
+# decoding rows (generate_long.sh 15). weft, torchao and flash-attn-4 on PYTHONPATH (DEVELOPERS.md). It runs
 # longer than one device call: start it with benchmarks/detached.sh and watch it from there.
 #   bash benchmarks/detached.sh start /tmp/res bash benchmarks/lease_rows.sh /tmp/res
 set -u
