@@ -3,7 +3,8 @@
 # PYTHONPATH as DEVELOPERS.md says; from the checkout's root):
 #   bash benchmarks/float8_rows.sh a   # 7B 32K: bf16 as bundled, float8 rowwise, float8 tensorwise (6 steps each)
 #   bash benchmarks/float8_rows.sh b   # plain transformers at 32K (same lease); 7B 128K float8 rowwise (3 steps)
-#   bash benchmarks/float8_rows.sh c   # loss curves: 0.5B on the standard library's text, every variant
+#   bash benchmarks/float8_rows.sh c   # loss curves: 0.5B on the standard library's text, bf16 and float8
+#   bash benchmarks/float8_rows.sh d   # the same for the optimizer: round-to-nearest bf16, float32 masters
 set -uo pipefail
 dest=${OUT:-/tmp/f8-out}; work=/tmp/f8; mkdir -p "$dest" "$work"
 here=$(cd "$(dirname "$0")" && pwd)
@@ -13,7 +14,7 @@ run() {  # $1 name, $2 recipe, $3 steps, $4 seconds
   cp "$work/$1/metrics.jsonl" "$dest/$1.metrics.jsonl" 2>/dev/null
   grep -E "step.end" "$dest/$1.log" | tail -n 2 | cut -c1-300
 }
-case "${1:?stage a, b or c}" in
+case "${1:?stage a, b, c or d}" in
   a)
     run bf16-32k qwen2.5-vl-7b-32k-1gpu 6 180
     run f8row-32k "$here/variants/7b-32k-float8-rowwise.toml" 6 200
@@ -23,6 +24,11 @@ case "${1:?stage a, b or c}" in
     echo "hf rc=$?" | tee -a "$dest/status.txt"; tail -n 3 "$dest/hf.log"
     run f8row-128k "$here/variants/7b-128k-float8-rowwise.toml" 3 $((590 - SECONDS)) ;;
   c)
-    timeout 580 python3 "$here/loss_curves.py" --out "$dest/curves" --steps 300 > "$dest/curves.log" 2>&1
+    timeout 580 python3 "$here/loss_curves.py" --out "$dest/curves" --steps 300 \
+      --only bf16,float8-rowwise,float8-tensorwise > "$dest/curves.log" 2>&1
     echo "curves rc=$?" | tee -a "$dest/status.txt"; tail -n 8 "$dest/curves.log" ;;
+  d)
+    timeout 580 python3 "$here/loss_curves.py" --out "$dest/curves-optimizer" --steps 300 \
+      --only bf16-round-to-nearest,float32-master,bf16 > "$dest/curves-optimizer.log" 2>&1
+    echo "curves-optimizer rc=$?" | tee -a "$dest/status.txt"; tail -n 8 "$dest/curves-optimizer.log" ;;
 esac

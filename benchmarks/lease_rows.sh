@@ -11,8 +11,9 @@ dest=${1:?folder}; here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$dest/gen" "$dest/f8"
 stage() { echo "$(date +%T) $1" >> "$dest/progress"; }
 stage "decoding (28)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28 > "$dest/gen-28.txt" 2>&1)
-for part in a b c; do
+for part in a b c; do  # d (the optimizer's curves) after the decoding rows
   stage "float8 $part"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" "$part" > "$dest/f8-$part.txt" 2>&1)
 done
 stage "decoding (15)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 15 > "$dest/gen-15.txt" 2>&1)
+stage "float8 d"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" d > "$dest/f8-d.txt" 2>&1)
 stage done
