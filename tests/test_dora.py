@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from test_lora import LORA, _adapted, _tiny
+from test_lora import LORA, _adapted, _tiny, _trained
 
 DORA = LORA.replace('targets = ["q_proj", "v_proj"] }', 'targets = ["q_proj", "v_proj"], dora = true }')
 
@@ -43,14 +43,11 @@ def test_check_is_exact_with_dora(weft, tmp_path, mesh):
 
 
 def test_export_loads_in_peft_and_merges_to_the_trained_logits(weft, tmp_path):
-    import torch.distributed as dist
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from model_helpers import build_model
-    from weft.core.commands.export import load_checkpoint_into
-    from weft.core.run.checkpoint import checkpoint_dirs
 
     recipe = _tiny(tmp_path, DORA.replace("checkpoint_every = 0", "checkpoint_every = 6"))
     done = weft("run", "lora.toml", "--nproc", "1", "--run-dir", "run", cwd=tmp_path)
@@ -60,12 +57,7 @@ def test_export_loads_in_peft_and_merges_to_the_trained_logits(weft, tmp_path):
     tensors = load_file(tmp_path / "ad" / "adapter_model.safetensors")
     assert sum(k.endswith(".lora_magnitude_vector") for k in tensors) == 4 and len(tensors) == 12
     assert json.loads((tmp_path / "ad" / "adapter_config.json").read_text())["use_dora"] is True
-    trained, _, _ = _adapted(recipe)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        load_checkpoint_into(trained, checkpoint_dirs(tmp_path / "run")[-1])
-    finally:
-        dist.destroy_process_group()
+    trained, _, _ = _trained(recipe, tmp_path / "run")
     layer = trained.get_submodule("model.language_model.layers.0.self_attn.q_proj")
     moved = layer.lora_magnitude_vector["default"].weight - layer.base_layer.weight.norm(dim=1)
     assert moved.abs().max() > 0  # the magnitudes trained

@@ -37,6 +37,23 @@ def _adapted(recipe, *, seed: int = 0):
     return model, base, added
 
 
+def _trained(recipe, run_dir):
+    """The adapted model (``_adapted``) with a run's last checkpoint loaded (in a one-process
+    group, as the checkpoint reader wants one)."""
+    import torch.distributed as dist
+
+    from weft.core.commands.export import load_checkpoint_into
+    from weft.core.run.checkpoint import checkpoint_dirs
+
+    model, base, added = _adapted(recipe)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        load_checkpoint_into(model, checkpoint_dirs(run_dir)[-1])
+    finally:
+        dist.destroy_process_group()
+    return model, base, added
+
+
 def test_only_the_adapters_train_and_step_0_is_the_base(tmp_path):
     from model_helpers import build_model, optimizer_for
 
@@ -60,11 +77,6 @@ def test_only_the_adapters_train_and_step_0_is_the_base(tmp_path):
 
 
 def test_a_run_trains_the_adapters_and_leaves_the_base(weft, tmp_path):
-    import torch.distributed as dist
-
-    from weft.core.commands.export import load_checkpoint_into
-    from weft.core.run.checkpoint import checkpoint_dirs
-
     recipe = _tiny(tmp_path, LORA.replace("checkpoint_every = 0", "checkpoint_every = 6"))
     done = weft("run", "lora.toml", "--nproc", "1", "--run-dir", "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -73,16 +85,11 @@ def test_a_run_trains_the_adapters_and_leaves_the_base(weft, tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0]
     # Gradients and AdamW's two moments for the adapters only.
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())["state_gib"]
-    model, base, added = _adapted(recipe)
+    model, base, added = _trained(recipe, tmp_path / "run")
     adapters = sum(p.numel() for n, p in model.named_parameters() if n in added.names)
     assert summary["trainable_params"] == adapters
     assert summary["gradients"] * 2**30 == adapters * 4
     assert abs(summary["optimizer"] * 2**30 - 2 * adapters * 4) < 4096
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        load_checkpoint_into(model, checkpoint_dirs(tmp_path / "run")[-1])
-    finally:
-        dist.destroy_process_group()
     state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items()}
     assert all(torch.equal(state[k], v) for k, v in base.items())  # the base as it was drawn
     lora_b = [v for k, v in state.items() if ".lora_B." in k]
@@ -223,13 +230,10 @@ def test_export_writes_a_peft_adapter_directory_that_peft_and_weft_eval_load(wef
     """`weft export` of a LoRA run: PEFT's adapter directory (no base weights in it);
     `PeftModel.from_pretrained` over the base gives the trained model's logits, and
     `weft eval --adapter DIR` the loss `weft eval --run-dir` gives."""
-    import torch.distributed as dist
     from peft import PeftModel
     from safetensors.torch import load_file
 
     from model_helpers import build_model
-    from weft.core.commands.export import load_checkpoint_into
-    from weft.core.run.checkpoint import checkpoint_dirs
 
     recipe = _tiny(tmp_path, LORA.replace("checkpoint_every = 0", "checkpoint_every = 6"))
     assert weft("run", "lora.toml", "--nproc", "1", "--run-dir", "run", cwd=tmp_path).returncode == 0
@@ -241,12 +245,7 @@ def test_export_writes_a_peft_adapter_directory_that_peft_and_weft_eval_load(wef
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["base_model_name_or_path"] == "qwen2_5_vl_tiny"
     assert json.loads((tmp_path / "ad" / "weft_export.json").read_text())["adapters"] == "adapter directory"
 
-    trained, _, _ = _adapted(recipe)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        load_checkpoint_into(trained, checkpoint_dirs(tmp_path / "run")[-1])
-    finally:
-        dist.destroy_process_group()
+    trained, _, _ = _trained(recipe, tmp_path / "run")
     peft_model = PeftModel.from_pretrained(build_model(recipe), tmp_path / "ad")
     ids = torch.randint(0, 100, (1, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
