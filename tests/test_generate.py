@@ -329,3 +329,17 @@ def test_the_datas_first_prompts_decoded_together():
         answers[count] = json.loads(done.stdout)["answers"]
     _same(answers[2][0], json.loads(alone.stdout))
     assert [a["tokens"] for a in answers[2]] == [a["tokens"] for a in answers[3][:2]]
+
+
+def test_prompts_decoded_together_can_sample():
+    """A batch samples on the device (its first tokens too), from a generator the seed seeds:
+    the same seed gives the same answers; they are not the greedy ones."""
+    args = ("--prompt-from-data", "2", "--set", "data.tokens=48", "--set", "train.micro_batch_tokens=48",
+            "--max-new-tokens", "6", "--json", "--nproc", "1")
+    greedy = json.loads(weft("generate", RECIPE, *args).stdout)["answers"]
+    runs = []
+    for _ in range(2):
+        done = weft("generate", RECIPE, *args, "--temperature", "1.5", "--seed", "4")
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append([a["tokens"] for a in json.loads(done.stdout)["answers"]])
+    assert runs[0] == runs[1] != [a["tokens"] for a in greedy] and all(len(t) == 6 for t in runs[0])

@@ -64,6 +64,9 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     model, device = run.model, ctx.device
     if run.fused is not None:  # no loss here: its hook would hold the prefill's last hidden states (1 GB at 128K)
         run.fused.handle.remove()
+    # Sampling on the device (the buffered step, a batch): draws from a generator seeded there.
+    sampling = None if temperature <= 0 else Sampling(temperature=temperature, top_p=top_p,
+                                                      generator=torch.Generator(device=device).manual_seed(seed))
     if prompts is not None or from_data > 1:
         from weft.core.commands.generate_batch import generate_batch
 
@@ -71,7 +74,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                                             videos=p.get("videos", [])) for p in prompts] if prompts is not None
                  else _prompts_from_data(recipe, run=run, pm=pm, ctx=ctx, count=from_data))
         return dict(generate_batch(model, run=run, ctx=ctx, pm=pm, recipe=recipe, inputs=batch,
-                                   max_new_tokens=max_new_tokens, cuda_graph=cuda_graph,
+                                   max_new_tokens=max_new_tokens, cuda_graph=cuda_graph, sampling=sampling,
                                    autocast=autocast_for(recipe.train.precision, device_type)),
                     checkpoint=checkpoint)
     inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None
@@ -118,10 +121,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
             if getattr(cache, "capturable", False) and (temperature <= 0 or world_size == 1):
                 # A cache read in place from device positions: the step from device buffers,
                 # captured as a CUDA graph where it can be (core/commands/decode_graph.py),
-                # sampling (one process) on the device from a generator seeded there.
-                sampling = None if temperature <= 0 else Sampling(
-                    temperature=temperature, top_p=top_p,
-                    generator=torch.Generator(device=device).manual_seed(seed))
+                # sampling (one process) on the device.
                 graph = decode_buffered(
                     model, cache=cache, tokens=tokens, logprobs=logprobs, row=length,
                     rotary=next_rotary(inputs, positions_of=ctx.adapter.positions(model)),

@@ -22,18 +22,21 @@ from weft.core.commands.decode import (
     READ_EVERY,
     cache_bytes,
     layer_index_dynamic,
+    nucleus_from_noise,
     prompt_sample,
     stop_tokens,
     text_attention,
 )
-from weft.core.commands.decode_graph import decode_rows_buffered
+from weft.core.commands.decode_graph import Sampling, decode_rows_buffered
 from weft.core.recipe import Recipe
 
 
 def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recipe: Recipe, inputs: list[dict],
-                   max_new_tokens: int, autocast: Any, cuda_graph: bool = True) -> dict:
+                   max_new_tokens: int, autocast: Any, cuda_graph: bool = True,
+                   sampling: Sampling | None = None) -> dict:
     """``inputs``: each prompt's model inputs (B = 1), as ``prompt_inputs`` or the data give them;
-    ``cuda_graph``: the rows' step replayed as a CUDA graph where it can be."""
+    ``cuda_graph``: the rows' step replayed as a CUDA graph where it can be; ``sampling``: every
+    token (the prompts' first ones too) drawn on the device from its generator, else greedy."""
     device = ctx.device
     lengths = [int(x["input_ids"].shape[1]) for x in inputs]
     positions_of = ctx.adapter.positions(model)
@@ -62,7 +65,12 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
                 output = model(**{k: v.to(device) for k, v in x.items()}, past_key_values=cache, use_cache=True,
                                logits_to_keep=1)
             logits = output.logits[:, -1].double()  # (1, V)
-            chosen = int(logits.argmax(dim=-1))
+            if sampling is None:
+                chosen = int(logits.argmax(dim=-1))
+            else:
+                noise = torch.rand(logits.shape, generator=sampling.generator, device=logits.device)
+                chosen = int(nucleus_from_noise(logits, noise, temperature=sampling.temperature,
+                                                top_p=sampling.top_p)[0])
             tokens.append([chosen])
             logprobs.append([float(torch.log_softmax(logits, dim=-1)[0, chosen])])
         sync()
@@ -75,7 +83,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         with torch.compiler.set_stance("force_eager"):
             graph = decode_rows_buffered(model, cache=cache, tokens=tokens, logprobs=logprobs, rows=lengths,
                                          rotary=rotary, max_new_tokens=max_new_tokens, stops=stops, device=device,
-                                         show=None, capture=cuda_graph, read_every=READ_EVERY)
+                                         show=None, capture=cuda_graph, read_every=READ_EVERY, sampling=sampling)
         sync()
     decode_s = time.perf_counter() - start - prefill_s
     new = sum(len(t) - 1 for t in tokens)

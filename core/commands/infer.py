@@ -211,8 +211,6 @@ def _generate(args) -> int:
     if batched and nproc != 1:
         raise WeftError(f"{flag} decodes its prompts together on one process; got {nproc} ranks (--nproc 1)",
                         where=flag)
-    if batched and args.temperature > 0:
-        raise WeftError(f"{flag} with several prompts decodes greedily (--temperature 0)", where="--temperature")
     result = run_generate(nproc=nproc, args=forwarded)
     if args.json:
         print(json.dumps(result, indent=1))
