@@ -107,6 +107,12 @@ class ShardedCache(Cache):
         self.decode_attention = f"weft_{type(self).__name__.lower()}_decode_{id(self):x}"
         AttentionInterface.register(self.decode_attention, self._attend)
 
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # Outside a rule's compiled attention, as the static cache's (plugins/static_cache.py):
+        # traced, the layer's index and its layer object would guard one compilation per layer.
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def reserve(self, tokens: int) -> None:
         """The prompt and the tokens to generate (called before the prefill): each rank's buffer
         is allocated once, its part of the prompt and its share of the new tokens."""
