@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import pathlib
 import tempfile
-import traceback
 from typing import Any, Callable
 
 from weft.core.errors import EXIT_GUARD, EXIT_USER, RunFailed, WeftError
@@ -47,12 +46,7 @@ def run_on_rank(recipe: Recipe, *, out: pathlib.Path, job: Callable[..., dict | 
     try:
         result = job(recipe, rank=rank, world_size=world_size, local_rank=local_rank, device_type=device_type,
                      **options)
-    except BaseException as error:
-        # The traceback's frames hold the job's locals (the model, its meshes and their
-        # groups' threads): freed now, before the groups go, not at interpreter exit, where
-        # destroying them aborts the rank ("terminate called without an active exception",
-        # exit -6 instead of the error's own code).
-        traceback.clear_frames(error.__traceback__)
+    except BaseException:
         close_process_group(clean=False)
         raise
     if rank == 0 and result is not None:
