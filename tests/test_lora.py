@@ -16,11 +16,11 @@ LORA = ('[model]\npreset = "qwen2_5_vl_tiny"\n[data]\nnum_samples = 64\n[train]\
         'adapter = { strategy = "lora", r = 4, alpha = 8, dropout = 0.0, targets = ["q_proj", "v_proj"] }\n')
 
 
-def _tiny(tmp_path, text: str = LORA):
+def _tiny(tmp_path, text: str = LORA, *, name: str = "lora.toml"):
     from weft.core.recipe import Recipe
 
-    (tmp_path / "lora.toml").write_text(text)
-    return Recipe.from_toml(str(tmp_path / "lora.toml"))
+    (tmp_path / name).write_text(text)
+    return Recipe.from_toml(str(tmp_path / name))
 
 
 def _adapted(recipe, *, seed: int = 0):

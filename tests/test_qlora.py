@@ -9,22 +9,19 @@ import json
 import pytest
 import torch
 
+from test_lora import LORA, _tiny
+
 pytest.importorskip("torchao")
 
-QLORA = ('[model]\npreset = "qwen2_5_vl_tiny"\n[data]\nnum_samples = 64\n[train]\nmicro_batch_tokens = 1024\n'
-         'checkpoint_every = 0\nmax_steps = 6\nlr = 1e-2\nwarmup_steps = 0\nprecision = "fp32"\n[[rules]]\n'
-         'name = "lora on the text decoder"\nwhen = { modality = "text" }\n'
-         'adapter = { strategy = "lora", r = 4, alpha = 8, targets = "all-linear", b_init = "normal" }\n'
-         '[[rules]]\nname = "4-bit text layers"\nwhen = { path = "*.language_model.layers.*" }\n'
+QLORA = (LORA.replace('r = 4, alpha = 8, dropout = 0.0, targets = ["q_proj", "v_proj"] }',
+                      'r = 4, alpha = 8, targets = "all-linear", b_init = "normal" }')
+         + '[[rules]]\nname = "4-bit text layers"\nwhen = { path = "*.language_model.layers.*" }\n'
          'shard = { strategy = "none", quantize = "nf4", checkpoint = "full" }\n'
          '[[rules]]\nname = "everything else whole"\nshard = { strategy = "none" }\n')
 
 
 def _write(tmp_path, text: str = QLORA):
-    from weft.core.recipe import Recipe
-
-    (tmp_path / "q.toml").write_text(text)
-    return Recipe.from_toml(str(tmp_path / "q.toml"))
+    return _tiny(tmp_path, text, name="q.toml")
 
 
 def _plan(recipe):
