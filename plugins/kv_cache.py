@@ -52,6 +52,9 @@ class StaticParams:
     decode_kernel: Literal["split", "flash"] = attrs.field(default="split", metadata={
         "doc": "the decode attention: split (weft's split-KV in plain torch, any device) or flash "
                "(flash-attn-4's split-KV forward from the device lengths; CUDA with flash-attn-4)"})
+    compile_step: bool = attrs.field(default=True, metadata={
+        "doc": "on CUDA, the decoding step through torch.compile before its CUDA graph captures it (one trace over "
+               "every layer: norms, rotary, casts and softmax fused; compiled at the first decoded token)"})
 
 
 @attrs.frozen(kw_only=True)
@@ -74,9 +77,9 @@ def weft_kv_cache(decision, model, plan, mesh, ctx):
         from weft.plugins.static_cache import StaticCache
 
         # A core-made decision (a batch of prompts) may carry no params: the default kernel.
-        kernel = getattr(decision.params, "decode_kernel", "split")
-        return StaticCache(num_layers=config.num_hidden_layers, kernel=kernel,
-                           device=ctx.device if ctx is not None else None)
+        params = decision.params if isinstance(decision.params, StaticParams) else StaticParams()
+        return StaticCache(num_layers=config.num_hidden_layers, kernel=params.decode_kernel,
+                           compile_step=params.compile_step, device=ctx.device if ctx is not None else None)
     if strategy not in ("sharded", "paged"):
         return None
     group = mesh.sp.get_group() if plan.mesh.sp > 1 else None

@@ -79,10 +79,12 @@ class StaticCache(Cache):
     #: host state at every token: core/commands/decode_graph.py captures it.
     capturable = True
 
-    def __init__(self, *, num_layers: int, kernel: str = "split", device: torch.device | None = None) -> None:
+    def __init__(self, *, num_layers: int, kernel: str = "split", compile_step: bool = False,
+                 device: torch.device | None = None) -> None:
         if kernel == "flash":
             _check_flash(device)
         self.kernel = kernel
+        self.compile_step = compile_step  # the decoding step through torch.compile (on CUDA: core/commands/generate.py)
         self.state = {"phase": "prefill", "capacity": 0, "rows": 1, "row": 0, "position": None, "length": 0,
                       "prompt": 0, "splits": 1}
         super().__init__(layers=[StaticLayer(state=self.state) for _ in range(num_layers)])
@@ -90,8 +92,16 @@ class StaticCache(Cache):
         self.decode_attention = f"weft_static_decode_{id(self):x}"
         AttentionInterface.register(self.decode_attention, self._attend)
 
-    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.state["phase"] == "prefill":
+            return self._prefill_update(key_states, value_states, layer_idx, *args, **kwargs)
+        # A decoding step: traced with the whole step when it is compiled (one trace over every
+        # layer, each layer's buffers fixed objects: no guard changes from one token to the next).
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @torch.compiler.disable
+    def _prefill_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+                        **kwargs):
         # Outside the compiled attention (a prefill under a rule's compile): traced, the layer's
         # index and its layer object's state would be guards, one compilation per layer up to
         # torch's recompile limit, the rest of the layers eager.

@@ -21,7 +21,8 @@ import torch
 from PIL import Image
 
 from weft.core.commands import decode
-from weft.core.commands.decode_graph import DecodeStep, capture_blocker, decode_buffered
+from weft.core.commands.decode_graph import capture_blocker, decode_buffered
+from weft.core.commands.decode_step import DecodeStep
 
 pytestmark = pytest.mark.quick
 
@@ -62,14 +63,15 @@ def _prefilled(tiny):
     return cache, [token], [float(torch.log_softmax(logits, dim=-1)[0, token])]
 
 
-def _buffered(tiny, *, stops=frozenset(), read_every=decode.READ_EVERY, sampling=None):
+def _buffered(tiny, *, stops=frozenset(), read_every=decode.READ_EVERY, sampling=None, compile=False):
     cache, tokens, logprobs = _prefilled(tiny)
     rotary = decode.next_rotary(tiny["inputs"], positions_of=tiny["adapter"].positions(tiny["model"]))
     with torch.no_grad():
         report = decode_buffered(tiny["model"], cache=cache, tokens=tokens, logprobs=logprobs,
                                  row=tiny["inputs"]["input_ids"].shape[1], rotary=rotary,
                                  max_new_tokens=NEW, stops=set(stops), device=torch.device("cpu"),
-                                 show=None, capture=True, read_every=read_every, sampling=sampling)
+                                 show=None, capture=True, read_every=read_every, sampling=sampling,
+                                 compile=compile)
     return tokens, logprobs, report
 
 
@@ -78,7 +80,7 @@ def test_equals_transformers_generate_and_the_eager_loop(tiny):
 
     tokens, logprobs, report = _buffered(tiny)
     assert report == {"cuda_graph": False, "graph_pool_bytes": 0, "cuda_graph_off": "decoding on cpu",
-                      "decode_steps": NEW - 1}
+                      "decode_steps": NEW - 1, "step_compiled": False}
     assert len(tiny["tokens"]) == NEW and tokens == tiny["tokens"]
     assert logprobs == pytest.approx(tiny["logprobs"], abs=1e-5)
     # The eager loop over the same cache (host positions, the model numbering the tokens).
@@ -160,7 +162,7 @@ def test_warm_up_then_one_capture_then_replays(tiny):
     """The order on CUDA, with the CUDA parts stood in for: WARMUP eager steps, one capture
     (which runs nothing, so that step's replay follows at once), then a replay per token;
     the tokens are the eager step's."""
-    from weft.core.commands.decode_graph import WARMUP
+    from weft.core.commands.decode_step import WARMUP
 
     calls = []
 
@@ -218,7 +220,7 @@ def test_rows_of_a_batch_stop_on_their_own(monkeypatch):
 
     class Scripted:
         def __init__(self, *args, **kwargs):
-            self.steps, self.graph, self.error = 0, None, None
+            self.steps, self.graph, self.error, self.compiled, self.compile_error = 0, None, None, False, None
 
         def __call__(self):
             self.steps += 1
@@ -297,7 +299,7 @@ def test_sampled_steps_are_the_loop_that_draws_the_same_noise(tiny):
     draws gives; the log-probabilities are the model's (before the temperature)."""
     import torch.distributed as dist
 
-    from weft.core.commands.decode_graph import Sampling
+    from weft.core.commands.decode_step import Sampling
 
     sampling = Sampling(temperature=0.9, top_p=0.8, generator=torch.Generator().manual_seed(3))
     tokens, logprobs, _ = _buffered(tiny, sampling=sampling)

@@ -102,6 +102,13 @@ def cache_bytes(cache) -> int:
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None))
 
 
+def compile_step(cache, *, device: torch.device) -> bool:
+    """Whether the decoding step over ``cache`` runs through torch.compile: where the cache asks
+    (the static cache's ``compile_step``, its default) and on CUDA, where the fused kernels pay
+    for the compilation (seconds at the first token); the CPU decodes eagerly."""
+    return bool(getattr(cache, "compile_step", False)) and device.type == "cuda"
+
+
 def text_attention(model: torch.nn.Module, name: str) -> None:
     """Decode the text model with ``name``; the vision tower keeps its own."""
     vision = getattr(model.config, "vision_config", None)

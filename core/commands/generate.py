@@ -23,6 +23,7 @@ import torch.distributed as dist
 from weft.core.commands.decode import (
     READ_EVERY,
     cache_bytes,
+    compile_step,
     decode_greedy,
     decode_step,
     layer_index_dynamic,
@@ -32,7 +33,8 @@ from weft.core.commands.decode import (
     streaming,
     text_attention,
 )
-from weft.core.commands.decode_graph import Sampling, decode_buffered
+from weft.core.commands.decode_graph import decode_buffered
+from weft.core.commands.decode_step import Sampling
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
@@ -126,7 +128,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                     model, cache=cache, tokens=tokens, logprobs=logprobs, row=length,
                     rotary=next_rotary(inputs, positions_of=ctx.adapter.positions(model)),
                     max_new_tokens=max_new_tokens, stops=stops, device=device, show=show, capture=cuda_graph,
-                    read_every=READ_EVERY, sampling=sampling)
+                    read_every=READ_EVERY, sampling=sampling, compile=compile_step(cache, device=device))
             elif temperature <= 0:
                 decode_greedy(model, cache=cache, tokens=tokens, logprobs=logprobs, length=length,
                               max_new_tokens=max_new_tokens, stops=stops, device=device, show=show)

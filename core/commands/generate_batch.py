@@ -21,13 +21,15 @@ import torch
 from weft.core.commands.decode import (
     READ_EVERY,
     cache_bytes,
+    compile_step,
     layer_index_dynamic,
     nucleus_from_noise,
     prompt_sample,
     stop_tokens,
     text_attention,
 )
-from weft.core.commands.decode_graph import Sampling, decode_rows_buffered
+from weft.core.commands.decode_graph import decode_rows_buffered
+from weft.core.commands.decode_step import Sampling
 from weft.core.recipe import Recipe
 
 
@@ -83,7 +85,8 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         with torch.compiler.set_stance("force_eager"):
             graph = decode_rows_buffered(model, cache=cache, tokens=tokens, logprobs=logprobs, rows=lengths,
                                          rotary=rotary, max_new_tokens=max_new_tokens, stops=stops, device=device,
-                                         show=None, capture=cuda_graph, read_every=READ_EVERY, sampling=sampling)
+                                         show=None, capture=cuda_graph, read_every=READ_EVERY, sampling=sampling,
+                                         compile=compile_step(cache, device=device))
         sync()
     decode_s = time.perf_counter() - start - prefill_s
     new = sum(len(t) - 1 for t in tokens)

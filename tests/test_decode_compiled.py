@@ -1,0 +1,27 @@
+"""The decoding step's body through torch.compile (core/commands/decode_step.py), as CUDA runs
+it before capturing it, here with Inductor's CPU code: not in the quick set (its compilation
+takes seconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_decode_graph import _buffered, tiny  # noqa: F401 - tiny: the fixture, by its name
+
+
+def test_the_compiled_step_is_one_graph_compiled_once_with_the_same_tokens(tiny):  # noqa: F811 - the fixture
+    """The step's body through torch.compile (what CUDA decodes with; here Inductor's CPU code):
+    one trace over the whole forward, no graph break (the cache's decode write and attention
+    traced with it), compiled at the first step and never again over the tokens after it, and
+    transformers' generate's tokens and log-probabilities."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    tokens, logprobs, report = _buffered(tiny, compile=True)
+    assert report["step_compiled"] and report["step_compile_s"] > 0 and "step_compile_off" not in report
+    assert tokens == tiny["tokens"] and logprobs == pytest.approx(tiny["logprobs"], abs=1e-5)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 100
+    torch._dynamo.reset()
