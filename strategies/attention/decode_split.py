@@ -55,10 +55,16 @@ def split_rows(rows: int, *, chunk: int = CHUNK_ROWS) -> tuple[int, int]:
     return per_split * splits, splits
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def _gemm_writes_float32(device: torch.device) -> bool:
-    """Whether this torch's GEMMs on ``device`` write bf16 products as float32 (``out_dtype``).
-    Asked once per device, by a tiny product: the first decoding steps are eager, so the answer
+    """Whether this torch's GEMMs on ``device`` write bf16 products as float32 (``out_dtype``): a
+    constant to torch.compile (a compiled decoding step asks it while tracing, eagerly)."""
+    return _probe_gemm_float32(device)
+
+
+@functools.cache
+def _probe_gemm_float32(device: torch.device) -> bool:
+    """Asked once per device, by a tiny product: the first decoding steps are eager, so the answer
     is known before a CUDA graph captures the step (a failing call inside a capture would
     spoil it)."""
     a = torch.zeros(1, 1, 1, dtype=torch.bfloat16, device=device)
