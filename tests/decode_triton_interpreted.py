@@ -3,7 +3,11 @@
 Run as a script by tests/test_decode_triton.py with TRITON_INTERPRET=1 in its environment:
 Triton reads that switch when the kernels are defined, so it must be set before this process
 imports them. Prints one " ok " line a case; exits non-zero on the first failure. With the
-argument ``cuda`` (and no interpreter) the same cases run on the GPU (benchmarks/gpu_check.sh).
+argument ``cuda`` (and no interpreter) the same cases run on the GPU, the bf16 ones through the
+tensor cores; where weft is not installed, through benchmarks/_bootstrap.py:
+
+    python3 -c "import sys; sys.path[:0] = ['benchmarks', 'tests']; sys.argv[1:] = ['cuda'];
+                import _bootstrap; _bootstrap.ensure_weft(); import decode_triton_interpreted as t; t.main()"
 
 The interpreter's tl.dot mishandles bf16 operands on the CPU, so under it the kernel upcasts
 its (already rounded) bf16 operands to float32 before each product: the products are the
