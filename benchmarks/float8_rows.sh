@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 29's rows on one H200, in calls of under 10 minutes (weft, torchao and flash-attn-4 on
 # PYTHONPATH as DEVELOPERS.md says; from the checkout's root):
-#   bash benchmarks/float8_rows.sh a   # 7B 32K: bf16 as bundled, float8 rowwise, float8 tensorwise (6 steps each)
-#   bash benchmarks/float8_rows.sh b   # plain transformers at 32K (same lease); 7B 128K float8 rowwise (3 steps)
+#   bash benchmarks/float8_rows.sh a   # 7B 32K: float8 rowwise, plain transformers, bf16 as bundled (the 1.5x trio)
+#   bash benchmarks/float8_rows.sh b   # 7B 128K float8 rowwise (3 steps); 7B 32K float8 tensorwise
 #   bash benchmarks/float8_rows.sh c   # loss curves: 0.5B on the standard library's text, bf16 and float8
 #   bash benchmarks/float8_rows.sh d   # the same for the optimizer: round-to-nearest bf16, float32 masters
 set -uo pipefail
@@ -16,16 +16,16 @@ run() {  # $1 name, $2 recipe, $3 steps, $4 seconds
 }
 case "${1:?stage a, b, c or d}" in
   a)
-    run bf16-32k qwen2.5-vl-7b-32k-1gpu 6 180
     run f8row-32k "$here/variants/7b-32k-float8-rowwise.toml" 6 200
-    run f8tensor-32k "$here/variants/7b-32k-float8-tensorwise.toml" 6 $((590 - SECONDS)) ;;
-  b)
     timeout 200 python3 "$here/train.py" --out "$dest/hf" --only 7b:32768 --steps 5 --skip-weft > "$dest/hf.log" 2>&1
     echo "hf rc=$?" | tee -a "$dest/status.txt"; tail -n 3 "$dest/hf.log"
-    run f8row-128k "$here/variants/7b-128k-float8-rowwise.toml" 3 $((590 - SECONDS)) ;;
+    run bf16-32k qwen2.5-vl-7b-32k-1gpu 6 $((590 - SECONDS)) ;;
+  b)
+    run f8row-128k "$here/variants/7b-128k-float8-rowwise.toml" 3 400
+    run f8tensor-32k "$here/variants/7b-32k-float8-tensorwise.toml" 6 $((590 - SECONDS)) ;;
   c)
     timeout 580 python3 "$here/loss_curves.py" --out "$dest/curves" --steps 300 \
-      --only bf16,float8-rowwise,float8-tensorwise > "$dest/curves.log" 2>&1
+      --only bf16,float8-rowwise,float8-tensorwise > "$dest/curves.log" 2>&1  # the third if time allows
     echo "curves rc=$?" | tee -a "$dest/status.txt"; tail -n 8 "$dest/curves.log" ;;
   d)
     timeout 580 python3 "$here/loss_curves.py" --out "$dest/curves-optimizer" --steps 300 \

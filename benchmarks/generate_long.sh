@@ -9,9 +9,10 @@
 # lease should get them. Run from a scratch folder with weft installed (the checkout's weft/
 # would shadow it):
 #   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh [28|15|all]   # OUT=... for the JSON
-# 28: plain transformers and the static cache's rows (graphed, eager, the 16K batch); 15: the
-# static cache through flash-attn-4's decode, the dynamic and paged caches' (and the two-GPU
-# ones); all (the default): both. The table covers
+# 28: plain transformers and the static cache's rows (as shipped: Triton's split-KV attention,
+# the step compiled and captured; the eager path it must equal; without the compiled step;
+# with the plain-torch split-KV; the 16K batch); 15: flash-attn-4's decode (Blackwell), the
+# dynamic and paged caches' (and the two-GPU ones); all (the default): both. The table covers
 # whatever rows the folder holds.
 set -uo pipefail
 rows=${1:-all}
@@ -21,11 +22,25 @@ here=$(cd "$(dirname "$0")" && pwd)
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 common=(qwen2.5-vl-7b-128k-1gpu --prompt-from-data --max-new-tokens 100 --warmup --json)
 static=("$here/variants/7b-128k-static-cache.toml" "${common[@]:1}")
+ruled() {  # $1 the variant's path, $2 the static cache rule's extra keys: one recipe, the rule changed
+  sed "s/kv_cache = { strategy = \"static\" }/kv_cache = { strategy = \"static\", $2 }/" \
+    "$here/variants/7b-128k-static-cache.toml" > "$1"
+  grep -q "$2" "$1" || { echo "generate_long.sh: the static cache's rule not found in the variant" >&2; exit 1; }
+}
 if [ "$rows" != 15 ]; then
 python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 > "$out/hf.json" 2> "$out/hf.err"
+# The static cache as shipped: Triton's split-KV attention, the step compiled, then captured.
 python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static.json" 2> "$out/one-static.err"
-# The same step without its CUDA graph: the tokens must be the graphed step's.
-python3 -m weft generate "${static[@]}" --nproc 1 --no-cuda-graph > "$out/one-static-eager.json" 2> "$out/one-static-eager.err"
+# The eager path the fast one must equal: no compiled step, no CUDA graph (the same Triton attention).
+ruled "$out/static-uncompiled.toml" 'compile_step = false'
+python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:1}" --nproc 1 --no-cuda-graph \
+  > "$out/one-static-eager.json" 2> "$out/one-static-eager.err"
+# What each part buys: the graph without the compiled step; the plain-torch split-KV attention.
+python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:1}" --nproc 1 \
+  > "$out/one-static-uncompiled.json" 2> "$out/one-static-uncompiled.err"
+ruled "$out/static-split.toml" 'decode_kernel = "split"'
+python3 -m weft generate "$out/static-split.toml" "${common[@]:1}" --nproc 1 \
+  > "$out/one-static-split.json" 2> "$out/one-static-split.err"
 # The batch row: 8 prompts of 16K tokens decoded together, against one of them alone (both
 # through the static cache, which the batch path always uses).
 short=(--set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --warmup --json --nproc 1)
@@ -34,7 +49,11 @@ python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-fro
 fi
 if [ "$rows" != 28 ]; then
 # flash-attn-4's split-KV decode in place of weft's (benchmarks/variants/7b-128k-static-flash.toml).
-python3 -m weft generate "$here/variants/7b-128k-static-flash.toml" "${common[@]:1}" --nproc 1 > "$out/one-static-flash.json" 2> "$out/one-static-flash.err"
+# (Blackwell only: flash-attn-4 4.0.0b36's split-KV stops on SM 9.0, BENCHMARKS.md.)
+if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_capability()[0] < 10)"; then
+  python3 -m weft generate "$here/variants/7b-128k-static-flash.toml" "${common[@]:1}" --nproc 1 \
+    > "$out/one-static-flash.json" 2> "$out/one-static-flash.err"
+fi
 python3 -m weft generate "${common[@]}" --nproc 1 > "$out/one.json" 2> "$out/one.err"
 paged=("$here/variants/7b-128k-paged-cache.toml" "${common[@]:1}")
 python3 -m weft generate "${paged[@]}" --nproc 1 > "$out/one-paged.json" 2> "$out/one-paged.err"
@@ -47,7 +66,8 @@ python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rows = {}
-for name in ("hf", "one-static", "one-static-eager", "one-static-flash", "one", "one-paged", "two", "two-paged"):
+for name in ("hf", "one-static", "one-static-eager", "one-static-uncompiled", "one-static-split", "one-static-flash",
+             "one", "one-paged", "two", "two-paged"):
     try:
         rows[name] = json.loads((out / f"{name}.json").read_text())
     except (OSError, ValueError):
@@ -78,8 +98,17 @@ if "hf" in rows and "one-static" in rows:
 if "one-static" in rows and "one-static-flash" in rows:
     same = sum(a == b for a, b in zip(rows["one-static"]["tokens"], rows["one-static-flash"]["tokens"]))
     print(f"flash-attn-4 decode against weft's split-KV: {same} of {len(rows['one-static']['tokens'])} tokens the same")
-if "one-static" in rows and "one-static-eager" in rows:
-    print(f"graphed step, same tokens as the eager step: {rows['one-static']['tokens'] == rows['one-static-eager']['tokens']}")
+for name in ("one-static-eager", "one-static-uncompiled", "one-static-split"):
+    if "one-static" in rows and name in rows:
+        same = sum(a == b for a, b in zip(rows["one-static"]["tokens"], rows[name]["tokens"]))
+        first = next((i for i, (a, b) in enumerate(zip(rows["one-static"]["tokens"], rows[name]["tokens"])) if a != b),
+                     None)
+        print(f"the fast step against {name}: {same} of {len(rows['one-static']['tokens'])} tokens the same "
+              f"(first difference at {first})")
+for name, r in rows.items():
+    if r.get("step_compiled") is not None:
+        print(f"{name}: step compiled {r['step_compiled']} ({r.get('step_compile_s') or r.get('step_compile_off')}), "
+              f"graph {r.get('cuda_graph')} ({r.get('graph_capture_s') or r.get('cuda_graph_off')})")
 for name in ("one-paged", "two-paged", "one-static"):
     if name in rows and "one" in rows:
         print(f"{name}: same tokens as the dynamic cache: {rows[name]['tokens'] == rows['one']['tokens']}")

@@ -49,9 +49,10 @@ def _one_process(params, *, recipe, plan) -> str | None:
 
 @attrs.frozen(kw_only=True)
 class StaticParams:
-    decode_kernel: Literal["split", "flash"] = attrs.field(default="split", metadata={
-        "doc": "the decode attention: split (weft's split-KV in plain torch, any device) or flash "
-               "(flash-attn-4's split-KV forward from the device lengths; CUDA with flash-attn-4)"})
+    decode_kernel: Literal["auto", "triton", "split", "flash"] = attrs.field(default="auto", metadata={
+        "doc": "the decode attention: triton (weft's split-KV kernel, each key and value read once; CUDA with "
+               "Triton), split (the same split-KV in plain torch, any device), flash (flash-attn-4's split-KV "
+               "forward; Blackwell GPUs, compute capability 10+), auto: triton where it runs, else split"})
     compile_step: bool = attrs.field(default=True, metadata={
         "doc": "on CUDA, the decoding step through torch.compile before its CUDA graph captures it (one trace over "
                "every layer: norms, rotary, casts and softmax fused; compiled at the first decoded token)"})

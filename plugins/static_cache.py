@@ -22,7 +22,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
+from weft.core.errors import WeftError
 from weft.strategies.attention.decode_split import split_decode_attention, split_rows
+from weft.strategies.attention.kernels.decode_triton import triton_decode_attention, triton_decode_available
 
 
 class StaticLayer(DynamicLayer):
@@ -81,8 +83,15 @@ class StaticCache(Cache):
 
     def __init__(self, *, num_layers: int, kernel: str = "split", compile_step: bool = False,
                  device: torch.device | None = None) -> None:
+        if kernel == "auto":
+            kernel = "triton" if device is not None and triton_decode_available(device) else "split"
         if kernel == "flash":
             _check_flash(device)
+        if kernel == "triton" and (device is None or not triton_decode_available(device)):
+            where = "no Triton installed" if device is not None and device.type == "cuda" else f"the {device} device"
+            raise WeftError(f"kv_cache decode_kernel = 'triton' runs weft's Triton kernel on a CUDA GPU; here: "
+                            f"{where}; use decode_kernel = 'split' (any device) or 'auto'",
+                            where="kv_cache.decode_kernel")
         self.kernel = kernel
         self.compile_step = compile_step  # the decoding step through torch.compile (on CUDA: core/commands/generate.py)
         self.state = {"phase": "prefill", "capacity": 0, "rows": 1, "row": 0, "position": None, "length": 0,
@@ -141,7 +150,9 @@ class StaticCache(Cache):
         # the cache up to its position, read from the device.
         lengths = self.state["position"].reshape(-1) + 1  # (B or 1,)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if self.kernel == "flash":
+        if self.kernel == "triton":
+            out = triton_decode_attention(query, key, value, lengths=lengths, scale=scale)
+        elif self.kernel == "flash":
             from weft.strategies.attention.kernels.flash_ops import fa4_decode
 
             out = fa4_decode(query, key, value, lengths=lengths, scale=scale)
@@ -152,11 +163,17 @@ class StaticCache(Cache):
 
 
 def _check_flash(device: torch.device | None) -> None:
-    """``decode_kernel = "flash"`` runs only where flash-attn-4 does: the rule's error otherwise."""
-    from weft.core.errors import WeftError
+    """``decode_kernel = "flash"`` runs only where flash-attn-4's split-KV forward does: the
+    rule's error otherwise. Its split-KV path is Blackwell's: on an H200 (SM 9.0) flash-attn-4
+    4.0.0b36 stops with "SplitKV not supported on SM 9.0" (BENCHMARKS.md, issue 28)."""
     from weft.strategies.attention.kernels.blocks import fa4_importable
 
     if device is None or device.type != "cuda" or not fa4_importable():
         where = "no flash-attn-4 installed" if device is not None and device.type == "cuda" else f"the {device} device"
-        raise WeftError(f"kv_cache decode_kernel = 'flash' runs flash-attn-4's decode on a CUDA GPU; here: {where}; "
-                        "use decode_kernel = 'split' (any device)", where="kv_cache.decode_kernel")
+    elif (major := torch.cuda.get_device_capability(device)[0]) < 10:
+        where = f"{torch.cuda.get_device_name(device)}, compute capability {major}.x (its split-KV forward needs 10+)"
+    else:
+        return
+    raise WeftError(f"kv_cache decode_kernel = 'flash' runs flash-attn-4's decode on a Blackwell GPU; here: {where}; "
+                    "use decode_kernel = 'triton' (CUDA), 'split' (any device) or 'auto'",
+                    where="kv_cache.decode_kernel")

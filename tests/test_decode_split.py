@@ -127,13 +127,34 @@ def test_the_log_sum_exp_merges_partitions_as_one_softmax(splits):
     assert (whole[..., 0] - torch.logsumexp(scores, dim=-1)).abs().max() < 1e-12
 
 
-def test_the_flash_decode_kernel_is_the_rules_error_where_it_cannot_run():
-    """decode_kernel = "flash" needs flash-attn-4 on a CUDA GPU: on the CPU a message naming
-    the key and what runs anywhere, not a failure inside the first decoded token."""
+def test_the_decode_kernels_are_the_rules_error_where_they_cannot_run(monkeypatch):
+    """decode_kernel = "flash" needs flash-attn-4 on a Blackwell GPU (its split-KV forward
+    stops on an H200), "triton" a CUDA GPU: elsewhere a message naming the key, the device
+    and what runs there, not a failure inside the first decoded token. "auto" (the default)
+    takes Triton on CUDA, the plain-torch split-KV elsewhere."""
     from weft.core.errors import WeftError
+    from weft.plugins import static_cache
     from weft.plugins.static_cache import StaticCache
+    from weft.strategies.attention.kernels import blocks
 
-    with pytest.raises(WeftError, match="decode_kernel = 'flash' runs flash-attn-4's decode on a CUDA GPU; here: "
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    with pytest.raises(WeftError, match="decode_kernel = 'flash' runs flash-attn-4's decode on a Blackwell GPU; "
+                                        "here: the cpu device; use decode_kernel = 'triton' \\(CUDA\\), 'split'"):
+        StaticCache(num_layers=1, kernel="flash", device=cpu)
+    with pytest.raises(WeftError, match="decode_kernel = 'triton' runs weft's Triton kernel on a CUDA GPU; here: "
                                         "the cpu device; use decode_kernel = 'split'"):
-        StaticCache(num_layers=1, kernel="flash", device=torch.device("cpu"))
-    assert StaticCache(num_layers=1, device=torch.device("cpu")).kernel == "split"
+        StaticCache(num_layers=1, kernel="triton", device=cpu)
+    assert StaticCache(num_layers=1, kernel="auto", device=cpu).kernel == "split"
+    assert StaticCache(num_layers=1, device=cpu).kernel == "split"
+    # A CUDA device stood in for (nothing is allocated before the prefill): an H200 with
+    # flash-attn-4 installed, and Triton.
+    monkeypatch.setattr(blocks, "fa4_importable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    with pytest.raises(WeftError, match="here: NVIDIA H200, compute capability 9.x \\(its split-KV forward needs "
+                                        "10\\+\\); use decode_kernel = 'triton'"):
+        StaticCache(num_layers=1, kernel="flash", device=cuda)
+    monkeypatch.setattr(static_cache, "triton_decode_available", lambda device: device.type == "cuda")
+    assert StaticCache(num_layers=1, kernel="auto", device=cuda).kernel == "triton"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert StaticCache(num_layers=1, kernel="flash", device=cuda).kernel == "flash"
