@@ -16,13 +16,17 @@ run() {  # $1 name, $2 recipe, $3 steps, $4 seconds
 }
 case "${1:?stage a, b, c or d}" in
   a)
-    run f8row-32k "$here/variants/7b-32k-float8-rowwise.toml" 6 200
+    run f8row-32k qwen2.5-vl-7b-32k-float8-1gpu 6 200
     timeout 200 python3 "$here/train.py" --out "$dest/hf" --only 7b:32768 --steps 5 --skip-weft > "$dest/hf.log" 2>&1
     echo "hf rc=$?" | tee -a "$dest/status.txt"; tail -n 3 "$dest/hf.log"
     run bf16-32k qwen2.5-vl-7b-32k-1gpu 6 $((590 - SECONDS)) ;;
   b)
-    run f8row-128k "$here/variants/7b-128k-float8-rowwise.toml" 3 400
-    run f8tensor-32k "$here/variants/7b-32k-float8-tensorwise.toml" 6 $((590 - SECONDS)) ;;
+    run f8row-128k qwen2.5-vl-7b-128k-float8-1gpu 3 400
+    # tensorwise: the bundled float8 recipe with its recipe key changed (one layout, not two)
+    python3 -c "import sys, weft.core.recipe.syntax as s; print(s.bundled_path(sys.argv[1]))" \
+      qwen2.5-vl-7b-32k-float8-1gpu.toml | xargs sed 's/float8_recipe = "rowwise"/float8_recipe = "tensorwise"/' \
+      > "$work/7b-32k-float8-tensorwise.toml"
+    run f8tensor-32k "$work/7b-32k-float8-tensorwise.toml" 6 $((590 - SECONDS)) ;;
   c)
     timeout 580 python3 "$here/loss_curves.py" --out "$dest/curves" --steps 300 \
       --only bf16,float8-rowwise,float8-tensorwise > "$dest/curves.log" 2>&1  # the third if time allows
