@@ -25,3 +25,21 @@ def test_the_compiled_step_is_one_graph_compiled_once_with_the_same_tokens(tiny)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 100
     torch._dynamo.reset()
+
+
+def test_the_compiled_sampled_step_draws_what_the_eager_one_draws(tiny):  # noqa: F811 - the fixture
+    """Sampling through the compiled body: the uniform draws are filled outside it, the nucleus
+    chosen inside; the same seed gives the eager step's tokens (and log-probabilities)."""
+    from weft.core.commands.decode_step import Sampling
+
+    def sampled(compile):
+        sampling = Sampling(temperature=0.9, top_p=0.8, generator=torch.Generator().manual_seed(3))
+        tokens, logprobs, report = _buffered(tiny, sampling=sampling, compile=compile)
+        return tokens, logprobs, report
+
+    torch._dynamo.reset()
+    tokens, logprobs, report = sampled(True)
+    want, want_logprobs, _ = sampled(False)
+    assert report["step_compiled"] and tokens == want and logprobs == pytest.approx(want_logprobs, abs=1e-5)
+    assert tokens != tiny["tokens"]  # not the greedy answer
+    torch._dynamo.reset()
