@@ -28,7 +28,7 @@ from weft.core.commands.decode import (
     stop_tokens,
     text_attention,
 )
-from weft.core.commands.decode_graph import decode_rows_buffered
+from weft.core.commands.decode_graph import checkpoint_hooks_off, decode_rows_buffered
 from weft.core.commands.decode_step import Sampling
 from weft.core.recipe import Recipe
 
@@ -63,7 +63,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     with torch.no_grad(), autocast:
         for row, x in enumerate(inputs):
             cache.begin_prefill(keep=None, prompt=lengths[row], row=row)
-            with layer_index_dynamic():
+            with layer_index_dynamic(), checkpoint_hooks_off(model):  # no backward follows
                 output = model(**{k: v.to(device) for k, v in x.items()}, past_key_values=cache, use_cache=True,
                                logits_to_keep=1)
             logits = output.logits[:, -1].double()  # (1, V)

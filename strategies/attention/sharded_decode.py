@@ -18,6 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+#: Cache dtypes the Triton decode kernel takes.
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,10 +35,16 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         # (float32 scores, grouped-query heads as a view) in chunks that fill the GPU, with the
         # same kernels whatever the shard's length (cuDNN planned a graph per new length: the
         # cost of a whole decoded token at 128K, BENCHMARKS.md).
+        # On CUDA, the Triton form of it (each key and value read once: the static cache's
+        # `auto` kernel too); the plain-torch form elsewhere.
         from weft.strategies.attention.decode_split import CHUNK_ROWS, split_decode_attention
+        from weft.strategies.attention.kernels.decode_triton import triton_decode_attention, triton_decode_available
 
-        out, lse = split_decode_attention(query, key, value, lengths=None, scale=scale,
-                                          splits=max(1, key.shape[2] // CHUNK_ROWS), return_lse=True)
+        if triton_decode_available(key.device) and value.shape[-1] == d and key.dtype in TRITON_DTYPES:
+            out, lse = triton_decode_attention(query, key, value, lengths=None, scale=scale, return_lse=True)
+        else:
+            out, lse = split_decode_attention(query, key, value, lengths=None, scale=scale,
+                                              splits=max(1, key.shape[2] // CHUNK_ROWS), return_lse=True)
         return out.float(), lse.float()
     groups = hq // key.shape[1]  # grouped-query attention: each KV head serves `groups` query heads
     q = query.float().reshape(b, key.shape[1], groups * sq, d)  # (B, Hkv, G x Sq, D)
