@@ -28,24 +28,27 @@ ruled() {  # $1 the variant's path, $2 the static cache rule's extra keys: one r
   grep -q "$2" "$1" || { echo "generate_long.sh: the static cache's rule not found in the variant" >&2; exit 1; }
 }
 if [ "$rows" != 15 ]; then
-python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 > "$out/hf.json" 2> "$out/hf.err"
+# Each row under a timeout: a hung compilation costs its row, not the lease.
+timeout 300 python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 > "$out/hf.json" 2> "$out/hf.err"
 # The static cache as shipped: Triton's split-KV attention, the step compiled, then captured.
-python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static.json" 2> "$out/one-static.err"
+timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static.json" 2> "$out/one-static.err"
 # The eager path the fast one must equal: no compiled step, no CUDA graph (the same Triton attention).
 ruled "$out/static-uncompiled.toml" 'compile_step = false'
-python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:1}" --nproc 1 --no-cuda-graph \
+timeout 300 python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:1}" --nproc 1 --no-cuda-graph \
   > "$out/one-static-eager.json" 2> "$out/one-static-eager.err"
-# What each part buys: the graph without the compiled step; the plain-torch split-KV attention.
-python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:1}" --nproc 1 \
-  > "$out/one-static-uncompiled.json" 2> "$out/one-static-uncompiled.err"
-ruled "$out/static-split.toml" 'decode_kernel = "split"'
-python3 -m weft generate "$out/static-split.toml" "${common[@]:1}" --nproc 1 \
-  > "$out/one-static-split.json" 2> "$out/one-static-split.err"
 # The batch row: 8 prompts of 16K tokens decoded together, against one of them alone (both
 # through the static cache, which the batch path always uses).
 short=(--set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --warmup --json --nproc 1)
-python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 1 "${short[@]}" > "$out/16k-one.json" 2> "$out/16k-one.err"
-python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 8 "${short[@]}" > "$out/16k-eight.json" 2> "$out/16k-eight.err"
+timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 1 "${short[@]}" \
+  > "$out/16k-one.json" 2> "$out/16k-one.err"
+timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 8 "${short[@]}" \
+  > "$out/16k-eight.json" 2> "$out/16k-eight.err"
+# What each part buys: the graph without the compiled step; the plain-torch split-KV attention.
+timeout 300 python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:1}" --nproc 1 \
+  > "$out/one-static-uncompiled.json" 2> "$out/one-static-uncompiled.err"
+ruled "$out/static-split.toml" 'decode_kernel = "split"'
+timeout 420 python3 -m weft generate "$out/static-split.toml" "${common[@]:1}" --nproc 1 \
+  > "$out/one-static-split.json" 2> "$out/one-static-split.err"
 fi
 if [ "$rows" != 28 ]; then
 # flash-attn-4's split-KV decode in place of weft's (benchmarks/variants/7b-128k-static-flash.toml).
