@@ -43,8 +43,12 @@ timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" 
   > "$out/16k-one.json" 2> "$out/16k-one.err"
 timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 8 "${short[@]}" \
   > "$out/16k-eight.json" 2> "$out/16k-eight.err"
-# What each part buys: the graph without the compiled step; the plain-torch split-KV attention.
-timeout 300 python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:1}" --nproc 1 \
+# What each part buys: the graph without the compiled step (its prefill through cuDNN's
+# attention instead of flash-attn-4's: the prefill's other kernel, measured on the side; its
+# tokens may part from the others' with its prompt's keys); the plain-torch split-KV attention.
+{ cat "$out/static-uncompiled.toml"; printf '\n[[rules]]\nname = "the prefill through cuDNN"\nwhen = { modality = "text" }\nattention = { strategy = "auto", backend = "cudnn" }\n'; } \
+  > "$out/static-uncompiled-cudnn.toml"
+timeout 300 python3 -m weft generate "$out/static-uncompiled-cudnn.toml" "${common[@]:1}" --nproc 1 \
   > "$out/one-static-uncompiled.json" 2> "$out/one-static-uncompiled.err"
 ruled "$out/static-split.toml" 'decode_kernel = "split"'
 timeout 420 python3 -m weft generate "$out/static-split.toml" "${common[@]:1}" --nproc 1 \
