@@ -68,8 +68,22 @@ def expected(image) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single(image) -> dict:
-    return generate(image, "--nproc", "1")
+def dynamic_recipe(tmp_path_factory) -> pathlib.Path:
+    """tiny-vl with transformers' DynamicCache by rule (the default is the static cache)."""
+    recipe = tmp_path_factory.mktemp("dynamic") / "dynamic.toml"
+    text = pathlib.Path(RECIPE).read_text().replace('include = ["rules/', f'include = ["{ROOT}/recipes/rules/')
+    recipe.write_text(text + '\n[[rules]]\nname = "dynamic cache"\nwhen = { modality = "text" }\n'
+                      'kv_cache = { strategy = "dynamic" }\n')
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def single(image, dynamic_recipe) -> dict:
+    """One process over transformers' DynamicCache: prompt + NEW - 1 rows, the bytes' yardstick."""
+    done = weft("generate", str(dynamic_recipe), "--prompt", PROMPT, "--image", str(image), "--max-new-tokens",
+                str(NEW), "--json", "--nproc", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
 def _same(got: dict, want: dict) -> None:
@@ -77,10 +91,15 @@ def _same(got: dict, want: dict) -> None:
     assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5), (got["logprobs"], want["logprobs"])
 
 
-def test_one_process_equals_transformers_generate(single, expected):
+def test_one_process_equals_transformers_generate(image, single, expected):
+    """The default cache on one process (the static one: `kv_cache = "auto"`) and
+    transformers' DynamicCache by rule give transformers' tokens."""
     assert single["cache"] == "DynamicCache" and single["prompt_tokens"] == expected["prompt_tokens"]
     assert len(expected["tokens"]) == NEW  # no early end: every step compared
     _same(single, expected)
+    default = generate(image, "--nproc", "1")
+    assert default["cache"] == "StaticCache" and not default["step_compiled"]  # the CPU decodes eagerly
+    _same(default, expected)
 
 
 @pytest.mark.parametrize("world, mesh", [
@@ -179,7 +198,7 @@ def test_terminal_streams_the_text(image, single):
                 "--nproc", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == single["text"] + "\n"  # printed token by token by rank 0, then a newline
-    assert f"weft generate: {NEW} tokens after a " in done.stderr and "DynamicCache MiB per rank" in done.stderr
+    assert f"weft generate: {NEW} tokens after a " in done.stderr and "StaticCache MiB per rank" in done.stderr
 
 
 def test_seeded_sampling_is_the_same_on_any_world_size(image, single):

@@ -28,6 +28,7 @@ from weft.core.commands.decode import (
     decode_step,
     layer_index_dynamic,
     next_rotary,
+    nucleus_from_noise,
     printer,
     stop_tokens,
     streaming,
@@ -83,7 +84,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
               else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))
     length = inputs["input_ids"].shape[1]
     text_rules = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
-    choose = _chooser(temperature=temperature, top_p=top_p, seed=seed)
+    choose = _chooser(sampling)
     show = (printer(decode=lambda ids: ctx.adapter.decode_tokens(recipe, ids)) if stream and rank == 0
             else None)  # rank 0's stdout is the terminal's: the text as it comes
     if show is not None:
@@ -225,22 +226,19 @@ def _pick(choose, logits: torch.Tensor, tokens: list[int], logprobs: list[float]
     logprobs.append(float(torch.log_softmax(logits.double(), dim=-1)[0, token]))
 
 
-def _chooser(*, temperature: float, top_p: float, seed: int):
-    """The next token from (1, V) logits: greedy at temperature 0, else nucleus sampling from
-    one seeded generator (in float64 on the host, so every rank and world size draws alike);
-    rank 0's choice is broadcast."""
-    generator = torch.Generator().manual_seed(seed)
+def _chooser(sampling: Sampling | None):
+    """The next token from (1, V) logits: greedy without ``sampling``, else its nucleus drawn
+    on the device from its generator (``nucleus_from_noise``: the draws the buffered step
+    makes, in the same order, so every cache and world size draws alike); rank 0's choice is
+    broadcast."""
 
     def choose(logits: torch.Tensor) -> int:
-        if temperature <= 0:
+        if sampling is None:
             token = logits.argmax(dim=-1)
         else:
-            probs = torch.softmax(logits.double().cpu() / temperature, dim=-1)[0]  # (V,)
-            ordered, order = probs.sort(descending=True)
-            keep = ordered.cumsum(0) - ordered < top_p  # the smallest prefix reaching top_p
-            ordered = ordered * keep
-            token = order[torch.multinomial(ordered / ordered.sum(), 1, generator=generator)]
-        token = token.reshape(1).to(logits.device)
+            noise = torch.rand(logits.shape, generator=sampling.generator, device=logits.device)  # (1, V)
+            token = nucleus_from_noise(logits.float(), noise, temperature=sampling.temperature, top_p=sampling.top_p)
+        token = token.reshape(1)
         dist.broadcast(token, src=0)
         return int(token)
 
