@@ -53,6 +53,9 @@ timeout 300 python3 -m weft generate "$out/static-uncompiled-cudnn.toml" "${comm
 ruled "$out/static-split.toml" 'decode_kernel = "split"'
 timeout 420 python3 -m weft generate "$out/static-split.toml" "${common[@]:1}" --nproc 1 \
   > "$out/one-static-split.json" 2> "$out/one-static-split.err"
+# Plain transformers with its own static cache (its fast path where the model allows compiling).
+timeout 400 python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 --cache static \
+  > "$out/hf-static.json" 2> "$out/hf-static.err"
 fi
 if [ "$rows" != 28 ]; then
 # flash-attn-4's split-KV decode in place of weft's (benchmarks/variants/7b-128k-static-flash.toml).
@@ -73,7 +76,7 @@ python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rows = {}
-for name in ("hf", "one-static", "one-static-eager", "one-static-uncompiled", "one-static-split", "one-static-flash",
+for name in ("hf", "hf-static", "one-static", "one-static-eager", "one-static-uncompiled", "one-static-split", "one-static-flash",
              "one", "one-paged", "two", "two-paged"):
     try:
         rows[name] = json.loads((out / f"{name}.json").read_text())
