@@ -418,12 +418,22 @@ def test_hook_weft_kv_cache():
     pm = make_pm()
     _, plan, ctx = make_plan(pm, [], [ROOT_MODULE, TEXT_ATTN])
     chosen = plan.modules_for("kv_cache")[0].get("kv_cache")
-    assert chosen.strategy == "auto"  # the default rule: dynamic without sequence parallelism
+    assert chosen.strategy == "auto"  # the default rule: static without sequence parallelism
+    from weft.plugins.static_cache import StaticCache
+
     cache = pm.call_first("weft_kv_cache", decision=chosen, model=model, plan=plan, mesh=None, ctx=ctx)
-    assert isinstance(cache, DynamicCache)
+    assert isinstance(cache, StaticCache) and cache.compile_step  # its defaults: StaticParams()
     assert len(cache.layers) == config.num_hidden_layers
     kv = torch.zeros(1, config.num_key_value_heads, 3,
                      config.hidden_size // config.num_attention_heads)  # (B, H_kv, S, D)
+    cache.reserve(5)
+    cache.begin_prefill(keep=None, prompt=3)
+    cache.update(kv, kv, layer_idx=0)
+    assert cache.layers[0].keys.shape[2] == 5  # the prompt and the tokens to come, preallocated
+    # transformers' DynamicCache by rule.
+    dynamic = Decision(point="kv_cache", strategy="dynamic", params=NoParams(), source="test", rule="test")
+    cache = pm.call_first("weft_kv_cache", decision=dynamic, model=model, plan=plan, mesh=None, ctx=ctx)
+    assert isinstance(cache, DynamicCache)
     cache.update(kv, kv, layer_idx=0)
     assert cache.get_seq_length() == 3
     # Building a cache changes nothing on the model.
