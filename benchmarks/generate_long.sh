@@ -36,6 +36,9 @@ timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static
 ruled "$out/static-uncompiled.toml" 'compile_step = false'
 timeout 300 python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:1}" --nproc 1 --no-cuda-graph \
   > "$out/one-static-eager.json" 2> "$out/one-static-eager.err"
+# The same compiled step launched without its graph: the graph's own effect on the tokens (none).
+timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 --no-cuda-graph \
+  > "$out/one-static-nograph.json" 2> "$out/one-static-nograph.err"
 # The batch row: 8 prompts of 16K tokens decoded together, against one of them alone (both
 # through the static cache, which the batch path always uses).
 short=(--set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --warmup --json --nproc 1)
@@ -76,7 +79,7 @@ python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rows = {}
-for name in ("hf", "hf-static", "one-static", "one-static-eager", "one-static-uncompiled", "one-static-split", "one-static-flash",
+for name in ("hf", "hf-static", "one-static", "one-static-eager", "one-static-nograph", "one-static-uncompiled", "one-static-split", "one-static-flash",
              "one", "one-paged", "two", "two-paged"):
     try:
         rows[name] = json.loads((out / f"{name}.json").read_text())
@@ -108,7 +111,7 @@ if "hf" in rows and "one-static" in rows:
 if "one-static" in rows and "one-static-flash" in rows:
     same = sum(a == b for a, b in zip(rows["one-static"]["tokens"], rows["one-static-flash"]["tokens"]))
     print(f"flash-attn-4 decode against weft's split-KV: {same} of {len(rows['one-static']['tokens'])} tokens the same")
-for name in ("one-static-eager", "one-static-uncompiled", "one-static-split"):
+for name in ("one-static-eager", "one-static-nograph", "one-static-uncompiled", "one-static-split"):
     if "one-static" in rows and name in rows:
         same = sum(a == b for a, b in zip(rows["one-static"]["tokens"], rows[name]["tokens"]))
         first = next((i for i, (a, b) in enumerate(zip(rows["one-static"]["tokens"], rows[name]["tokens"])) if a != b),
