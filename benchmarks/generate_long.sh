@@ -8,12 +8,13 @@
 # two-GPU rows (ring 2, sharded cache) where two GPUs are visible. Rows in the order a short
 # lease should get them. Run from a scratch folder with weft installed (the checkout's weft/
 # would shadow it):
-#   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh [28|15|all]   # OUT=... for the JSON
-# 28: plain transformers and the static cache's rows (as shipped: Triton's split-KV attention,
-# the step compiled and captured; the eager path it must equal; without the compiled step;
-# with the plain-torch split-KV; the 16K batch); 15: flash-attn-4's decode (Blackwell), the
-# dynamic and paged caches' (and the two-GPU ones); all (the default): both. The table covers
-# whatever rows the folder holds.
+#   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh [28|28x|15|all]   # OUT=... for the JSON
+# 28: issue 28's lines: plain transformers, the static cache as shipped (Triton's split-KV
+# attention, the step compiled and captured), the eager path it must equal, the 16K batch;
+# 28x: what each part buys (the compiled step without its graph, the graph without the
+# compiled step, the plain-torch split-KV, plain transformers' static cache); 15:
+# flash-attn-4's decode (Blackwell), the dynamic and paged caches' (and the two-GPU ones);
+# all (the default): every group. The table covers whatever rows the folder holds.
 set -uo pipefail
 rows=${1:-all}
 out="${OUT:-generate-long}"
@@ -27,7 +28,8 @@ ruled() {  # $1 the variant's path, $2 the static cache rule's extra keys: one r
     "$here/variants/7b-128k-static-cache.toml" > "$1"
   grep -q "$2" "$1" || { echo "generate_long.sh: the static cache's rule not found in the variant" >&2; exit 1; }
 }
-if [ "$rows" != 15 ]; then
+case "$rows" in 28|all) ;; 28x|15) ;; *) echo "generate_long.sh: rows 28, 28x, 15 or all, not $rows" >&2; exit 2 ;; esac
+if [ "$rows" = 28 ] || [ "$rows" = all ]; then
 # Each row under a timeout: a hung compilation costs its row, not the lease.
 timeout 300 python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 > "$out/hf.json" 2> "$out/hf.err"
 # The static cache as shipped: Triton's split-KV attention, the step compiled, then captured.
@@ -36,9 +38,6 @@ timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static
 ruled "$out/static-uncompiled.toml" 'compile_step = false'
 timeout 300 python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:1}" --nproc 1 --no-cuda-graph \
   > "$out/one-static-eager.json" 2> "$out/one-static-eager.err"
-# The same compiled step launched without its graph: the graph's own effect on the tokens (none).
-timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 --no-cuda-graph \
-  > "$out/one-static-nograph.json" 2> "$out/one-static-nograph.err"
 # The batch row: 8 prompts of 16K tokens decoded together, against one of them alone (both
 # through the static cache, which the batch path always uses).
 short=(--set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --warmup --json --nproc 1)
@@ -46,6 +45,12 @@ timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" 
   > "$out/16k-one.json" 2> "$out/16k-one.err"
 timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 8 "${short[@]}" \
   > "$out/16k-eight.json" 2> "$out/16k-eight.err"
+fi
+if [ "$rows" = 28x ] || [ "$rows" = all ]; then
+ruled "$out/static-uncompiled.toml" 'compile_step = false'
+# The same compiled step launched without its graph: the graph's own effect on the tokens (none).
+timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 --no-cuda-graph \
+  > "$out/one-static-nograph.json" 2> "$out/one-static-nograph.err"
 # What each part buys: the graph without the compiled step (its prefill through cuDNN's
 # attention instead of flash-attn-4's: the prefill's other kernel, measured on the side; its
 # tokens may part from the others' with its prompt's keys); the plain-torch split-KV attention.
@@ -60,14 +65,17 @@ timeout 420 python3 -m weft generate "$out/static-split.toml" "${common[@]:1}" -
 timeout 400 python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 --cache static \
   > "$out/hf-static.json" 2> "$out/hf-static.err"
 fi
-if [ "$rows" != 28 ]; then
+if [ "$rows" = 15 ] || [ "$rows" = all ]; then
 # flash-attn-4's split-KV decode in place of weft's (benchmarks/variants/7b-128k-static-flash.toml).
 # (Blackwell only: flash-attn-4 4.0.0b36's split-KV stops on SM 9.0, BENCHMARKS.md.)
 if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_capability()[0] < 10)"; then
   python3 -m weft generate "$here/variants/7b-128k-static-flash.toml" "${common[@]:1}" --nproc 1 \
     > "$out/one-static-flash.json" 2> "$out/one-static-flash.err"
 fi
-python3 -m weft generate "${common[@]}" --nproc 1 > "$out/one.json" 2> "$out/one.err"
+# transformers' dynamic cache by rule (the default one process is the static cache now).
+sed 's/kv_cache = { strategy = "static" }/kv_cache = { strategy = "dynamic" }/' \
+  "$here/variants/7b-128k-static-cache.toml" > "$out/dynamic.toml"
+timeout 420 python3 -m weft generate "$out/dynamic.toml" "${common[@]:1}" --nproc 1 > "$out/one.json" 2> "$out/one.err"
 paged=("$here/variants/7b-128k-paged-cache.toml" "${common[@]:1}")
 python3 -m weft generate "${paged[@]}" --nproc 1 > "$out/one-paged.json" 2> "$out/one-paged.err"
 if [ "$gpus" -ge 2 ]; then
