@@ -116,7 +116,11 @@ def weft_shard(model: torch.nn.Module, plan: Plan, mesh: WeftMesh, ctx: RunConte
     Kind: collect-all; each implementation handles only the modules whose
     ``plan.decisions("shard")`` name one of its strategies, deepest modules first,
     and returns ``None``. It may wrap modules in place (``fully_shard``,
-    checkpoint wrappers); it must not replace the root module object.
+    checkpoint wrappers); it must not replace the root module object. The model
+    arrives on the meta device; an implementation whose sharding needs the real
+    weights may materialise it first (``ctx.adapter.materialize``: 4-bit units under
+    FSDP2 are quantised before ``fully_shard``); the core materialises whatever is
+    still on the meta device after this hook.
     Collectives: FSDP2 broadcasts nothing at wrap time; sharding is local.
     """
 

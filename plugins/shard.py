@@ -91,9 +91,6 @@ def _check_quantize(params, *, plan) -> str | None:
         return (f"quantize = {params.quantize!r} stores weights no optimizer can update: freeze the unit "
                 "(trainable = false) or add an adapter rule (adapter = { strategy = \"lora\" }), which freezes the "
                 "base")
-    if getattr(params, "group", None) is not None:  # FSDP2's parameters: not yet with 4-bit weights
-        return (f"quantize = {params.quantize!r} runs with shard strategy 'none' (the unit whole on each rank, "
-                "data and sequence parallelism around it); 4-bit weights under FSDP2 are not built yet")
     return None
 
 
@@ -179,10 +176,39 @@ def weft_shard(model, plan, mesh, ctx):
     root_policy = _policy(root.get("shard").params)
     if fused:  # gathered from forward to backward, so the loss can read the head's weights
         root_policy["reshard_after_forward"] = False
+    quantized = plan.quantized_units()
+    if any(u.info.path in quantized for u in units):
+        # FSDP2 shards a 4-bit weight as torchao's NF4 tensor (its chunks, and all-gather hooks
+        # that rebuild it), so the weights are quantised before fully_shard: the model is
+        # materialised here, unit by unit (each unit's linears quantised before the next one
+        # exists in full precision: the rank holds the 4-bit model and one unit at a time),
+        # then sharded; the core finds it materialised. Without 4-bit units the model is
+        # sharded on the meta device and each rank materialises only its shards.
+        ctx.adapter.materialize(model, ctx.recipe, device=ctx.device, seed=ctx.recipe.train.seed, log=ctx.log,
+                                quantize=quantized)
+        ctx.log.info("shard.quantized_before_fsdp2", units=sum(u.info.path in quantized for u in units))
+        _check_splits(model, plan=plan, units=[u for u in units if u.info.path in quantized],
+                      ranks=mesh.fsdp_mesh().size())
     apply_fsdp2(groups=groups, root=model, root_group=ShardGroup(modules=(model,), **root_policy),
                 mesh=mesh.fsdp_mesh())
     ctx.log.info("shard.fsdp2", units=len(groups), mesh=list(plan.mesh.shape))
     return None
+
+
+def _check_splits(model, *, plan, units, ranks: int) -> None:
+    """Every 4-bit weight of an FSDP2 unit splits evenly over the shard ranks (torchao's NF4
+    chunks have no padding): else the rule's error, before fully_shard fails inside torchao."""
+    from weft.core.errors import PlanError
+    from weft.strategies.model.quantize import unshardable
+
+    for unit in units:
+        found = unshardable(model.get_submodule(unit.info.path), ranks=ranks)
+        if found is not None:
+            decision = unit.get("shard")
+            raise PlanError(f"shard rule {decision.rule!r} ({decision.source}): quantize = 'nf4' under FSDP2 over "
+                            f"{ranks} ranks splits each 4-bit weight evenly; {unit.info.path}.{found[0]} has "
+                            f"{found[1]}; use a shard degree that divides them, or shard strategy 'none' for "
+                            "these units")
 
 
 def _check_storage(plan) -> None:

@@ -135,7 +135,9 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
         per = 2 * u.storage_bytes if u.state_bytes is None else u.state_bytes
         part["optimizer"] += trained * per / shard
     fsdp = [u for u in units if u.strategy == "fsdp2"]
-    largest = max(((u.params + u.adapter_params) * 2 for u in fsdp if u.modality is not None), default=0)
+    # A gathered unit's bytes: bf16, its 4-bit weights as their codes and scalers (what FSDP2 gathers).
+    largest = max((((u.params - u.quantized_params + u.adapter_params) * 2 + u.quantized_params * NF4_BYTES)
+                   for u in fsdp if u.modality is not None), default=0)
     reduced = max((_trained(u) * 4 for u in fsdp if u.modality is not None), default=0)  # float32 gradients
     root = next((u for u in fsdp if u.modality is None), None)
     # FSDP2 gathers a unit (and prefetches the next); the root's own weights (embedding,

@@ -59,9 +59,10 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
                  model=adapter.name, params=sum(p.numel() for p in model.parameters()), device=str(ctx.device),
                  gpu=gpu)
     pm.call_all("weft_shard", model=model, plan=plan, mesh=mesh, ctx=ctx)
-    quantize = plan.quantized_units()  # passed only when asked: a family's own materialize may not take it
-    adapter.materialize(model, recipe, device=ctx.device, seed=recipe.train.seed, log=ctx.log,
-                        **({"quantize": quantize} if quantize else {}))
+    if on_meta(model):  # (a shard plugin may have materialised it: 4-bit units under FSDP2)
+        quantize = plan.quantized_units()  # passed only when asked: a family's own materialize may not take it
+        adapter.materialize(model, recipe, device=ctx.device, seed=recipe.train.seed, log=ctx.log,
+                            **({"quantize": quantize} if quantize else {}))
     for added in adapters:  # after the base's weights: the adapters are not in its checkpoint
         added.init(model, seed=recipe.train.seed)
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
@@ -74,6 +75,12 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     fused = FusedHead(model=model, decoder=adapter.text_decoder(model)) if recipe.train.loss == "fused" else None
     model.train()
     return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision, fused=fused)
+
+
+def on_meta(model: torch.nn.Module) -> bool:
+    """Whether any of the model's parameters or buffers (an FSDP2 shard's local part too) has
+    no storage yet."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
 def device_type_for(recipe: Recipe) -> str:

@@ -25,6 +25,7 @@ import torch
 METHODS: tuple[str, ...] = ("none", "nf4")
 BLOCK = 64  # values per 4-bit block (QLoRA's)
 SCALER_BLOCK = 256  # block scalers per second-level scaler (QLoRA's), fewer for small tensors
+MIN_SCALER_GROUPS = 8  # second-level scalers a weight keeps at least, where it can: FSDP2 over up to 8 ranks
 #: PEFT's adapter layers are linear layers too: they train, so they stay in full precision.
 ADAPTER_PART = "lora_"
 
@@ -40,8 +41,11 @@ def to_nf4(weight: torch.Tensor) -> torch.Tensor:
 
     blocks = weight.numel() // BLOCK
     # The scalers are quantised in blocks that must divide their count: QLoRA's 256 where it
-    # does, else the largest power of two that does (tiny test models).
-    scaler_block = math.gcd(blocks, SCALER_BLOCK)
+    # does, else the largest power of two that does (tiny test models); and at least
+    # MIN_SCALER_GROUPS groups of them where the weight allows, so FSDP2 can split a weight's
+    # scaler groups over up to that many ranks (torchao's NF4 chunks every inner tensor
+    # evenly). Every weight of the 7B and the 72B keeps QLoRA's 256.
+    scaler_block = math.gcd(blocks, SCALER_BLOCK, max(1, blocks // MIN_SCALER_GROUPS))
     return torchao_to_nf4(weight.detach().contiguous(), BLOCK, scaler_block)
 
 
@@ -90,3 +94,18 @@ def dequantize(module: torch.nn.Module) -> int:
             layer.weight = torch.nn.Parameter(layer.weight.get_original_weight(), requires_grad=False)
             count += 1
     return count
+
+
+def unshardable(module: torch.nn.Module, *, ranks: int) -> tuple[str, str] | None:
+    """The first 4-bit weight under ``module`` that FSDP2 cannot split over ``ranks`` ranks, as
+    (its name, why), or None. torchao's NF4 tensor splits into equal row blocks, each of its
+    inner tensors (codes, block scalers, their scaler groups) evenly: FSDP2's padding of an
+    uneven split is not available to it."""
+    for name, layer in module.named_modules():
+        if not isinstance(layer, torch.nn.Linear) or not is_quantized(layer.weight):
+            continue
+        weight = layer.weight
+        rows, groups = weight.shape[0], weight.quantization_factor.numel()
+        if rows % ranks or groups % ranks:
+            return name, f"{rows} rows and {groups} scaler groups, not both multiples of {ranks}"
+    return None
