@@ -226,8 +226,16 @@ def _generate(args) -> int:
         per_rank = ", ".join(f"{b / 2**20:.2f}" for b in result["cache_bytes_per_rank"])
         print(f"weft generate: {len(result['tokens'])} tokens after a {result['prompt_tokens']}-token prompt; "
               f"prefill {result['prefill_tokens_per_s']:,.0f} tokens/s, decode {result['decode_ms_per_token']:.1f} "
-              f"ms/token; {result['cache']} MiB per rank: {per_rank}", file=sys.stderr)
+              f"ms/token{_steady(result)}; {result['cache']} MiB per rank: {per_rank}", file=sys.stderr)
     return EXIT_OK
+
+
+def _steady(result: dict) -> str:
+    """The replayed graph's ms a token and the step's compilation, where they apply."""
+    parts = [f"{result['graph_ms_per_token']:.1f} ms/token replayed"] if result.get("graph_ms_per_token") else []
+    if result.get("step_compile_s"):
+        parts.append(f"step compiled in {result['step_compile_s']:.1f} s")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _prompt_file(args: Any) -> list[dict]:
