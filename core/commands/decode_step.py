@@ -1,9 +1,14 @@
-"""Greedy decoding with no host work in the step: one step captured as a CUDA graph, replayed
-per token (the static cache, one process, on CUDA), or the same step run eagerly.
+"""The decoding step with no host work in it (greedy, or sampled on the device): compiled once,
+captured as a CUDA graph and replayed per token (the static cache, one process, on CUDA), or
+the same step run eagerly.
 
-A decoding step of the 7B at 128K launches some 900 kernels from Python; once the cache is
-read in place (the static cache, split-KV attention from a device position) the host's
-launches, not the GPU, set the pace. A CUDA graph launches them all at once. It replays
+A decoding step of the 7B launches some 1,400 kernels from Python (~50 a layer); once the
+cache is read in place (the static cache, split-KV attention from a device position) the
+host's launches, not the GPU, set the pace: 32.8 ms a token at 128K eagerly, 20.5 replayed
+(BENCHMARKS.md, issue 28). A CUDA graph launches them all at once; ``torch.compile`` first
+fuses the small ones (norms, rotary, casts, softmax) into a few hundred, since a replayed
+graph still pays each kernel's own start (``compile``: one trace of the whole step, no graph
+break, compiled in the first, eager step). It replays
 exactly what was recorded, so the step must not depend on anything the host decides per
 token. ``DecodeStep`` owns its inputs as buffers at fixed addresses — the token (B, 1),
 the rotary position ids (3, B, 1) for mRoPE or (B, 1), the cache row each row's token is
