@@ -57,10 +57,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16384, help="tokens per step")
     parser.add_argument("--emulate", action="store_true",
                         help="float8 variants with float8_emulate = true (their numerics on a CPU, not their speed)")
+    parser.add_argument("--plot", type=pathlib.Path, metavar="JSON",
+                        help="no runs: the table and the PNG from a loss_curves.json already made (e.g. the GPU's)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for name in args.only.split(","):
+    results = json.loads(args.plot.read_text()) if args.plot else {}
+    for name in [] if args.plot else args.only.split(","):
         shard, train = VARIANTS[name]
         if args.emulate and "float8" in shard:
             shard += ", float8_emulate = true"
