@@ -29,6 +29,11 @@ def main(folder: str) -> None:
         if isinstance(result, dict):
             brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in result.items() if k not in SKIP}
             print(f"== {path.relative_to(root)}: {json.dumps(brief)[:600]}")
+    for path in sorted(root.rglob("*.metrics.jsonl")):  # a training run's steps: the last two
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip().startswith("{")]
+        for row in rows[-2:]:
+            brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+            print(f"== {path.relative_to(root)}: {json.dumps(brief)[:400]}")
     for path in sorted(root.rglob("*.err")):
         lines = [line for line in path.read_text(errors="replace").splitlines()
                  if "Error" in line or "error:" in line]
