@@ -28,11 +28,17 @@ def capture_blocker(model: torch.nn.Module, *, cache, device: torch.device, worl
                                                                  if isinstance(r, dict)]
     if any(kind and ("dynamic" in kind or kind == "longrope") for kind in kinds):
         return f"the {'/'.join(k for k in kinds if k)} rotary embedding reads its largest position on the host"
-    from torch.distributed.fsdp import FSDPModule
-
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    if sharded_by_fsdp(model):
         return "FSDP gathers and frees the weights in every forward"
     return None
+
+
+def sharded_by_fsdp(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards any of ``model``'s modules (its hooks gather weights in the forward:
+    no graph to capture, and graph breaks a compiled step would trace around)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 @contextlib.contextmanager
@@ -86,7 +92,8 @@ def decode_rows_buffered(model: torch.nn.Module, *, cache, tokens: list[list[int
     if not all(done):
         step = DecodeStep(model, cache=cache, token=torch.tensor([[t[-1]] for t in tokens], device=device),
                           rotary=rotary.to(device), row=torch.tensor(rows, device=device), capture=blocked is None,
-                          world=world, sampling=sampling, compile=compile and world == 1)
+                          world=world, sampling=sampling,
+                          compile=compile and world == 1 and not sharded_by_fsdp(model))
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         with checkpoint_hooks_off(model):
             for index in range(min(len(t) for t in tokens), max_new_tokens):
