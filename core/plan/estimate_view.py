@@ -59,6 +59,9 @@ def estimate(recipe: Any, plan: Any, model: Any, *, gpu: str, host_gib: float | 
         "fits": within(mem),
         # Adapters (plugins/adapter.py): trained beside a frozen base, which holds its weights only.
         "adapter_parameters": sum(u.adapter_params for u in units),
+        # float8 by rule: its products are counted at the bf16 rate until this GPU's is measured.
+        "float8_units": sum(1 for m in plan.modules_for("shard")
+                            if getattr(m.get("shard").params, "matmul", "default") == "float8"),
         "headroom_gib": round(kind.memory_gib - mem["total"] / GIB, 2),
         "warning": near_limit(recipe, peak_gib=mem["total"] / GIB, device_gib=kind.memory_gib, gpu=kind.name)
         if within(mem) else None,
@@ -112,6 +115,9 @@ def render_estimate(result: dict) -> None:
     console.print(f"host memory: ~{result['host_gib']} GiB per rank, {result['ranks_per_host']} per host "
                   f"(budget {result['host_budget_gib']} GiB: --host-gib)")
     console.print(_parts(Table("step time (per rank)", "s"), result["step_s"], total="total"))
+    if result.get("float8_units"):
+        console.print(f"float8: {result['float8_units']} units multiply in float8 by rule; their products are "
+                      "counted here at the bf16 rate (float8's on this GPU not measured yet: BENCHMARKS.md)")
     console.print(f"predicted: {result['tokens_per_s']:,} tokens/s over {result['ranks']} GPUs "
                   f"({result['tokens_per_s_per_gpu']:,} per GPU), MFU {result['mfu']:.1%}; "
                   + ("[green]fits[/]" if result["fits"] else "[red]does not fit[/]"))
