@@ -10,10 +10,11 @@ fuses the small ones (norms, rotary, casts, softmax) into a few hundred, since a
 graph still pays each kernel's own start (``compile``: one trace of the whole step, no graph
 break, compiled in the first, eager step). A graph replays exactly what was recorded, so the
 step must not depend on anything the host decides per token. ``DecodeStep`` owns its inputs
-as buffers at fixed addresses — the token (B, 1), the rotary position ids (3, B, 1) for mRoPE
-or (B, 1), the cache row each row's token is written at (B,) — and its outputs (the argmax (B,) and its log-probability (B,)); the step
-runs the one-token forward into the cache, takes the argmax on the device and advances its
-own inputs in place (token = argmax, positions + 1).
+as buffers at fixed addresses — the token (B, 1), the rotary position ids (3, B, 1) for
+mRoPE or (B, 1), the cache row each row's token is written at (B,) — and its outputs (the
+argmax (B,) and its log-probability (B,)); the step runs the one-token forward into the
+cache, takes the argmax on the device and advances its own inputs in place (token = argmax,
+positions + 1).
 
 What the forward asks of the host, checked in transformers' Qwen2.5-VL (Qwen2/Llama alike):
 - positions: passed, so the model computes none (no ``get_seq_length``, no rope index
