@@ -336,14 +336,14 @@ def test_prompts_decoded_together_get_the_answers_each_gets_alone(image, expecte
 def test_the_datas_first_prompts_decoded_together():
     """--prompt-from-data N: the data's first N samples as rows of one batch; the first row's
     answer is what --prompt-from-data gives it alone, and a row's answer does not depend on
-    how many rows decode beside it."""
+    how many rows decode beside it (nor on an untimed first prefill, --warmup)."""
     args = ("--set", "data.tokens=48", "--set", "train.micro_batch_tokens=48", "--max-new-tokens", "6", "--json",
             "--nproc", "1")
     alone = weft("generate", RECIPE, "--prompt-from-data", *args)
     assert alone.returncode == 0, alone.stderr[-3000:]
     answers = {}
-    for count in (2, 3):
-        done = weft("generate", RECIPE, "--prompt-from-data", str(count), *args)
+    for count, extra in ((2, ()), (3, ("--warmup",))):
+        done = weft("generate", RECIPE, "--prompt-from-data", str(count), *args, *extra)
         assert done.returncode == 0, done.stderr[-3000:]
         answers[count] = json.loads(done.stdout)["answers"]
     _same(answers[2][0], json.loads(alone.stdout))

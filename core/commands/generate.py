@@ -78,6 +78,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                  else _prompts_from_data(recipe, run=run, pm=pm, ctx=ctx, count=from_data))
         return dict(generate_batch(model, run=run, ctx=ctx, pm=pm, recipe=recipe, inputs=batch,
                                    max_new_tokens=max_new_tokens, cuda_graph=cuda_graph, sampling=sampling,
+                                   warmup=warmup,
                                    autocast=autocast_for(recipe.train.precision, device_type)),
                     checkpoint=checkpoint)
     inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None

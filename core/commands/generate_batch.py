@@ -35,10 +35,11 @@ from weft.core.recipe import Recipe
 
 def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recipe: Recipe, inputs: list[dict],
                    max_new_tokens: int, autocast: Any, cuda_graph: bool = True,
-                   sampling: Sampling | None = None) -> dict:
+                   sampling: Sampling | None = None, warmup: bool = False) -> dict:
     """``inputs``: each prompt's model inputs (B = 1), as ``prompt_inputs`` or the data give them;
     ``cuda_graph``: the rows' step replayed as a CUDA graph where it can be; ``sampling``: every
-    token (the prompts' first ones too) drawn on the device from its generator, else greedy."""
+    token (the prompts' first ones too) drawn on the device from its generator, else greedy;
+    ``warmup``: the first prompt prefilled once untimed (compiled units compile there)."""
     device = ctx.device
     lengths = [int(x["input_ids"].shape[1]) for x in inputs]
     positions_of = ctx.adapter.positions(model)
@@ -57,16 +58,25 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     cache = pm.call_first("weft_kv_cache", decision=static, model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
     cache.reserve(max(lengths) + max_new_tokens, rows=len(inputs))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def prefill(row: int) -> torch.Tensor:
+        """Prompt ``row`` into its row of the cache; its last token's logits (1, V), float64."""
+        cache.begin_prefill(keep=None, prompt=lengths[row], row=row)
+        with layer_index_dynamic(), checkpoint_hooks_off(model):  # no backward follows
+            output = model(**{k: v.to(device) for k, v in inputs[row].items()}, past_key_values=cache,
+                           use_cache=True, logits_to_keep=1)
+        return output.logits[:, -1].double()
+
+    if warmup:  # untimed; row 0 is written again below
+        with torch.no_grad(), autocast:
+            prefill(0)
+        sync()
     start = time.perf_counter()
     tokens: list[list[int]] = []
     logprobs: list[list[float]] = []
     with torch.no_grad(), autocast:
-        for row, x in enumerate(inputs):
-            cache.begin_prefill(keep=None, prompt=lengths[row], row=row)
-            with layer_index_dynamic(), checkpoint_hooks_off(model):  # no backward follows
-                output = model(**{k: v.to(device) for k, v in x.items()}, past_key_values=cache, use_cache=True,
-                               logits_to_keep=1)
-            logits = output.logits[:, -1].double()  # (1, V)
+        for row in range(len(inputs)):
+            logits = prefill(row)
             if sampling is None:
                 chosen = int(logits.argmax(dim=-1))
             else:
