@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
+from weft.plugins.decode_attention import register_decode_attention
 from weft.strategies.attention.sharded_decode import decode_owner, grown_capacity, partitioned_decode_attention
 
 #: Rows a sharded cache's buffer grows by when it fills (the paged cache's ``page_tokens``).
@@ -104,8 +104,7 @@ class ShardedCache(Cache):
         super().__init__(layers=[self.layer_class(state=self.state) for _ in range(num_layers)])
         # The decode attention: registered under a name of this cache, selected by the core
         # for the text model once the prefill is done.
-        self.decode_attention = f"weft_{type(self).__name__.lower()}_decode_{id(self):x}"
-        AttentionInterface.register(self.decode_attention, self._attend)
+        self.decode_attention = register_decode_attention(self, self._attend)
 
     @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -19,10 +19,10 @@ the ``sharded`` and ``paged`` caches split it over the ranks.
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
 from weft.core.errors import WeftError
+from weft.plugins.decode_attention import register_decode_attention
 from weft.strategies.attention.decode_split import split_decode_attention, split_rows
 from weft.strategies.attention.kernels.decode_triton import triton_decode_attention, triton_decode_available
 
@@ -98,8 +98,7 @@ class StaticCache(Cache):
                       "prompt": 0, "splits": 1}
         super().__init__(layers=[StaticLayer(state=self.state) for _ in range(num_layers)])
         self._host_position: torch.Tensor | None = None
-        self.decode_attention = f"weft_static_decode_{id(self):x}"
-        AttentionInterface.register(self.decode_attention, self._attend)
+        self.decode_attention = register_decode_attention(self, self._attend)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.state["phase"] == "prefill":

@@ -158,3 +158,27 @@ def test_the_decode_kernels_are_the_rules_error_where_they_cannot_run(monkeypatc
     assert StaticCache(num_layers=1, kernel="auto", device=cuda).kernel == "triton"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert StaticCache(num_layers=1, kernel="flash", device=cuda).kernel == "flash"
+
+
+def test_a_cache_is_not_kept_alive_by_its_decode_attention():
+    """transformers' AttentionInterface lives as long as the process: the entry a cache registers
+    holds it weakly, so a finished `weft generate` frees its cache (7 GB at 128K for the 7B), and
+    the entry refuses afterwards instead of attending over a dead cache."""
+    import gc
+    import weakref
+
+    from transformers import AttentionInterface
+
+    from weft.plugins.sharded_cache import ShardedCache
+    from weft.plugins.static_cache import StaticCache
+
+    for make in (lambda: StaticCache(num_layers=2, device=torch.device("cpu")),
+                 lambda: ShardedCache(num_layers=2, rank=0, world=1, group=None)):
+        cache = make()
+        name, alive = cache.decode_attention, weakref.ref(cache)
+        entry = AttentionInterface._global_mapping[name]
+        del cache
+        gc.collect()
+        assert alive() is None
+        with pytest.raises(RuntimeError, match="outlived its cache"):
+            entry(None, None, None, None, None)
