@@ -15,16 +15,19 @@ from transformers import AttentionInterface
 
 
 def register_decode_attention(cache, attend) -> str:
-    """Register ``attend`` (a bound method of ``cache``) under a name of ``cache``; returns the
-    name. The entry calls the method while the cache lives, and refuses after."""
+    """Register ``attend`` (a method of ``cache``, called as ``attend(cache, module, query, ...)``)
+    under a name of ``cache``; returns the name. The entry calls it while the cache lives, and
+    refuses after. A plain weak reference (torch.compile traces its call: a compiled decoding
+    step goes through this entry at every layer; a WeakMethod's is a graph break)."""
     name = f"weft_{type(cache).__name__.lower()}_decode_{id(cache):x}"
-    method = weakref.WeakMethod(attend)
+    owner = weakref.ref(cache)
+    function = attend.__func__ if hasattr(attend, "__func__") else attend
 
     def decode(module, query, key, value, attention_mask, **kwargs):
-        bound = method()
-        if bound is None:
+        live = owner()
+        if live is None:
             raise RuntimeError(f"the decode attention {name!r} outlived its cache")
-        return bound(module, query, key, value, attention_mask, **kwargs)
+        return function(live, module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(name, decode)
     return name
