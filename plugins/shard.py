@@ -177,7 +177,8 @@ def weft_shard(model, plan, mesh, ctx):
     if fused:  # gathered from forward to backward, so the loss can read the head's weights
         root_policy["reshard_after_forward"] = False
     quantized = plan.quantized_units()
-    if any(u.info.path in quantized for u in units):
+    four_bit = [u for u in units if u.info.path in quantized]
+    if four_bit:
         # FSDP2 shards a 4-bit weight as torchao's NF4 tensor (its chunks, and all-gather hooks
         # that rebuild it), so the weights are quantised before fully_shard: the model is
         # materialised here, unit by unit (each unit's linears quantised before the next one
@@ -186,16 +187,15 @@ def weft_shard(model, plan, mesh, ctx):
         # sharded on the meta device and each rank materialises only its shards.
         ctx.adapter.materialize(model, ctx.recipe, device=ctx.device, seed=ctx.recipe.train.seed, log=ctx.log,
                                 quantize=quantized)
-        ctx.log.info("shard.quantized_before_fsdp2", units=sum(u.info.path in quantized for u in units))
-        _check_splits(model, plan=plan, units=[u for u in units if u.info.path in quantized],
-                      ranks=mesh.fsdp_mesh().size())
+        ctx.log.info("shard.quantized_before_fsdp2", units=len(four_bit))
+        _check_splits(model, units=four_bit, ranks=mesh.fsdp_mesh().size())
     apply_fsdp2(groups=groups, root=model, root_group=ShardGroup(modules=(model,), **root_policy),
                 mesh=mesh.fsdp_mesh())
     ctx.log.info("shard.fsdp2", units=len(groups), mesh=list(plan.mesh.shape))
     return None
 
 
-def _check_splits(model, *, plan, units, ranks: int) -> None:
+def _check_splits(model, *, units, ranks: int) -> None:
     """Every 4-bit weight of an FSDP2 unit splits evenly over the shard ranks (torchao's NF4
     chunks have no padding): else the rule's error, before fully_shard fails inside torchao."""
     from weft.core.errors import PlanError

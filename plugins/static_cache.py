@@ -9,10 +9,11 @@ device tensor (one for every row, or one a row). Nothing is concatenated and no 
 changes shape from one token to the next, which a captured CUDA graph needs; transformers'
 dynamic cache copies the whole cache at every token (at 128K, 7 GB per token for the 7B).
 Decoding attends over the whole buffer, the rows past each row's position masked from the
-device position (``split_decode_attention``: split-KV, the buffer's rows a multiple of its
-chunks, no host-side length anywhere), so a decoding step reads no host state that changes
-from one token to the next and can be captured as a CUDA graph
-(core/commands/decode_graph.py). One process, whole sequence: under sequence parallelism
+device position (split-KV: ``decode_kernel``'s Triton kernel on CUDA, or
+``split_decode_attention`` in plain torch, the buffer's rows a multiple of its chunks; no
+host-side length anywhere), so a decoding step reads no host state that changes from one
+token to the next and can be compiled and captured as a CUDA graph
+(core/commands/decode_step.py). One process, whole sequence: under sequence parallelism
 the ``sharded`` and ``paged`` caches split it over the ranks.
 """
 
@@ -78,7 +79,7 @@ class StaticCache(Cache):
     attention in transformers' AttentionInterface (the core selects it after the prefill)."""
 
     #: A decoding step at a device position (``at(tensor)``) has the same shapes, kernels and
-    #: host state at every token: core/commands/decode_graph.py captures it.
+    #: host state at every token: core/commands/decode_step.py captures it.
     capturable = True
 
     def __init__(self, *, num_layers: int, kernel: str = "split", compile_step: bool = False,

@@ -67,6 +67,16 @@ class Sampling:
     generator: torch.Generator
 
 
+def choose_now(logits: torch.Tensor, *, sampling: Sampling | None) -> torch.Tensor:
+    """(B,) tokens from (B, V) logits outside the step (a prompt's first token): the argmax, or
+    ``sampling``'s nucleus over uniform draws made here from its generator: the draws the
+    step makes, in the same order, so every path and world size draws alike."""
+    if sampling is None:
+        return logits.argmax(dim=-1)
+    noise = torch.rand(logits.shape, generator=sampling.generator, device=logits.device)  # (B, V)
+    return nucleus_from_noise(logits.float(), noise, temperature=sampling.temperature, top_p=sampling.top_p)
+
+
 class DecodeStep:
     """One greedy step over ``cache`` per call, from device buffers (see the module docstring).
 

@@ -28,14 +28,13 @@ from weft.core.commands.decode import (
     decode_step,
     layer_index_dynamic,
     next_rotary,
-    nucleus_from_noise,
     printer,
     stop_tokens,
     streaming,
     text_attention,
 )
 from weft.core.commands.decode_graph import checkpoint_hooks_off, decode_buffered
-from weft.core.commands.decode_step import Sampling
+from weft.core.commands.decode_step import Sampling, choose_now
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
@@ -228,18 +227,10 @@ def _pick(choose, logits: torch.Tensor, tokens: list[int], logprobs: list[float]
 
 
 def _chooser(sampling: Sampling | None):
-    """The next token from (1, V) logits: greedy without ``sampling``, else its nucleus drawn
-    on the device from its generator (``nucleus_from_noise``: the draws the buffered step
-    makes, in the same order, so every cache and world size draws alike); rank 0's choice is
-    broadcast."""
+    """The next token from (1, V) logits (``choose_now``); rank 0's choice is broadcast."""
 
     def choose(logits: torch.Tensor) -> int:
-        if sampling is None:
-            token = logits.argmax(dim=-1)
-        else:
-            noise = torch.rand(logits.shape, generator=sampling.generator, device=logits.device)  # (1, V)
-            token = nucleus_from_noise(logits.float(), noise, temperature=sampling.temperature, top_p=sampling.top_p)
-        token = token.reshape(1)
+        token = choose_now(logits, sampling=sampling).reshape(1)
         dist.broadcast(token, src=0)
         return int(token)
 

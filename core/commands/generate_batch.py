@@ -23,13 +23,12 @@ from weft.core.commands.decode import (
     cache_bytes,
     compile_step,
     layer_index_dynamic,
-    nucleus_from_noise,
     prompt_sample,
     stop_tokens,
     text_attention,
 )
 from weft.core.commands.decode_graph import checkpoint_hooks_off, decode_rows_buffered
-from weft.core.commands.decode_step import Sampling
+from weft.core.commands.decode_step import Sampling, choose_now
 from weft.core.recipe import Recipe
 
 
@@ -77,12 +76,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     with torch.no_grad(), autocast:
         for row in range(len(inputs)):
             logits = prefill(row)
-            if sampling is None:
-                chosen = int(logits.argmax(dim=-1))
-            else:
-                noise = torch.rand(logits.shape, generator=sampling.generator, device=logits.device)
-                chosen = int(nucleus_from_noise(logits, noise, temperature=sampling.temperature,
-                                                top_p=sampling.top_p)[0])
+            chosen = int(choose_now(logits, sampling=sampling)[0])
             tokens.append([chosen])
             logprobs.append([float(torch.log_softmax(logits, dim=-1)[0, chosen])])
         sync()

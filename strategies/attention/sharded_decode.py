@@ -18,9 +18,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-#: Cache dtypes the Triton decode kernel takes.
-TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
 
 def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,9 +35,9 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         # On CUDA, the Triton form of it (each key and value read once: the static cache's
         # `auto` kernel too); the plain-torch form elsewhere.
         from weft.strategies.attention.decode_split import CHUNK_ROWS, split_decode_attention
-        from weft.strategies.attention.kernels.decode_triton import triton_decode_attention, triton_decode_available
+        from weft.strategies.attention.kernels.decode_triton import triton_decode_attention, triton_decode_takes
 
-        if triton_decode_available(key.device) and value.shape[-1] == d and key.dtype in TRITON_DTYPES:
+        if triton_decode_takes(key, value):
             out, lse = triton_decode_attention(query, key, value, lengths=None, scale=scale, return_lse=True)
         else:
             out, lse = split_decode_attention(query, key, value, lengths=None, scale=scale,

@@ -32,6 +32,8 @@ import functools
 import torch
 
 _LOG2E = 1.4426950408889634
+#: Cache dtypes the kernels take.
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 #: Rows of one block of the sweep, warps and pipeline stages of the split kernel, and the
 #: programs per SM the split count aims for (more than one, so the last wave is no long tail):
@@ -150,6 +152,13 @@ def triton_decode_available(device: torch.device | str) -> bool:
     return True
 
 
+def triton_decode_takes(key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``triton_decode_attention`` runs over this cache here: its device (CUDA with
+    Triton), its dtype, and values as wide as the keys."""
+    return (key.dtype in DTYPES and value.dtype == key.dtype and value.shape[-1] == key.shape[-1]
+            and triton_decode_available(key.device))
+
+
 @torch.compiler.assume_constant_result  # a host query of the device (torch caches it): a constant to torch.compile
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
@@ -225,7 +234,7 @@ def triton_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if sq != 1 or hq % hkv or value.shape[:3] != key.shape[:3] or value.shape[-1] != d or key.shape[-1] != d:
         raise ValueError(f"triton_decode_attention takes one query per row, Hq a multiple of Hkv and equal head "
                          f"sizes; got query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
-    if key.dtype not in (torch.bfloat16, torch.float16, torch.float32) or value.dtype != key.dtype:
+    if key.dtype not in DTYPES or value.dtype != key.dtype:
         raise ValueError(f"triton_decode_attention takes a bf16, fp16 or float32 cache; got {key.dtype}, "
                          f"{value.dtype}")
     if splits is None:
