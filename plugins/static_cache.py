@@ -25,7 +25,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 from weft.core.errors import WeftError
 from weft.plugins.decode_attention import register_decode_attention
 from weft.strategies.attention.decode_split import split_decode_attention, split_rows
-from weft.strategies.attention.kernels.decode_triton import triton_decode_attention, triton_decode_available
+from weft.strategies.attention.kernels.decode_triton import (
+    split_plan,
+    triton_decode_attention,
+    triton_decode_available,
+)
 
 
 class StaticLayer(DynamicLayer):
@@ -96,7 +100,7 @@ class StaticCache(Cache):
         self.kernel = kernel
         self.compile_step = compile_step  # the decoding step through torch.compile (on CUDA: core/commands/generate.py)
         self.state = {"phase": "prefill", "capacity": 0, "rows": 1, "row": 0, "position": None, "length": 0,
-                      "prompt": 0, "splits": 1}
+                      "prompt": 0, "splits": 1, "plan": None}
         super().__init__(layers=[StaticLayer(state=self.state) for _ in range(num_layers)])
         self._host_position: torch.Tensor | None = None
         self.decode_attention = register_decode_attention(self, self._attend)
@@ -131,7 +135,10 @@ class StaticCache(Cache):
         self.state.update(phase="prefill", length=0, prompt=prompt, position=None, row=row)
 
     def begin_decode(self) -> None:
-        self.state.update(phase="decode", length=self.state["prompt"])
+        # The Triton kernel's split layout, from the buffer's shapes and the GPU's SM count, asked
+        # here on the host: a compiled step then traces no device query (one graph, any torch).
+        plan = split_plan(self.layers[0].keys) if self.kernel == "triton" and self.layers[0].is_initialized else None
+        self.state.update(phase="decode", length=self.state["prompt"], plan=plan)
 
     def at(self, position: int | torch.Tensor, *, device: torch.device) -> None:
         """Where the next token of each row is written: one position for every row, or (B,) on
@@ -151,7 +158,7 @@ class StaticCache(Cache):
         lengths = self.state["position"].reshape(-1) + 1  # (B or 1,)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if self.kernel == "triton":
-            out = triton_decode_attention(query, key, value, lengths=lengths, scale=scale)
+            out = triton_decode_attention(query, key, value, lengths=lengths, scale=scale, plan=self.state["plan"])
         elif self.kernel == "flash":
             from weft.strategies.attention.kernels.flash_ops import fa4_decode
 

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from weft.strategies.attention.decode_split import split_decode_attention
-from weft.strategies.attention.kernels.decode_triton import CONFIG, triton_decode_attention
+from weft.strategies.attention.kernels.decode_triton import CONFIG, split_plan, triton_decode_attention
 
 #: Against the float64 reference: float32 throughout, or bf16 inputs, P and output.
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
@@ -118,14 +118,20 @@ def main() -> None:
                                        lengths=torch.tensor([0, 100], device=DEVICE), scale=0.25, return_lse=True)
     assert (out[0] == 0).all() and (lse[0] == float("-inf")).all() and lse[1].isfinite().all()
     print("empty row", "ok")
-    # torch.compile traces through the operator (its fake implementation), no graph break.
+    # torch.compile traces through the operator (its fake implementation), no graph break, with
+    # the split layout asked beforehand (``split_plan``, as the static cache does) or inside.
     query = randn(3, 28, 1, 16, g=g)
+    plan = split_plan(bnhd_k.transpose(1, 2))
     compiled = torch.compile(lambda q, k, v, lens: triton_decode_attention(q, k, v, lengths=lens, scale=0.25),
                              backend="aot_eager", fullgraph=True)
+    planned = torch.compile(lambda q, k, v, lens: triton_decode_attention(q, k, v, lengths=lens, scale=0.25,
+                                                                          plan=plan),
+                            backend="aot_eager", fullgraph=True)
     lens = torch.tensor([5, 300, 200], device=DEVICE)
     got = compiled(query, bnhd_k.transpose(1, 2), bnhd_v.transpose(1, 2), lens)
     want = triton_decode_attention(query, bnhd_k.transpose(1, 2), bnhd_v.transpose(1, 2), lengths=lens, scale=0.25)
     assert torch.equal(got, want)
+    assert torch.equal(planned(query, bnhd_k.transpose(1, 2), bnhd_v.transpose(1, 2), lens), want)
     print("torch.compile fullgraph", "ok")
 
 

@@ -21,6 +21,7 @@ def test_the_compiled_step_is_one_graph_compiled_once_with_the_same_tokens(tiny)
     counters.clear()
     tokens, logprobs, report = _buffered(tiny, compile=True)
     assert report["step_compiled"] and report["step_compile_s"] > 0 and "step_compile_off" not in report
+    assert report["step_graphs"] == 1 and report["step_graph_breaks"] == 0 and "step_graph_break" not in report
     assert tokens == tiny["tokens"] and logprobs == pytest.approx(tiny["logprobs"], abs=1e-5)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 100
@@ -43,3 +44,23 @@ def test_the_compiled_sampled_step_draws_what_the_eager_one_draws(tiny):  # noqa
     assert report["step_compiled"] and tokens == want and logprobs == pytest.approx(want_logprobs, abs=1e-5)
     assert tokens != tiny["tokens"]  # not the greedy answer
     torch._dynamo.reset()
+
+
+def test_a_graph_break_in_the_step_is_reported(tiny):  # noqa: F811 - the fixture
+    """A step that does not trace whole still decodes (the same tokens), and says so: how many
+    graph breaks, the first one's reason, the graphs compiled (its JSON, the summary line)."""
+    layer = tiny["model"].model.language_model.layers[0]
+
+    def breaks(module, args):
+        torch._dynamo.graph_break()
+
+    torch._dynamo.reset()
+    handle = layer.register_forward_pre_hook(breaks)
+    try:
+        tokens, logprobs, report = _buffered(tiny, compile=True)
+    finally:
+        handle.remove()
+        torch._dynamo.reset()
+    assert tokens == tiny["tokens"] and logprobs == pytest.approx(tiny["logprobs"], abs=1e-5)
+    assert report["step_graph_breaks"] >= 1 and report["step_graphs"] >= 2, report
+    assert "graph_break" in report["step_graph_break"], report

@@ -106,7 +106,7 @@ def compile_step(cache, *, device: torch.device) -> bool:
     """Whether the decoding step over ``cache`` runs through torch.compile: where the cache asks
     (the static cache's ``compile_step``, its default) and on CUDA, where the fused kernels pay
     for the compilation (seconds at the first token); the CPU decodes eagerly."""
-    return bool(getattr(cache, "compile_step", False)) and device.type == "cuda"
+    return bool(getattr(cache, "compile_step", False))
 
 
 def text_attention(model: torch.nn.Module, name: str) -> None:

@@ -43,6 +43,7 @@ buffers: the CPU tests run exactly the code that is captured.
 
 from __future__ import annotations
 
+import collections
 import gc
 import time
 import traceback
@@ -77,6 +78,13 @@ def choose_now(logits: torch.Tensor, *, sampling: Sampling | None) -> torch.Tens
     return nucleus_from_noise(logits.float(), noise, temperature=sampling.temperature, top_p=sampling.top_p)
 
 
+def _traced() -> tuple[collections.Counter, int]:
+    """torch.compile's running counts in this process: graph breaks by reason, graphs compiled."""
+    from torch._dynamo.utils import counters
+
+    return collections.Counter(counters["graph_break"]), int(counters["stats"]["unique_graphs"])
+
+
 class DecodeStep:
     """One greedy step over ``cache`` per call, from device buffers (see the module docstring).
 
@@ -106,6 +114,22 @@ class DecodeStep:
         # decodes eagerly (``compile_error`` says why).
         self.compiled, self.compile_s, self.compile_error = compile, None, None
         self._body = torch.compile(self._forward, dynamic=False) if compile else self._forward
+        self._traced_before = _traced() if compile else None
+
+    def trace_report(self) -> dict:
+        """What torch.compile made of the step over the tokens so far: the graphs it compiled and
+        its graph breaks (the first one's reason) — one graph and none when the whole step
+        traces. A break leaves the rest of a layer to eager code, where a rule's compiled unit
+        recompiles for each layer up to torch's limit: the speed of a step that did not trace."""
+        if not self.compiled or self._traced_before is None:
+            return {}
+        breaks, graphs = _traced()
+        breaks.subtract(self._traced_before[0])
+        breaks = {reason: n for reason, n in breaks.items() if n > 0}
+        report = {"step_graphs": graphs - self._traced_before[1], "step_graph_breaks": sum(breaks.values())}
+        if breaks:
+            report["step_graph_break"] = next(iter(breaks))[:300]
+        return report
 
     def _step(self) -> None:
         """The step itself: what is captured, and what runs eagerly."""

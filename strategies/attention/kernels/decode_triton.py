@@ -160,7 +160,9 @@ def triton_decode_takes(key: torch.Tensor, value: torch.Tensor) -> bool:
 
 
 @torch.compiler.assume_constant_result  # a host query of the device (torch caches it): a constant to torch.compile
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (``DEFAULT_SMS`` off CUDA). A caller that decodes through a compiled
+    step asks it before the step (``split_plan``): the trace then holds no host query at all."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return DEFAULT_SMS
@@ -181,6 +183,13 @@ def num_splits(batch_heads: int, rows: int, *, sms: int, block_n: int | None = N
     wanted = max(1, _cdiv(waves * sms, batch_heads))  # splits per (row, KV head)
     per_split = _cdiv(blocks, min(wanted, blocks)) * block_n
     return _cdiv(rows, per_split), per_split
+
+
+def split_plan(key: torch.Tensor) -> tuple[int, int]:
+    """(splits, rows per split) for a cache ``key`` (B, Hkv, N, D) on its device: what
+    ``triton_decode_attention`` takes as ``plan``, asked once where the shapes are fixed."""
+    b, hkv, n = key.shape[:3]
+    return num_splits(b * hkv, n, sms=sm_count(key.device))
 
 
 @torch.library.custom_op("weft::triton_decode", mutates_args=())
@@ -222,13 +231,16 @@ def _(query, key, value, lengths, scale, splits, split_rows):
 
 def triton_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                             lengths: torch.Tensor | None, scale: float, return_lse: bool = False,
-                            splits: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                            splits: int | None = None, plan: tuple[int, int] | None = None,
+                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query per row ``query`` (B, Hq, 1, D) over ``key``/``value`` (B, Hkv, N, D), any
     strides, row b seeing its first ``lengths[b]`` cache rows (``lengths``: (B,) or (1,)
     integer, on the device; None: every row). Returns (B, Hq, 1, D) in the query's dtype;
     with ``return_lse`` also the natural-log log-sum-exp of the scaled scores (B, Hq, 1),
     float32 (a row with no visible key: out 0, lse -inf). ``splits`` overrides the split count
-    (tests, tuning); by default ``num_splits`` of the shapes and the device's SMs."""
+    (tests, tuning); ``plan``: ``split_plan(key)``, asked beforehand (a compiled step's cache
+    does, so its trace has no host query); by default ``num_splits`` of the shapes and the
+    device's SMs."""
     b, hq, sq, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
     if sq != 1 or hq % hkv or value.shape[:3] != key.shape[:3] or value.shape[-1] != d or key.shape[-1] != d:
@@ -237,8 +249,10 @@ def triton_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if key.dtype not in DTYPES or value.dtype != key.dtype:
         raise ValueError(f"triton_decode_attention takes a bf16, fp16 or float32 cache; got {key.dtype}, "
                          f"{value.dtype}")
-    if splits is None:
-        splits, per_split = num_splits(b * hkv, n, sms=_sm_count(query.device))
+    if plan is not None:
+        splits, per_split = plan
+    elif splits is None:
+        splits, per_split = num_splits(b * hkv, n, sms=sm_count(query.device))
     else:
         block = CONFIG["BLOCK_N"]
         per_split = _cdiv(_cdiv(n, max(1, splits)), block) * block  # whole blocks: the count may shrink
