@@ -14,6 +14,9 @@
 # 28x: what each part buys (the compiled step without its graph, the graph without the
 # compiled step, the plain-torch split-KV, plain transformers' static cache); 15:
 # flash-attn-4's decode (Blackwell), the dynamic and paged caches' (and the two-GPU ones);
+# 28a: the fast path's numerics at 16K (before anything else when a step's tokens part from
+# the eager ones): the fast and eager paths in bf16 and in float32 (the reference), the graph
+# without the compiled step, each row's log-probabilities against float32's;
 # all (the default): every group. The table covers whatever rows the folder holds.
 set -uo pipefail
 rows=${1:-all}
@@ -28,7 +31,54 @@ ruled() {  # $1 the variant's path, $2 the static cache rule's extra keys: one r
     "$here/variants/7b-128k-static-cache.toml" > "$1"
   grep -q "$2" "$1" || { echo "generate_long.sh: the static cache's rule not found in the variant" >&2; exit 1; }
 }
-case "$rows" in 28|all) ;; 28x|15) ;; *) echo "generate_long.sh: rows 28, 28x, 15 or all, not $rows" >&2; exit 2 ;; esac
+case "$rows" in 28|all) ;; 28a|28x|15) ;; *) echo "generate_long.sh: rows 28, 28a, 28x, 15 or all, not $rows" >&2; exit 2 ;; esac
+if [ "$rows" = 28a ] || [ "$rows" = all ]; then
+# The same 16K prompt through each path; float32 (weights stored and computed so, the prefill
+# through torch's SDPA: flash-attn-4 takes no float32) is the reference every bf16 row is
+# judged against, and the float32 fast path against the float32 eager one tells a compiled
+# step's error from bf16's own rounding.
+sixteen=(--prompt-from-data --set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --warmup
+         --json --nproc 1)
+ruled "$out/a-uncompiled.toml" 'compile_step = false'
+sed 's/storage_dtype = "bfloat16"/storage_dtype = "float32"/' "$here/variants/7b-128k-static-cache.toml" > "$out/a-fp32.toml"
+printf '\n[[rules]]\nname = "float32: torch SDPA"\nwhen = { modality = "text" }\nattention = { strategy = "sdpa" }\n' >> "$out/a-fp32.toml"
+sed 's/kv_cache = { strategy = "static" }/kv_cache = { strategy = "static", compile_step = false }/' "$out/a-fp32.toml" \
+  > "$out/a-fp32-uncompiled.toml"
+timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" "${sixteen[@]}" > "$out/a-fast.json" 2> "$out/a-fast.err"
+timeout 300 python3 -m weft generate "$out/a-uncompiled.toml" "${sixteen[@]}" --no-cuda-graph > "$out/a-eager.json" 2> "$out/a-eager.err"
+timeout 300 python3 -m weft generate "$out/a-fp32-uncompiled.toml" "${sixteen[@]}" --set train.precision=fp32 --no-cuda-graph \
+  > "$out/a-fp32-eager.json" 2> "$out/a-fp32-eager.err"
+timeout 300 python3 -m weft generate "$out/a-fp32.toml" "${sixteen[@]}" --set train.precision=fp32 > "$out/a-fp32-fast.json" 2> "$out/a-fp32-fast.err"
+timeout 300 python3 -m weft generate "$out/a-uncompiled.toml" "${sixteen[@]}" > "$out/a-graph.json" 2> "$out/a-graph.err"
+python3 - "$out" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+rows = {}
+for name in ("a-fp32-eager", "a-fp32-fast", "a-eager", "a-graph", "a-fast"):
+    try:
+        rows[name] = json.loads((out / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        print(f"{name}: not run or FAILED (see {name}.err)")
+ref = rows.get("a-fp32-eager")
+print("| row (16K prompt) | step compiled | graph | graphs, breaks | tokens as fp32 eager | first differs | max abs dlogprob over the shared prefix | dlogprob at token 1 |")
+print("|---|---|---|---|---:|---:|---:|---:|")
+for name, r in rows.items():
+    if ref is None:
+        break
+    pairs = list(zip(r["tokens"], ref["tokens"]))
+    first = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+    shared = [abs(a - b) for a, b in zip(r["logprobs"][:first + 1], ref["logprobs"][:first + 1])]
+    print(f"| {name} | {r.get('step_compiled')} | {r.get('cuda_graph')} | {r.get('step_graphs')}, {r.get('step_graph_breaks')} | "
+          f"{sum(a == b for a, b in pairs)} of {len(pairs)} | {first} | {max(shared):.2e} | {abs(r['logprobs'][1] - ref['logprobs'][1]):.2e} |")
+for a, b in (("a-fast", "a-eager"), ("a-graph", "a-eager"), ("a-fp32-fast", "a-fp32-eager")):
+    if a in rows and b in rows:
+        same = sum(x == y for x, y in zip(rows[a]["tokens"], rows[b]["tokens"]))
+        print(f"{a} against {b}: {same} of {len(rows[a]['tokens'])} tokens the same")
+for name, r in rows.items():
+    if r.get("step_graph_break"):
+        print(f"{name}: first graph break: {r['step_graph_break']}")
+PY
+fi
 if [ "$rows" = 28 ] || [ "$rows" = all ]; then
 # Each row under a timeout: a hung compilation costs its row, not the lease.
 timeout 300 python3 "$here/hf_generate.py" --preset qwen2_5_vl_7b --tokens 131072 --new 100 > "$out/hf.json" 2> "$out/hf.err"
@@ -41,8 +91,9 @@ timeout 300 python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:
 # The batch row: 8 prompts of 16K tokens decoded together, against one of them alone (both
 # through the static cache, which the batch path always uses).
 short=(--set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --warmup --json --nproc 1)
-timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 1 "${short[@]}" \
-  > "$out/16k-one.json" 2> "$out/16k-one.err"
+if [ -s "$out/a-fast.json" ]; then cp "$out/a-fast.json" "$out/16k-one.json"  # 28a's fast row: this one
+else timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 1 "${short[@]}" \
+  > "$out/16k-one.json" 2> "$out/16k-one.err"; fi
 timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 8 "${short[@]}" \
   > "$out/16k-eight.json" 2> "$out/16k-eight.err"
 fi
@@ -128,7 +179,8 @@ for name in ("one-static-eager", "one-static-nograph", "one-static-uncompiled", 
               f"(first difference at {first})")
 for name, r in rows.items():
     if r.get("step_compiled") is not None:
-        print(f"{name}: step compiled {r['step_compiled']} ({r.get('step_compile_s') or r.get('step_compile_off')}), "
+        print(f"{name}: step compiled {r['step_compiled']} ({r.get('step_compile_s') or r.get('step_compile_off')}; "
+              f"{r.get('step_graphs')} graphs, {r.get('step_graph_breaks')} breaks {r.get('step_graph_break') or ''}), "
               f"graph {r.get('cuda_graph')} ({r.get('graph_capture_s') or r.get('cuda_graph_off')})")
 for name in ("one-paged", "two-paged", "one-static"):
     if name in rows and "one" in rows:

@@ -29,16 +29,21 @@ VARIANTS = {
     "float8-tensorwise": ('storage_dtype = "bfloat16", matmul = "float8", float8_recipe = "tensorwise"', ""),
     "bf16-round-to-nearest": ('storage_dtype = "bfloat16"', 'optimizer = "adamw"\n'),
     "float32-master": ("", ""),  # float32 weights and AdamW states, bf16 autocast
+    # bf16 again from another seed (its initial weights and its data order): how far two runs
+    # of one precision part at lr 1e-3, the yardstick for the others' distance from bf16.
+    "bf16-seed1": ('storage_dtype = "bfloat16"', "seed = 1\n"),
 }
 
 
-def recipe_text(*, preset: str, tokens: int, batch: int, steps: int, shard: str, train: str) -> str:
-    layers = ", ".join(k for k in ('strategy = "none"', shard) if k)
+def recipe_text(*, preset: str, tokens: int, batch: int, steps: int, shard: str, train: str,
+                compile: bool = False) -> str:
+    layers = ", ".join(k for k in ('strategy = "none"', shard, "compile = true" if compile else "") if k)
+    seed = "" if "seed" in train else "seed = 0\n"
     rest = 'strategy = "none"' + (', storage_dtype = "bfloat16"' if "bfloat16" in shard else "")
     return (f'[model]\npreset = "{preset}"\n[data]\nsource = "text"\npath = "<stdlib>/**/*.py"\ntokens = {tokens}\n'
             f"num_samples = {max(1, steps * batch // tokens)}\n[train]\nmax_steps = {steps}\n"
             f"micro_batch_tokens = {batch}\nlr = 1e-3\nwarmup_steps = 20\nprecision = \"bf16\"\n"
-            f"checkpoint_every = -1\nseed = 0\n{train}[parallel]\nnproc = 1\n"
+            f"checkpoint_every = -1\n{seed}{train}[parallel]\nnproc = 1\n"
             f'[[rules]]\nname = "the variant\'s layers"\nwhen = {{ path = "*.layers.*" }}\nshard = {{ {layers} }}\n'
             f'[[rules]]\nname = "the rest"\nshard = {{ {rest} }}\n')
 
@@ -57,6 +62,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16384, help="tokens per step")
     parser.add_argument("--emulate", action="store_true",
                         help="float8 variants with float8_emulate = true (their numerics on a CPU, not their speed)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the layers' children through torch.compile (every variant alike): float8's casts fused, "
+                             "its speed torchao's, not an unfused cast's")
     parser.add_argument("--plot", type=pathlib.Path, metavar="JSON",
                         help="no runs: the table and the PNG from a loss_curves.json already made (e.g. the GPU's)")
     args = parser.parse_args()
@@ -68,7 +76,7 @@ def main() -> None:
             shard += ", float8_emulate = true"
         recipe = args.out / f"{name}.toml"
         recipe.write_text(recipe_text(preset=args.preset, tokens=args.tokens, batch=args.batch, steps=args.steps,
-                                      shard=shard, train=train))
+                                      shard=shard, train=train, compile=args.compile))
         run = args.out / name
         done = subprocess.run([sys.executable, "-m", "weft", "run", str(recipe), "--run-dir", str(run)],
                               capture_output=True, text=True)
