@@ -21,6 +21,7 @@ def test_the_compiled_step_is_one_graph_compiled_once_with_the_same_tokens(tiny)
     counters.clear()
     tokens, logprobs, report = _buffered(tiny, compile=True)
     assert report["step_compiled"] and report["step_compile_s"] > 0 and "step_compile_off" not in report
+    assert report["first_step_s"] == report["step_compile_s"]  # the compilation is the first step's
     assert report["step_graphs"] == 1 and report["step_graph_breaks"] == 0 and "step_graph_break" not in report
     assert tokens == tiny["tokens"] and logprobs == pytest.approx(tiny["logprobs"], abs=1e-5)
     assert not counters["graph_break"], dict(counters["graph_break"])

@@ -106,7 +106,16 @@ def compile_step(cache, *, device: torch.device) -> bool:
     """Whether the decoding step over ``cache`` runs through torch.compile: where the cache asks
     (the static cache's ``compile_step``, its default) and on CUDA, where the fused kernels pay
     for the compilation (seconds at the first token); the CPU decodes eagerly."""
-    return bool(getattr(cache, "compile_step", False))
+    return bool(getattr(cache, "compile_step", False)) and device.type == "cuda"
+
+
+def steady(decode_s: float, steps: int, *, first_s: float | None) -> tuple[float, int]:
+    """The decoding seconds and steps a token's cost is reckoned over: without the first step
+    where the step timed it apart (``first_step_s``: torch.compile's compilation, the attention
+    kernel's JIT, one-time set-up), which is no token's cost."""
+    if first_s is None or steps < 2:
+        return decode_s, steps
+    return decode_s - first_s, steps - 1
 
 
 def text_attention(model: torch.nn.Module, name: str) -> None:

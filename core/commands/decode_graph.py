@@ -111,8 +111,10 @@ def decode_rows_buffered(model: torch.nn.Module, *, cache, tokens: list[list[int
                     break
     steps = {"decode_steps": step.steps if step is not None else 0,  # run, read-back granularity included
              "step_compiled": bool(step is not None and step.compiled)}
+    if step is not None and step.first_s is not None:
+        steps["first_step_s"] = step.first_s  # one-time work in it: not in decode_ms_per_token
     if step is not None and (step.compiled or step.compile_error):
-        steps.update({"step_compile_s": step.compile_s, **step.trace_report()} if step.compiled
+        steps.update({"step_compile_s": step.first_s, **step.trace_report()} if step.compiled
                      else {"step_compile_off": step.compile_error})
     if step is None or step.graph is None:
         return {"cuda_graph": False, "graph_pool_bytes": 0,

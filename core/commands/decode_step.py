@@ -112,7 +112,10 @@ class DecodeStep:
         # so the graph replays a few hundred kernels a token instead of ~50 a layer. Compiled
         # at the first step (eager warm-up, outside any capture); a body torch cannot compile
         # decodes eagerly (``compile_error`` says why).
-        self.compiled, self.compile_s, self.compile_error = compile, None, None
+        self.compiled, self.compile_error = compile, None
+        # The first step's seconds: its one-time work (torch.compile's, Triton's JIT of the
+        # attention kernel, cuBLAS's set-up) is no token's cost; reported apart (first_step_s).
+        self.first_s: float | None = None
         self._body = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self._traced_before = _traced() if compile else None
 
@@ -146,18 +149,14 @@ class DecodeStep:
             torch.set_autocast_cache_enabled(cached)
 
     def _first_compiled(self) -> None:
-        """The first step, which compiles the body: timed, and rerun eagerly if it fails (the
-        step's inputs advance only at its end; its cache rows are written again in place)."""
-        start = time.perf_counter()
+        """The first step, which compiles the body; rerun eagerly if that fails (the step's
+        inputs advance only at its end; its cache rows are written again in place)."""
         try:
             self._step()
         except Exception as error:  # noqa: BLE001 - a body torch cannot compile decodes eagerly
             self.compiled, self._body = False, self._forward
             self.compile_error = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
             self._step()
-        if self.row.is_cuda:
-            torch.cuda.synchronize(self.row.device)
-        self.compile_s = time.perf_counter() - start
 
     def _forward(self) -> None:
         output = self.model(input_ids=self.token, position_ids=self.rotary, past_key_values=self.cache,
@@ -248,6 +247,7 @@ class DecodeStep:
         torch.rand(self.noise.shape, generator=self.sampling.generator, device=self.noise.device, out=self.noise)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter() if self.steps == 0 else None
         if self.sampling is not None:
             self._draw()
         if self.graph is None and self.capture and self.steps >= WARMUP:
@@ -260,5 +260,9 @@ class DecodeStep:
             self._first_compiled()
         else:
             self._step()
+        if start is not None:
+            if self.row.is_cuda:
+                torch.cuda.synchronize(self.row.device)
+            self.first_s = time.perf_counter() - start
         self.steps += 1
         return self.chosen.clone(), self.logprob.clone()  # the next replay overwrites the buffers

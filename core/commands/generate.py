@@ -29,6 +29,7 @@ from weft.core.commands.decode import (
     layer_index_dynamic,
     next_rotary,
     printer,
+    steady,
     stop_tokens,
     streaming,
     text_attention,
@@ -139,8 +140,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                                      position=position, cache_position=torch.tensor([position], device=device))
                 _pick(choose, output.logits[:, -1].float(), tokens, logprobs)
         sync()
-    # The decoding step's one-time compilation (reported as step_compile_s) is not a token's cost.
-    decode_s = time.perf_counter() - start - prefill_s - (graph.get("step_compile_s") or 0.0)
+    decode_s, counted = steady(time.perf_counter() - start - prefill_s, len(tokens) - 1,
+                               first_s=graph.get("first_step_s"))
     # Each rank's cache bytes, and a paged cache's vision pool and text pages: one gather.
     gathered = [None] * world_size
     dist.all_gather_object(gathered, (cache_bytes(cache), getattr(cache, "partition_bytes", lambda: None)()))
@@ -148,7 +149,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     return {"tokens": tokens, "logprobs": logprobs, "text": ctx.adapter.decode_tokens(recipe, tokens),
             "prompt_tokens": length,
             "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9),
-            "decode_ms_per_token": 1e3 * decode_s / max(len(tokens) - 1, 1), "cache": type(cache).__name__,
+            "decode_ms_per_token": 1e3 * decode_s / max(counted, 1), "cache": type(cache).__name__,
             "cache_bytes_per_rank": local_bytes, "world_size": world_size, **graph,
             **({"cache_partitions_per_rank": partitions} if partitions[0] is not None else {}),
             "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,

@@ -24,6 +24,7 @@ from weft.core.commands.decode import (
     compile_step,
     layer_index_dynamic,
     prompt_sample,
+    steady,
     stop_tokens,
     text_attention,
 )
@@ -92,14 +93,15 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
                                          show=None, capture=cuda_graph, read_every=READ_EVERY, sampling=sampling,
                                          compile=compile_step(cache, device=device))
         sync()
-    # The decoding step's one-time compilation (reported as step_compile_s) is not a token's cost.
-    decode_s = time.perf_counter() - start - prefill_s - (graph.get("step_compile_s") or 0.0)
-    new = sum(len(t) - 1 for t in tokens)
+    decode_s, counted = steady(time.perf_counter() - start - prefill_s, graph["decode_steps"],
+                               first_s=graph.get("first_step_s"))
+    # the first step's tokens (a row's each) go with its seconds, where they were set apart
+    new = sum(len(t) - 1 for t in tokens) - (sum(len(t) > 1 for t in tokens) if counted < graph["decode_steps"] else 0)
     return {
         "answers": [{"tokens": t, "logprobs": lp, "text": ctx.adapter.decode_tokens(recipe, t)}
                     for t, lp in zip(tokens, logprobs)],
         "prompt_tokens": lengths, "prefill_s": prefill_s, "prefill_tokens_per_s": sum(lengths) / max(prefill_s, 1e-9),
-        "decode_ms_per_step": 1e3 * decode_s / max(graph["decode_steps"], 1),
+        "decode_ms_per_step": 1e3 * decode_s / max(counted, 1),
         "decode_tokens_per_s": new / max(decode_s, 1e-9), "cache": type(cache).__name__,
         "cache_bytes_per_rank": [cache_bytes(cache)], "world_size": 1, **graph,
         "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,

@@ -235,6 +235,8 @@ def _steady(result: dict) -> str:
     parts = [f"{result['graph_ms_per_token']:.1f} ms/token replayed"] if result.get("graph_ms_per_token") else []
     if result.get("step_compile_s"):
         parts.append(f"step compiled in {result['step_compile_s']:.1f} s")
+    elif result.get("first_step_s"):
+        parts.append(f"first step {result['first_step_s']:.1f} s")
     if result.get("step_graph_breaks"):  # the step did not trace whole: its speed is not the compiled one's
         parts.append(f"{result['step_graph_breaks']} graph breaks, the first: {result['step_graph_break']}")
     return f" ({', '.join(parts)})" if parts else ""
