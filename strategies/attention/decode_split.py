@@ -45,6 +45,10 @@ import torch
 CHUNK_ROWS = 2048
 
 
+#: Device types with an autocast to switch off (the meta device, the tests' tracing, has none).
+_AUTOCAST_DEVICES = ("cuda", "cpu", "xpu")
+
+
 def split_rows(rows: int, *, chunk: int = CHUNK_ROWS) -> tuple[int, int]:
     """(buffer rows, splits) for a cache of at least ``rows`` rows: ``splits`` chunks of equal
     length covering ``rows`` (the buffer's rows a multiple of ``splits``). The padding is
@@ -107,8 +111,10 @@ def split_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     chunk = n // splits
     whole = chunk * splits  # the rows in whole chunks; the rest (< one chunk) is one more product
     # The run's autocast would cast these GEMMs' float32 inputs down: the dtypes are chosen here.
+    # (Which devices have an autocast is a fixed list, not torch.amp.is_autocast_available: a
+    # builtin torch.compile 2.11 cannot trace, a graph break in every layer of a compiled step.)
     kind = query.device.type
-    with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext():
+    with torch.autocast(kind, enabled=False) if kind in _AUTOCAST_DEVICES else contextlib.nullcontext():
         q = query.to(key.dtype).reshape(b * hkv, groups, d)  # (B x Hkv, G, D): head h = kv * G + g
         scores = _scores_dtype_bmm(q, key.reshape(b * hkv, n, d).transpose(1, 2))  # (B x Hkv, G, N), float32+
         scores = scores.view(b, hkv, groups, n).mul_(scale)

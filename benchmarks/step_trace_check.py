@@ -1,0 +1,103 @@
+"""The compiled decoding step under whatever torch and transformers are on the path, on a CPU:
+its graphs and graph breaks, and its log-probabilities against the eager step's.
+
+The CPU's venv has torch 2.13; the GPU machine has torch 2.11 and transformers 5.17, whose
+dynamo traces less (2026-12-01: ``torch.amp.is_autocast_available`` broke the step in every
+layer there and not here). Put the device's versions first on the path to see what it sees,
+without a lease (DEVELOPERS.md, "The device's torch on the CPU"):
+
+    PYTHONPATH=/tmp/t211:/tmp/tf517 python3 benchmarks/step_trace_check.py --kernel triton
+
+The tiny Qwen2.5-VL with more layers (``--layers``), its decoder layers' children compiled as a
+rule's ``compile = true`` does (the attention with them, as on the GPU), a static cache, a
+random 300-token prompt, 12 greedy tokens eagerly and through the compiled step. ``--kernel
+triton`` runs the static cache's Triton path with the operator's CPU kernel stood in by the
+plain-torch split-KV attention (the trace is what is checked, not Triton's numerics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from weft.core.commands import decode
+from weft.core.commands.decode_graph import decode_buffered
+from weft.plugins import static_cache
+from weft.strategies.attention.decode_split import split_decode_attention
+from weft.strategies.memory.compile_units import compile_unit
+
+PRESET = "recipes/presets/qwen2_5_vl_tiny.toml"
+
+
+def tiny_model(*, layers: int, dtype: torch.dtype) -> torch.nn.Module:
+    with open(PRESET, "rb") as handle:
+        fields = tomllib.load(handle)
+    fields.pop("processor", None)
+    fields["text_config"]["num_hidden_layers"] = layers
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**fields)).eval().to(dtype)
+    model.set_attn_implementation("sdpa")
+    for layer in model.model.language_model.layers:
+        compile_unit(layer, attention=True)
+    return model
+
+
+def decode_once(model, ids: torch.Tensor, *, kernel: str, compile: bool, new: int) -> tuple[list, list, dict]:
+    torch._dynamo.reset()
+    length = ids.shape[1]
+    cache = static_cache.StaticCache(num_layers=model.config.text_config.num_hidden_layers)
+    cache.kernel = kernel
+    decode.text_attention(model, "sdpa")
+    cache.reserve(length + new)
+    cache.begin_prefill(keep=None, prompt=length)
+    with torch.no_grad(), decode.layer_index_dynamic():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].double()
+    cache.begin_decode()
+    decode.text_attention(model, cache.decode_attention)
+    token = int(logits.argmax())
+    tokens, logprobs = [token], [float(torch.log_softmax(logits, -1)[0, token])]
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        report = decode_buffered(model, cache=cache, tokens=tokens, logprobs=logprobs, row=length,
+                                 rotary=torch.full((3, 1, 1), length, dtype=torch.long), max_new_tokens=new,
+                                 stops=set(), device=torch.device("cpu"), show=None, capture=True, read_every=4,
+                                 compile=compile)
+    return tokens, logprobs, report
+
+
+def stand_in_triton() -> None:
+    """The Triton operator's CPU kernel: the torch split-KV attention (what the trace sees is
+    the operator, whatever runs it)."""
+    from weft.strategies.attention.kernels import decode_triton  # noqa: F401 - registers weft::triton_decode
+
+    @torch.library.register_kernel("weft::triton_decode", "cpu")
+    def _on_cpu(query, key, value, lengths, scale, splits, split_rows):
+        return split_decode_attention(query, key, value, lengths=lengths, scale=scale, splits=4, return_lse=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", choices=("split", "triton"), default="split")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--new", type=int, default=12)
+    args = parser.parse_args()
+    if args.kernel == "triton":
+        stand_in_triton()
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, kernel {args.kernel}")
+    model = tiny_model(layers=args.layers, dtype=getattr(torch, args.dtype))
+    ids = torch.randint(0, 300, (1, 300), generator=torch.Generator().manual_seed(0))
+    eager, eager_lp, _ = decode_once(model, ids, kernel=args.kernel, compile=False, new=args.new)
+    fast, fast_lp, report = decode_once(model, ids, kernel=args.kernel, compile=True, new=args.new)
+    print(f"graphs {report.get('step_graphs')}, graph breaks {report.get('step_graph_breaks')}"
+          + (f" (first: {report['step_graph_break']})" if report.get("step_graph_break") else ""))
+    print(f"tokens as eager: {fast == eager}; max |log-probability difference| "
+          f"{max(abs(a - b) for a, b in zip(fast_lp, eager_lp)):.2e}")
+
+
+if __name__ == "__main__":
+    main()
