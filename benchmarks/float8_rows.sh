@@ -2,7 +2,7 @@
 # Issue 29's rows on one H200, in calls of under 10 minutes (weft, torchao and flash-attn-4 on
 # PYTHONPATH as DEVELOPERS.md says; from the checkout's root):
 #   bash benchmarks/float8_rows.sh a   # 7B 32K: float8 rowwise, plain transformers, bf16 as bundled (the 1.5x trio)
-#   bash benchmarks/float8_rows.sh b   # 7B 32K float8 tensorwise; rowwise with 4 more layers unrecomputed
+#   bash benchmarks/float8_rows.sh b   # 7B 32K float8 tensorwise, rowwise_with_gw_hp; rowwise with 4 more layers unrecomputed
 #   bash benchmarks/float8_rows.sh e   # 7B 128K float8 rowwise (3 steps)
 #   bash benchmarks/float8_rows.sh c   # loss curves: 0.5B on the standard library's text, bf16 (two seeds), float8
 #   bash benchmarks/float8_rows.sh d   # the same for the optimizer: round-to-nearest bf16, float32 masters
@@ -26,7 +26,10 @@ case "${1:?stage a, b, c, d or e}" in
     # tensorwise: the bundled float8 recipe with its recipe key changed (one layout, not two)
     sed 's/float8_recipe = "rowwise"/float8_recipe = "tensorwise"/' "$(bundled qwen2.5-vl-7b-32k-float8-1gpu.toml)" \
       > "$work/7b-32k-float8-tensorwise.toml"
-    run f8tensor-32k "$work/7b-32k-float8-tensorwise.toml" 6 240
+    run f8tensor-32k "$work/7b-32k-float8-tensorwise.toml" 6 200
+    sed 's/float8_recipe = "rowwise"/float8_recipe = "rowwise_with_gw_hp"/' "$(bundled qwen2.5-vl-7b-32k-float8-1gpu.toml)" \
+      > "$work/7b-32k-float8-gwhp.toml"
+    run f8gwhp-32k "$work/7b-32k-float8-gwhp.toml" 6 200
     # What float8's smaller activations buy (116.9 GiB against bf16's 132.6 at 32K, 2026-12-01):
     # layers 10-13 unrecomputed too (~3.5 GiB each), the MLP's recomputation spared there.
     awk '{print} /^when = \{ path = "\*\.language_model\.layers\.\[0-9\]" \}/ {keep=1} keep && /^shard/ {

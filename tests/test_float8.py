@@ -48,6 +48,23 @@ def test_the_rule_converts_the_units_linear_layers_and_nothing_else(tmp_path):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp", "tensorwise"])
+def test_each_recipe_is_torchaos_own(recipe):
+    """Each accepted recipe converts with torchao's configuration of that name; with_gw_hp
+    leaves the weight gradient's product unscaled (in the storage dtype)."""
+    from torchao.float8.config import ScalingType
+
+    from weft.strategies.model.float8 import RECIPES, convert
+
+    assert recipe in RECIPES
+    block = torch.nn.Sequential(torch.nn.Linear(64, 128, device="meta"))
+    assert convert(block, recipe=recipe) == ["0"]
+    config = block[0].config
+    high = config.cast_config_input_for_grad_weight.scaling_type == ScalingType.DISABLED
+    assert high == (recipe == "rowwise_with_gw_hp"), config
+
+
+@pytest.mark.quick
 def test_adapters_layers_and_odd_dimensions_stay_as_they_are():
     from weft.strategies.model.float8 import eligible
 

@@ -4,7 +4,9 @@
 input, weight and output gradient to float8 with dynamic scales before each of its three
 products and keeps its weight in the storage dtype; the matrix units of Hopper, Ada and
 Blackwell GPUs run float8 at twice bf16's rate. Scaling recipes (torchao's names):
-``tensorwise`` (one scale per tensor: fastest, coarsest) and ``rowwise`` (a scale per row).
+``tensorwise`` (one scale per tensor: fastest, coarsest), ``rowwise`` (a scale per row) and
+``rowwise_with_gw_hp`` (rowwise, the weight gradient's product left in high precision: its
+inputs would need casting along the token axis, a transposed pass per product).
 
 Left in their dtype: layers whose dimensions are not multiples of 16 (float8 GEMMs need
 them), adapters' layers (``lora_``: r-wide, nothing to gain), and anything the caller's unit
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-RECIPES: tuple[str, ...] = ("rowwise", "tensorwise")
+RECIPES: tuple[str, ...] = ("rowwise", "rowwise_with_gw_hp", "tensorwise")
 #: The lowest compute capability with float8 matrix units (Ada: 8.9; Hopper 9.0; Blackwell 10.x).
 MIN_CAPABILITY = (8, 9)
 
