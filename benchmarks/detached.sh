@@ -4,7 +4,7 @@
 # watch it from calls that follow one another without a pause (the machine is given back 30 s
 # after a call).
 #   bash benchmarks/detached.sh start DIR CMD...   # CMD's output in DIR/log, DIR/rc when it ends
-#   bash benchmarks/detached.sh wait DIR SECONDS   # until DIR/rc exists or SECONDS pass; DIR -> $OUT
+#   bash benchmarks/detached.sh wait DIR SECONDS   # until DIR/rc exists or SECONDS pass; DIR -> $OUT/res.tgz
 set -uo pipefail
 what=${1:?start or wait}; dir=${2:?folder}; shift 2
 case "$what" in
@@ -15,7 +15,11 @@ case "$what" in
   wait)
     limit=${1:?seconds}; start=$SECONDS
     while [ ! -e "$dir/rc" ] && [ $((SECONDS - start)) -lt "$limit" ]; do sleep 5; done
-    [ -n "${OUT:-}" ] && cp -r "$dir/." "$OUT/" 2>/dev/null
+    # The folder as one archive (a device call brings back only so many files), the progress beside it.
+    if [ -n "${OUT:-}" ]; then
+      tar czf "$OUT/res.tgz" -C "$dir" --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' . 2>/dev/null
+      cp "$dir/progress" "$dir/log" "$OUT/" 2>/dev/null
+    fi
     if [ -e "$dir/rc" ]; then echo "ended: rc $(cat "$dir/rc")"; else echo "still running after ${limit}s"; fi
     tail -c 3000 "$dir/log" ;;
   *) echo "detached.sh: start or wait, not $what" >&2; exit 2 ;;
