@@ -73,12 +73,16 @@ def test_adapters_layers_and_odd_dimensions_stay_as_they_are():
     assert not eligible(torch.nn.Linear(64, 16, device="meta"), "mlp.up_proj.lora_A.default")
 
 
-def test_float8_where_the_device_has_no_float8_units_is_the_rules_error(weft, tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_float8_where_the_device_has_no_float8_units_is_the_rules_error(weft, tmp_path, nproc):
+    """Met on the ranks (the device is theirs): with 2, every rank meets it and the launcher
+    says it once, whichever rank ends first (core/run/rank_errors.py)."""
     (tmp_path / "f8.toml").write_text(FLOAT8)
-    done = weft("run", "f8.toml", "--run-dir", "run", cwd=tmp_path)
+    done = weft("run", "f8.toml", "--run-dir", "run", "--nproc", str(nproc), cwd=tmp_path)
     message = " ".join(done.stderr.split())
     assert done.returncode == 2 and "shard rule 'float8 text layers' asks for matmul = 'float8'" in message
     assert "the cpu device has no float8 matrix units" in message and "f8.toml:" in message
+    assert message.count("weft: error:") == 1, message
 
 
 def test_float8_and_a_4bit_base_on_one_unit_are_refused(weft, tmp_path):

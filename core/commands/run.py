@@ -14,6 +14,7 @@ from weft.core.errors import EXIT_OK, WeftError
 from weft.core.plugin_manager import plugin_manager_from_env
 from weft.core.run.lock import join_run, run_lock
 from weft.core.run.model_files import check_processor_files, check_weight_files, data_needs
+from weft.core.run.rank_errors import clear, note, noted
 
 
 def _under_launcher() -> bool:
@@ -39,8 +40,13 @@ def cmd_run(args) -> int:
         resume = args.resume or (restarted() and bool(checkpoint_dirs(run_dir)))
         if launcher is not None:  # in the lock before anything is written: a new run sees this rank
             join_run(run_dir, launcher_pid=launcher.launcher_pid, rank=launcher.rank)
-        with contextlib.nullcontext() if held else run_lock(run_dir):
-            return _train(recipe, pm, run_dir=run_dir, resume=resume, launcher=launcher)
+        try:
+            with contextlib.nullcontext() if held else run_lock(run_dir):
+                return _train(recipe, pm, run_dir=run_dir, resume=resume, launcher=launcher)
+        except WeftError as error:
+            if launcher is not None:  # weft's launcher says it, once (core/run/rank_errors.py)
+                note(error, folder=run_dir, stem="run", rank=launcher.rank)
+            raise
     nproc = args.nproc or recipe.parallel.nproc
     run_dir = _run_dir(args, recipe)
     if args.resume:
@@ -66,7 +72,12 @@ def cmd_run(args) -> int:
             child_args += ["--set", override]
         if args.resume:
             child_args.append("--resume")
-        return launch_local(nproc=nproc, args=child_args, run_dir=run_dir, max_restarts=args.max_restarts)
+        clear(folder=run_dir, stem="run")
+        code = launch_local(nproc=nproc, args=child_args, run_dir=run_dir, max_restarts=args.max_restarts)
+        error = noted(folder=run_dir, stem="run", code=code) if code != 0 else None
+        if error is not None:
+            raise error
+        return code
 
 
 def _check_inputs(recipe, pm) -> None:

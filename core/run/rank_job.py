@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from weft.core.errors import EXIT_GUARD, EXIT_USER, RunFailed, WeftError
 from weft.core.recipe import Recipe
+from weft.core.run.rank_errors import note, noted
 
 
 def launch_ranks(command: str, *, nproc: int, args: list[str], out: pathlib.Path) -> None:
@@ -20,10 +21,8 @@ def launch_ranks(command: str, *, nproc: int, args: list[str], out: pathlib.Path
     from weft.core.run.launch import launch_local
 
     code = launch_local(nproc=nproc, args=["-m", "weft", f"_{command}-worker", *args, "--out", str(out)])
-    noted = sorted(out.parent.glob(f"{out.name}.rank*.error"), key=lambda p: int(p.name.rsplit("rank", 1)[1][:-6]))
-    if code != 0 and noted:  # a rank's own message (the lowest rank's): said here, once
-        error = WeftError(noted[0].read_text())
-        error.exit_code = code if code in (EXIT_USER, EXIT_GUARD) else error.exit_code
+    error = noted(folder=out.parent, stem=out.name, code=code) if code != 0 else None
+    if error is not None:  # a rank's own message (the lowest rank's): said here, once
         raise error
     if code != 0 or not out.is_file():
         failed = RunFailed(f"the {nproc}-rank `weft {command}` failed (exit code {code}); its ranks' output above "
@@ -52,11 +51,7 @@ def run_on_rank(recipe: Recipe, *, out: pathlib.Path, job: Callable[..., dict | 
         result = job(recipe, rank=rank, world_size=world_size, local_rank=local_rank, device_type=device_type,
                      **options)
     except WeftError as error:
-        # Every rank notes its message beside ``out`` for the launcher to say: rank 0 alone
-        # printing it lost it whenever another rank failed first and the launcher stopped rank
-        # 0 before it printed (all ranks meet the same plan error at once).
-        out.with_name(f"{out.name}.rank{rank}.error").write_text(str(error))
-        error.noted = True
+        note(error, folder=out.parent, stem=out.name, rank=rank)  # for the launcher to say (core/run/rank_errors.py)
         close_process_group(clean=False)
         raise
     except BaseException:
