@@ -2,7 +2,7 @@
 # Issue 29's rows on one H200, in calls of under 10 minutes (weft, torchao and flash-attn-4 on
 # PYTHONPATH as DEVELOPERS.md says; from the checkout's root):
 #   bash benchmarks/float8_rows.sh a   # 7B 32K: float8 rowwise, plain transformers, bf16 as bundled (the 1.5x trio)
-#   bash benchmarks/float8_rows.sh b   # 7B 32K float8 tensorwise, rowwise_with_gw_hp; rowwise with 4 more layers unrecomputed
+#   bash benchmarks/float8_rows.sh b   # 7B 32K float8 tensorwise, rowwise_with_gw_hp; rowwise, layers 0-13 unrecomputed and whole-compiled
 #   bash benchmarks/float8_rows.sh e   # 7B 128K float8 rowwise (3 steps)
 #   bash benchmarks/float8_rows.sh c   # loss curves: 0.5B on the standard library's text, bf16 (two seeds), float8
 #   bash benchmarks/float8_rows.sh d   # the same for the optimizer: round-to-nearest bf16, float32 masters
@@ -31,12 +31,17 @@ case "${1:?stage a, b, c, d or e}" in
       > "$work/7b-32k-float8-gwhp.toml"
     run f8gwhp-32k "$work/7b-32k-float8-gwhp.toml" 6 200
     # What float8's smaller activations buy (116.9 GiB against bf16's 132.6 at 32K, 2026-12-01):
-    # layers 10-13 unrecomputed too (~3.5 GiB each), the MLP's recomputation spared there.
+    # layers 10-13 unrecomputed too (~3.5 GiB each), the MLP's recomputation spared there, and
+    # every unrecomputed layer compiled as one graph (compile_scope = "unit": float8's casts
+    # fused across the layer's children).
     awk '{print} /^when = \{ path = "\*\.language_model\.layers\.\[0-9\]" \}/ {keep=1} keep && /^shard/ {
            print "\n[[rules]]\nname = \"decoder layers 10-13: no recomputation\"\nwhen = { path = \"*.language_model.layers.1[0-3]\" }";
-           print; keep=0}' "$(bundled qwen2.5-vl-7b-32k-float8-1gpu.toml)" > "$work/7b-32k-float8-off14.toml"
-    grep -q "layers 10-13" "$work/7b-32k-float8-off14.toml" || echo "float8_rows.sh: the off14 rule was not inserted" >&2
-    run f8row-32k-off14 "$work/7b-32k-float8-off14.toml" 6 $((590 - SECONDS)) ;;
+           print; keep=0}' "$(bundled qwen2.5-vl-7b-32k-float8-1gpu.toml)" \
+      | sed 's/checkpoint = "off", compile = true, matmul = "float8"/checkpoint = "off", compile = true, compile_scope = "unit", matmul = "float8"/' \
+      > "$work/7b-32k-float8-tuned.toml"
+    [ "$(grep -c 'compile_scope = "unit"' "$work/7b-32k-float8-tuned.toml")" = 2 ] \
+      || echo "float8_rows.sh: the tuned variant's rules were not rewritten" >&2
+    run f8row-32k-tuned "$work/7b-32k-float8-tuned.toml" 6 $((590 - SECONDS)) ;;
   e)
     run f8row-128k qwen2.5-vl-7b-128k-float8-1gpu 3 500 ;;
   c)

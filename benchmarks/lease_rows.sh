@@ -11,11 +11,11 @@ mkdir -p "$dest/gen" "$dest/f8"
 stage() { echo "$(date +%T) $1" >> "$dest/progress"; }
 # First what the last lease left open: the compiled step's numerics and graph breaks at 16K
 # (generate_long.sh 28a: bf16 and float32, fast and eager), then issue 28's lines again
-# (plain transformers, the static cache as shipped, the eager path, the 16K batch).
+# (plain transformers, the static cache as shipped, the 16K batch).
 stage "decoding numerics (28a)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28a > "$dest/gen-28a.txt" 2>&1)
 stage "decoding (28)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28 > "$dest/gen-28.txt" 2>&1)
-# Float8 at 32K (tensorwise; rowwise with fewer layers recomputed), the loss curves with a second
-# bf16 seed, then the 128K float8 row.
+# Float8 at 32K (tensorwise, rowwise_with_gw_hp, rowwise with fewer layers recomputed and those
+# compiled whole), the loss curves with a second bf16 seed, then the 128K float8 row.
 for part in b c e; do
   stage "float8 $part"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" "$part" > "$dest/f8-$part.txt" 2>&1)
 done

@@ -27,6 +27,10 @@ class KeepParams:
     compile: bool = attrs.field(default=False, metadata={
         "doc": "torch.compile the unit's children (norms, MLP; the attention where it runs one kernel on the local "
                "sequence): fused element-wise kernels"})
+    compile_scope: Literal["children", "unit"] = attrs.field(default="children", metadata={
+        "doc": "with compile = true: children (each child its own graph), or unit (the whole unit as one graph: "
+               "its norms fused with the residual adds and float8's casts across children; a unit kept whole, "
+               "with checkpoint = off, whose attention runs one kernel on the local sequence, else its children)"})
     offload_activations: bool = attrs.field(default=False, metadata={
         "doc": "with checkpoint = full: the unit's input (all it keeps) waits in host memory from its forward to "
                "its backward (pinned, copied on a side stream)"})
@@ -65,6 +69,11 @@ class Fsdp2Params(KeepParams):
 
 
 def check_keep(params, *, recipe, plan) -> str | None:
+    if params.compile_scope == "unit" and (not params.compile or params.checkpoint != "off"
+                                           or isinstance(params, Fsdp2Params) or params.mlp_tile_tokens):
+        return ("compile_scope = 'unit' compiles a unit whose forward has no hooks around it: compile = true, "
+                f"checkpoint = 'off' (got {params.checkpoint!r}), strategy 'none', no mlp_tile_tokens; "
+                "or compile_scope = 'children'")
     if params.offload_activations and params.checkpoint != "full":
         return (f"offload_activations = true needs checkpoint = 'full' (got {params.checkpoint!r}): only a fully "
                 "checkpointed unit keeps nothing but its input")
@@ -265,8 +274,10 @@ def _compile_units(model, plan) -> int:
         if unit.info.kind == "unit" and getattr(unit.get("shard").params, "compile", False):
             inside = [flag for path, flag in attention.items() if path.startswith(unit.info.path + ".")]
             tiled = getattr(unit.get("shard").params, "mlp_tile_tokens", 0) > 0
-            compiled += compile_unit(model.get_submodule(unit.info.path), attention=bool(inside) and all(inside),
-                                     skip=("mlp",) if tiled else ())
+            traced = bool(inside) and all(inside)
+            compiled += compile_unit(model.get_submodule(unit.info.path), attention=traced,
+                                     skip=("mlp",) if tiled else (),
+                                     whole=traced and unit.get("shard").params.compile_scope == "unit")
     return compiled
 
 

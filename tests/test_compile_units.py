@@ -38,6 +38,40 @@ def test_compiled_children_keep_gradients(mode, attention):
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
 
 
+def test_a_unit_compiled_whole_keeps_gradients():
+    """``whole``: the decoder layer as one graph (its residual adds between the children traced
+    with them), gradients unchanged, names unchanged."""
+    model = build_model(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}}), device="cpu", seed=0)
+    reference = copy.deepcopy(model)
+    for layer in model.model.layers:
+        assert compile_unit(layer, backend="aot_eager", attention=True, whole=True) == 1
+        assert layer._compiled_call_impl is not None and layer.mlp._compiled_call_impl is None
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    for m in (model, reference):
+        m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+
+
+@pytest.mark.quick
+def test_compile_scope_unit_by_rule_and_where_it_cannot_be():
+    """``compile_scope = "unit"`` compiles a kept-whole, unrecomputed unit as one graph; with
+    recomputation (hooks around the forward) or FSDP2 it is the rule's error, exit 2."""
+    from weft.core.errors import WeftError
+    from weft.core.plan.planner import plan_recipe
+    from weft.core.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(entry_points=False)
+    for shard in ({"strategy": "none", "compile": True, "checkpoint": "full", "compile_scope": "unit"},
+                  {"strategy": "fsdp2", "compile": True, "compile_scope": "unit"},
+                  {"strategy": "none", "compile_scope": "unit"}):
+        recipe = Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"},
+                                   "rules": [{"when": {"path": "*.layers.*"}, "shard": shard}]})
+        with pytest.raises(WeftError, match="compile_scope = 'unit' compiles a unit whose forward has no hooks"):
+            plan_recipe(recipe, pm=pm, world_size=1)
+
+
 @pytest.mark.quick
 def test_compile_rule_reaches_the_units():
     """``shard = { compile = true }`` compiles the decoder layers' children, their attention too when
@@ -62,6 +96,21 @@ def test_compile_rule_reaches_the_units():
         assert first.mlp._compiled_call_impl is not None and first.input_layernorm._compiled_call_impl is not None
         assert first.self_attn._compiled_call_impl is not None
         assert second.mlp._compiled_call_impl is None  # the rule's path selects layer 0 only
+    finally:
+        dist.destroy_process_group()
+    recipe = Recipe.from_dict({
+        "model": {"preset": "qwen2_text_tiny"},
+        "rules": [{"when": {"path": "*.layers.0"}, "shard": {"strategy": "none", "compile": True,
+                                                             "compile_scope": "unit"}},
+                  {"shard": {"strategy": "none"}}],
+    })
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger())
+        model = prepare_model(recipe=recipe, pm=build_plugin_manager(entry_points=False), ctx=ctx).model
+        first, second = model.model.layers
+        assert first._compiled_call_impl is not None and first.mlp._compiled_call_impl is None
+        assert second._compiled_call_impl is None
     finally:
         dist.destroy_process_group()
 

@@ -21,10 +21,16 @@ ATTENTION_CHILDREN: tuple[str, ...] = ("self_attn", "attn")
 
 
 def compile_unit(module: torch.nn.Module, *, backend: str = "inductor", attention: bool = False,
-                 skip: tuple[str, ...] = ()) -> int:
+                 skip: tuple[str, ...] = (), whole: bool = False) -> int:
     """Compile each child of ``module`` (its attention child only with ``attention``; none named
     in ``skip``, e.g. a tiled MLP, whose hooks run the module tile by tile); a unit without
-    children is compiled whole. Returns how many modules were compiled."""
+    children is compiled whole, and so is one asked ``whole`` (one graph: what lies between
+    the children, the residual adds, fuses with them; the caller asks it only of a unit with
+    no hooks around its forward, recomputation's or FSDP's). Returns how many modules were
+    compiled."""
+    if whole:
+        module.compile(backend=backend)
+        return 1
     children = [child for name, child in module.named_children()
                 if (attention or name not in ATTENTION_CHILDREN) and name not in skip]
     if not any(True for _ in module.named_children()):
