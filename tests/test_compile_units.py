@@ -17,35 +17,23 @@ from weft.strategies.memory.activation_checkpoint import apply_checkpointing
 from weft.strategies.memory.compile_units import compile_unit
 
 
-@pytest.mark.parametrize(("mode", "attention"), [("off", False), ("full", False), ("mlp", False),
-                                               ("except_attention", False), ("off", True), ("except_attention", True)])
-def test_compiled_children_keep_gradients(mode, attention):
+@pytest.mark.parametrize(("mode", "attention", "whole"), [
+    ("off", False, False), ("full", False, False), ("mlp", False, False), ("except_attention", False, False),
+    ("off", True, False), ("except_attention", True, False), ("off", True, True)])
+def test_compiled_children_keep_gradients(mode, attention, whole):
     """Gradients unchanged, the attention compiled or not; under except_attention the attention
-    kernel's kept outputs are found again when the compiled attention is recomputed."""
+    kernel's kept outputs are found again when the compiled attention is recomputed; ``whole``:
+    the layer as one graph (the residual adds between its children traced with them)."""
     model = build_model(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}}), device="cpu", seed=0)
     reference = copy.deepcopy(model)
     for layer in model.model.layers:
         apply_checkpointing(layer, mode=mode)
-        # input/post-attention norms and the MLP, and the attention when asked
-        assert compile_unit(layer, backend="aot_eager", attention=attention) == 3 + attention
-        assert (layer.self_attn._compiled_call_impl is not None) == attention
-        assert layer.mlp._compiled_call_impl is not None
-    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
-    for m in (model, reference):
-        m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
-    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
-
-
-def test_a_unit_compiled_whole_keeps_gradients():
-    """``whole``: the decoder layer as one graph (its residual adds between the children traced
-    with them), gradients unchanged, names unchanged."""
-    model = build_model(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}}), device="cpu", seed=0)
-    reference = copy.deepcopy(model)
-    for layer in model.model.layers:
-        assert compile_unit(layer, backend="aot_eager", attention=True, whole=True) == 1
-        assert layer._compiled_call_impl is not None and layer.mlp._compiled_call_impl is None
+        # input/post-attention norms and the MLP, and the attention when asked; or the layer
+        assert compile_unit(layer, backend="aot_eager", attention=attention, whole=whole) == (
+            1 if whole else 3 + attention)
+        assert (layer.self_attn._compiled_call_impl is not None) == (attention and not whole)
+        assert (layer.mlp._compiled_call_impl is not None) != whole
+        assert (layer._compiled_call_impl is not None) == whole
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     for m in (model, reference):
         m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
@@ -72,10 +60,9 @@ def test_compile_scope_unit_by_rule_and_where_it_cannot_be():
             plan_recipe(recipe, pm=pm, world_size=1)
 
 
-@pytest.mark.quick
-def test_compile_rule_reaches_the_units():
-    """``shard = { compile = true }`` compiles the decoder layers' children, their attention too when
-    one kernel on the local sequence runs it (here transformers' SDPA: no sequence parallelism)."""
+def _prepared_layers(first_rule: dict) -> tuple:
+    """The tiny text model prepared by rules: ``first_rule``'s shard for layer 0, the rule's
+    strategy without compile for the rest; its two decoder layers."""
     import structlog
     import torch.distributed as dist
 
@@ -85,34 +72,30 @@ def test_compile_rule_reaches_the_units():
 
     recipe = Recipe.from_dict({
         "model": {"preset": "qwen2_text_tiny"},
-        "rules": [{"when": {"path": "*.layers.0"}, "shard": {"strategy": "fsdp2", "compile": True}},
-                  {"shard": {"strategy": "fsdp2"}}],
+        "rules": [{"when": {"path": "*.layers.0"}, "shard": first_rule},
+                  {"shard": {"strategy": first_rule["strategy"]}}],
     })
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger())
-        model = prepare_model(recipe=recipe, pm=build_plugin_manager(entry_points=False), ctx=ctx).model
-        first, second = model.model.layers
-        assert first.mlp._compiled_call_impl is not None and first.input_layernorm._compiled_call_impl is not None
-        assert first.self_attn._compiled_call_impl is not None
-        assert second.mlp._compiled_call_impl is None  # the rule's path selects layer 0 only
+        return tuple(prepare_model(recipe=recipe, pm=build_plugin_manager(entry_points=False), ctx=ctx).model
+                     .model.layers)
     finally:
         dist.destroy_process_group()
-    recipe = Recipe.from_dict({
-        "model": {"preset": "qwen2_text_tiny"},
-        "rules": [{"when": {"path": "*.layers.0"}, "shard": {"strategy": "none", "compile": True,
-                                                             "compile_scope": "unit"}},
-                  {"shard": {"strategy": "none"}}],
-    })
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger())
-        model = prepare_model(recipe=recipe, pm=build_plugin_manager(entry_points=False), ctx=ctx).model
-        first, second = model.model.layers
-        assert first._compiled_call_impl is not None and first.mlp._compiled_call_impl is None
-        assert second._compiled_call_impl is None
-    finally:
-        dist.destroy_process_group()
+
+
+@pytest.mark.quick
+def test_compile_rule_reaches_the_units():
+    """``shard = { compile = true }`` compiles the decoder layers' children, their attention too when
+    one kernel on the local sequence runs it (here transformers' SDPA: no sequence parallelism);
+    ``compile_scope = "unit"`` the layer itself, as one graph."""
+    first, second = _prepared_layers({"strategy": "fsdp2", "compile": True})
+    assert first.mlp._compiled_call_impl is not None and first.input_layernorm._compiled_call_impl is not None
+    assert first.self_attn._compiled_call_impl is not None
+    assert second.mlp._compiled_call_impl is None  # the rule's path selects layer 0 only
+    first, second = _prepared_layers({"strategy": "none", "compile": True, "compile_scope": "unit"})
+    assert first._compiled_call_impl is not None and first.mlp._compiled_call_impl is None
+    assert second._compiled_call_impl is None
 
 
 @pytest.mark.quick
