@@ -116,7 +116,12 @@ class DecodeStep:
         # The first step's seconds: its one-time work (torch.compile's, Triton's JIT of the
         # attention kernel, cuBLAS's set-up) is no token's cost; reported apart (first_step_s).
         self.first_s: float | None = None
-        self._body = torch.compile(self._forward, dynamic=False) if compile else self._forward
+        # Rounded where eager rounds (Inductor's emulate_precision_casts): fused, a bf16 step keeps
+        # its intermediates in float32 and its tokens part from the eager step's within a few
+        # tokens (the 7B's widths on the CPU: 3e-2 in the first token's log-probability, the second
+        # token another; emulated, 1e-14 and the same tokens; BENCHMARKS.md, issue 28).
+        self._body = (torch.compile(self._forward, dynamic=False, options={"emulate_precision_casts": True})
+                      if compile else self._forward)
         self._traced_before = _traced() if compile else None
 
     def trace_report(self) -> dict:
