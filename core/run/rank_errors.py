@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pathlib
 
-from weft.core.errors import EXIT_GUARD, EXIT_USER, WeftError
+from weft.core.errors import WeftError
 
 
 def note(error: WeftError, *, folder: pathlib.Path, stem: str, rank: int) -> None:
@@ -27,11 +27,12 @@ def clear(*, folder: pathlib.Path, stem: str) -> None:
 
 
 def noted(*, folder: pathlib.Path, stem: str, code: int) -> WeftError | None:
-    """The lowest rank's noted error, with the ranks' exit ``code`` where it is a user's or a
-    guard's; None when no rank noted one."""
+    """The lowest rank's noted error with the ranks' exit ``code`` (the launcher's: a user's 2
+    or a guard's where any rank ended so, else a run's failure; a peer's death noted by the
+    survivor stays 1, not a user's 2); None when no rank noted one."""
     notes = sorted(folder.glob(f"{stem}.rank*.error"), key=lambda p: int(p.name.rsplit("rank", 1)[1][:-6]))
     if not notes:
         return None
     error = WeftError(notes[0].read_text())
-    error.exit_code = code if code in (EXIT_USER, EXIT_GUARD) else error.exit_code
+    error.exit_code = code
     return error
