@@ -34,14 +34,14 @@ ruled() {  # $1 the variant's path, $2 the static cache rule's extra keys: one r
 case "$rows" in 28|all) ;; 28a|28x|15) ;; *) echo "generate_long.sh: rows 28, 28a, 28x, 15 or all, not $rows" >&2; exit 2 ;; esac
 if [ "$rows" = 28a ] || [ "$rows" = all ]; then
 # The same 16K prompt through each path; float32 (weights stored and computed so, the prefill
-# through torch's SDPA: flash-attn-4 takes no float32) is the reference every bf16 row is
+# and the vision tower through torch's SDPA: flash-attn-4 takes no float32) is the reference every bf16 row is
 # judged against, and the float32 fast path against the float32 eager one tells a compiled
 # step's error from bf16's own rounding.
 sixteen=(--prompt-from-data --set data.tokens=16384 --set train.micro_batch_tokens=16384 --max-new-tokens 100 --warmup
          --json --nproc 1)
 ruled "$out/a-uncompiled.toml" 'compile_step = false'
 sed 's/storage_dtype = "bfloat16"/storage_dtype = "float32"/' "$here/variants/7b-128k-static-cache.toml" > "$out/a-fp32.toml"
-printf '\n[[rules]]\nname = "float32: torch SDPA"\nwhen = { modality = "text" }\nattention = { strategy = "sdpa" }\n' >> "$out/a-fp32.toml"
+printf '\n[[rules]]\nname = "float32: torch SDPA (text and vision)"\nattention = { strategy = "sdpa" }\n' >> "$out/a-fp32.toml"
 sed 's/kv_cache = { strategy = "static" }/kv_cache = { strategy = "static", compile_step = false }/' "$out/a-fp32.toml" \
   > "$out/a-fp32-uncompiled.toml"
 timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" "${sixteen[@]}" > "$out/a-fast.json" 2> "$out/a-fast.err"
