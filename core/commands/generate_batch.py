@@ -95,8 +95,9 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         sync()
     decode_s, counted = steady(time.perf_counter() - start - prefill_s, graph["decode_steps"],
                                first_s=graph.get("first_step_s"))
-    # the first step's tokens (a row's each) go with its seconds, where they were set apart
-    new = sum(len(t) - 1 for t in tokens) - (sum(len(t) > 1 for t in tokens) if counted < graph["decode_steps"] else 0)
+    new = sum(len(t) - 1 for t in tokens)
+    if counted < graph["decode_steps"]:  # the first step set apart: its tokens (one a decoded row) with it
+        new -= sum(len(t) > 1 for t in tokens)
     return {
         "answers": [{"tokens": t, "logprobs": lp, "text": ctx.adapter.decode_tokens(recipe, t)}
                     for t, lp in zip(tokens, logprobs)],

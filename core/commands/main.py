@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except WeftError as error:
         # Once per run, not once per rank (the others log it); a rank of weft's own launcher
-        # that noted its message for the launcher leaves the saying to it (core/run/rank_job.py).
+        # that noted its message for the launcher leaves the saying to it (core/run/rank_errors.py).
         noted = getattr(error, "noted", False) and args.launcher_pid is not None
         if os.environ.get("RANK", "0") == "0" and not noted:
             if os.environ.get("WEFT_DEBUG", "") not in ("", "0") and error.__cause__ is not None:
