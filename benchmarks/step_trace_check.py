@@ -27,10 +27,11 @@ from weft.core.commands import decode
 from weft.core.commands.decode_graph import decode_buffered
 from weft.plugins import static_cache
 from weft.strategies.attention.decode_split import split_decode_attention
+from weft.strategies.memory.activation_checkpoint import MODES, apply_checkpointing
 from weft.strategies.memory.compile_units import compile_unit
 
 
-def tiny_model(*, preset: str, layers: int, dtype: torch.dtype) -> torch.nn.Module:
+def tiny_model(*, preset: str, layers: int, dtype: torch.dtype, checkpoint: str) -> torch.nn.Module:
     with open(preset, "rb") as handle:
         fields = tomllib.load(handle)
     fields.pop("processor", None)
@@ -41,6 +42,7 @@ def tiny_model(*, preset: str, layers: int, dtype: torch.dtype) -> torch.nn.Modu
     model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**fields)).eval().to(dtype)
     model.set_attn_implementation("sdpa")
     for layer in model.model.language_model.layers:
+        apply_checkpointing(layer, mode=checkpoint)  # torch's order: recomputation, then compile
         compile_unit(layer, attention=True)
     return model
 
@@ -86,6 +88,9 @@ def main() -> None:
     parser.add_argument("--preset", default="recipes/presets/qwen2_5_vl_tiny.toml",
                         help="a preset's TOML (e.g. qwen2_5_vl_7b.toml with --layers 4: the 7B's widths)")
     parser.add_argument("--prompt", type=int, default=300, help="prompt tokens")
+    parser.add_argument("--checkpoint", choices=MODES, default="off",
+                        help="a training rule's recomputation hooks on the layers (weft eval/generate attach none: "
+                             "under torch 2.11 they break the step in every layer, 2026-12-01)")
     parser.add_argument("--reference", action="store_true",
                         help="also the eager step in float32 (the same weights): each path's distance from it")
     args = parser.parse_args()
@@ -94,7 +99,8 @@ def main() -> None:
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, kernel {args.kernel}")
-    model = tiny_model(preset=args.preset, layers=args.layers, dtype=getattr(torch, args.dtype))
+    model = tiny_model(preset=args.preset, layers=args.layers, dtype=getattr(torch, args.dtype),
+                       checkpoint=args.checkpoint)
     ids = torch.randint(0, 300, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     eager, eager_lp, _ = decode_once(model, ids, kernel=args.kernel, compile=False, new=args.new)
     fast, fast_lp, report = decode_once(model, ids, kernel=args.kernel, compile=True, new=args.new)

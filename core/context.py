@@ -27,6 +27,9 @@ class RunContext:
     counters: dict[str, int] = attrs.field(factory=dict)
     start_step: int = 0  # first step to yield: > 0 when resuming
     one_pass: bool = False  # weft eval: batching yields every sample once, then its iterator ends
+    #: weft eval/generate: no backward runs. The shard hook then attaches no recomputation or
+    #: activation offload (they serve a backward only, and their hooks break a compiled step).
+    inference: bool = False
     plugin_state: dict = attrs.field(factory=dict)  # what a plugin keeps between calls in this run, by its own keys
     adapter: ModelAdapter | None = None  # the model family's adapter (weft_models)
     positions: PositionWatch | None = None  # largest position id seen, vs the rotary context

@@ -133,7 +133,9 @@ def weft_shard(model, plan, mesh, ctx):
     if frozen:
         ctx.log.info("shard.frozen", units=len(frozen), parameters=sum(
             p.numel() for path in frozen for p in model.get_submodule(path).parameters()))
-    checkpointed = sum(
+    # No backward at eval and generate (ctx.inference): recomputation and activation offload
+    # would only add hooks, which broke the compiled decoding step in every layer (torch 2.11).
+    checkpointed = 0 if ctx.inference else sum(
         apply_checkpointing(model.get_submodule(unit.info.path), mode=unit.get("shard").params.checkpoint)
         for unit in plan.modules_for("shard")
         if unit.info.kind == "unit" and unit.get("shard").strategy in ("fsdp2", "none")
@@ -146,8 +148,8 @@ def weft_shard(model, plan, mesh, ctx):
     tiled = _tile_mlps(model, plan)
     if tiled:
         ctx.log.info("shard.tiled_mlp", modules=tiled)
-    offloaded = [model.get_submodule(unit.info.path) for unit in plan.modules_for("shard")
-                 if unit.info.kind == "unit" and getattr(unit.get("shard").params, "offload_activations", False)]
+    offloaded = [model.get_submodule(unit.info.path) for unit in plan.modules_for("shard") if not ctx.inference
+                 and unit.info.kind == "unit" and getattr(unit.get("shard").params, "offload_activations", False)]
     if offloaded:
         from weft.strategies.memory.activation_offload import ActivationOffload
 

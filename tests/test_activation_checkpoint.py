@@ -125,3 +125,4 @@ def test_except_attention_under_fsdp2_and_ring_is_exact(weft, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["grad_max_rel_diff"] <= 1e-4, result
+

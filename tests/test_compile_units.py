@@ -60,9 +60,10 @@ def test_compile_scope_unit_by_rule_and_where_it_cannot_be():
             plan_recipe(recipe, pm=pm, world_size=1)
 
 
-def _prepared_layers(first_rule: dict) -> tuple:
+def _prepared_layers(first_rule: dict, *, inference: bool = False) -> tuple:
     """The tiny text model prepared by rules: ``first_rule``'s shard for layer 0, the rule's
-    strategy without compile for the rest; its two decoder layers."""
+    strategy without compile for the rest; its two decoder layers (as weft eval and generate
+    prepare them with ``inference``)."""
     import structlog
     import torch.distributed as dist
 
@@ -77,11 +78,24 @@ def _prepared_layers(first_rule: dict) -> tuple:
     })
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger())
+        ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger(), inference=inference)
         return tuple(prepare_model(recipe=recipe, pm=build_plugin_manager(entry_points=False), ctx=ctx).model
                      .model.layers)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["train", "eval-generate"])
+def test_eval_and_generate_attach_no_recomputation(inference):
+    """A rule's recomputation and activation offload serve a backward only: weft eval and
+    generate (``ctx.inference``) attach neither, and compile what the rule compiles. Their
+    hooks broke the compiled decoding step in every layer under torch 2.11 (the composable
+    checkpoint's state lookup, ``module.__dict__.setdefault``: 2026-12-01's lease); training
+    keeps them."""
+    first, second = _prepared_layers({"strategy": "none", "checkpoint": "full", "offload_activations": True,
+                                      "compile": True}, inference=inference)
+    assert bool(first._forward_pre_hooks) is not inference and not second._forward_pre_hooks
+    assert first.mlp._compiled_call_impl is not None
 
 
 @pytest.mark.quick

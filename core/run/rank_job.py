@@ -77,7 +77,8 @@ def prepare_inference(recipe: Recipe, *, rank: int, world_size: int, local_rank:
     pm = plugin_manager_from_env()
     log = run_logger(run_dir=None, rank=rank, console=False)  # the parent prints the result
     ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size,
-                     log=log, one_pass=one_pass, adapter_dir=pathlib.Path(adapter_dir) if adapter_dir else None)
+                     log=log, one_pass=one_pass, inference=True,
+                     adapter_dir=pathlib.Path(adapter_dir) if adapter_dir else None)
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     checkpoint = load_run_weights(run.model, run_dir, step) if run_dir is not None else None
     run.model.eval()
