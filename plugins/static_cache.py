@@ -60,12 +60,15 @@ class StaticLayer(DynamicLayer):
         # decode: one new token per row, each at its row's position
         if state["position"] is None:
             raise RuntimeError("the static cache decodes after its prefill")
-        b, h, _, d = self.keys.shape
-        # (B, Hkv, 1, D) rows written in place at each row's position: a scatter from the device
-        # position (one for every row broadcasts), no host index.
-        where = state["position"].reshape(-1, 1, 1, 1).expand(b, h, 1, d)
-        self.keys.scatter_(2, where, key_states.to(self.keys.dtype))
-        self.values.scatter_(2, where.expand(b, h, 1, self.values.shape[-1]), value_states.to(self.values.dtype))
+        # (B, Hkv, 1, D) rows written in place at each row's position (one for every row
+        # broadcasts), from the device position: no host index. An indexed put, not a scatter:
+        # Inductor writes an index_put into the cache itself, but a scatter into a copy of the
+        # whole layer's cache copied back (2 x 4 x its bytes a token: at 128K more than the
+        # weights' read; torch 2.11 and 2.13).
+        rows = torch.arange(self.keys.shape[0], device=self.keys.device)  # (B,)
+        where = state["position"].reshape(-1).expand(rows.shape[0])  # (B,)
+        self.keys[rows, :, where] = key_states[:, :, 0].to(self.keys.dtype)  # (B, Hkv, D) at [b, :, pos_b]
+        self.values[rows, :, where] = value_states[:, :, 0].to(self.values.dtype)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:

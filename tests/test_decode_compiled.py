@@ -80,3 +80,29 @@ def test_the_compiled_bf16_step_rounds_as_the_eager_one(tiny):  # noqa: F811 - t
     torch._dynamo.reset()
     assert report["step_compiled"] and report["step_graph_breaks"] == 0
     assert tokens == want and logprobs == pytest.approx(want_logprobs, abs=1e-9, rel=0)
+
+
+def test_the_compiled_cache_write_touches_one_row_not_the_whole_cache():
+    """A decoding step's cache write through Inductor: each row's token written into the buffer
+    itself. A scatter there (the write before 2026-12-02) became a copy of the whole layer's
+    cache, the row written into the copy, and the copy written back: at 128K ~1 GB a layer a
+    token, more than the weights' own read. The generated code names no loop over the buffer."""
+    from torch._inductor.utils import run_and_get_code
+
+    from weft.plugins.static_cache import StaticLayer
+
+    state = {"phase": "prefill", "capacity": 4096, "rows": 2, "row": 0, "position": None, "length": 0,
+             "prompt": 0, "splits": 1, "plan": None}
+    layer = StaticLayer(state=state)
+    prompt = torch.randn(1, 2, 100, 16)
+    for row in (0, 1):
+        state["row"] = row
+        layer.update(prompt, prompt.clone())
+    state.update(phase="decode", position=torch.tensor([100, 57]))  # one position a row
+    new = torch.randn(2, 2, 1, 16)  # (B, Hkv, 1, D)
+    torch._dynamo.reset()
+    _, code = run_and_get_code(torch.compile(lambda k, v: layer.update(k, v)), new, new * 2)
+    torch._dynamo.reset()
+    assert torch.equal(layer.keys[0, :, 100], new[0, :, 0]) and torch.equal(layer.values[1, :, 57], 2 * new[1, :, 0])
+    assert torch.equal(layer.keys[0, :, :100], prompt[0]) and not layer.keys[0, :, 101:].any()
+    assert code and not any(f"{layer.keys.numel()}L" in c for c in code), code
