@@ -109,10 +109,14 @@ def compile_step(cache, *, device: torch.device) -> bool:
     return bool(getattr(cache, "compile_step", False)) and device.type == "cuda"
 
 
-def steady(decode_s: float, steps: int, *, first_s: float | None) -> tuple[float, int]:
+def steady(decode_s: float, steps: int, *, first_s: float | None, capture_s: float | None = None
+           ) -> tuple[float, int]:
     """The decoding seconds and steps a token's cost is reckoned over: without the first step
     where the step timed it apart (``first_step_s``: torch.compile's compilation, the attention
-    kernel's JIT, one-time set-up), which is no token's cost."""
+    kernel's JIT, one-time set-up) and without the graph's capture (``graph_capture_s``: it
+    records the step without running it, the replay after it makes that token), neither of
+    which is a token's cost; both are reported apart."""
+    decode_s -= capture_s or 0.0
     if first_s is None or steps < 2:
         return decode_s, steps
     return decode_s - first_s, steps - 1

@@ -141,7 +141,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                 _pick(choose, output.logits[:, -1].float(), tokens, logprobs)
         sync()
     decode_s, counted = steady(time.perf_counter() - start - prefill_s, len(tokens) - 1,
-                               first_s=graph.get("first_step_s"))
+                               first_s=graph.get("first_step_s"), capture_s=graph.get("graph_capture_s"))
     # Each rank's cache bytes, and a paged cache's vision pool and text pages: one gather.
     gathered = [None] * world_size
     dist.all_gather_object(gathered, (cache_bytes(cache), getattr(cache, "partition_bytes", lambda: None)()))

@@ -94,7 +94,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
                                          compile=compile_step(cache, device=device))
         sync()
     decode_s, counted = steady(time.perf_counter() - start - prefill_s, graph["decode_steps"],
-                               first_s=graph.get("first_step_s"))
+                               first_s=graph.get("first_step_s"), capture_s=graph.get("graph_capture_s"))
     new = sum(len(t) - 1 for t in tokens)
     if counted < graph["decode_steps"]:  # the first step set apart: its tokens (one a decoded row) with it
         new -= sum(len(t) > 1 for t in tokens)
