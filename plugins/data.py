@@ -95,7 +95,7 @@ def text_corpus(recipe, *, config, processor) -> tuple[Any, Any]:
         cache = pathlib.Path.home() / ".cache" / "weft" / "text-tokenizers"
         encode, end = corpus_tokenizer(files, vocab_size=min(text.vocab_size, 32768), cache_dir=cache)
     return tokenizer, text_samples(files, encode=encode, end=end, tokens=recipe.data.tokens,
-                                   num_samples=recipe.data.num_samples)
+                                   num_samples=recipe.data.num_samples, skip=recipe.data.skip_samples)
 
 
 def video_limits(recipe, processor):

@@ -30,6 +30,8 @@ def test_files_become_one_stream_cut_into_samples_of_one_length(tmp_path):
     assert [s.input_ids.tolist() for s in samples] == [stream[0:4], stream[4:8], stream[8:12]]
     assert all(torch.equal(s.labels, s.input_ids) for s in samples)  # the loss on every token
     assert len(list(text_samples(files, encode=encode, end=0, tokens=4, num_samples=2))) == 2
+    held_out = list(text_samples(files, encode=encode, end=0, tokens=4, num_samples=10, skip=1))
+    assert [s.input_ids.tolist() for s in held_out] == [stream[4:8], stream[8:12]]  # the first left out
     assert corpus_files("<stdlib>/json/__init__.py", base=tmp_path)[0].name == "__init__.py"
     # The standard library's folder holds the installed packages too: not the library's text.
     stdlib = corpus_files("<stdlib>/**/__init__.py", base=tmp_path)
@@ -52,7 +54,9 @@ def test_a_corpus_trains_its_own_tokenizer_once(tmp_path):
 
 
 def test_a_tiny_model_learns_real_text(weft, tmp_path):
-    (tmp_path / "t.toml").write_text(TEXT)
+    """The training loss falls, and so does the loss on samples it never trained on
+    (``data.skip_samples``: what benchmarks/loss_curves.py compares precisions by)."""
+    (tmp_path / "t.toml").write_text(TEXT.replace("checkpoint_every = -1", "checkpoint_every = 0"))
     done = weft("run", "t.toml", "--run-dir", "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -60,11 +64,19 @@ def test_a_tiny_model_learns_real_text(weft, tmp_path):
     assert len(losses) == 30
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.8 * first, (first, last)  # ln(320) = 5.77 at the start; real text falls well below
+    held_out = ("--set", "data.skip_samples=64", "--set", "data.num_samples=8", "--json")
+    trained = weft("eval", "t.toml", "--run-dir", "run", *held_out, cwd=tmp_path)
+    initial = weft("eval", "t.toml", *held_out, cwd=tmp_path)
+    assert trained.returncode == 0 and initial.returncode == 0, trained.stderr[-2000:] + initial.stderr[-2000:]
+    trained, initial = json.loads(trained.stdout), json.loads(initial.stdout)
+    assert trained["label_tokens"] == initial["label_tokens"] > 7 * 250  # 8 samples of 256, held out
+    assert trained["loss"] < 0.8 * initial["loss"], (trained["loss"], initial["loss"])
 
 
 @pytest.mark.parametrize(("change", "message"), [
     (("tokens = 256\n", ""), "packs the files of data.path"),
     (('"<stdlib>/json/*.py"', '"nowhere/*.txt"'), "names no file"),
+    (('source = "text"\npath = "<stdlib>/json/*.py"\ntokens = 256\n', "skip_samples = 4\n"), "holds out the first"),
 ])
 def test_mistakes_are_messages(weft, tmp_path, change, message):
     (tmp_path / "t.toml").write_text(TEXT.replace(*change))

@@ -23,6 +23,9 @@ class DataSection:
         "the Python standard library's sources); relative to the recipe (with --set: to the current folder)"))
     num_samples: int = attrs.field(default=256, validator=in_range(low=1), metadata=_doc(
         "synthetic samples; text: the most samples taken from the files"))
+    skip_samples: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "text: the stream's first N samples left out, the tokenizer unchanged (a held-out evaluation: "
+        "weft eval --set data.skip_samples=<the run's data.num_samples>)"))
     min_side: int = attrs.field(default=28, validator=in_range(low=28),
                                 metadata=_doc("smallest synthetic image side, px"))
     max_side: int = attrs.field(default=112, validator=in_range(low=28),
@@ -67,6 +70,9 @@ class DataSection:
         if self.source == "text" and (self.images or self.videos or self.tokens_max):
             raise ValueError("data.source = 'text' makes text-only samples of exactly data.tokens tokens: drop "
                              "data.images, data.videos and data.tokens_max")
+        if self.skip_samples and self.source != "text":
+            raise ValueError(f"data.skip_samples = {self.skip_samples} holds out the first samples of a text corpus; "
+                             f"data.source is {self.source!r}: set data.source = 'text' or drop data.skip_samples")
         if self.source == "synthetic" and self.path is not None:
             # Training on synthetic data while the user meant their file is the worst silent failure.
             raise ValueError(f"data.path = {self.path!r} is read only with data.source = 'jsonl'; "

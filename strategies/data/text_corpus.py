@@ -44,14 +44,15 @@ def corpus_files(pattern: str, *, base: pathlib.Path) -> list[pathlib.Path]:
 
 
 def text_samples(files: Sequence[pathlib.Path], *, encode: Callable[[str], list[int]], end: int | None,
-                 tokens: int, num_samples: int) -> Iterator[Sample]:
+                 tokens: int, num_samples: int, skip: int = 0) -> Iterator[Sample]:
     """Up to ``num_samples`` Samples of exactly ``tokens`` ids from the files in order (the
-    stream's tail shorter than ``tokens`` is dropped). Sample i is the same whatever
-    ``num_samples``."""
+    stream's tail shorter than ``tokens`` is dropped), after the stream's first ``skip``
+    samples (held out: a run's ``num_samples`` as ``skip`` gives samples it never trained on).
+    Sample i is the same whatever ``num_samples``."""
     if tokens < 2:
         raise ValueError(f"text samples need at least 2 tokens, got {tokens}")
     stream: list[int] = []
-    made = 0
+    cut = made = 0
     for file in files:
         stream.extend(encode(file.read_text(encoding="utf-8", errors="replace")))
         if end is not None:
@@ -59,6 +60,9 @@ def text_samples(files: Sequence[pathlib.Path], *, encode: Callable[[str], list[
         while len(stream) >= tokens:
             ids = torch.tensor(stream[:tokens], dtype=torch.long)  # (S,)
             del stream[:tokens]
+            if cut < skip:
+                cut += 1
+                continue
             yield Sample(input_ids=ids, labels=ids.clone())
             made += 1
             if made == num_samples:
