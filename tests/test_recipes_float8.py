@@ -22,7 +22,7 @@ def test_a_float8_recipe_is_its_bf16_recipe_with_float8_decoder_layers(length):
     expected, converted = copy.deepcopy(base), 0
     for rule in expected["rules"]:
         if rule.get("when", {}).get("path", "").startswith("*.language_model.layers."):
-            rule["shard"].update(matmul="float8", float8_recipe="rowwise")
+            rule["shard"].update(matmul="float8", float8_recipe="tensorwise")
             converted += 1
     assert converted >= 1 and float8 == expected
 
