@@ -264,8 +264,8 @@ def test_raising_plugin_is_named(recipe, tmp_path, plugin_site):
 
 def test_peer_that_stops_responding_is_named(recipe, tmp_path, plugin_site):
     """Rank 1 freezes (SIGSTOP) at step 3 while rank 0 waits for it in a collective: after
-    parallel.timeout_s rank 0 names rank 1 in one line and the run ends (exit 1, summary
-    "failed"); nothing hangs."""
+    parallel.timeout_s rank 0 names rank 1 in one line, ends it, and the run ends (exit 1,
+    summary "failed"); nothing hangs."""
     guarded = _with_guards(recipe, '{ strategy = "freeze", step = 3, rank = 1 }')
     run_dir = tmp_path / "run"
     started = time.monotonic()
@@ -280,6 +280,9 @@ def test_peer_that_stops_responding_is_named(recipe, tmp_path, plugin_site):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "rank(s) 1 stopped responding" in summary["reason"]
     assert summary["last_step"] == 2 and [r["step"] for r in rows(run_dir)] == [1, 2]
+    # The frozen rank ended by the one that named it (torch's agent would wait 30 s on its SIGTERM).
+    ended = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if "run.peers_ended" in line]
+    assert [e["ranks"] for e in ended] == [[1]], ended
 
 
 def test_dead_peer_is_named(recipe, tmp_path, plugin_site):

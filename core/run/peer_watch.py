@@ -12,11 +12,18 @@ groups wait 30 minutes, and NCCL's watchdog aborts without naming the peer.
 
 When a collective raises in the main thread instead (a peer's connection closed), the
 loop asks ``stopped_peers`` and names them the same way.
+
+The rank that names stopped peers also ends those on its own host (each rank leaves its host
+and pid in the store): a frozen process heeds no SIGTERM, and torch's agent waits 30 s after
+sending one before it kills.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -54,6 +61,8 @@ class PeerWatch:
 
     def start(self) -> PeerWatch:
         if self.world > 1 and self._thread is None:
+            with contextlib.suppress(Exception):  # no store: nothing to end a frozen peer by, the agent still does
+                self.store.set(f"weft/pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
             now = time.monotonic()
             self._seen = {r: (None, now) for r in range(self.world) if r != self.rank}
             self._thread = threading.Thread(target=self._run, name="weft-peer-watch", daemon=True)
@@ -81,6 +90,17 @@ class PeerWatch:
         with self._lock:
             now = time.monotonic()
             return sorted(r for r, (_, changed) in self._seen.items() if now - changed > STALE_BEATS * self.interval)
+
+    def end_stopped(self, ranks: list[int]) -> list[int]:
+        """SIGKILL the stopped ``ranks`` that run on this host; returns those ended."""
+        ended = []
+        for r in ranks:
+            with contextlib.suppress(Exception):  # its key absent, the store gone, the process gone
+                host, pid = self.store.get(f"weft/pid/{r}").decode().split()
+                if host == socket.gethostname() and int(pid) != os.getpid():
+                    os.kill(int(pid), signal.SIGKILL)
+                    ended.append(r)
+        return ended
 
     def _run(self) -> None:
         beats = 0
@@ -137,11 +157,15 @@ def watch_peers(*, store: Any, recipe: Any, ctx: Any, ending: Any) -> PeerWatch:
         finally:
             if reporter:
                 print(f"weft: error: {error}", file=sys.stderr, flush=True)
+                ended = watch.end_stopped(stopped)  # frozen: no SIGTERM of the agent's would reach them
+                if ended:
+                    ctx.log.info("run.peers_ended", ranks=ended, signal="SIGKILL")
             else:
                 time.sleep(1.0)  # the reporter's line first
             os._exit(EXIT_RUNTIME)
 
-    return PeerWatch(store=store, rank=ctx.rank, world=ctx.world_size, timeout_s=timeout, on_stuck=stuck).start()
+    watch = PeerWatch(store=store, rank=ctx.rank, world=ctx.world_size, timeout_s=timeout, on_stuck=stuck)
+    return watch.start()
 
 
 def peers_lost(error: BaseException, watch: PeerWatch, *, ctx: Any) -> PeerLost | None:
