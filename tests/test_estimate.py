@@ -388,3 +388,28 @@ def test_the_longest_length_of_an_adapter_run_uses_the_same_counts():
     longest = result["longest_tokens"]
     assert memory(units, shape, attrs.evolve(setup, tokens=longest))["total"] <= budget
     assert memory(units, shape, attrs.evolve(setup, tokens=longest + 1024))["total"] > budget
+
+
+#: float8 rows measured on one H200 (BENCHMARKS.md, 2026-12-01/02): the bundled 32K layout in
+#: each scaling, and the 128K float8 recipe in rowwise: (length, scaling, step seconds).
+FLOAT8 = [(32_768, "tensorwise", 3.28), (32_768, "rowwise_with_gw_hp", 3.56), (32_768, "rowwise", 3.99),
+          (131_072, "rowwise", 31.10)]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("tokens", "scaling", "seconds"), FLOAT8)
+def test_float8_steps_within_the_tolerance_of_the_measured_runs(tokens, scaling, seconds):
+    """A float8 unit's products at its scaling's measured speed-up: each measured float8 step
+    within 25%, faster than the same plan's bf16 step by the scaling's order (an A100, which has
+    no float8 units, keeps bf16's)."""
+    length = "32k" if tokens == 32_768 else "128k"
+    units, shape, setup = _plan(ROOT / "recipes" / f"qwen2.5-vl-7b-{length}-float8-1gpu.toml")
+    units = [attrs.evolve(u, float8=scaling) if u.float8 else u for u in units]
+    assert sum(1 for u in units if u.float8) == 28
+    step = step_seconds(units, shape, setup, GPUS["h200"])["total"]
+    plain = step_seconds([attrs.evolve(u, float8="") for u in units], shape, setup, GPUS["h200"])["total"]
+    assert abs(step / seconds - 1) <= 0.25, (tokens, scaling, step, seconds)
+    assert step < plain
+    a100 = GPUS["a100-80g"]
+    assert step_seconds(units, shape, setup, a100)["total"] == step_seconds(
+        [attrs.evolve(u, float8="") for u in units], shape, setup, a100)["total"]

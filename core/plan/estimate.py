@@ -94,6 +94,7 @@ class Unit:
     adapter_params: int = 0  # its adapters' (LoRA's r x (in + out) per layer): trained, beside ``params``
     quantized_params: int = 0  # of ``params``, the linear weights stored in 4 bits (``quantize = "nf4"``)
     state_bytes: float | None = None  # optimizer state per parameter; None: two moments in the storage dtype
+    float8: str = ""  # matmul = "float8" by rule: its float8_recipe (the scaling); "": the storage dtype's products
     source: str = ""
 
 
@@ -223,13 +224,19 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) ->
     text = [u for u in units if u.modality == "text"]
     root = next((u for u in units if u.modality is None), None)
     head = shape.vocab * shape.hidden  # 6 FLOPs per weight and token, a frozen one's 4 (no weight gradient)
-    dense = tokens * (sum(_per_token(u, shape.layer_params) for u in text)
-                      + (_per_token(root, head) if root is not None else 6 * head))
     mlp = 2 * shape.hidden * shape.intermediate  # gate and up: what "mlp" recomputes (down stops early)
-    recompute = sum(2 * tokens * (shape.layer_params + u.adapter_params if u.checkpoint in ("full", "except_attention")
-                                  else mlp if u.checkpoint == "mlp" else 0) for u in text)
-    # A tiled MLP runs its forward once more (its backward makes the tiles' intermediates again).
-    recompute += sum(2 * tokens * 3 * shape.hidden * shape.intermediate for u in text if u.mlp_tile_tokens)
+
+    def redone(u: Unit) -> float:  # a decoder unit's recomputed matmul FLOPs
+        redo = 2 * tokens * (shape.layer_params + u.adapter_params if u.checkpoint in ("full", "except_attention")
+                             else mlp if u.checkpoint == "mlp" else 0)
+        # A tiled MLP runs its forward once more (its backward makes the tiles' intermediates again).
+        return redo + (2 * tokens * 3 * shape.hidden * shape.intermediate if u.mlp_tile_tokens else 0)
+
+    # Each decoder unit's products at its own rate: float8 by rule at its scaling's measured speed-up.
+    dense = sum((tokens * _per_token(u, shape.layer_params) + redone(u)) / gpu.float8_speedup(u.float8)
+                for u in text)
+    dense += tokens * (_per_token(root, head) if root is not None else 6 * head)
+    recompute = sum(redone(u) for u in text)
     towers = [u for u in units if u.modality == "vision"]
     vision = (sum(_per_token(u, u.params) for u in towers) if _backward_reaches(towers)
               else 2 * shape.vision_params) * setup.patches / setup.sp if shape.vision_blocks else 0.0
@@ -237,7 +244,7 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) ->
     attn = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp
     again = sum(1 for u in text if u.checkpoint in ("full", "attention"))
     part = {
-        "matmul": (dense + recompute + vision) / (gpu.matmul_tflops * 1e12),
+        "matmul": (dense + vision) / (gpu.matmul_tflops * 1e12),
         "attention forward": attn * (len(text) + again) / (gpu.attention_fwd_tflops * 1e12),
         "attention backward": 2.5 * attn * len(text) / (gpu.attention_bwd_tflops * 1e12),
         "element-wise": gpu.overhead_s * tokens * len(text) * (1.3 if recompute else 1.0),

@@ -59,7 +59,8 @@ def estimate(recipe: Any, plan: Any, model: Any, *, gpu: str, host_gib: float | 
         "fits": within(mem),
         # Adapters (plugins/adapter.py): trained beside a frozen base, which holds its weights only.
         "adapter_parameters": sum(u.adapter_params for u in units),
-        # float8 by rule: its products are counted at the bf16 rate until this GPU's is measured.
+        # float8 by rule: its products at its scaling's measured speed-up on this GPU (gpus.py), its
+        # memory as bf16's (float8 held 15.7 GiB less at the 7B's 32K peak: the estimate is above).
         "float8_units": sum(1 for m in plan.modules_for("shard")
                             if getattr(m.get("shard").params, "matmul", "default") == "float8"),
         "headroom_gib": round(kind.memory_gib - mem["total"] / GIB, 2),
@@ -117,7 +118,8 @@ def render_estimate(result: dict) -> None:
     console.print(_parts(Table("step time (per rank)", "s"), result["step_s"], total="total"))
     if result.get("float8_units"):
         console.print(f"float8: {result['float8_units']} units multiply in float8 by rule; their products are "
-                      "counted here at the bf16 rate (float8's on this GPU not measured yet: BENCHMARKS.md)")
+                      "counted at their scaling's speed-up measured on the H200 (core/plan/gpus.py; none where "
+                      "not measured), their memory as bf16's (float8 holds less: the estimate is above)")
     console.print(f"predicted: {result['tokens_per_s']:,} tokens/s over {result['ranks']} GPUs "
                   f"({result['tokens_per_s_per_gpu']:,} per GPU), MFU {result['mfu']:.1%}; "
                   + ("[green]fits[/]" if result["fits"] else "[red]does not fit[/]"))
