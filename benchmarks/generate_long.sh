@@ -8,7 +8,7 @@
 # two-GPU rows (ring 2, sharded cache) where two GPUs are visible. Rows in the order a short
 # lease should get them. Run from a scratch folder with weft installed (the checkout's weft/
 # would shadow it):
-#   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh [28|28x|15|all]   # OUT=... for the JSON
+#   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh [28|28a|28f|28x|15|all]   # OUT=... for the JSON
 # 28: issue 28's lines: plain transformers, the static cache as shipped (Triton's split-KV
 # attention, the step compiled and captured), the 16K batch (the eager path: 28a, 28x);
 # 28x: what each part buys (the compiled step without its graph, the graph without the
@@ -103,6 +103,13 @@ timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" 
 fi
 if [ "$rows" = 28x ] || [ "$rows" = all ]; then
 ruled "$out/static-uncompiled.toml" 'compile_step = false'
+# Where a 128K step's time goes: the static cache as shipped under torch.profiler (--profile:
+# its own row, as the profiler's per-kernel bookkeeping would be in the timed rows' figures).
+timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 --profile "$out/profile-128k" \
+  > "$out/one-static-profiled.json" 2> "$out/one-static-profiled.err"
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('128K step:', d['ms_per_step'], 'ms of kernels');
+[print(f\"{k['per_step_us']:9.1f} us {k['calls']:6d}x {k['kernel'][:110]}\") for k in d['kernels'][:25]]" \
+  "$out/profile-128k/decode_profile.json" 2>/dev/null || echo "profile: not written (see one-static-profiled.err)"
 # The eager path at 128K: no compiled step, no CUDA graph (the same Triton attention).
 timeout 300 python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:1}" --nproc 1 --no-cuda-graph \
   > "$out/one-static-eager.json" 2> "$out/one-static-eager.err"

@@ -91,15 +91,21 @@ def _same(got: dict, want: dict) -> None:
     assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5), (got["logprobs"], want["logprobs"])
 
 
-def test_one_process_equals_transformers_generate(image, single, expected):
+def test_one_process_equals_transformers_generate(image, single, expected, tmp_path):
     """The default cache on one process (the static one: `kv_cache = "auto"`) and
-    transformers' DynamicCache by rule give transformers' tokens."""
+    transformers' DynamicCache by rule give transformers' tokens; ``--profile`` writes the
+    decoding steps' operators by time (on the CPU their host time) and changes no token."""
     assert single["cache"] == "DynamicCache" and single["prompt_tokens"] == expected["prompt_tokens"]
     assert len(expected["tokens"]) == NEW  # no early end: every step compared
     _same(single, expected)
-    default = generate(image, "--nproc", "1")
+    default = generate(image, "--nproc", "1", "--profile", str(tmp_path / "profile"))
     assert default["cache"] == "StaticCache" and not default["step_compiled"]  # the CPU decodes eagerly
     _same(default, expected)
+    profile = json.loads((tmp_path / "profile" / "decode_profile.json").read_text())
+    layers = 2 * (NEW - 1)  # the tiny text model's 2 layers, each step: at least one product each
+    assert profile["steps"] == NEW - 1 and profile["device"] == "cpu" and profile["ms_per_step"] > 0
+    assert any("mm" in k["kernel"] and k["calls"] >= layers for k in profile["kernels"]), profile["kernels"][:5]
+    assert "Self CPU" in (tmp_path / "profile" / "decode_profile.txt").read_text()
 
 
 @pytest.mark.parametrize("world, mesh", [

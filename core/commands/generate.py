@@ -35,6 +35,7 @@ from weft.core.commands.decode import (
     text_attention,
 )
 from weft.core.commands.decode_graph import checkpoint_hooks_off, decode_buffered
+from weft.core.commands.decode_profile import decode_profile
 from weft.core.commands.decode_step import Sampling, choose_now
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
@@ -57,7 +58,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
               images: list[str], videos: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
               run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False,
               adapter_dir: str | None = None, prompts: list[dict] | None = None, from_data: int = 1,
-              cuda_graph: bool = True) -> dict:
+              cuda_graph: bool = True, profile: str | None = None) -> dict:
     from weft.core.run.rank_job import prepare_inference
     from weft.core.train.step import autocast_for
 
@@ -70,6 +71,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     # Sampling on the device (the buffered step, a batch): draws from a generator seeded there.
     sampling = None if temperature <= 0 else Sampling(temperature=temperature, top_p=top_p,
                                                       generator=torch.Generator(device=device).manual_seed(seed))
+    profiled = functools.partial(decode_profile, pathlib.Path(profile) if profile and rank == 0 else None,
+                                 steps=max_new_tokens - 1)
     if prompts is not None or from_data > 1:
         from weft.core.commands.generate_batch import generate_batch
 
@@ -78,7 +81,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                  else _prompts_from_data(recipe, run=run, pm=pm, ctx=ctx, count=from_data))
         return dict(generate_batch(model, run=run, ctx=ctx, pm=pm, recipe=recipe, inputs=batch,
                                    max_new_tokens=max_new_tokens, cuda_graph=cuda_graph, sampling=sampling,
-                                   warmup=warmup,
+                                   warmup=warmup, profiled=profiled,
                                    autocast=autocast_for(recipe.train.precision, device_type)),
                     checkpoint=checkpoint)
     inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None
@@ -121,7 +124,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         # each one-token step would otherwise recompile on the growing cache (its length,
         # each layer's cache object) until torch's recompile limit, seconds a token.
         graph = {"cuda_graph": False, "graph_pool_bytes": 0}
-        with torch.compiler.set_stance("force_eager"):
+        with torch.compiler.set_stance("force_eager"), profiled():
             if getattr(cache, "capturable", False) and (temperature <= 0 or world_size == 1):
                 # A cache read in place from device positions: the step from device buffers,
                 # captured as a CUDA graph where it can be (core/commands/decode_graph.py),

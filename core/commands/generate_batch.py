@@ -13,6 +13,7 @@ prompt gets alone (tests/test_generate.py).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -35,11 +36,13 @@ from weft.core.recipe import Recipe
 
 def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recipe: Recipe, inputs: list[dict],
                    max_new_tokens: int, autocast: Any, cuda_graph: bool = True,
-                   sampling: Sampling | None = None, warmup: bool = False) -> dict:
+                   sampling: Sampling | None = None, warmup: bool = False,
+                   profiled: Any = contextlib.nullcontext) -> dict:
     """``inputs``: each prompt's model inputs (B = 1), as ``prompt_inputs`` or the data give them;
     ``cuda_graph``: the rows' step replayed as a CUDA graph where it can be; ``sampling``: every
     token (the prompts' first ones too) drawn on the device from its generator, else greedy;
-    ``warmup``: the first prompt prefilled once untimed (compiled units compile there)."""
+    ``warmup``: the first prompt prefilled once untimed (compiled units compile there);
+    ``profiled``: a context the decoding steps run in (``--profile``: core/commands/decode_profile.py)."""
     device = ctx.device
     lengths = [int(x["input_ids"].shape[1]) for x in inputs]
     positions_of = ctx.adapter.positions(model)
@@ -87,7 +90,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         rotary = torch.tensor(starts)[:, None]  # (B, 1): each row's next rotary position
         # Units a rule compiles run eagerly while decoding (see generate.py); the rows' step from
         # device buffers, captured as a CUDA graph where it can be (core/commands/decode_graph.py).
-        with torch.compiler.set_stance("force_eager"):
+        with torch.compiler.set_stance("force_eager"), profiled():
             graph = decode_rows_buffered(model, cache=cache, tokens=tokens, logprobs=logprobs, rows=lengths,
                                          rotary=rotary, max_new_tokens=max_new_tokens, stops=stops, device=device,
                                          show=None, capture=cuda_graph, read_every=READ_EVERY, sampling=sampling,

@@ -44,6 +44,8 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
                           help="one untimed prefill first (compiled modules compile there): benchmarks")
     generate.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                           help="the static cache's greedy steps eagerly, not replayed as a captured CUDA graph")
+    generate.add_argument("--profile", type=pathlib.Path, metavar="DIR", help="the decoding steps' kernels by device "
+                          "time into DIR (decode_profile.json/.txt; torch.profiler)")
     _common(generate, positive)
     generate.set_defaults(func=_cmd_generate)
 
@@ -188,6 +190,7 @@ def _generate(args) -> int:
                "videos": [str(p.resolve()) for p in args.videos],
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                "seed": args.seed, "stream": not args.json, "warmup": args.warmup, "cuda_graph": args.cuda_graph,
+               "profile": str(args.profile.resolve()) if args.profile else None,
                **({"prompts": prompts} if prompts is not None else {}),
                **({"from_data": args.prompt_from_data} if (args.prompt_from_data or 1) > 1 else {})}
     from weft.core.run.model_files import prompt_needs
