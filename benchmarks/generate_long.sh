@@ -8,9 +8,10 @@
 # two-GPU rows (ring 2, sharded cache) where two GPUs are visible. Rows in the order a short
 # lease should get them. Run from a scratch folder with weft installed (the checkout's weft/
 # would shadow it):
-#   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh [28|28a|28f|28x|15|all]   # OUT=... for the JSON
+#   cd "$(mktemp -d)" && bash <checkout>/benchmarks/generate_long.sh [28|28a|28f|28p|28x|15|all]   # OUT=... for the JSON
 # 28: issue 28's lines: plain transformers, the static cache as shipped (Triton's split-KV
 # attention, the step compiled and captured), the 16K batch (the eager path: 28a, 28x);
+# 28p: the 128K step as shipped under torch.profiler (--profile), its kernels by device time;
 # 28x: what each part buys (the compiled step without its graph, the graph without the
 # compiled step, the plain-torch split-KV, plain transformers' static cache); 15:
 # flash-attn-4's decode (Blackwell), the dynamic and paged caches' (and the two-GPU ones);
@@ -32,7 +33,7 @@ ruled() {  # $1 the variant's path, $2 the static cache rule's extra keys: one r
     "$here/variants/7b-128k-static-cache.toml" > "$1"
   grep -q "$2" "$1" || { echo "generate_long.sh: the static cache's rule not found in the variant" >&2; exit 1; }
 }
-case "$rows" in 28|all) ;; 28a|28f|28x|15) ;; *) echo "generate_long.sh: rows 28, 28a, 28f, 28x, 15 or all, not $rows" >&2; exit 2 ;; esac
+case "$rows" in 28|all) ;; 28a|28f|28p|28x|15) ;; *) echo "generate_long.sh: rows 28, 28a, 28f, 28p, 28x, 15 or all, not $rows" >&2; exit 2 ;; esac
 if [ "$rows" = 28a ] || [ "$rows" = 28f ] || [ "$rows" = all ]; then
 # The same 16K prompt through each path; float32 (weights stored and computed so, the prefill
 # and the vision tower through torch's SDPA: flash-attn-4 takes no float32) is the reference every bf16 row is
@@ -101,8 +102,7 @@ else timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.t
 timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 8 "${short[@]}" \
   > "$out/16k-eight.json" 2> "$out/16k-eight.err"
 fi
-if [ "$rows" = 28x ] || [ "$rows" = all ]; then
-ruled "$out/static-uncompiled.toml" 'compile_step = false'
+if [ "$rows" = 28p ] || [ "$rows" = all ]; then
 # Where a 128K step's time goes: the static cache as shipped under torch.profiler (--profile:
 # its own row, as the profiler's per-kernel bookkeeping would be in the timed rows' figures).
 timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 --profile "$out/profile-128k" \
@@ -110,6 +110,9 @@ timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 --profile "$out/pr
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('128K step:', d['ms_per_step'], 'ms of kernels');
 [print(f\"{k['per_step_us']:9.1f} us {k['calls']:6d}x {k['kernel'][:110]}\") for k in d['kernels'][:25]]" \
   "$out/profile-128k/decode_profile.json" 2>/dev/null || echo "profile: not written (see one-static-profiled.err)"
+fi
+if [ "$rows" = 28x ] || [ "$rows" = all ]; then
+ruled "$out/static-uncompiled.toml" 'compile_step = false'
 # The eager path at 128K: no compiled step, no CUDA graph (the same Triton attention).
 timeout 300 python3 -m weft generate "$out/static-uncompiled.toml" "${common[@]:1}" --nproc 1 --no-cuda-graph \
   > "$out/one-static-eager.json" 2> "$out/one-static-eager.err"

@@ -15,6 +15,7 @@ stage() { echo "$(date +%T) $1" >> "$dest/progress"; }
 # 32K, 128K float8, the loss curves with the held-out evaluation; then what is left.
 stage "decoding (28)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28 > "$dest/gen-28.txt" 2>&1)
 stage "decoding numerics (28a)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28a > "$dest/gen-28a.txt" 2>&1)
+stage "decoding profile (28p)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28p > "$dest/gen-28p.txt" 2>&1)
 for part in a e c; do
   stage "float8 $part"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" "$part" > "$dest/f8-$part.txt" 2>&1)
 done
