@@ -65,8 +65,12 @@ class StaticLayer(DynamicLayer):
         # Inductor writes an index_put into the cache itself, but a scatter into a copy of the
         # whole layer's cache copied back (2 x 4 x its bytes a token: at 128K more than the
         # weights' read; torch 2.11 and 2.13).
+        where = state["position"].reshape(-1)  # (B,) or (1,): one position for every row
+        if where.shape[0] == 1:  # index_copy_: what transformers' own static cache writes under CUDA graphs
+            self.keys.index_copy_(2, where, key_states.to(self.keys.dtype))
+            self.values.index_copy_(2, where, value_states.to(self.values.dtype))
+            return self.keys, self.values
         rows = torch.arange(self.keys.shape[0], device=self.keys.device)  # (B,)
-        where = state["position"].reshape(-1).expand(rows.shape[0])  # (B,)
         self.keys[rows, :, where] = key_states[:, :, 0].to(self.keys.dtype)  # (B, Hkv, D) at [b, :, pos_b]
         self.values[rows, :, where] = value_states[:, :, 0].to(self.values.dtype)
         return self.keys, self.values

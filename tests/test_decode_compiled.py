@@ -82,7 +82,8 @@ def test_the_compiled_bf16_step_rounds_as_the_eager_one(tiny):  # noqa: F811 - t
     assert tokens == want and logprobs == pytest.approx(want_logprobs, abs=1e-9, rel=0)
 
 
-def test_the_compiled_cache_write_touches_one_row_not_the_whole_cache():
+@pytest.mark.parametrize("positions", [[100, 57], [100]], ids=["a-position-a-row", "one-for-every-row"])
+def test_the_compiled_cache_write_touches_one_row_not_the_whole_cache(positions):
     """A decoding step's cache write through Inductor: each row's token written into the buffer
     itself. A scatter there (the write before 2026-12-02) became a copy of the whole layer's
     cache, the row written into the copy, and the copy written back: at 128K ~1 GB a layer a
@@ -98,11 +99,13 @@ def test_the_compiled_cache_write_touches_one_row_not_the_whole_cache():
     for row in (0, 1):
         state["row"] = row
         layer.update(prompt, prompt.clone())
-    state.update(phase="decode", position=torch.tensor([100, 57]))  # one position a row
+    state.update(phase="decode", position=torch.tensor(positions))
     new = torch.randn(2, 2, 1, 16)  # (B, Hkv, 1, D)
     torch._dynamo.reset()
     _, code = run_and_get_code(torch.compile(lambda k, v: layer.update(k, v)), new, new * 2)
     torch._dynamo.reset()
-    assert torch.equal(layer.keys[0, :, 100], new[0, :, 0]) and torch.equal(layer.values[1, :, 57], 2 * new[1, :, 0])
+    second = positions[-1]  # row 1's position
+    assert torch.equal(layer.keys[0, :, 100], new[0, :, 0])
+    assert torch.equal(layer.values[1, :, second], 2 * new[1, :, 0])
     assert torch.equal(layer.keys[0, :, :100], prompt[0]) and not layer.keys[0, :, 101:].any()
     assert code and not any(f"{layer.keys.numel()}L" in c for c in code), code
