@@ -51,7 +51,7 @@ def reference(query, key, value, lengths, scale):
 
 def check(name, query, key, value, lengths, *, scale, splits=None, against_split=True):
     out, lse = triton_decode_attention(query, key, value, lengths=lengths, scale=scale, return_lse=True,
-                                       splits=splits)
+                                       plan=split_plan(key, splits=splits))
     want, want_lse = reference(query, key, value, lengths, scale)
     assert out.shape == query.shape and out.dtype == query.dtype, (out.shape, out.dtype)
     assert lse.shape == query.shape[:3] and lse.dtype == torch.float32, (lse.shape, lse.dtype)

@@ -185,11 +185,16 @@ def num_splits(batch_heads: int, rows: int, *, sms: int, block_n: int | None = N
     return _cdiv(rows, per_split), per_split
 
 
-def split_plan(key: torch.Tensor) -> tuple[int, int]:
+def split_plan(key: torch.Tensor, *, splits: int | None = None) -> tuple[int, int]:
     """(splits, rows per split) for a cache ``key`` (B, Hkv, N, D) on its device: what
-    ``triton_decode_attention`` takes as ``plan``, asked once where the shapes are fixed."""
+    ``triton_decode_attention`` takes as ``plan``, asked once where the shapes are fixed.
+    ``splits``: about that many instead (tests, tuning): whole blocks each, so the count may shrink."""
     b, hkv, n = key.shape[:3]
-    return num_splits(b * hkv, n, sms=sm_count(key.device))
+    if splits is None:
+        return num_splits(b * hkv, n, sms=sm_count(key.device))
+    block = CONFIG["BLOCK_N"]
+    per_split = _cdiv(_cdiv(n, max(1, splits)), block) * block
+    return _cdiv(n, per_split), per_split
 
 
 @torch.library.custom_op("weft::triton_decode", mutates_args=())
@@ -231,31 +236,22 @@ def _(query, key, value, lengths, scale, splits, split_rows):
 
 def triton_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                             lengths: torch.Tensor | None, scale: float, return_lse: bool = False,
-                            splits: int | None = None, plan: tuple[int, int] | None = None,
-                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                            plan: tuple[int, int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query per row ``query`` (B, Hq, 1, D) over ``key``/``value`` (B, Hkv, N, D), any
     strides, row b seeing its first ``lengths[b]`` cache rows (``lengths``: (B,) or (1,)
     integer, on the device; None: every row). Returns (B, Hq, 1, D) in the query's dtype;
     with ``return_lse`` also the natural-log log-sum-exp of the scaled scores (B, Hq, 1),
-    float32 (a row with no visible key: out 0, lse -inf). ``splits`` overrides the split count
-    (tests, tuning); ``plan``: ``split_plan(key)``, asked beforehand (a compiled step's cache
-    does, so its trace has no host query); by default ``num_splits`` of the shapes and the
-    device's SMs."""
-    b, hq, sq, d = query.shape
-    hkv, n = key.shape[1], key.shape[2]
+    float32 (a row with no visible key: out 0, lse -inf). ``plan``: ``split_plan(key)``, asked
+    beforehand (a compiled step's cache does, so its trace has no host query; tests and tuning
+    ask it with their own split count); by default ``split_plan`` here."""
+    _, hq, sq, d = query.shape
+    hkv = key.shape[1]
     if sq != 1 or hq % hkv or value.shape[:3] != key.shape[:3] or value.shape[-1] != d or key.shape[-1] != d:
         raise ValueError(f"triton_decode_attention takes one query per row, Hq a multiple of Hkv and equal head "
                          f"sizes; got query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
     if key.dtype not in DTYPES or value.dtype != key.dtype:
         raise ValueError(f"triton_decode_attention takes a bf16, fp16 or float32 cache; got {key.dtype}, "
                          f"{value.dtype}")
-    if plan is not None:
-        splits, per_split = plan
-    elif splits is None:
-        splits, per_split = num_splits(b * hkv, n, sms=sm_count(query.device))
-    else:
-        block = CONFIG["BLOCK_N"]
-        per_split = _cdiv(_cdiv(n, max(1, splits)), block) * block  # whole blocks: the count may shrink
-        splits = _cdiv(n, per_split)
+    splits, per_split = plan if plan is not None else split_plan(key)
     out, lse = _triton_decode(query, key, value, lengths, float(scale), splits, per_split)
     return (out, lse) if return_lse else out
