@@ -142,9 +142,12 @@ def weft_shard(model, plan, mesh, ctx):
     )
     if checkpointed:
         ctx.log.info("shard.checkpointing", modules=checkpointed)
-    compiled = _compile_units(model, plan)
+    compiled, children = _compile_units(model, plan)
     if compiled:
         ctx.log.info("shard.compile", modules=compiled)
+    if children:  # compile_scope = "unit" asked, an attention torch cannot trace inside: child by child instead
+        ctx.log.warning("shard.compile_scope_children", units=len(children), first=children[0],
+                        reason="an attention inside runs collectives or is the vision tower's")
     tiled = _tile_mlps(model, plan)
     if tiled:
         ctx.log.info("shard.tiled_mlp", modules=tiled)
@@ -264,23 +267,27 @@ def _cast_storage(model, plan) -> None:
                          if m.info.kind in ("unit", "root") and m.get("shard").strategy in ("fsdp2", "none")])
 
 
-def _compile_units(model, plan) -> int:
+def _compile_units(model, plan) -> tuple[int, list[str]]:
     """``compile = true``: the unit's children, its attention too where one kernel on the local
-    sequence runs it (fused rotary embedding and casts around the kernel; no collectives)."""
+    sequence runs it (fused rotary embedding and casts around the kernel; no collectives).
+    Returns the modules compiled, and the units asking ``compile_scope = "unit"`` that hold an
+    attention torch cannot trace (compiled child by child)."""
     from weft.plugins.attention import traceable
     from weft.strategies.memory.compile_units import compile_unit
 
     attention = {m.info.path: traceable(m.get("attention"), m.info.path, plan) for m in plan.modules_for("attention")}
-    compiled = 0
+    compiled, children = 0, []
     for unit in plan.modules_for("shard"):
-        if unit.info.kind == "unit" and getattr(unit.get("shard").params, "compile", False):
+        params = unit.get("shard").params
+        if unit.info.kind == "unit" and getattr(params, "compile", False):
             inside = [flag for path, flag in attention.items() if path.startswith(unit.info.path + ".")]
-            tiled = getattr(unit.get("shard").params, "mlp_tile_tokens", 0) > 0
             traced = bool(inside) and all(inside)
+            whole = getattr(params, "compile_scope", "children") == "unit"
+            children += [unit.info.path] if whole and not traced else []
             compiled += compile_unit(model.get_submodule(unit.info.path), attention=traced,
-                                     skip=("mlp",) if tiled else (),
-                                     whole=traced and unit.get("shard").params.compile_scope == "unit")
-    return compiled
+                                     skip=("mlp",) if getattr(params, "mlp_tile_tokens", 0) > 0 else (),
+                                     whole=traced and whole)
+    return compiled, children
 
 
 def _policy(params) -> dict:

@@ -140,3 +140,31 @@ def test_attention_compiles_only_without_collectives():
     assert traced() == [False, True]
     assert traced([{"when": {"modality": "text"}, "attention": "local"}]) == [False, True]
     assert traced(ring=2) == [False, False] and traced(ulysses=2) == [False, False]
+
+
+@pytest.mark.quick
+def test_a_unit_scope_over_an_untraceable_attention_compiles_the_children_and_says_so():
+    """``compile_scope = "unit"`` on a layer whose attention runs collectives (Ulysses): the
+    layer is compiled child by child, its attention left eager, and the shard hook's return
+    names the layer (logged as ``shard.compile_scope_children``)."""
+    from weft.core.mesh_spec import MeshSpec
+    from weft.core.plugin_manager import build_plugin_manager
+    from weft.core.recipe.rules import ModuleInfo, build_plan
+    from weft.plugins.shard import _compile_units
+
+    layer = torch.nn.Module()
+    layer.self_attn, layer.mlp = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer])
+    infos = [ModuleInfo(path="", class_name="Toy", kind="root"),
+             ModuleInfo(path="layers.0", class_name="Layer", kind="unit", modality="text"),
+             ModuleInfo(path="layers.0.self_attn", class_name="Attention", kind="attention", modality="text",
+                        heads=4, kv_heads=2, head_dim=16)]
+    recipe = Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "rules": [
+        {"when": {"path": "layers.0"}, "shard": {"strategy": "none", "compile": True, "compile_scope": "unit"}}]})
+    plan = build_plan(recipe=recipe, modules=infos, registry=build_plugin_manager(entry_points=False).registry,
+                      mesh=MeshSpec(ulysses=2), world_size=2)
+    compiled, children = _compile_units(model, plan)
+    assert children == ["layers.0"] and compiled == 1  # the MLP: the attention is not traced
+    assert layer._compiled_call_impl is None and layer.mlp._compiled_call_impl is not None
+    assert layer.self_attn._compiled_call_impl is None
