@@ -102,11 +102,23 @@ def cache_bytes(cache) -> int:
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None))
 
 
-def compile_step(cache, *, device: torch.device) -> bool:
-    """Whether the decoding step over ``cache`` runs through torch.compile: where the cache asks
-    (the static cache's ``compile_step``, its default) and on CUDA, where the fused kernels pay
-    for the compilation (seconds at the first token); the CPU decodes eagerly."""
-    return bool(getattr(cache, "compile_step", False)) and device.type == "cuda"
+def compile_step(cache, *, device: torch.device, model: torch.nn.Module) -> bool:
+    """Whether the decoding step over ``cache`` runs through torch.compile (the one place this is
+    decided): where the cache asks (the static cache's ``compile_step``, its default), on CUDA,
+    where the fused kernels pay for the compilation (seconds at the first token; the CPU decodes
+    eagerly), on one process (ranks choose each token together) and with no FSDP2 module
+    (its hooks gather weights inside the forward: breaks the trace would go around)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return (bool(getattr(cache, "compile_step", False)) and device.type == "cuda" and world == 1
+            and not sharded_by_fsdp(model))
+
+
+def sharded_by_fsdp(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards any of ``model``'s modules (its hooks gather weights in the forward:
+    no graph to capture, and graph breaks a compiled step would trace around)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def steady(decode_s: float, steps: int, *, first_s: float | None, capture_s: float | None = None

@@ -11,6 +11,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from weft.core.commands.decode import sharded_by_fsdp
 from weft.core.commands.decode_step import DecodeStep, Sampling
 
 
@@ -31,14 +32,6 @@ def capture_blocker(model: torch.nn.Module, *, cache, device: torch.device, worl
     if sharded_by_fsdp(model):
         return "FSDP gathers and frees the weights in every forward"
     return None
-
-
-def sharded_by_fsdp(model: torch.nn.Module) -> bool:
-    """Whether FSDP2 shards any of ``model``'s modules (its hooks gather weights in the forward:
-    no graph to capture, and graph breaks a compiled step would trace around)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 @contextlib.contextmanager
@@ -78,9 +71,10 @@ def decode_rows_buffered(model: torch.nn.Module, *, cache, tokens: list[list[int
     stop token; the tokens come back every ``read_every`` steps (the stop check; ``show``, for
     one row, streams them); the step goes on until every row has stopped or the longest may.
     ``rows``: each row's cache row for its first decoded token; ``rotary``: their rotary
-    position ids ((3, B, 1) or (B, 1)); ``compile``: the step's body through torch.compile (one
-    process). Returns what the step reports: whether its body was compiled (else why not) and
-    the first step's seconds (the compilation's), whether a graph was replayed (else why not),
+    position ids ((3, B, 1) or (B, 1)); ``compile``: the step's body through torch.compile (as
+    ``decode.compile_step`` decides: one process, no FSDP2). Returns what the step reports:
+    whether its body was compiled (else why not) and the first step's seconds (the
+    compilation's), whether a graph was replayed (else why not),
     its pool's bytes, the capture's host seconds, the replays' count and mean GPU ms a token
     (the eager warm-up steps and the capture are not in it)."""
     done = [t[-1] in stops or len(t) >= max_new_tokens for t in tokens]
@@ -93,7 +87,7 @@ def decode_rows_buffered(model: torch.nn.Module, *, cache, tokens: list[list[int
         step = DecodeStep(model, cache=cache, token=torch.tensor([[t[-1]] for t in tokens], device=device),
                           rotary=rotary.to(device), row=torch.tensor(rows, device=device), capture=blocked is None,
                           world=world, sampling=sampling,
-                          compile=compile and world == 1 and not sharded_by_fsdp(model))
+                          compile=compile)
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         with checkpoint_hooks_off(model):
             for index in range(min(len(t) for t in tokens), max_new_tokens):

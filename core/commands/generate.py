@@ -133,7 +133,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                     model, cache=cache, tokens=tokens, logprobs=logprobs, row=length,
                     rotary=next_rotary(inputs, positions_of=ctx.adapter.positions(model)),
                     max_new_tokens=max_new_tokens, stops=stops, device=device, show=show, capture=cuda_graph,
-                    read_every=READ_EVERY, sampling=sampling, compile=compile_step(cache, device=device))
+                    read_every=READ_EVERY, sampling=sampling, compile=compile_step(cache, device=device, model=model))
             elif temperature <= 0:
                 decode_greedy(model, cache=cache, tokens=tokens, logprobs=logprobs, length=length,
                               max_new_tokens=max_new_tokens, stops=stops, device=device, show=show)

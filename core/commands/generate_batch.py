@@ -94,7 +94,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
             graph = decode_rows_buffered(model, cache=cache, tokens=tokens, logprobs=logprobs, rows=lengths,
                                          rotary=rotary, max_new_tokens=max_new_tokens, stops=stops, device=device,
                                          show=None, capture=cuda_graph, read_every=READ_EVERY, sampling=sampling,
-                                         compile=compile_step(cache, device=device))
+                                         compile=compile_step(cache, device=device, model=model))
         sync()
     decode_s, counted = steady(time.perf_counter() - start - prefill_s, graph["decode_steps"],
                                first_s=graph.get("first_step_s"), capture_s=graph.get("graph_capture_s"))
