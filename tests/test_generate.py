@@ -233,6 +233,7 @@ def test_prompt_from_the_recipes_long_synthetic_data():
     (["--prompt", "hi", "--top-p", "0"], "--top-p: --top-p takes a value in (0, 1], got 0"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: --max-new-tokens must be at least 1"),
     (["--prompt", "hi", "--image", "missing.png"], "--image: no such file: missing.png"),
+    (["--prompt", "hi", "--profile", RECIPE], "--profile: --profile names a folder to write decode_profile.json"),
     (["--prompt-from-data", "--nproc", "2"], "--prompt-from-data: --prompt-from-data gives every rank one prompt"),
     (["--prompt", "hi", "--model-dir", "."], "--model-dir: give a recipe or --model-dir, not both"),
     # Found by the rank, inside the data's prefetching: its exit code is the command's, and the

@@ -241,7 +241,11 @@ def _chooser(sampling: Sampling | None):
     return choose
 
 
-def check_options(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
+def check_options(*, max_new_tokens: int, temperature: float, top_p: float,
+                  profile: pathlib.Path | None = None) -> None:
+    if profile is not None and profile.exists() and not profile.is_dir():
+        raise WeftError(f"--profile names a folder to write decode_profile.json into; {profile} is a file",
+                        where="--profile")
     if max_new_tokens < 1:
         raise WeftError(f"--max-new-tokens must be at least 1, got {max_new_tokens}", where="--max-new-tokens")
     if temperature < 0:

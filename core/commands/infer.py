@@ -178,7 +178,8 @@ def _cmd_generate(args) -> int:
 def _generate(args) -> int:
     from weft.core.commands.generate import check_options, run_generate
 
-    check_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    check_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  profile=args.profile)  # each a message naming its flag, before any rank starts
     for flag, paths, kind in (("--image", args.images, "an image"), ("--video", args.videos, "a video")):
         for path in paths:
             if not path.is_file():
