@@ -61,9 +61,9 @@ class StaticLayer(DynamicLayer):
         if state["position"] is None:
             raise RuntimeError("the static cache decodes after its prefill")
         # (B, Hkv, 1, D) rows written in place at each row's position (one for every row
-        # broadcasts), from the device position: no host index. An indexed put, not a scatter:
-        # Inductor writes an index_put into the cache itself, but a scatter into a copy of the
-        # whole layer's cache copied back (2 x 4 x its bytes a token: at 128K more than the
+        # broadcasts), from the device position: no host index. index_copy_ or an indexed put,
+        # not a scatter: Inductor writes either into the cache itself, but a scatter into a copy
+        # of the whole layer's cache copied back (4x its bytes a token: at 128K more than the
         # weights' read; torch 2.11 and 2.13).
         where = state["position"].reshape(-1)  # (B,) or (1,): one position for every row
         if where.shape[0] == 1:  # index_copy_: what transformers' own static cache writes under CUDA graphs

@@ -1,12 +1,11 @@
 """Decoding loops over ``DecodeStep`` (core/commands/decode_step.py: the step from device
 buffers, compiled and captured as a CUDA graph where it can be): one prompt or B rows
 together, the tokens read back every ``read_every`` steps (the stop check), and what keeps a
-step from being captured here (``capture_blocker``) or recomputing (``checkpoint_hooks_off``).
+step from being captured here (``capture_blocker``). weft's eval and generate attach no
+recomputation hooks (``ctx.inference``): nothing is recomputed without a backward.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -32,21 +31,6 @@ def capture_blocker(model: torch.nn.Module, *, cache, device: torch.device, worl
     if sharded_by_fsdp(model):
         return "FSDP gathers and frees the weights in every forward"
     return None
-
-
-@contextlib.contextmanager
-def checkpoint_hooks_off(model: torch.nn.Module):
-    """Activation checkpointing's hooks off (restored after): no backward follows decoding."""
-    from torch.distributed._composable import checkpoint
-
-    states = [s for m in model.modules() if (s := checkpoint.state(m)) is not None and s.enable_hook]
-    for state in states:
-        state.enable_hook = False
-    try:
-        yield
-    finally:
-        for state in states:
-            state.enable_hook = True
 
 
 def decode_buffered(model: torch.nn.Module, *, cache, tokens: list[int], logprobs: list[float], row: int,
@@ -86,23 +70,21 @@ def decode_rows_buffered(model: torch.nn.Module, *, cache, tokens: list[list[int
     if not all(done):
         step = DecodeStep(model, cache=cache, token=torch.tensor([[t[-1]] for t in tokens], device=device),
                           rotary=rotary.to(device), row=torch.tensor(rows, device=device), capture=blocked is None,
-                          world=world, sampling=sampling,
-                          compile=compile)
+                          world=world, sampling=sampling, compile=compile)
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with checkpoint_hooks_off(model):
-            for index in range(min(len(t) for t in tokens), max_new_tokens):
-                pending.append(step())
-                if len(pending) < read_every and index < max_new_tokens - 1:
-                    continue
-                ids = torch.stack([t for t, _ in pending]).T.tolist()  # (B, steps)
-                values = torch.stack([v for _, v in pending]).T.tolist()
-                pending.clear()
-                for b in range(len(tokens)):
-                    if not done[b]:
-                        done[b] = _take(ids[b], values[b], tokens=tokens[b], logprobs=logprobs[b], stops=stops,
-                                        limit=max_new_tokens, show=show if len(tokens) == 1 else None)
-                if all(done):
-                    break
+        for index in range(min(len(t) for t in tokens), max_new_tokens):
+            pending.append(step())
+            if len(pending) < read_every and index < max_new_tokens - 1:
+                continue
+            ids = torch.stack([t for t, _ in pending]).T.tolist()  # (B, steps)
+            values = torch.stack([v for _, v in pending]).T.tolist()
+            pending.clear()
+            for b in range(len(tokens)):
+                if not done[b]:
+                    done[b] = _take(ids[b], values[b], tokens=tokens[b], logprobs=logprobs[b], stops=stops,
+                                    limit=max_new_tokens, show=show if len(tokens) == 1 else None)
+            if all(done):
+                break
     steps = {"decode_steps": step.steps if step is not None else 0,  # run, read-back granularity included
              "step_compiled": bool(step is not None and step.compiled)}
     if step is not None and step.first_s is not None:

@@ -27,8 +27,8 @@ What the forward asks of the host, checked in transformers' Qwen2.5-VL (Qwen2/Ll
   device; ``dynamic`` and ``longrope`` compare the largest id on the host each call (not
   captured: ``capture_blocker``);
 - activation checkpointing's hooks (composable ``checkpoint``) stash the RNG state per
-  module even under no_grad: switched off while decoding (nothing is recomputed without a
-  backward), which also spares the eager step that host work;
+  module even under no_grad, and under torch 2.11 break a compiled step in every layer: weft
+  eval and generate attach none (``ctx.inference``: nothing is recomputed without a backward);
 - autocast's cast cache: off inside the step, so a cast made while capturing is the
   graph's own tensor, not one that the enclosing autocast frees when it exits.
 

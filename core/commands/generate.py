@@ -34,7 +34,7 @@ from weft.core.commands.decode import (
     streaming,
     text_attention,
 )
-from weft.core.commands.decode_graph import checkpoint_hooks_off, decode_buffered
+from weft.core.commands.decode_graph import decode_buffered
 from weft.core.commands.decode_profile import decode_profile
 from weft.core.commands.decode_step import Sampling, choose_now
 from weft.core.errors import WeftError
@@ -177,8 +177,7 @@ def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.
         cache.begin_prefill(keep=None if keep is None else keep.to(device), prompt=length,
                             vision=_vision_rows(model, batch["input_ids"][0], run=run).to(device))
     held = torch.tensor(len(last))
-    # No backward follows: recomputation's hooks (an RNG state stashed per unit) stay off.
-    with layer_index_dynamic(), checkpoint_hooks_off(model):
+    with layer_index_dynamic():
         output = model(**{k: v.to(device) for k, v in batch.items()}, past_key_values=cache, use_cache=True,
                        logits_to_keep=(last if len(last) else torch.tensor([0])).to(device))
     logits = output.logits[:, -1].float() * held.to(device)  # (1, V): zero where the row is not ours

@@ -29,7 +29,7 @@ from weft.core.commands.decode import (
     stop_tokens,
     text_attention,
 )
-from weft.core.commands.decode_graph import checkpoint_hooks_off, decode_rows_buffered
+from weft.core.commands.decode_graph import decode_rows_buffered
 from weft.core.commands.decode_step import Sampling, choose_now
 from weft.core.recipe import Recipe
 
@@ -65,7 +65,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     def prefill(row: int) -> torch.Tensor:
         """Prompt ``row`` into its row of the cache; its last token's logits (1, V), float64."""
         cache.begin_prefill(keep=None, prompt=lengths[row], row=row)
-        with layer_index_dynamic(), checkpoint_hooks_off(model):  # no backward follows
+        with layer_index_dynamic():
             output = model(**{k: v.to(device) for k, v in inputs[row].items()}, past_key_values=cache,
                            use_cache=True, logits_to_keep=1)
         return output.logits[:, -1].double()
