@@ -25,7 +25,7 @@ class GpuKind:
 
     def float8_speedup(self, recipe: str) -> float:
         """How much faster a unit's products run in float8 with ``recipe`` (1: not float8, or not measured)."""
-        return dict(self.float8).get(recipe, 1.0) if recipe else 1.0
+        return dict(self.float8).get(recipe, 1.0)
 
 
 #: Fitted to one H200 (BENCHMARKS.md, 2026-12-01/02): the 7B at 32K, the bundled layout, bf16
