@@ -15,9 +15,9 @@ case "$what" in
   wait)
     limit=${1:?seconds}; start=$SECONDS
     while [ ! -e "$dir/rc" ] && [ $((SECONDS - start)) -lt "$limit" ]; do sleep 5; done
-    # The folder as one archive (a device call brings back only so many files), the progress beside it.
+    # The folder as one archive (a device call brings back only so many files; plots included), the progress beside it.
     if [ -n "${OUT:-}" ]; then
-      tar czf "$OUT/res.tgz" -C "$dir" --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' . 2>/dev/null
+      tar czf "$OUT/res.tgz" -C "$dir" --exclude='*.pt' --exclude='*.safetensors' . 2>/dev/null
       cp "$dir/progress" "$dir/log" "$OUT/" 2>/dev/null
     fi
     if [ -e "$dir/rc" ]; then echo "ended: rc $(cat "$dir/rc")"; else echo "still running after ${limit}s"; fi
