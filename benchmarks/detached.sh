@@ -16,8 +16,11 @@ case "$what" in
     limit=${1:?seconds}; start=$SECONDS
     while [ ! -e "$dir/rc" ] && [ $((SECONDS - start)) -lt "$limit" ]; do sleep 5; done
     # The folder as one archive (a device call brings back only so many files; plots included), the progress beside it.
+    # Files of 16 MiB and more stay behind: a run's checkpoint in the folder (gigabytes of .distcp) made
+    # the archive too large to come back and its gzip outlasted the call (2026-12-02's lease).
     if [ -n "${OUT:-}" ]; then
-      tar czf "$OUT/res.tgz" -C "$dir" --exclude='*.pt' --exclude='*.safetensors' . 2>/dev/null
+      (cd "$dir" && find . -type f -size -16M ! -name '*.distcp' ! -name '*.pt' ! -name '*.safetensors' -print0 |
+        tar czf "$OUT/res.tgz" --null -T - 2>/dev/null)
       cp "$dir/progress" "$dir/log" "$OUT/" 2>/dev/null
     fi
     if [ -e "$dir/rc" ]; then echo "ended: rc $(cat "$dir/rc")"; else echo "still running after ${limit}s"; fi

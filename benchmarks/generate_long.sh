@@ -170,6 +170,11 @@ for name, r in rows.items():
     print(f"| {r.get('runner', 'weft generate')} | {r['world_size']} | {r['cache']} | {r['prompt_tokens']:,} | "
           f"{r['prefill_s']:.2f} | {r['prefill_tokens_per_s']:,.0f} | {r['decode_ms_per_token']:.1f} | {graph} | "
           f"{cache} | {r['max_memory_gib']:.1f} |")
+for name, r in rows.items():  # the one-time work the per-token figure leaves out, and all of it in
+    if r.get("decode_wall_s") is not None:
+        print(f"{name}: set-up {r['decode_setup_s']:.3f} s, first step {r.get('first_step_s') or 0:.3f} s, "
+              f"capture {r.get('graph_capture_s') or 0:.3f} s; after the prefill {r['decode_wall_s']:.2f} s in all, "
+              f"{1e3 * r['decode_wall_s'] / max(len(r.get('tokens', [])) - 1, 1):.1f} ms a token with it")
 if "one" in rows and "two" in rows:
     print(f"prefill speed-up on two: {rows['one']['prefill_s'] / rows['two']['prefill_s']:.2f}x; "
           f"same tokens: {rows['one']['tokens'] == rows['two']['tokens']}")

@@ -101,6 +101,10 @@ def test_one_process_equals_transformers_generate(image, single, expected, tmp_p
     default = generate(image, "--nproc", "1", "--profile", str(tmp_path / "profile"))
     assert default["cache"] == "StaticCache" and not default["step_compiled"]  # the CPU decodes eagerly
     _same(default, expected)
+    # The one-time work is reported apart and the per-token figure is what is left of the wall time.
+    steps = default["decode_ms_per_token"] * (NEW - 2) / 1e3  # the decoding steps after the first
+    assert 0 < default["decode_setup_s"] < default["decode_wall_s"]
+    assert default["decode_wall_s"] == pytest.approx(default["decode_setup_s"] + default["first_step_s"] + steps)
     profile = json.loads((tmp_path / "profile" / "decode_profile.json").read_text())
     layers = 2 * (NEW - 1)  # the tiny text model's 2 layers, each step: at least one product each
     assert profile["steps"] == NEW - 1 and profile["device"] == "cpu" and profile["ms_per_step"] > 0

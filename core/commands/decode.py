@@ -127,7 +127,8 @@ def steady(decode_s: float, steps: int, *, first_s: float | None, capture_s: flo
     where the step timed it apart (``first_step_s``: torch.compile's compilation, the attention
     kernel's JIT, one-time set-up) and without the graph's capture (``graph_capture_s``: it
     records the step without running it, the replay after it makes that token), neither of
-    which is a token's cost; both are reported apart."""
+    which is a token's cost; both are reported apart. The host's set-up before the first step
+    (``decode_setup_s``) the callers leave out of ``decode_s`` themselves."""
     decode_s -= capture_s or 0.0
     if first_s is None or steps < 2:
         return decode_s, steps

@@ -124,14 +124,16 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         # each one-token step would otherwise recompile on the growing cache (its length,
         # each layer's cache object) until torch's recompile limit, seconds a token.
         graph = {"cuda_graph": False, "graph_pool_bytes": 0}
+        buffered = getattr(cache, "capturable", False) and (temperature <= 0 or world_size == 1)
+        rotary = next_rotary(inputs, positions_of=ctx.adapter.positions(model)) if buffered else None
+        setup_s = time.perf_counter() - start - prefill_s  # host set-up between the prefill and the steps
         with torch.compiler.set_stance("force_eager"), profiled():
-            if getattr(cache, "capturable", False) and (temperature <= 0 or world_size == 1):
+            if buffered:
                 # A cache read in place from device positions: the step from device buffers,
                 # captured as a CUDA graph where it can be (core/commands/decode_graph.py),
                 # sampling (one process) on the device.
                 graph = decode_buffered(
-                    model, cache=cache, tokens=tokens, logprobs=logprobs, row=length,
-                    rotary=next_rotary(inputs, positions_of=ctx.adapter.positions(model)),
+                    model, cache=cache, tokens=tokens, logprobs=logprobs, row=length, rotary=rotary,
                     max_new_tokens=max_new_tokens, stops=stops, device=device, show=show, capture=cuda_graph,
                     read_every=READ_EVERY, sampling=sampling, compile=compile_step(cache, device=device, model=model))
             elif temperature <= 0:
@@ -143,7 +145,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                                      position=position, cache_position=torch.tensor([position], device=device))
                 _pick(choose, output.logits[:, -1].float(), tokens, logprobs)
         sync()
-    decode_s, counted = steady(time.perf_counter() - start - prefill_s, len(tokens) - 1,
+    decode_wall_s = time.perf_counter() - start - prefill_s
+    decode_s, counted = steady(decode_wall_s - setup_s, len(tokens) - 1,
                                first_s=graph.get("first_step_s"), capture_s=graph.get("graph_capture_s"))
     # Each rank's cache bytes, and a paged cache's vision pool and text pages: one gather.
     gathered = [None] * world_size
@@ -152,7 +155,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     return {"tokens": tokens, "logprobs": logprobs, "text": ctx.adapter.decode_tokens(recipe, tokens),
             "prompt_tokens": length,
             "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9),
-            "decode_ms_per_token": 1e3 * decode_s / max(counted, 1), "cache": type(cache).__name__,
+            "decode_ms_per_token": 1e3 * decode_s / max(counted, 1), "decode_setup_s": setup_s,
+            "decode_wall_s": decode_wall_s, "cache": type(cache).__name__,
             "cache_bytes_per_rank": local_bytes, "world_size": world_size, **graph,
             **({"cache_partitions_per_rank": partitions} if partitions[0] is not None else {}),
             "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,

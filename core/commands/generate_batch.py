@@ -88,6 +88,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         cache.begin_decode()
         text_attention(model, cache.decode_attention)
         rotary = torch.tensor(starts)[:, None]  # (B, 1): each row's next rotary position
+        setup_s = time.perf_counter() - start - prefill_s  # host set-up between the prefill and the steps
         # Units a rule compiles run eagerly while decoding (see generate.py); the rows' step from
         # device buffers, captured as a CUDA graph where it can be (core/commands/decode_graph.py).
         with torch.compiler.set_stance("force_eager"), profiled():
@@ -96,7 +97,8 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
                                          show=None, capture=cuda_graph, read_every=READ_EVERY, sampling=sampling,
                                          compile=compile_step(cache, device=device, model=model))
         sync()
-    decode_s, counted = steady(time.perf_counter() - start - prefill_s, graph["decode_steps"],
+    decode_wall_s = time.perf_counter() - start - prefill_s
+    decode_s, counted = steady(decode_wall_s - setup_s, graph["decode_steps"],
                                first_s=graph.get("first_step_s"), capture_s=graph.get("graph_capture_s"))
     new = sum(len(t) - 1 for t in tokens)
     if counted < graph["decode_steps"]:  # the first step set apart: its tokens (one a decoded row) with it
@@ -106,7 +108,8 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
                     for t, lp in zip(tokens, logprobs)],
         "prompt_tokens": lengths, "prefill_s": prefill_s, "prefill_tokens_per_s": sum(lengths) / max(prefill_s, 1e-9),
         "decode_ms_per_step": 1e3 * decode_s / max(counted, 1),
-        "decode_tokens_per_s": new / max(decode_s, 1e-9), "cache": type(cache).__name__,
+        "decode_tokens_per_s": new / max(decode_s, 1e-9), "decode_setup_s": setup_s, "decode_wall_s": decode_wall_s,
+        "cache": type(cache).__name__,
         "cache_bytes_per_rank": [cache_bytes(cache)], "world_size": 1, **graph,
         "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
