@@ -10,6 +10,7 @@ from weft.core.hookspecs import hookimpl
 from weft.core.recipe.schema import in_range
 from weft.core.registry import Strategy
 from weft.plugins.float8_units import describe, float8_units
+from weft.strategies.model.float8 import Recipe as Float8Recipe
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Checkpoint = Literal["off", "full", "attention", "mlp", "except_attention"]
@@ -44,7 +45,7 @@ class KeepParams:
         "doc": "float8: the unit's linear layers multiply in float8 (torchao's float8 training; GPUs with float8 "
                "units: Ada, Hopper, Blackwell), layers with a dimension not a multiple of 16 and adapters' layers "
                "excepted; default: in the storage (or autocast) dtype"})
-    float8_recipe: Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"] = attrs.field(default="tensorwise", metadata={
+    float8_recipe: Float8Recipe = attrs.field(default="tensorwise", metadata={
         "doc": "with matmul = float8, the scaling: tensorwise (one scale per tensor: the fastest, 1.22x rowwise on "
                "the 7B at 32K), rowwise (a scale per row: finer) or rowwise_with_gw_hp (rowwise, the weight "
                "gradient's product in the storage dtype: no transposed casts)"})
