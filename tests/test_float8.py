@@ -122,3 +122,14 @@ def test_emulated_float8_trains_through_the_loop_near_bf16(weft, tmp_path, check
     assert len(losses["float8"]) == 3
     for bf16, float8 in zip(losses["bf16"], losses["float8"]):
         assert bf16 != float8 and abs(float8 - bf16) / bf16 < 0.02, losses
+
+
+def test_an_unknown_scaling_is_a_message_naming_the_key_and_the_scalings(weft, tmp_path):
+    """The rule key's accepted values are strategies/model/float8.py's RECIPES (one place)."""
+    from weft.strategies.model.float8 import RECIPES
+
+    (tmp_path / "f8.toml").write_text(FLOAT8.replace('float8_recipe = "tensorwise"', 'float8_recipe = "blockwise"'))
+    done = weft("plan", "f8.toml", cwd=tmp_path)
+    message = " ".join(done.stderr.split())
+    assert done.returncode == 2 and "float8_recipe" in message and "'blockwise'" in message, message
+    assert all(name in message for name in RECIPES) and "Traceback" not in done.stderr, message

@@ -5,7 +5,8 @@ decode_profile.json (the kernels by device time, on a CPU the operators by their
 time: name, calls, total and per-step microseconds) and decode_profile.txt (torch's own
 table). A captured step's replays are
 profiled too: CUPTI reports the graph's kernels one by one. The first step (the compilation,
-the capture) is in it, as a few kernels more; the per-step figure divides by the steps.
+the capture) is in it, as a few kernels more; the per-step figure divides by the steps run
+(the caller sets them in the dict it is given: an early stop runs fewer than asked).
 """
 
 from __future__ import annotations
@@ -22,17 +23,20 @@ ROWS = 40
 
 
 @contextlib.contextmanager
-def decode_profile(folder: pathlib.Path | None, *, steps: int) -> Iterator[None]:
+def decode_profile(folder: pathlib.Path | None, *, steps: int) -> Iterator[dict]:
     """Profile what runs inside (nothing when ``folder`` is None); ``steps``: the decoding steps
-    it holds, for the per-step figures."""
+    it is to hold, for the per-step figures; the yielded dict's ``steps`` the caller sets to the
+    steps it ran."""
+    run = {"steps": steps}
     if folder is None:
-        yield
+        yield run
         return
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profile:
-        yield
+        yield run
+    steps = run["steps"]
     folder.mkdir(parents=True, exist_ok=True)
     on_device = len(activities) > 1  # else (a CPU run) the operators' own host time
     rows = []

@@ -127,7 +127,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         buffered = getattr(cache, "capturable", False) and (temperature <= 0 or world_size == 1)
         rotary = next_rotary(inputs, positions_of=ctx.adapter.positions(model)) if buffered else None
         setup_s = time.perf_counter() - start - prefill_s  # host set-up between the prefill and the steps
-        with torch.compiler.set_stance("force_eager"), profiled():
+        with torch.compiler.set_stance("force_eager"), profiled() as profiling:
             if buffered:
                 # A cache read in place from device positions: the step from device buffers,
                 # captured as a CUDA graph where it can be (core/commands/decode_graph.py),
@@ -144,6 +144,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                 output = decode_step(model, cache=cache, token=torch.tensor([[tokens[-1]]], device=device),
                                      position=position, cache_position=torch.tensor([position], device=device))
                 _pick(choose, output.logits[:, -1].float(), tokens, logprobs)
+            profiling["steps"] = graph.get("decode_steps", len(tokens) - 1)  # the steps run: a stop ends them early
         sync()
     decode_wall_s = time.perf_counter() - start - prefill_s
     decode_s, counted = steady(decode_wall_s - setup_s, len(tokens) - 1,

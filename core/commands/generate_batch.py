@@ -91,11 +91,12 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         setup_s = time.perf_counter() - start - prefill_s  # host set-up between the prefill and the steps
         # Units a rule compiles run eagerly while decoding (see generate.py); the rows' step from
         # device buffers, captured as a CUDA graph where it can be (core/commands/decode_graph.py).
-        with torch.compiler.set_stance("force_eager"), profiled():
+        with torch.compiler.set_stance("force_eager"), profiled() as profiling:
             graph = decode_rows_buffered(model, cache=cache, tokens=tokens, logprobs=logprobs, rows=lengths,
                                          rotary=rotary, max_new_tokens=max_new_tokens, stops=stops, device=device,
                                          show=None, capture=cuda_graph, read_every=READ_EVERY, sampling=sampling,
                                          compile=compile_step(cache, device=device, model=model))
+            profiling["steps"] = graph["decode_steps"]  # the steps run: every row may stop early
         sync()
     decode_wall_s = time.perf_counter() - start - prefill_s
     decode_s, counted = steady(decode_wall_s - setup_s, graph["decode_steps"],
