@@ -232,11 +232,12 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) ->
         # A tiled MLP runs its forward once more (its backward makes the tiles' intermediates again).
         return redo + (2 * tokens * 3 * shape.hidden * shape.intermediate if u.mlp_tile_tokens else 0)
 
+    again_flops = [redone(u) for u in text]
     # Each decoder unit's products at its own rate: float8 by rule at its scaling's measured speed-up.
-    dense = sum((tokens * _per_token(u, shape.layer_params) + redone(u)) / gpu.float8_speedup(u.float8)
-                for u in text)
+    dense = sum((tokens * _per_token(u, shape.layer_params) + r) / gpu.float8_speedup(u.float8)
+                for u, r in zip(text, again_flops))
     dense += tokens * (_per_token(root, head) if root is not None else 6 * head)
-    recompute = sum(redone(u) for u in text)
+    recompute = sum(again_flops)
     towers = [u for u in units if u.modality == "vision"]
     vision = (sum(_per_token(u, u.params) for u in towers) if _backward_reaches(towers)
               else 2 * shape.vision_params) * setup.patches / setup.sp if shape.vision_blocks else 0.0
