@@ -19,6 +19,8 @@
 # compiled step, each row against the eager one; 28f: the same in float32 too (the reference,
 # each row against float32's eager; 2026-12-01: bf16's own rounding parts from it at the first
 # token on random weights);
+# 28l: longer prompts through the static cache as shipped, 256K and 512K tokens, 20 new tokens
+# (whether the whole prompt's prefill fits one H200 without chunking, and the step's cost there);
 # all (the default): every group. The table covers whatever rows the folder holds.
 set -uo pipefail
 rows=${1:-all}
@@ -33,7 +35,7 @@ ruled() {  # $1 the variant's path, $2 the static cache rule's extra keys: one r
     "$here/variants/7b-128k-static-cache.toml" > "$1"
   grep -q "$2" "$1" || { echo "generate_long.sh: the static cache's rule not found in the variant" >&2; exit 1; }
 }
-case "$rows" in 28|all) ;; 28a|28f|28p|28x|15) ;; *) echo "generate_long.sh: rows 28, 28a, 28f, 28p, 28x, 15 or all, not $rows" >&2; exit 2 ;; esac
+case "$rows" in 28|all) ;; 28a|28f|28l|28p|28x|15) ;; *) echo "generate_long.sh: rows 28, 28a, 28f, 28l, 28p, 28x, 15 or all, not $rows" >&2; exit 2 ;; esac
 if [ "$rows" = 28a ] || [ "$rows" = 28f ] || [ "$rows" = all ]; then
 # The same 16K prompt through each path; float32 (weights stored and computed so, the prefill
 # and the vision tower through torch's SDPA: flash-attn-4 takes no float32) is the reference every bf16 row is
@@ -102,6 +104,14 @@ else timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.t
 timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data 8 "${short[@]}" \
   > "$out/16k-eight.json" 2> "$out/16k-eight.err"
 fi
+if [ "$rows" = 28l ] || [ "$rows" = all ]; then
+# Longer prompts, the whole prompt prefilled at once (no chunks): its peak says where chunking is needed.
+for k in 256 512; do
+  timeout 420 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data \
+    --set data.tokens=$((k * 1024)) --set train.micro_batch_tokens=$((k * 1024)) --max-new-tokens 20 --json --nproc 1 \
+    > "$out/long-${k}k.json" 2> "$out/long-${k}k.err"
+done
+fi
 if [ "$rows" = 28p ] || [ "$rows" = all ]; then
 # Where a 128K step's time goes: the static cache as shipped under torch.profiler (--profile:
 # its own row, as the profiler's per-kernel bookkeeping would be in the timed rows' figures).
@@ -155,7 +165,7 @@ python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rows = {}
-for name in ("hf", "hf-static", "one-static", "one-static-eager", "one-static-nograph", "one-static-uncompiled", "one-static-split", "one-static-flash",
+for name in ("hf", "hf-static", "one-static", "long-256k", "long-512k", "one-static-eager", "one-static-nograph", "one-static-uncompiled", "one-static-split", "one-static-flash",
              "one", "one-paged", "two", "two-paged"):
     try:
         rows[name] = json.loads((out / f"{name}.json").read_text())

@@ -16,6 +16,7 @@ stage() { echo "$(date +%T) $1" >> "$dest/progress"; }
 stage "float8 e"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" e > "$dest/f8-e.txt" 2>&1)
 stage "float8 c"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" c > "$dest/f8-c.txt" 2>&1)
 stage "decoding (28)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28 > "$dest/gen-28.txt" 2>&1)
+stage "decoding, longer prompts (28l)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28l > "$dest/gen-28l.txt" 2>&1)
 stage "decoding numerics (28a)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28a > "$dest/gen-28a.txt" 2>&1)
 stage "float8 a"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" a > "$dest/f8-a.txt" 2>&1)
 stage "decoding (28x)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28x > "$dest/gen-28x.txt" 2>&1)
