@@ -10,7 +10,7 @@ from weft.core.hookspecs import hookimpl
 from weft.core.recipe.schema import in_range
 from weft.core.registry import Strategy
 from weft.plugins.float8_units import describe, float8_units
-from weft.strategies.model.float8 import Recipe as Float8Recipe
+from weft.strategies.model.float8_scalings import Recipe as Float8Recipe
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Checkpoint = Literal["off", "full", "attention", "mlp", "except_attention"]

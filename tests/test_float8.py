@@ -125,8 +125,8 @@ def test_emulated_float8_trains_through_the_loop_near_bf16(weft, tmp_path, check
 
 
 def test_an_unknown_scaling_is_a_message_naming_the_key_and_the_scalings(weft, tmp_path):
-    """The rule key's accepted values are strategies/model/float8.py's RECIPES (one place)."""
-    from weft.strategies.model.float8 import RECIPES
+    """The rule key's accepted values are strategies/model/float8_scalings.py's (one place)."""
+    from weft.strategies.model.float8_scalings import RECIPES
 
     (tmp_path / "f8.toml").write_text(FLOAT8.replace('float8_recipe = "tensorwise"', 'float8_recipe = "blockwise"'))
     done = weft("plan", "f8.toml", cwd=tmp_path)

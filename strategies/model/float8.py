@@ -15,13 +15,10 @@ does not hold (the output head is the root's).
 
 from __future__ import annotations
 
-import typing
-
 import torch
 
-#: The scalings (torchao's recipe names), one place: the rule key's accepted values are these.
-Recipe = typing.Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"]
-RECIPES: tuple[str, ...] = typing.get_args(Recipe)
+from weft.strategies.model.float8_scalings import RECIPES
+
 #: The lowest compute capability with float8 matrix units (Ada: 8.9; Hopper 9.0; Blackwell 10.x).
 MIN_CAPABILITY = (8, 9)
 
