@@ -58,6 +58,10 @@ class StaticParams:
     compile_step: bool = attrs.field(default=True, metadata={
         "doc": "on CUDA, the decoding step through torch.compile before its CUDA graph captures it (one trace over "
                "every layer: norms, rotary, casts and softmax fused; compiled at the first decoded token)"})
+    prefill_chunk_tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata={
+        "doc": "a prompt longer than this is prefilled in chunks of about this many tokens (an image or video "
+               "never split), each attending to the cache so far: the prefill's activations a chunk's, not the "
+               "prompt's; 0 = the whole prompt at once"})
 
 
 @attrs.frozen(kw_only=True)
@@ -82,7 +86,8 @@ def weft_kv_cache(decision, model, plan, mesh, ctx):
         # A core-made decision (a batch of prompts) may carry no params: the default kernel.
         params = decision.params if isinstance(decision.params, StaticParams) else StaticParams()
         return StaticCache(num_layers=config.num_hidden_layers, kernel=params.decode_kernel,
-                           compile_step=params.compile_step, device=ctx.device if ctx is not None else None)
+                           compile_step=params.compile_step, device=ctx.device if ctx is not None else None,
+                           prefill_chunk=params.prefill_chunk_tokens)
     if strategy not in ("sharded", "paged"):
         return None
     group = mesh.sp.get_group() if plan.mesh.sp > 1 else None

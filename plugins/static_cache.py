@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from weft.core.errors import WeftError
 from weft.plugins.decode_attention import register_decode_attention
+from weft.strategies.attention.chunk_prefill import prefix_chunk_attention
 from weft.strategies.attention.decode_split import split_decode_attention, split_rows
 from weft.strategies.attention.kernels.decode_triton import (
     split_plan,
@@ -43,20 +44,25 @@ class StaticLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         state = self.state
-        if state["phase"] == "prefill":  # (1, Hkv, S, D): the prompt of row state["row"]
+        if state["phase"] == "prefill":  # (1, Hkv, S, D): the prompt of row state["row"], or its chunk at "start"
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             _, h, s, d = key_states.shape
-            if state["row"] == 0 or self.keys.dim() != 4:  # the first prompt of a batch allocates
+            start = state["start"]
+            if start == 0 and (state["row"] == 0 or self.keys.dim() != 4):  # the first prompt of a batch allocates
                 # A few rows past the capacity (fewer than one a chunk), so the decode attention's
                 # chunks are views of the buffer.
                 rows, state["splits"] = split_rows(max(state["capacity"], s))
                 shape = (state["rows"], h, rows, d)  # (B, Hkv, capacity rounded up, D)
                 self.keys = key_states.new_zeros(shape)
                 self.values = value_states.new_zeros((*shape[:3], value_states.shape[-1]))
-            self.keys[state["row"], :, :s] = key_states[0]
-            self.values[state["row"], :, :s] = value_states[0]
-            return key_states, value_states
+            self.keys[state["row"], :, start:start + s] = key_states[0]
+            self.values[state["row"], :, start:start + s] = value_states[0]
+            if start == 0:  # the recipe's own attention on the prompt (or its first chunk) alone
+                return key_states, value_states
+            # A later chunk: the row's keys so far, its own last (the cache's attention, _attend).
+            row = state["row"]
+            return self.keys[row:row + 1, :, :start + s], self.values[row:row + 1, :, :start + s]
         # decode: one new token per row, each at its row's position
         if state["position"] is None:
             raise RuntimeError("the static cache decodes after its prefill")
@@ -94,7 +100,7 @@ class StaticCache(Cache):
     capturable = True
 
     def __init__(self, *, num_layers: int, kernel: str = "split", compile_step: bool = False,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, prefill_chunk: int = 0) -> None:
         if kernel == "auto":
             kernel = "triton" if device is not None and triton_decode_available(device) else "split"
         if kernel == "flash":
@@ -106,8 +112,10 @@ class StaticCache(Cache):
                             where="kv_cache.decode_kernel")
         self.kernel = kernel
         self.compile_step = compile_step  # the decoding step through torch.compile (on CUDA: core/commands/generate.py)
+        # A prompt longer than this many tokens is prefilled in chunks (core/commands/prefill_chunks.py); 0: whole.
+        self.prefill_chunk = prefill_chunk
         self.state = {"phase": "prefill", "capacity": 0, "rows": 1, "row": 0, "position": None, "length": 0,
-                      "prompt": 0, "splits": 1, "plan": None}
+                      "prompt": 0, "splits": 1, "plan": None, "start": 0}
         super().__init__(layers=[StaticLayer(state=self.state) for _ in range(num_layers)])
         self._host_position: torch.Tensor | None = None
         self.decode_attention = register_decode_attention(self, self._attend)
@@ -133,13 +141,14 @@ class StaticCache(Cache):
         self.state.update(capacity=tokens, rows=rows)
 
     def begin_prefill(self, *, keep: torch.Tensor | None, prompt: int, vision: torch.Tensor | None = None,
-                      row: int = 0) -> None:
-        """The prompt of ``row`` (its prefill alone, one after another) goes in next."""
+                      row: int = 0, start: int = 0) -> None:
+        """The prompt of ``row`` (its prefill alone, one after another) goes in next; or its chunk
+        from position ``start`` on, after the chunks before it."""
         if keep is not None:
             raise ValueError("the static cache keeps the whole sequence on one process; under sequence parallelism "
                              "use the sharded or paged cache")
-        # empty until the prefill ends
-        self.state.update(phase="prefill", length=0, prompt=prompt, position=None, row=row)
+        # the rows so far until the prefill ends
+        self.state.update(phase="prefill", length=start, prompt=prompt, position=None, row=row, start=start)
 
     def begin_decode(self) -> None:
         # The Triton kernel's split layout, from the buffer's shapes and the GPU's SM count, asked
@@ -159,6 +168,8 @@ class StaticCache(Cache):
         self.state.update(position=self._host_position, length=position)
 
     def _attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if self.state["phase"] == "prefill":  # a prompt's later chunk (core/commands/prefill_chunks.py)
+            return self._chunk_attend(query, key, value, scaling=scaling)
         # query (B, Hq, 1, D), key/value (B, Hkv, rows, D) -> (B, 1, Hq, D), no weights.
         # transformers' mask is not used (none is made for this attention's name): each row sees
         # the cache up to its position, read from the device.
@@ -173,6 +184,15 @@ class StaticCache(Cache):
         else:
             out = split_decode_attention(query, key, value, lengths=lengths, scale=scale,
                                          splits=self.state["splits"])
+        return out.transpose(1, 2).contiguous(), None
+
+
+    @torch.compiler.disable
+    def _chunk_attend(self, query, key, value, *, scaling=None):
+        # query (1, Hq, C, D), key/value (1, Hkv, start + C, D) -> (1, C, Hq, D). Not traced under a
+        # rule's compiled attention: the chunk's start and the keys' length change at every chunk.
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = prefix_chunk_attention(query, key, value, start=self.state["start"], scale=scale)
         return out.transpose(1, 2).contiguous(), None
 
 

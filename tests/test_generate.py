@@ -373,3 +373,38 @@ def test_prompts_decoded_together_can_sample():
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append([a["tokens"] for a in json.loads(done.stdout)["answers"]])
     assert runs[0] == runs[1] != [a["tokens"] for a in greedy] and all(len(t) == 6 for t in runs[0])
+
+
+def chunked_recipe(tmp_path, tokens: int) -> pathlib.Path:
+    """tiny-vl whose prompts are prefilled in chunks of ``tokens`` (the static cache)."""
+    recipe = tmp_path / "chunked.toml"
+    text = pathlib.Path(RECIPE).read_text().replace('include = ["rules/', f'include = ["{ROOT}/recipes/rules/')
+    recipe.write_text(text + '\n[[rules]]\nname = "chunked prefill"\nwhen = { modality = "text" }\n'
+                      f'kv_cache = {{ strategy = "static", prefill_chunk_tokens = {tokens} }}\n')
+    return recipe
+
+
+def test_a_prompt_prefilled_in_chunks_gives_transformers_tokens(image, expected, tmp_path):
+    """Chunks of 20 tokens: a boundary (at 40) would fall inside the image's tokens (36-41) and
+    moves to its start; one prompt, and a batch of two (each row in chunks), the long text
+    prompt's answer as its whole prefill gives it."""
+    recipe = chunked_recipe(tmp_path, 20)
+    done = weft("generate", str(recipe), "--prompt", PROMPT, "--image", str(image), "--max-new-tokens", str(NEW),
+                "--json", "--nproc", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["cache"] == "StaticCache" and got["prefill_chunks"] == 4, got  # 76 tokens: 0-20-36-56-76
+    _same(got, expected)
+    __import__("shutil").copy(image, tmp_path / "red.png")
+    lines = [{"prompt": PROMPT, "images": ["red.png"]}, {"prompt": VIDEO_PROMPT}]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    done = weft("generate", str(recipe), "--prompt-file", str(tmp_path / "prompts.jsonl"), "--max-new-tokens",
+                str(NEW), "--json", "--nproc", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    batch = json.loads(done.stdout)
+    answers = batch["answers"]
+    assert batch["prefill_chunks"][0] == 4 and batch["prefill_chunks"][1] > 4, batch["prefill_chunks"]
+    _same(answers[0], expected)
+    whole = weft("generate", RECIPE, "--prompt", VIDEO_PROMPT, "--max-new-tokens", str(NEW), "--json", "--nproc", "1")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    _same(answers[1], json.loads(whole.stdout))

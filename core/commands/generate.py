@@ -37,6 +37,7 @@ from weft.core.commands.decode import (
 from weft.core.commands.decode_graph import decode_buffered
 from weft.core.commands.decode_profile import decode_profile
 from weft.core.commands.decode_step import Sampling, choose_now
+from weft.core.commands.prefill_chunks import prefill_in_chunks
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
@@ -87,6 +88,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None
               else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))
     length = inputs["input_ids"].shape[1]
+    positions_of = ctx.adapter.positions(model)  # the prompt's rotary positions (mRoPE: the model's rope index)
     text_rules = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
     choose = _chooser(sampling)
     show = (printer(decode=lambda ids: ctx.adapter.decode_tokens(recipe, ids)) if stream and rank == 0
@@ -100,14 +102,15 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                                   plan=run.plan, mesh=run.mesh, ctx=ctx)
     if warmup:  # one untimed prefill first: compiled modules compile there, not in the figure
         with torch.no_grad(), autocast:
-            _prefill(model, run=run, inputs=inputs, cache=new_cache(), device=device)
+            _prefill(model, run=run, inputs=inputs, cache=new_cache(), device=device, positions_of=positions_of)
     cache = new_cache()
     if hasattr(cache, "reserve"):  # a preallocated cache: the prompt and every token to come
         cache.reserve(length + max_new_tokens)
     dist.barrier()
     start = time.perf_counter()
     with torch.no_grad(), autocast:
-        logits = _prefill(model, run=run, inputs=inputs, cache=cache, device=device)
+        logits, chunks = _prefill(model, run=run, inputs=inputs, cache=cache, device=device,
+                                  positions_of=positions_of)
         tokens, logprobs = [], []
         _pick(choose, logits, tokens, logprobs)
         sync()
@@ -125,7 +128,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         # each layer's cache object) until torch's recompile limit, seconds a token.
         graph = {"cuda_graph": False, "graph_pool_bytes": 0}
         buffered = getattr(cache, "capturable", False) and (temperature <= 0 or world_size == 1)
-        rotary = next_rotary(inputs, positions_of=ctx.adapter.positions(model)) if buffered else None
+        rotary = next_rotary(inputs, positions_of=positions_of) if buffered else None
         setup_s = time.perf_counter() - start - prefill_s  # host set-up between the prefill and the steps
         with torch.compiler.set_stance("force_eager"), profiled() as profiling:
             if buffered:
@@ -155,7 +158,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     local_bytes, partitions = [g[0] for g in gathered], [g[1] for g in gathered]
     return {"tokens": tokens, "logprobs": logprobs, "text": ctx.adapter.decode_tokens(recipe, tokens),
             "prompt_tokens": length,
-            "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9),
+            "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9), "prefill_chunks": chunks,
             "decode_ms_per_token": 1e3 * decode_s / max(counted, 1), "decode_setup_s": setup_s,
             "decode_wall_s": decode_wall_s, "cache": type(cache).__name__,
             "cache_bytes_per_rank": local_bytes, "world_size": world_size, **graph,
@@ -164,11 +167,18 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
             "checkpoint": checkpoint}
 
 
-def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.device) -> torch.Tensor:
-    """The prompt through the plan's forward into ``cache``; the last real token's logits (1, V)."""
+def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.device,
+             positions_of) -> tuple[torch.Tensor, int]:
+    """The prompt through the plan's forward into ``cache`` (in chunks where the cache asks:
+    core/commands/prefill_chunks.py); the last real token's logits (1, V) and the forwards' count."""
     from weft.core.train.step import pad_to_multiple
 
     length = inputs["input_ids"].shape[1]
+    chunk = getattr(cache, "prefill_chunk", 0)
+    if chunk and length > chunk and run.split is None:
+        with layer_index_dynamic():
+            return prefill_in_chunks(model, inputs=inputs, cache=cache, device=device, chunk=chunk,
+                                     positions_of=positions_of)
     batch, keep, last = dict(inputs), None, torch.tensor([length - 1])
     if run.split is not None:
         # The split's multiple: pads at the right end, which causal attention keeps from the
@@ -188,7 +198,7 @@ def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.
     logits = output.logits[:, -1].float() * held.to(device)  # (1, V): zero where the row is not ours
     if run.split is not None:
         dist.all_reduce(logits, group=run.mesh.sp.get_group())
-    return logits
+    return logits, 1
 
 
 def _vision_rows(model: torch.nn.Module, ids: torch.Tensor, *, run) -> torch.Tensor:

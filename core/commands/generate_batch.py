@@ -31,6 +31,7 @@ from weft.core.commands.decode import (
 )
 from weft.core.commands.decode_graph import decode_rows_buffered
 from weft.core.commands.decode_step import Sampling, choose_now
+from weft.core.commands.prefill_chunks import prefill_in_chunks
 from weft.core.recipe import Recipe
 
 
@@ -62,10 +63,18 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     cache.reserve(max(lengths) + max_new_tokens, rows=len(inputs))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
+    chunks = [1] * len(inputs)  # each prompt's prefill forwards
+
     def prefill(row: int) -> torch.Tensor:
-        """Prompt ``row`` into its row of the cache; its last token's logits (1, V), float64."""
-        cache.begin_prefill(keep=None, prompt=lengths[row], row=row)
+        """Prompt ``row`` into its row of the cache (in chunks where the cache asks); its last
+        token's logits (1, V), float64."""
         with layer_index_dynamic():
+            if cache.prefill_chunk and lengths[row] > cache.prefill_chunk:
+                logits, chunks[row] = prefill_in_chunks(model, inputs=inputs[row], cache=cache, device=device, row=row,
+                                                        chunk=cache.prefill_chunk,
+                                                        positions_of=ctx.adapter.positions(model))
+                return logits.double()
+            cache.begin_prefill(keep=None, prompt=lengths[row], row=row)
             output = model(**{k: v.to(device) for k, v in inputs[row].items()}, past_key_values=cache,
                            use_cache=True, logits_to_keep=1)
         return output.logits[:, -1].double()
@@ -108,6 +117,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         "answers": [{"tokens": t, "logprobs": lp, "text": ctx.adapter.decode_tokens(recipe, t)}
                     for t, lp in zip(tokens, logprobs)],
         "prompt_tokens": lengths, "prefill_s": prefill_s, "prefill_tokens_per_s": sum(lengths) / max(prefill_s, 1e-9),
+        "prefill_chunks": chunks,
         "decode_ms_per_step": 1e3 * decode_s / max(counted, 1),
         "decode_tokens_per_s": new / max(decode_s, 1e-9), "decode_setup_s": setup_s, "decode_wall_s": decode_wall_s,
         "cache": type(cache).__name__,

@@ -1,0 +1,56 @@
+"""Chunked prefill (``kv_cache = { strategy = "static", prefill_chunk_tokens = N }``): a later
+chunk's attention over the rows before it and its own equals causal attention over the whole
+prompt; chunk boundaries never split an image or a video; each item's pixels go with its
+tokens. (That `weft generate` in chunks gives transformers' tokens: tests/test_generate.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weft.core.commands.prefill_chunks import chunk_bounds, vision_items
+from weft.strategies.attention.chunk_prefill import prefix_chunk_attention
+
+pytestmark = pytest.mark.quick
+
+
+@pytest.mark.parametrize("start", [0, 1, 10, 36])
+def test_a_chunk_attends_as_the_whole_prompts_causal_attention(start):
+    torch.manual_seed(0)
+    b, hq, hkv, s, d = 1, 4, 2, 37, 16  # GQA: two query heads a key head
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for h in (hq, hkv, hkv))
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                             is_causal=True)
+    got = prefix_chunk_attention(q[:, :, start:], k, v, start=start, scale=d**-0.5)
+    assert got.dtype == torch.float64 and got.shape == (b, hq, s - start, d)
+    torch.testing.assert_close(got, whole[:, :, start:], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="expected 3 before it"):
+        prefix_chunk_attention(q[:, :, 5:], k, v, start=3, scale=d**-0.5)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 7, 16, 100])
+def test_chunk_bounds_cover_the_prompt_and_never_split_a_span(chunk):
+    spans = [(3, 9), (9, 12), (20, 41), (50, 51)]  # adjacent items, one longer than most chunks
+    bounds = chunk_bounds(60, chunk=chunk, spans=spans)
+    assert bounds[0][0] == 0 and bounds[-1][1] == 60
+    assert all(a < b for a, b in bounds) and all(x[1] == y[0] for x, y in zip(bounds, bounds[1:]))
+    cuts = {a for a, _ in bounds[1:]}
+    assert not any(a < cut < b for a, b in spans for cut in cuts), bounds
+    for a, b in bounds:  # no longer than a chunk unless it is one span longer than a chunk
+        assert b - a <= chunk or (a, b) in spans, (a, b)
+
+
+def test_each_image_takes_its_own_pixels():
+    class Config:
+        image_token_id, video_token_id = 7, 8
+
+    ids = torch.tensor([[1, 7, 7, 2, 7, 7, 7, 7, 3]])  # two images: 2 and 4 tokens
+    grid = torch.tensor([[1, 2, 4], [1, 4, 4]])  # 8 and 16 patches (2 x 2 merged into a token)
+    pixels = torch.arange(24.0)[:, None].expand(24, 3)
+    items = vision_items(Config(), {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grid})
+    assert [i["span"] for i in items] == [(1, 3), (4, 8)]
+    assert torch.equal(torch.cat([i["pixel_values"] for i in items]), pixels)
+    assert [i["image_grid_thw"].tolist() for i in items] == [[[1, 2, 4]], [[1, 4, 4]]]
+    # Runs that do not pair with the grid rows one to one: one span over all of them, all inputs with it.
+    items = vision_items(Config(), {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grid[:1]})
+    assert [i["span"] for i in items] == [(1, 8)] and items[0]["pixel_values"] is pixels
