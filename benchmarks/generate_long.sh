@@ -20,7 +20,8 @@
 # each row against float32's eager; 2026-12-01: bf16's own rounding parts from it at the first
 # token on random weights);
 # 28l: longer prompts through the static cache as shipped, 256K and 512K tokens, 20 new tokens
-# (whether the whole prompt's prefill fits one H200 without chunking, and the step's cost there);
+# (whether the whole prompt's prefill fits one H200 without chunking, and the step's cost there),
+# 512K prefilled in chunks of 64K, 128K in chunks of 32K;
 # all (the default): every group. The table covers whatever rows the folder holds.
 set -uo pipefail
 rows=${1:-all}
@@ -105,12 +106,18 @@ timeout 300 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" 
   > "$out/16k-eight.json" 2> "$out/16k-eight.err"
 fi
 if [ "$rows" = 28l ] || [ "$rows" = all ]; then
-# Longer prompts, the whole prompt prefilled at once (no chunks): its peak says where chunking is needed.
-for k in 256 512; do
-  timeout 420 python3 -m weft generate "$here/variants/7b-128k-static-cache.toml" --prompt-from-data \
-    --set data.tokens=$((k * 1024)) --set train.micro_batch_tokens=$((k * 1024)) --max-new-tokens 20 --json --nproc 1 \
-    > "$out/long-${k}k.json" 2> "$out/long-${k}k.err"
-done
+# Longer prompts, the whole prompt prefilled at once: its peak says where chunking is needed;
+# 512K in chunks of 64K beside it, and 128K in chunks of 32K (what chunking costs where it is not needed).
+long() {  # $1 the row, $2 the recipe, $3 the prompt's K tokens
+  timeout 420 python3 -m weft generate "$2" --prompt-from-data --set data.tokens=$(($3 * 1024)) \
+    --set train.micro_batch_tokens=$(($3 * 1024)) --max-new-tokens 20 --json --nproc 1 > "$out/$1.json" 2> "$out/$1.err"
+}
+ruled "$out/chunked-64k.toml" 'prefill_chunk_tokens = 65536'
+ruled "$out/chunked-32k.toml" 'prefill_chunk_tokens = 32768'
+long long-256k "$here/variants/7b-128k-static-cache.toml" 256
+long long-512k-chunked "$out/chunked-64k.toml" 512
+long long-512k "$here/variants/7b-128k-static-cache.toml" 512
+long long-128k-chunked "$out/chunked-32k.toml" 128
 fi
 if [ "$rows" = 28p ] || [ "$rows" = all ]; then
 # Where a 128K step's time goes: the static cache as shipped under torch.profiler (--profile:
@@ -165,7 +172,7 @@ python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rows = {}
-for name in ("hf", "hf-static", "one-static", "long-256k", "long-512k", "one-static-eager", "one-static-nograph", "one-static-uncompiled", "one-static-split", "one-static-flash",
+for name in ("hf", "hf-static", "one-static", "long-128k-chunked", "long-256k", "long-512k", "long-512k-chunked", "one-static-eager", "one-static-nograph", "one-static-uncompiled", "one-static-split", "one-static-flash",
              "one", "one-paged", "two", "two-paged"):
     try:
         rows[name] = json.loads((out / f"{name}.json").read_text())
