@@ -85,7 +85,9 @@ def prefill_in_chunks(model: torch.nn.Module, *, inputs: dict, cache, device: to
     items = vision_items(model.config, inputs)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     recipe_attention = config._attn_implementation
-    per_token = {k for k, v in inputs.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == length}
+    vision_keys = {key for _, pixels, grids, extras in _VISION for key in (pixels, grids, *extras)}
+    per_token = {k for k, v in inputs.items()  # (1, S): the ids, their mask and their modality marks
+                 if k not in vision_keys and torch.is_tensor(v) and tuple(v.shape) == (1, length)}
     logits, bounds = None, chunk_bounds(length, chunk=chunk, spans=[i["span"] for i in items])
     try:
         for start, end in bounds:
