@@ -185,6 +185,12 @@ def test_a_video_prompt_over_ring2_equals_transformers_generate(tmp_path):
     video_tokens = int((inputs["input_ids"] == model.config.video_token_id).sum())
     assert sum(p["vision"] for p in parts) == per_token * video_tokens
     assert all(p["vision"] > 0 for p in parts)  # ring 2's zigzag halves both hold video rows
+    # One process in chunks of 20 (a boundary at 40 inside the video's tokens): its pixels go with them.
+    done = weft("generate", str(chunked_recipe(tmp_path, 20)), "--prompt", VIDEO_PROMPT, "--video", str(clip),
+                "--max-new-tokens", str(NEW), "--json", "--nproc", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    chunked = json.loads(done.stdout)
+    assert chunked["tokens"] == want and chunked["prefill_chunks"] > 4, chunked["prefill_chunks"]
 
 
 def test_a_hugging_face_directory_without_a_recipe(image, expected, tmp_path):
