@@ -92,7 +92,7 @@ def test_the_compiled_cache_write_touches_one_row_not_the_whole_cache(positions)
 
     from weft.plugins.static_cache import StaticLayer
 
-    state = {"phase": "prefill", "capacity": 4096, "rows": 2, "row": 0, "position": None, "length": 0,
+    state = {"phase": "prefill", "capacity": 4096, "rows": 2, "row": 0, "position": None, "length": 0, "start": 0,
              "prompt": 0, "splits": 1, "plan": None}
     layer = StaticLayer(state=state)
     prompt = torch.randn(1, 2, 100, 16)
