@@ -95,8 +95,9 @@ def decode_rows_buffered(model: torch.nn.Module, *, cache, tokens: list[list[int
     if step is None or step.graph is None:
         return {"cuda_graph": False, "graph_pool_bytes": 0,
                 "cuda_graph_off": step.error if step is not None and step.error else blocked, **steps}
+    retry = {"graph_capture_retry": step.capture_retry} if step.capture_retry else {}
     return {"cuda_graph": True, "graph_pool_bytes": step.pool_bytes, "graph_capture_s": step.capture_s,
-            "graph_replays": step.replays, "graph_ms_per_token": step.replay_ms(), **steps}
+            "graph_replays": step.replays, "graph_ms_per_token": step.replay_ms(), **retry, **steps}
 
 
 def _take(ids: list[int], values: list[float], *, tokens: list[int], logprobs: list[float], stops: set[int],

@@ -44,6 +44,7 @@ buffers: the CPU tests run exactly the code that is captured.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 import traceback
 
@@ -105,6 +106,7 @@ class DecodeStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.pool_bytes, self.capture_s, self.replays = 0, 0.0, 0
         self.error: str | None = None  # why a capture failed (then every step is eager)
+        self.capture_retry: str | None = None  # why the capture keeping the allocator's cache failed
         self._first_replay: torch.cuda.Event | None = None  # times the replays without a host sync
         # The body through torch.compile: one trace over every layer (no graph break: the cache's
         # decode write and attention trace with it), its norms, rotary, casts and softmax fused,
@@ -210,25 +212,47 @@ class DecodeStep:
             self._step()
 
     def _record(self) -> None:
-        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
-        # torch.cuda.graph empties the allocator's cache as it starts: done first, so the reserved
-        # bytes gained over the capture are the graph pool's. No garbage collection: torch's
-        # capture collects none unless told to (force_cudagraph_gc), and a full collection walks
-        # every object of the process (0.2 s for the tiny model's 400K on the CPU; more after
-        # torch.compile), a one-time cost that freed nothing the capture needs.
-        start = time.perf_counter()  # capture_s: this set-up and the capture, both one-time
-        torch.cuda.synchronize(self.row.device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.row.device)
-        try:
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._step()
-        except Exception as error:  # noqa: BLE001 - any failure to capture: decode eagerly instead
-            self.capture, self.error = False, f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            torch.cuda.synchronize(self.row.device)
+        # First torch.cuda.graph's steps without its emptying of the allocator's cache (after a
+        # 128K prefill, 0.8 s of freeing its cached blocks for a ~50 MiB pool that fits beside them,
+        # BENCHMARKS.md); failing that, torch.cuda.graph itself (``capture_retry``: why). No
+        # garbage collection: torch's capture runs none unless told to (force_cudagraph_gc).
+        start, device = time.perf_counter(), self.row.device  # capture_s: all of this, one-time
+        for kept in (True, False):
+            torch.cuda.synchronize(device)
+            graph, before = torch.cuda.CUDAGraph(), torch.cuda.memory_reserved(device)
+            try:
+                if kept:
+                    self._capture_keeping_cache(graph, device=device)
+                else:  # empties the cache first: the reserved bytes gained are the pool's
+                    torch.cuda.empty_cache()
+                    before, pool = torch.cuda.memory_reserved(device), torch.cuda.graph_pool_handle()
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                        self._step()
+            except Exception as error:  # noqa: BLE001 - once more as torch does it; then decode eagerly
+                torch.cuda.synchronize(device)
+                reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+                if kept:
+                    self.capture_retry = reason
+                    continue
+                self.capture, self.error = False, reason
+                return
+            self.pool_bytes = torch.cuda.memory_reserved(device) - before
+            self.capture_s, self.graph = time.perf_counter() - start, graph
             return
-        self.pool_bytes = torch.cuda.memory_reserved(self.row.device) - before
-        self.capture_s, self.graph = time.perf_counter() - start, graph
+
+    def _capture_keeping_cache(self, graph: torch.cuda.CUDAGraph, *, device: torch.device) -> None:
+        stream = torch.cuda.Stream(device=device)  # a capture runs on a side stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            graph.capture_begin(torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
+            try:
+                self._step()
+            except BaseException:  # the step's own error, not the ended capture's
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(stream)
 
     def replay_ms(self) -> float | None:
         """The replays' mean GPU time (ms a token, the read-backs' gaps included), or None."""
