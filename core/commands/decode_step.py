@@ -212,8 +212,8 @@ class DecodeStep:
             self._step()
 
     def _record(self) -> None:
-        # First torch.cuda.graph's steps without its emptying of the allocator's cache (after a
-        # 128K prefill, 0.8 s of freeing its cached blocks for a ~50 MiB pool that fits beside them,
+        # First torch.cuda.graph's steps without its emptying of the allocator's cache (with it, 0.83 s
+        # after a 128K prefill, 0.03 after 16K: more to free, for a ~50 MiB pool that fits beside it,
         # BENCHMARKS.md); failing that, torch.cuda.graph itself (``capture_retry``: why). No
         # garbage collection: torch's capture runs none unless told to (force_cudagraph_gc).
         start, device = time.perf_counter(), self.row.device  # capture_s: all of this, one-time
