@@ -49,6 +49,11 @@ def _one_process(params, *, recipe, plan) -> str | None:
     return None
 
 
+def _chunk_tokens(instance, attribute, value) -> None:
+    if value != "auto":
+        in_range(low=0)(instance, attribute, value)
+
+
 @attrs.frozen(kw_only=True)
 class StaticParams:
     decode_kernel: Literal["auto", "triton", "split", "flash"] = attrs.field(default="auto", metadata={
@@ -58,10 +63,11 @@ class StaticParams:
     compile_step: bool = attrs.field(default=True, metadata={
         "doc": "on CUDA, the decoding step through torch.compile before its CUDA graph captures it (one trace over "
                "every layer: norms, rotary, casts and softmax fused; compiled at the first decoded token)"})
-    prefill_chunk_tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata={
+    prefill_chunk_tokens: int | Literal["auto"] = attrs.field(default="auto", validator=_chunk_tokens, metadata={
         "doc": "a prompt longer than this is prefilled in chunks of about this many tokens (an image or video "
                "never split), each attending to the cache so far: the prefill's activations a chunk's, not the "
-               "prompt's; 0 = the whole prompt at once"})
+               "prompt's; 0 = the whole prompt at once; auto: whole where the GPU's free memory holds its "
+               "prefill, else the largest chunks that fit"})
 
 
 @attrs.frozen(kw_only=True)

@@ -100,7 +100,7 @@ class StaticCache(Cache):
     capturable = True
 
     def __init__(self, *, num_layers: int, kernel: str = "split", compile_step: bool = False,
-                 device: torch.device | None = None, prefill_chunk: int = 0) -> None:
+                 device: torch.device | None = None, prefill_chunk: int | str = 0) -> None:
         if kernel == "auto":
             kernel = "triton" if device is not None and triton_decode_available(device) else "split"
         if kernel == "flash":
@@ -112,7 +112,8 @@ class StaticCache(Cache):
                             where="kv_cache.decode_kernel")
         self.kernel = kernel
         self.compile_step = compile_step  # the decoding step through torch.compile (on CUDA: core/commands/generate.py)
-        # A prompt longer than this many tokens is prefilled in chunks (core/commands/prefill_chunks.py); 0: whole.
+        # A prompt longer than this many tokens is prefilled in chunks, "auto": where memory needs it
+        # (core/commands/prefill_chunks.py); 0: whole.
         self.prefill_chunk = prefill_chunk
         self.state = {"phase": "prefill", "capacity": 0, "rows": 1, "row": 0, "position": None, "length": 0,
                       "prompt": 0, "splits": 1, "plan": None, "start": 0}

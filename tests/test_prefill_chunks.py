@@ -54,3 +54,46 @@ def test_each_image_takes_its_own_pixels():
     # Runs that do not pair with the grid rows one to one: one span over all of them, all inputs with it.
     items = vision_items(Config(), {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grid[:1]})
     assert [i["span"] for i in items] == [(1, 8)] and items[0]["pixel_values"] is pixels
+
+
+def test_auto_chunks_only_where_the_whole_prefill_does_not_fit(monkeypatch):
+    """``prefill_chunk_tokens = "auto"``: the whole prompt where the GPU's free memory, less the
+    cache to come, holds its prefill's peak; else the largest multiple of 4096 tokens that fits.
+    The 7B's shapes on an H200 with 120 GiB free: 128K whole, 1M in chunks; off the GPU, whole."""
+    import types
+
+    from weft.core.commands.prefill_chunks import (
+        CHUNK_MULTIPLE,
+        MARGIN_BYTES,
+        PEAK_BYTES_PER_WIDTH,
+        auto_chunk,
+        prefill_chunk_for,
+    )
+
+    gib = 2**30
+    assert auto_chunk(prompt=1000, width=10, free=60_000) == 0
+    assert auto_chunk(prompt=10**6, width=10, free=60 * 4096 * 50) == 4096 * 50
+    assert auto_chunk(prompt=10**6, width=10, free=10) == CHUNK_MULTIPLE  # never fewer than one multiple
+
+    class Model(torch.nn.Module):
+        config = types.SimpleNamespace(num_hidden_layers=28, num_key_value_heads=4, head_dim=128, hidden_size=3584,
+                                       num_attention_heads=28, intermediate_size=18944)
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)  # 1 GiB spare in the allocator
+    gpu, model = torch.device("cuda"), Model()
+    assert prefill_chunk_for("auto", model=model, prompt=131072, cached_tokens=131172, device=gpu) == 0
+    prompt = 1 << 20
+    chunk = prefill_chunk_for("auto", model=model, prompt=prompt, cached_tokens=prompt + 100, device=gpu)
+    cache = 2 * 28 * 4 * 128 * 2 * (prompt + 100)  # 56 GiB of keys and values
+    free = 121 * gib - cache - MARGIN_BYTES
+    per_token = 18944 * PEAK_BYTES_PER_WIDTH
+    assert 0 < chunk < prompt and chunk % CHUNK_MULTIPLE == 0
+    assert chunk * per_token <= free < (chunk + CHUNK_MULTIPLE) * per_token
+    assert prefill_chunk_for(20, model=model, prompt=prompt, cached_tokens=prompt, device=gpu) == 20  # the rule's
+    assert prefill_chunk_for("auto", model=model, prompt=prompt, cached_tokens=prompt, device=torch.device("cpu")) == 0

@@ -37,7 +37,7 @@ from weft.core.commands.decode import (
 from weft.core.commands.decode_graph import decode_buffered
 from weft.core.commands.decode_profile import decode_profile
 from weft.core.commands.decode_step import Sampling, choose_now
-from weft.core.commands.prefill_chunks import prefill_in_chunks
+from weft.core.commands.prefill_chunks import prefill_chunk_for, prefill_in_chunks
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
@@ -100,17 +100,22 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     new_cache = functools.partial(pm.call_first, "weft_kv_cache", decision=text_rules[0], model=model,
                                   plan=run.plan, mesh=run.mesh, ctx=ctx)
+    cache = new_cache()
+    # Whole or in chunks (the rule's, or auto: where memory needs it), decided before anything is
+    # allocated, so that the untimed first prefill runs as the timed one.
+    chunk = prefill_chunk_for(getattr(cache, "prefill_chunk", 0), model=model, prompt=length,
+                              cached_tokens=length + max_new_tokens, device=device)
     if warmup:  # one untimed prefill first: compiled modules compile there, not in the figure
         with torch.no_grad(), autocast:
-            _prefill(model, run=run, inputs=inputs, cache=new_cache(), device=device, positions_of=positions_of)
-    cache = new_cache()
+            _prefill(model, run=run, inputs=inputs, cache=new_cache(), device=device, positions_of=positions_of,
+                     chunk=chunk)
     if hasattr(cache, "reserve"):  # a preallocated cache: the prompt and every token to come
         cache.reserve(length + max_new_tokens)
     dist.barrier()
     start = time.perf_counter()
     with torch.no_grad(), autocast:
         logits, chunks = _prefill(model, run=run, inputs=inputs, cache=cache, device=device,
-                                  positions_of=positions_of)
+                                  positions_of=positions_of, chunk=chunk)
         tokens, logprobs = [], []
         _pick(choose, logits, tokens, logprobs)
         sync()
@@ -168,13 +173,13 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
 
 
 def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.device,
-             positions_of) -> tuple[torch.Tensor, int]:
-    """The prompt through the plan's forward into ``cache`` (in chunks where the cache asks:
-    core/commands/prefill_chunks.py); the last real token's logits (1, V) and the forwards' count."""
+             positions_of, chunk: int) -> tuple[torch.Tensor, int]:
+    """The prompt through the plan's forward into ``cache`` (in chunks of ``chunk`` tokens where
+    it is longer: core/commands/prefill_chunks.py); the last real token's logits (1, V) and the
+    forwards' count."""
     from weft.core.train.step import pad_to_multiple
 
     length = inputs["input_ids"].shape[1]
-    chunk = getattr(cache, "prefill_chunk", 0)
     if chunk and length > chunk and run.split is None:
         with layer_index_dynamic():
             return prefill_in_chunks(model, inputs=inputs, cache=cache, device=device, chunk=chunk,

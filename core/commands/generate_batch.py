@@ -31,7 +31,7 @@ from weft.core.commands.decode import (
 )
 from weft.core.commands.decode_graph import decode_rows_buffered
 from weft.core.commands.decode_step import Sampling, choose_now
-from weft.core.commands.prefill_chunks import prefill_in_chunks
+from weft.core.commands.prefill_chunks import prefill_chunk_for, prefill_in_chunks
 from weft.core.recipe import Recipe
 
 
@@ -64,15 +64,16 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     chunks = [1] * len(inputs)  # each prompt's prefill forwards
+    chunk = prefill_chunk_for(cache.prefill_chunk, model=model, prompt=max(lengths),
+                              cached_tokens=len(inputs) * (max(lengths) + max_new_tokens), device=device)
 
     def prefill(row: int) -> torch.Tensor:
         """Prompt ``row`` into its row of the cache (in chunks where the cache asks); its last
         token's logits (1, V), float64."""
         with layer_index_dynamic():
-            if cache.prefill_chunk and lengths[row] > cache.prefill_chunk:
+            if chunk and lengths[row] > chunk:
                 logits, chunks[row] = prefill_in_chunks(model, inputs=inputs[row], cache=cache, device=device, row=row,
-                                                        chunk=cache.prefill_chunk,
-                                                        positions_of=ctx.adapter.positions(model))
+                                                        chunk=chunk, positions_of=ctx.adapter.positions(model))
                 return logits.double()
             cache.begin_prefill(keep=None, prompt=lengths[row], row=row)
             output = model(**{k: v.to(device) for k, v in inputs[row].items()}, past_key_values=cache,

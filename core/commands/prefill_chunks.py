@@ -1,4 +1,6 @@
-"""A prompt prefilled in chunks into the static cache (``kv_cache = { prefill_chunk_tokens = N }``).
+"""A prompt prefilled in chunks into the static cache (``kv_cache = { prefill_chunk_tokens = N }``,
+or ``"auto"``, the default: in chunks only where the GPU's free memory does not hold the whole
+prompt's prefill, ``prefill_chunk_for``).
 
 A whole prompt's prefill holds every layer's activations for the whole prompt at once (at
 512K tokens the 7B's MLP alone makes ~20 GB tensors); in chunks of N tokens it holds a
@@ -17,6 +19,16 @@ from __future__ import annotations
 import torch
 
 from weft.core.commands.decode import prompt_sample, text_attention
+
+#: A prompt token's bytes at a whole prefill's peak, per element of the MLP's width: the gate's
+#: and up projection's outputs and their product, bf16, in one layer at a time (nothing is kept
+#: for a backward). Measured: the 7B's 128K prefill peaked at 35.3 GiB on one H200, of which
+#: 15.4 weights and 7.0 cache: 105 KB a token, 5.6 bytes an element of its 18,944 (BENCHMARKS.md).
+PEAK_BYTES_PER_WIDTH = 6
+#: Room kept free beside the estimate (the allocator's fragments, the vision tower, the logits).
+MARGIN_BYTES = 4 * 2**30
+#: An automatic chunk is a multiple of this many tokens, and never fewer.
+CHUNK_MULTIPLE = 4096
 
 #: The per-item vision inputs: (token id key in the config, pixel key, grid key, per-item extras).
 _VISION = (("image_token_id", "pixel_values", "image_grid_thw", ()),
@@ -72,6 +84,33 @@ def chunk_bounds(length: int, *, chunk: int, spans: list[tuple[int, int]]) -> li
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def auto_chunk(*, prompt: int, width: int, free: int) -> int:
+    """0 (the whole prompt) when its prefill's peak fits ``free`` bytes, else the largest
+    multiple of ``CHUNK_MULTIPLE`` tokens whose does (at least one multiple)."""
+    per_token = width * PEAK_BYTES_PER_WIDTH
+    if prompt * per_token <= free:
+        return 0
+    return max(CHUNK_MULTIPLE, free // per_token // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+
+
+def prefill_chunk_for(setting: int | str, *, model: torch.nn.Module, prompt: int, cached_tokens: int,
+                      device: torch.device) -> int:
+    """The chunk a prompt of ``prompt`` tokens is prefilled in (0: whole): the rule's number, or
+    for ``auto`` what the GPU's free memory allows once the cache's ``cached_tokens`` rows (every
+    row of every prompt, the new tokens too) are taken from it; off the GPU, whole."""
+    if setting != "auto":
+        return int(setting or 0)
+    if device.type != "cuda":
+        return 0
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = next(model.parameters()).element_size()  # the cache's dtype at most (autocast makes it bf16)
+    cache = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize * cached_tokens
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's spare
+    return auto_chunk(prompt=prompt, width=config.intermediate_size, free=free - cache - MARGIN_BYTES)
 
 
 def prefill_in_chunks(model: torch.nn.Module, *, inputs: dict, cache, device: torch.device, chunk: int,
