@@ -137,6 +137,8 @@ def main() -> None:
                          if done.returncode == 0 and args.held_out else None}
         shutil.rmtree(run / "checkpoints", ignore_errors=True)  # read once by the evaluation: disk back
         print(name, "rc", done.returncode, "steps", len(rows), "held-out", results[name]["held_out"], flush=True)
+        # After each variant: a run cut short by its call's limit keeps the variants done (--plot redraws them).
+        (args.out / "loss_curves.json").write_text(json.dumps(results, indent=1))
     (args.out / "loss_curves.json").write_text(json.dumps(results, indent=1))
     lines = table(results)
     (args.out / "loss_curves.md").write_text("\n".join(lines) + "\n")
