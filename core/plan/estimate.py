@@ -1,4 +1,5 @@
-"""Before launching: per-rank GPU memory, host memory and step time of a recipe, by arithmetic.
+"""Before launching: per-rank GPU memory and host memory of a recipe, by arithmetic (its step
+time: core/plan/step_time.py, on the units and shape defined here).
 
 ``weft plan RECIPE --estimate`` answers "does it fit, how fast, how long can I go" from the
 plan alone: the units' parameter counts and shard rules, the model's shape, the mesh and
@@ -21,9 +22,6 @@ import math
 
 import attrs
 
-from weft.core.plan.flops import sequence_flops
-from weft.core.plan.gpus import GpuKind
-
 GIB = 2**30
 
 #: What one decoder layer keeps from its forward to its backward, in units of the layer's
@@ -32,6 +30,12 @@ GIB = 2**30
 #: one H200 (32K: "mlp" 0.86 GiB per layer, "off" +3.47 GiB; 128K: "except_attention").
 LAYER_SAVED = {"full": 1.0, "except_attention": 2.0, "mlp": 3.9, "attention": 2.0, "off": 3.9}
 MLP_SAVED = 3.0
+#: A compiled float8 MLP whose scaling casts its weight gradient's operands (tensorwise,
+#: rowwise) keeps one intermediate fewer: the partitioner makes the down projection's input
+#: again from the two it keeps (torchao's emulation, compiled, on the CPU: 2 of 3 saved; bf16
+#: and rowwise_with_gw_hp keep 3). Measured at 32K on one H200: tensorwise 116.9 GiB against
+#: bf16's and gw_hp's 132.6 (10 such layers; this counts 11.6 of the 15.7 GiB: an upper bound).
+FLOAT8_MLP_SAVED = {"tensorwise": 2.0, "rowwise": 2.0}
 #: One layer's recomputation in the backward holds at once about ``RECOMPUTE_ATTENTION``
 #: layer inputs' worth (q, k, v, out) and ``RECOMPUTE_MLP`` x tokens x intermediate x 2
 #: bytes (the MLP's, compiled; one tile's under ``mlp_tile_tokens``): fitted at 128K,
@@ -95,6 +99,7 @@ class Unit:
     quantized_params: int = 0  # of ``params``, the linear weights stored in 4 bits (``quantize = "nf4"``)
     state_bytes: float | None = None  # optimizer state per parameter; None: two moments in the storage dtype
     float8: str = ""  # matmul = "float8" by rule: its float8_recipe (the scaling); "": the storage dtype's products
+    compiled: bool = False  # compile = true by rule: its children through torch.compile
     source: str = ""
 
 
@@ -146,7 +151,9 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
     part["gathered"] = 2 * largest + (root.params * 2 if root is not None and setup.loss == "fused" else 0)
     text = [u for u in units if u.modality == "text"]
     part["activations"] = sum(0.0 if u.offload_activations else
-                              layer_saved(u.checkpoint, shape, layer_in, tokens, tiled=u.mlp_tile_tokens > 0)
+                              layer_saved(u.checkpoint, shape, layer_in, tokens, tiled=u.mlp_tile_tokens > 0,
+                                          mlp_saved=FLOAT8_MLP_SAVED.get(u.float8, MLP_SAVED) if u.compiled
+                                          else MLP_SAVED)
                               for u in text)
     # The surplus was measured under selective recomputation; a fully recomputed layer keeps its
     # input alone whatever its inside (torch's checkpoint saves nothing else), adapters or not.
@@ -155,7 +162,7 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
         part["adapter surplus"] = sum(ADAPTER_SURPLUS * layer_in for u in surplus)
     vision = [u for u in units if u.modality == "vision"]
     patches = setup.patches / setup.sp  # images are spread over the SP ranks
-    if vision and shape.vision_hidden and _backward_reaches(vision):
+    if vision and shape.vision_hidden and backward_reaches(vision):
         v_in = patches * shape.vision_hidden * 2
         v_shape = attrs.evolve(shape, hidden=shape.vision_hidden, intermediate=shape.vision_intermediate)
         part["vision"] = sum(layer_saved(u.checkpoint, v_shape, v_in, patches) for u in vision)
@@ -185,7 +192,7 @@ def _trained(u: Unit) -> int:  # parameters with gradients and optimizer states
     return u.params * u.trainable + u.adapter_params
 
 
-def _backward_reaches(units: list[Unit]) -> bool:  # nothing trained in it: no backward, nothing saved
+def backward_reaches(units: list[Unit]) -> bool:  # nothing trained in it: no backward, nothing saved
     return any(_trained(u) for u in units)
 
 
@@ -194,12 +201,14 @@ def _mlp_rows(unit: Unit, tokens: float) -> float:
     return min(tokens, unit.mlp_tile_tokens) if unit.mlp_tile_tokens else tokens
 
 
-def layer_saved(mode: str, shape: Shape, layer_in: float, tokens: float, *, tiled: bool = False) -> float:
+def layer_saved(mode: str, shape: Shape, layer_in: float, tokens: float, *, tiled: bool = False,
+                mlp_saved: float = MLP_SAVED) -> float:
     """Bytes one layer keeps between its forward and backward under checkpoint ``mode`` (a
-    tiled MLP keeps only its input: its intermediates are made again in the backward)."""
+    tiled MLP keeps only its input: its intermediates are made again in the backward;
+    ``mlp_saved``: the MLP's intermediates kept, a float8 layer's fewer)."""
     saved = LAYER_SAVED[mode] * layer_in
     if mode in ("off", "attention") and not tiled:
-        saved += MLP_SAVED * tokens * shape.intermediate * 2
+        saved += mlp_saved * tokens * shape.intermediate * 2
     if mode == "except_attention":
         saved += tokens * shape.heads * 4  # the LSE, float32 per head and token
     return saved
@@ -215,73 +224,6 @@ def _comm_buffers(shape: Shape, setup: Setup, tokens: float, reduced: float) -> 
 def _host(units: list[Unit], layer_in: float) -> float:
     """Pinned host buffers: each offloaded unit's input from its forward to its backward."""
     return sum(layer_in for u in units if u.offload_activations and u.modality == "text")
-
-
-def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) -> dict[str, float]:
-    """Per-rank seconds of one step, by part: matrix products (recomputation included),
-    attention forward and backward, element-wise overhead, exposed communication."""
-    tokens = setup.tokens / setup.sp
-    text = [u for u in units if u.modality == "text"]
-    root = next((u for u in units if u.modality is None), None)
-    head = shape.vocab * shape.hidden  # 6 FLOPs per weight and token, a frozen one's 4 (no weight gradient)
-    mlp = 2 * shape.hidden * shape.intermediate  # gate and up: what "mlp" recomputes (down stops early)
-
-    def redone(u: Unit) -> float:  # a decoder unit's recomputed matmul FLOPs
-        redo = 2 * tokens * (shape.layer_params + u.adapter_params if u.checkpoint in ("full", "except_attention")
-                             else mlp if u.checkpoint == "mlp" else 0)
-        # A tiled MLP runs its forward once more (its backward makes the tiles' intermediates again).
-        return redo + (2 * tokens * 3 * shape.hidden * shape.intermediate if u.mlp_tile_tokens else 0)
-
-    again_flops = [redone(u) for u in text]
-    # Each decoder unit's products at its own rate: float8 by rule at its scaling's measured speed-up.
-    dense = sum((tokens * _per_token(u, shape.layer_params) + r) / gpu.float8_speedup(u.float8)
-                for u, r in zip(text, again_flops))
-    dense += tokens * (_per_token(root, head) if root is not None else 6 * head)
-    recompute = sum(again_flops)
-    towers = [u for u in units if u.modality == "vision"]
-    vision = (sum(_per_token(u, u.params) for u in towers) if _backward_reaches(towers)
-              else 2 * shape.vision_params) * setup.patches / setup.sp if shape.vision_blocks else 0.0
-    # Causal attention over the whole sequence, this rank's share: 2 S^2 h forward per layer.
-    attn = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp
-    again = sum(1 for u in text if u.checkpoint in ("full", "attention"))
-    part = {
-        "matmul": (dense + vision) / (gpu.matmul_tflops * 1e12),
-        "attention forward": attn * (len(text) + again) / (gpu.attention_fwd_tflops * 1e12),
-        "attention backward": 2.5 * attn * len(text) / (gpu.attention_bwd_tflops * 1e12),
-        "element-wise": gpu.overhead_s * tokens * len(text) * (1.3 if recompute else 1.0),
-        "communication": _exposed_comm(units, shape, setup, gpu, tokens),
-    }
-    part["total"] = sum(part.values())
-    part["tokens_per_s"] = setup.tokens * setup.dp_shard * setup.dp_replicate / part["total"]
-    # MFU as the reports and benchmarks count it (core/plan/flops.py), this rank's share of the sequence.
-    # A frozen weight counts the 4 FLOPs it runs, not 6; adapters are trained weights.
-    mine = [*text, *([root] if root is not None else [])]
-    useful = sequence_flops(params=len(text) * shape.layer_params + head + sum(u.adapter_params for u in mine),
-                            frozen=sum(shape.layer_params if u is not root else head for u in mine if not u.trainable),
-                            layers=len(text), hidden=shape.heads * shape.head_dim, length=setup.tokens) / setup.sp
-    part["mfu"] = useful / part["total"] / (gpu.peak_tflops * 1e12)
-    return part
-
-
-def _per_token(u: Unit, base: float) -> float:  # matmul FLOPs per token, its adapters' too
-    return (6 if u.trainable else 4) * base + 6 * u.adapter_params
-
-
-def _exposed_comm(units, shape: Shape, setup: Setup, gpu: GpuKind, tokens: float) -> float:
-    """Ulysses' all-to-alls are on the critical path (4 per layer forward, 4 backward); the
-    ring's transfers and FSDP2's collectives overlap compute except one unit's worth."""
-    bw = gpu.link_gbps * 1e9
-    layers = sum(1 for u in units if u.modality == "text")
-    ulysses = 0.0
-    if setup.ulysses > 1:
-        width = shape.hidden * 2 + 2 * shape.kv_heads * shape.head_dim  # q and out, k and v
-        per = tokens * width * 2 * (setup.ulysses - 1) / setup.ulysses
-        ulysses = 2 * layers * per / bw
-    fsdp = 0.0
-    if setup.fsdp > 1:
-        largest = max((u.params for u in units if u.strategy == "fsdp2" and u.modality), default=0)
-        fsdp = 3 * largest * 2 / bw  # the first gather, the last reduce-scatter: not hidden
-    return ulysses + fsdp
 
 
 def longest_fit(fits, *, low: int, high: int, multiple: int = 1024) -> int | None:

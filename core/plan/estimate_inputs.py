@@ -45,6 +45,7 @@ def units_of(plan: Any, model: Any) -> list[Unit]:
             quantized_params=_quantized(model, path, own) if getattr(params, "quantize", "none") != "none" else 0,
             state_bytes=_state_bytes(m, storage=_BYTES[getattr(params, "storage_dtype", None) or "float32"]),
             float8=getattr(params, "float8_recipe", "") if getattr(params, "matmul", "default") == "float8" else "",
+            compiled=bool(getattr(params, "compile", False)),
             source=decision.source,
         ))
     return units
