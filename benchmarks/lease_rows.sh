@@ -10,12 +10,12 @@ mkdir -p "$dest/gen" "$dest/f8"
 stage() { echo "$(date +%T) $1" >> "$dest/progress"; }
 # 2026-12-03's order (session 17's lease: the step traced whole, 7.04 ms replayed at 128K, the
 # fast tokens equal to eager; float8 tensorwise 1.65x plain transformers at 32K; its 128K row and
-# the loss curves did not come back): issue 29's missing rows first (128K float8 as bundled, the
-# held-out loss curves), then issue 28's lines again (the per-token figure without the one-time
-# work), then what is left.
+# the loss curves did not come back): issue 28's lines again first (the per-token figure without
+# the one-time work: the issue's last line), then issue 29's missing rows (128K float8 as bundled,
+# the held-out loss curves), then what is left.
+stage "decoding (28)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28 > "$dest/gen-28.txt" 2>&1)
 stage "float8 e"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" e > "$dest/f8-e.txt" 2>&1)
 stage "float8 c"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" c > "$dest/f8-c.txt" 2>&1)
-stage "decoding (28)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28 > "$dest/gen-28.txt" 2>&1)
 stage "decoding numerics (28a)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28a > "$dest/gen-28a.txt" 2>&1)
 stage "decoding, longer prompts (28l)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28l > "$dest/gen-28l.txt" 2>&1)
 stage "float8 a"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" a > "$dest/f8-a.txt" 2>&1)
