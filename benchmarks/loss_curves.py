@@ -64,6 +64,14 @@ def trained_samples(text: str) -> int:
     return int(next(line for line in text.splitlines() if line.startswith("num_samples")).split("=")[1])
 
 
+def uncompiled(recipe: pathlib.Path) -> pathlib.Path:
+    """The recipe without its compiled units, beside it: every variant is evaluated so (one
+    forward over the held-out samples: a compilation per variant would cost more than it saves)."""
+    plain = recipe.with_name(f"{recipe.stem}-eval.toml")
+    plain.write_text(recipe.read_text().replace(", compile = true", ""))
+    return plain
+
+
 def held_out_loss(recipe: pathlib.Path, run: pathlib.Path, *, trained: int, count: int) -> float | None:
     """`weft eval` of the run's last checkpoint on the ``count`` samples after its ``trained``
     ones (the same for every variant): the mean loss over their tokens, or None if it failed."""
@@ -133,8 +141,9 @@ def main() -> None:
                 if '"loss"' in line] if (run / "metrics.jsonl").is_file() else []
         results[name] = {"rc": done.returncode, "loss": [r["loss"] for r in rows],
                          "tokens_per_s": [r["tokens_per_s"] for r in rows],
-                         "held_out": held_out_loss(recipe, run, trained=trained_samples(text), count=args.held_out)
-                         if done.returncode == 0 and args.held_out else None}
+                         "held_out": held_out_loss(uncompiled(recipe), run, trained=trained_samples(text),
+                                                   count=args.held_out) if done.returncode == 0 and args.held_out
+                         else None}
         shutil.rmtree(run / "checkpoints", ignore_errors=True)  # read once by the evaluation: disk back
         print(name, "rc", done.returncode, "steps", len(rows), "held-out", results[name]["held_out"], flush=True)
         # After each variant: a run cut short by its call's limit keeps the variants done (--plot redraws them).
