@@ -212,20 +212,20 @@ class DecodeStep:
             self._step()
 
     def _record(self) -> None:
-        # First torch.cuda.graph's steps without its emptying of the allocator's cache (with it, 0.83 s
-        # after a 128K prefill, 0.03 after 16K: more to free, for a ~50 MiB pool that fits beside it,
-        # BENCHMARKS.md); failing that, torch.cuda.graph itself (``capture_retry``: why). No
-        # garbage collection: torch's capture runs none unless told to (force_cudagraph_gc).
+        # torch.cuda.graph's steps without its emptying of the allocator's cache (0.83 s after a 128K prefill,
+        # 0.03 after 16K, for a ~50 MiB pool: BENCHMARKS.md), else torch.cuda.graph itself (``capture_retry``:
+        # why). No garbage collection: torch's capture runs none unless told to (force_cudagraph_gc).
         start, device = time.perf_counter(), self.row.device  # capture_s: all of this, one-time
         for kept in (True, False):
             torch.cuda.synchronize(device)
-            graph, before = torch.cuda.CUDAGraph(), torch.cuda.memory_reserved(device)
+            if not kept:  # as torch.cuda.graph starts, so the reserved bytes gained are the pool's
+                torch.cuda.empty_cache()
+            graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+            before = torch.cuda.memory_reserved(device)
             try:
                 if kept:
-                    self._capture_keeping_cache(graph, device=device)
-                else:  # empties the cache first: the reserved bytes gained are the pool's
-                    torch.cuda.empty_cache()
-                    before, pool = torch.cuda.memory_reserved(device), torch.cuda.graph_pool_handle()
+                    self._capture_keeping_cache(graph, pool=pool, device=device)
+                else:
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                         self._step()
             except Exception as error:  # noqa: BLE001 - once more as torch does it; then decode eagerly
@@ -240,11 +240,11 @@ class DecodeStep:
             self.capture_s, self.graph = time.perf_counter() - start, graph
             return
 
-    def _capture_keeping_cache(self, graph: torch.cuda.CUDAGraph, *, device: torch.device) -> None:
+    def _capture_keeping_cache(self, graph: torch.cuda.CUDAGraph, *, pool, device: torch.device) -> None:
         stream = torch.cuda.Stream(device=device)  # a capture runs on a side stream
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            graph.capture_begin(torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
+            graph.capture_begin(pool, capture_error_mode="thread_local")
             try:
                 self._step()
             except BaseException:  # the step's own error, not the ended capture's
