@@ -8,8 +8,10 @@ Each variant is one `weft run` (its own process) of the same recipe: Qwen2.5-0.5
 (`data.source = "text"`, `<stdlib>/**/*.py`, a BPE trained on them), samples of 4,096
 tokens, 16,384 tokens a step, lr 3e-4 (``--lr``) after 20 warm-up steps and decayed to 0,
 seed 0; the variants differ only in their rules (below). Each run then goes through `weft
-eval` on the ``--held-out`` samples that follow its training samples in the corpus
-(``data.skip_samples``): the same samples for every variant, none trained on. That held-out
+eval` on the corpus's first ``--held-out`` samples, which every training run skips
+(``data.skip_samples``): the same samples for every variant, none trained on, there however
+small the corpus (2026-12-02's device held ~640 samples of 4,096 tokens, fewer than the 1,200
+a 300-step run takes: the runs go round it again, the held-out samples stay out). That held-out
 loss is what variants are compared by. The training loss of the last 20 steps is shown too,
 but it moves more between two runs than a precision does: at lr 1e-3 (2026-12-01's lease)
 two bf16 seeds ended 6.5% apart, and one seed compiled and not 4.6% apart. Writes
@@ -17,7 +19,8 @@ loss_curves.json (every step's loss and tokens/s, the held-out loss, per variant
 loss_curves.md (against bf16's) and, with matplotlib, loss_curves.png. `--preset
 qwen2_text_tiny --tokens 256 --batch 1024 --steps 30 --held-out 8 --emulate` runs the whole
 thing in about a minute on a CPU (`--emulate`: the float8 variants' numerics without float8
-matrix units).
+matrix units). Variants already in OUT's loss_curves.json with a held-out loss are kept, not run
+again: a second call adds the ones a first call's time limit left (the table compares them all).
 """
 
 from __future__ import annotations
@@ -43,25 +46,30 @@ VARIANTS = {
 
 
 def recipe_text(*, preset: str, tokens: int, batch: int, steps: int, shard: str, train: str,
-                compile: bool = False, lr: float = 3e-4) -> str:
+                compile: bool = False, lr: float = 3e-4, held_out: int = 0) -> str:
     layers = ", ".join(k for k in ('strategy = "none"', shard, "compile = true" if compile else "") if k)
     seed = "" if "seed" in train else "seed = 0\n"
     rest = 'strategy = "none"' + (', storage_dtype = "bfloat16"' if "bfloat16" in shard else "")
     return (f'[model]\npreset = "{preset}"\n[data]\nsource = "text"\npath = "<stdlib>/**/*.py"\ntokens = {tokens}\n'
-            f"num_samples = {max(1, steps * batch // tokens)}\n[train]\nmax_steps = {steps}\n"
+            f"num_samples = {max(1, steps * batch // tokens)}\nskip_samples = {held_out}\n"
+            f"[train]\nmax_steps = {steps}\n"
             f"micro_batch_tokens = {batch}\nlr = {lr}\nwarmup_steps = 20\nprecision = \"bf16\"\n"
             f"checkpoint_every = 0\n{seed}{train}[parallel]\nnproc = 1\n"
             f'[[rules]]\nname = "the variant\'s layers"\nwhen = {{ path = "*.layers.*" }}\nshard = {{ {layers} }}\n'
             f'[[rules]]\nname = "the rest"\nshard = {{ {rest} }}\n')
 
 
+#: steps in the plot's moving mean
+SMOOTH = 20
+
+
+def moving_mean(values: list[float], *, width: int = SMOOTH) -> list[float]:
+    """Each value's mean with the ``width - 1`` before it (fewer at the start)."""
+    return [sum(values[max(0, i + 1 - width):i + 1]) / (i + 1 - max(0, i + 1 - width)) for i in range(len(values))]
+
+
 def final_loss(losses: list[float], *, tail: int = 20) -> float:
     return sum(losses[-tail:]) / len(losses[-tail:])
-
-
-def trained_samples(text: str) -> int:
-    """The recipe text's data.num_samples: the samples its run trains on, the held-out ones after them."""
-    return int(next(line for line in text.splitlines() if line.startswith("num_samples")).split("=")[1])
 
 
 def uncompiled(recipe: pathlib.Path) -> pathlib.Path:
@@ -72,11 +80,12 @@ def uncompiled(recipe: pathlib.Path) -> pathlib.Path:
     return plain
 
 
-def held_out_loss(recipe: pathlib.Path, run: pathlib.Path, *, trained: int, count: int) -> float | None:
-    """`weft eval` of the run's last checkpoint on the ``count`` samples after its ``trained``
-    ones (the same for every variant): the mean loss over their tokens, or None if it failed."""
+def held_out_loss(recipe: pathlib.Path, run: pathlib.Path, *, count: int) -> float | None:
+    """`weft eval` of the run's last checkpoint on the corpus's first ``count`` samples, the
+    ones its training skipped (the same for every variant): the mean loss over their tokens, or
+    None if it failed."""
     done = subprocess.run([sys.executable, "-m", "weft", "eval", str(recipe), "--run-dir", str(run), "--json",
-                           "--set", f"data.skip_samples={trained}", "--set", f"data.num_samples={count}"],
+                           "--set", "data.skip_samples=0", "--set", f"data.num_samples={count}"],
                           capture_output=True, text=True)
     (run / "held_out.log").write_text(done.stdout + done.stderr)
     try:
@@ -119,19 +128,24 @@ def main() -> None:
                              "its speed torchao's, not an unfused cast's")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--held-out", type=int, default=64,
-                        help="samples after the training ones that each run is evaluated on (0: none)")
+                        help="the corpus's first samples: every training run skips them, each run is evaluated "
+                             "on them (0: none)")
     parser.add_argument("--plot", type=pathlib.Path, metavar="JSON",
                         help="no runs: the table and the PNG from a loss_curves.json already made (e.g. the GPU's)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = json.loads(args.plot.read_text()) if args.plot else {}
+    done_before = args.out / "loss_curves.json"
+    results = json.loads((args.plot or done_before).read_text()) if args.plot or done_before.is_file() else {}
     for name in [] if args.plot else args.only.split(","):
+        if results.get(name, {}).get("held_out") is not None:
+            print(name, "kept from", done_before, flush=True)
+            continue
         shard, train = VARIANTS[name]
         if args.emulate and "float8" in shard:
             shard += ", float8_emulate = true"
         recipe = args.out / f"{name}.toml"
         text = recipe_text(preset=args.preset, tokens=args.tokens, batch=args.batch, steps=args.steps,
-                           shard=shard, train=train, compile=args.compile, lr=args.lr)
+                           shard=shard, train=train, compile=args.compile, lr=args.lr, held_out=args.held_out)
         recipe.write_text(text)
         run = args.out / name
         done = subprocess.run([sys.executable, "-m", "weft", "run", str(recipe), "--run-dir", str(run)],
@@ -141,9 +155,8 @@ def main() -> None:
                 if '"loss"' in line] if (run / "metrics.jsonl").is_file() else []
         results[name] = {"rc": done.returncode, "loss": [r["loss"] for r in rows],
                          "tokens_per_s": [r["tokens_per_s"] for r in rows],
-                         "held_out": held_out_loss(uncompiled(recipe), run, trained=trained_samples(text),
-                                                   count=args.held_out) if done.returncode == 0 and args.held_out
-                         else None}
+                         "held_out": held_out_loss(uncompiled(recipe), run, count=args.held_out)
+                         if done.returncode == 0 and args.held_out else None}
         shutil.rmtree(run / "checkpoints", ignore_errors=True)  # read once by the evaluation: disk back
         print(name, "rc", done.returncode, "steps", len(rows), "held-out", results[name]["held_out"], flush=True)
         # After each variant: a run cut short by its call's limit keeps the variants done (--plot redraws them).
@@ -159,14 +172,29 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    # Top: each run's loss, smoothed (a step's loss is one batch's: the batches differ more than
+    # the precisions do). Bottom: each seed-0 run against bf16 on the very same batches, step by
+    # step: the comparison the 1.5% bar is judged by.
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
+    base = results.get("bf16", {}).get("loss") or []
     for name, r in results.items():
-        if r["loss"]:
-            ax.plot(range(1, len(r["loss"]) + 1), r["loss"], label=name, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(f"{args.preset} on the Python standard library, {args.batch:,} tokens a step")
-    ax.legend()
+        if not r["loss"]:
+            continue
+        steps = range(1, len(r["loss"]) + 1)
+        top.plot(steps, moving_mean(r["loss"]), label=name, linewidth=1.2)
+        if name != "bf16" and "seed" not in name and base:
+            paired = [(x / y - 1) * 100 for x, y in zip(r["loss"], base)]
+            bottom.plot(range(1, len(paired) + 1), moving_mean(paired), label=name, linewidth=1.2)
+    top.set_ylabel(f"loss ({SMOOTH}-step mean)")
+    top.set_title(f"{args.preset} on the Python standard library, {args.batch:,} tokens a step")
+    top.legend()
+    for bar in (-1.5, 1.5):
+        bottom.axhline(bar, color="grey", linestyle=":", linewidth=1)
+    bottom.axhline(0, color="black", linewidth=0.6)
+    bottom.set_ylabel(f"vs bf16, same batches, % ({SMOOTH}-step mean)")
+    bottom.set_xlabel("step")
+    if any(line.get_label() in results for line in bottom.lines):
+        bottom.legend()
     fig.tight_layout()
     fig.savefig(args.out / "loss_curves.png", dpi=120)
 

@@ -94,8 +94,19 @@ def text_corpus(recipe, *, config, processor) -> tuple[Any, Any]:
     else:  # a preset of a real size: a tokenizer of the corpus itself, within the model's vocabulary
         cache = pathlib.Path.home() / ".cache" / "weft" / "text-tokenizers"
         encode, end = corpus_tokenizer(files, vocab_size=min(text.vocab_size, 32768), cache_dir=cache)
-    return tokenizer, text_samples(files, encode=encode, end=end, tokens=recipe.data.tokens,
-                                   num_samples=recipe.data.num_samples, skip=recipe.data.skip_samples)
+    samples = text_samples(files, encode=encode, end=end, tokens=recipe.data.tokens,
+                           num_samples=recipe.data.num_samples, skip=recipe.data.skip_samples)
+    return tokenizer, _skip_named(samples, recipe=recipe)
+
+
+def _skip_named(samples, *, recipe):
+    """The samples; a data.skip_samples past the corpus's end as the key's message, not a traceback."""
+    try:
+        yield from samples
+    except ValueError as error:
+        raise WeftError(f"data.skip_samples = {recipe.data.skip_samples} with data.path {recipe.data.path!r}: "
+                        f"{error}; hold out fewer (at most the samples the files hold, less one)",
+                        where=f"{recipe.source} (data.skip_samples)") from None
 
 
 def video_limits(recipe, processor):

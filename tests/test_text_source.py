@@ -32,6 +32,8 @@ def test_files_become_one_stream_cut_into_samples_of_one_length(tmp_path):
     assert len(list(text_samples(files, encode=encode, end=0, tokens=4, num_samples=2))) == 2
     held_out = list(text_samples(files, encode=encode, end=0, tokens=4, num_samples=10, skip=1))
     assert [s.input_ids.tolist() for s in held_out] == [stream[4:8], stream[8:12]]  # the first left out
+    with pytest.raises(ValueError, match="skip = 3 leaves no sample: the files hold 3 samples of 4 tokens"):
+        list(text_samples(files, encode=encode, end=0, tokens=4, num_samples=10, skip=3))
     assert corpus_files("<stdlib>/json/__init__.py", base=tmp_path)[0].name == "__init__.py"
     # The standard library's folder holds the installed packages too: not the library's text.
     stdlib = corpus_files("<stdlib>/**/__init__.py", base=tmp_path)
@@ -71,6 +73,10 @@ def test_a_tiny_model_learns_real_text(weft, tmp_path):
     trained, initial = json.loads(trained.stdout), json.loads(initial.stdout)
     assert trained["label_tokens"] == initial["label_tokens"] > 7 * 250  # 8 samples of 256, held out
     assert trained["loss"] < 0.8 * initial["loss"], (trained["loss"], initial["loss"])
+    # Held out past the corpus's end (a smaller standard library than the run's): the key's message.
+    past = weft("eval", "t.toml", "--set", "data.skip_samples=100000", cwd=tmp_path)
+    assert past.returncode == 2, past.stderr[-2000:]
+    assert "data.skip_samples = 100000" in past.stderr and "leaves no sample: the files hold" in past.stderr
 
 
 @pytest.mark.parametrize(("change", "message"), [

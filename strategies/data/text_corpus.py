@@ -67,6 +67,8 @@ def text_samples(files: Sequence[pathlib.Path], *, encode: Callable[[str], list[
             made += 1
             if made == num_samples:
                 return
+    if skip and not made:  # a held-out evaluation past the corpus's end: say how far it reaches
+        raise ValueError(f"skip = {skip} leaves no sample: the files hold {cut} samples of {tokens} tokens")
 
 
 def corpus_tokenizer(files: Sequence[pathlib.Path], *, vocab_size: int, cache_dir: pathlib.Path) -> tuple[
