@@ -67,6 +67,7 @@ def test_auto_chunks_only_where_the_whole_prefill_does_not_fit(monkeypatch):
         MARGIN_BYTES,
         PEAK_BYTES_PER_WIDTH,
         auto_chunk,
+        cache_itemsize,
         prefill_chunk_for,
     )
 
@@ -87,13 +88,22 @@ def test_auto_chunks_only_where_the_whole_prefill_does_not_fit(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)  # 1 GiB spare in the allocator
     gpu, model = torch.device("cuda"), Model()
-    assert prefill_chunk_for("auto", model=model, prompt=131072, cached_tokens=131172, device=gpu) == 0
+    bf16 = {"device": gpu, "precision": "bf16"}
+    assert prefill_chunk_for("auto", model=model, prompt=131072, cached_tokens=131172, **bf16) == 0
     prompt = 1 << 20
-    chunk = prefill_chunk_for("auto", model=model, prompt=prompt, cached_tokens=prompt + 100, device=gpu)
+    chunk = prefill_chunk_for("auto", model=model, prompt=prompt, cached_tokens=prompt + 100, **bf16)
     cache = 2 * 28 * 4 * 128 * 2 * (prompt + 100)  # 56 GiB of keys and values
     free = 121 * gib - cache - MARGIN_BYTES
     per_token = 18944 * PEAK_BYTES_PER_WIDTH
     assert 0 < chunk < prompt and chunk % CHUNK_MULTIPLE == 0
     assert chunk * per_token <= free < (chunk + CHUNK_MULTIPLE) * per_token
-    assert prefill_chunk_for(20, model=model, prompt=prompt, cached_tokens=prompt, device=gpu) == 20  # the rule's
-    assert prefill_chunk_for("auto", model=model, prompt=prompt, cached_tokens=prompt, device=torch.device("cpu")) == 0
+    assert prefill_chunk_for(20, model=model, prompt=prompt, cached_tokens=prompt, device=gpu,
+                             precision="bf16") == 20  # the rule's
+    # The cache's element: bf16 under bf16 autocast whatever the weights (a 4-bit base's uint8
+    # storage included); in float32 the widest floating weight's.
+    assert cache_itemsize(model, precision="bf16") == 2 and cache_itemsize(model, precision="fp32") == 2
+    model.packed = torch.nn.Parameter(torch.zeros(4, dtype=torch.uint8), requires_grad=False)
+    model.wide = torch.nn.Parameter(torch.zeros(1))
+    assert cache_itemsize(model, precision="fp32") == 4 and cache_itemsize(model, precision="bf16") == 2
+    assert prefill_chunk_for("auto", model=model, prompt=prompt, cached_tokens=prompt, device=torch.device("cpu"),
+                             precision="bf16") == 0

@@ -104,7 +104,8 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     # Whole or in chunks (the rule's, or auto: where memory needs it), decided before anything is
     # allocated, so that the untimed first prefill runs as the timed one.
     chunk = prefill_chunk_for(getattr(cache, "prefill_chunk", 0), model=model, prompt=length,
-                              cached_tokens=length + max_new_tokens, device=device)
+                              cached_tokens=length + max_new_tokens, device=device,
+                              precision=recipe.train.precision)
     if warmup:  # one untimed prefill first: compiled modules compile there, not in the figure
         with torch.no_grad(), autocast:
             _prefill(model, run=run, inputs=inputs, cache=new_cache(), device=device, positions_of=positions_of,

@@ -60,12 +60,13 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         point="kv_cache", strategy="static", params=NoParams(), source="weft generate (several prompts)",
         rule="several prompts decode together in the static cache")
     cache = pm.call_first("weft_kv_cache", decision=static, model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
+    chunk = prefill_chunk_for(cache.prefill_chunk, model=model, prompt=max(lengths), device=device,
+                              cached_tokens=len(inputs) * (max(lengths) + max_new_tokens),
+                              precision=recipe.train.precision)
     cache.reserve(max(lengths) + max_new_tokens, rows=len(inputs))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     chunks = [1] * len(inputs)  # each prompt's prefill forwards
-    chunk = prefill_chunk_for(cache.prefill_chunk, model=model, prompt=max(lengths),
-                              cached_tokens=len(inputs) * (max(lengths) + max_new_tokens), device=device)
 
     def prefill(row: int) -> torch.Tensor:
         """Prompt ``row`` into its row of the cache (in chunks where the cache asks); its last

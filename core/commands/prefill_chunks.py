@@ -96,21 +96,32 @@ def auto_chunk(*, prompt: int, width: int, free: int) -> int:
 
 
 def prefill_chunk_for(setting: int | str, *, model: torch.nn.Module, prompt: int, cached_tokens: int,
-                      device: torch.device) -> int:
+                      device: torch.device, precision: str) -> int:
     """The chunk a prompt of ``prompt`` tokens is prefilled in (0: whole): the rule's number, or
     for ``auto`` what the GPU's free memory allows once the cache's ``cached_tokens`` rows (every
-    row of every prompt, the new tokens too) are taken from it; off the GPU, whole."""
+    row of every prompt, the new tokens too) are taken from it; off the GPU, whole. Asked before
+    the cache's buffers exist (the first prefill allocates them): the free memory excludes them."""
     if setting != "auto":
         return int(setting or 0)
     if device.type != "cuda":
         return 0
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    itemsize = next(model.parameters()).element_size()  # the cache's dtype at most (autocast makes it bf16)
+    itemsize = cache_itemsize(model, precision=precision)
     cache = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize * cached_tokens
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's spare
     return auto_chunk(prompt=prompt, width=config.intermediate_size, free=free - cache - MARGIN_BYTES)
+
+
+def cache_itemsize(model: torch.nn.Module, *, precision: str) -> int:
+    """Bytes of one cached key or value element: the projections' output dtype, bf16 under the
+    run's bf16 autocast whatever the weights are stored in (NF4 included); else the widest
+    floating weight's (float32 precision over bf16 weights gives bf16 keys: counted wider, so
+    the prefill chunks early rather than late)."""
+    if precision == "bf16":
+        return 2
+    return max((p.element_size() for p in model.parameters() if p.is_floating_point()), default=4)
 
 
 def prefill_in_chunks(model: torch.nn.Module, *, inputs: dict, cache, device: torch.device, chunk: int,
