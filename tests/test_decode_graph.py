@@ -23,6 +23,7 @@ from PIL import Image
 from weft.core.commands import decode
 from weft.core.commands.decode_graph import capture_blocker, decode_buffered
 from weft.core.commands.decode_step import DecodeStep
+from weft.core.commands.sampling import nucleus_from_noise
 
 pytestmark = pytest.mark.quick
 
@@ -283,7 +284,7 @@ def test_nucleus_draws_follow_the_nucleus():
     4 standard deviations); a tiny temperature is the argmax."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(40_000, 6)
     noise = torch.rand(40_000, 6, generator=torch.Generator().manual_seed(0))
-    drawn = decode.nucleus_from_noise(logits, noise, temperature=0.7, top_p=0.9)
+    drawn = nucleus_from_noise(logits, noise, temperature=0.7, top_p=0.9)
     probs = torch.softmax(logits[0] / 0.7, dim=-1)
     nucleus = int((probs.sort(descending=True).values.cumsum(0) - probs.sort(descending=True).values < 0.9).sum())
     want = torch.zeros(6)
@@ -292,7 +293,7 @@ def test_nucleus_draws_follow_the_nucleus():
     assert counts[nucleus:].sum() == 0 and 1 < nucleus < 6
     sigma = (want * (1 - want) / 40_000).sqrt()
     assert ((counts - want).abs() <= 4 * sigma + 1e-12).all(), (counts, want)
-    assert (decode.nucleus_from_noise(logits, noise, temperature=1e-4, top_p=1.0) == 0).all()
+    assert (nucleus_from_noise(logits, noise, temperature=1e-4, top_p=1.0) == 0).all()
 
 
 def test_sampled_steps_are_the_loop_that_draws_the_same_noise(tiny):
@@ -301,7 +302,7 @@ def test_sampled_steps_are_the_loop_that_draws_the_same_noise(tiny):
     draws gives; the log-probabilities are the model's (before the temperature)."""
     import torch.distributed as dist
 
-    from weft.core.commands.decode_step import Sampling
+    from weft.core.commands.sampling import Sampling
 
     sampling = Sampling(temperature=0.9, top_p=0.8, generator=torch.Generator().manual_seed(3))
     tokens, logprobs, _ = _buffered(tiny, sampling=sampling)
@@ -315,7 +316,7 @@ def test_sampled_steps_are_the_loop_that_draws_the_same_noise(tiny):
                 logits = decode.decode_step(tiny["model"], cache=cache, token=torch.tensor([[want[-1]]]),
                                             position=position, cache_position=torch.tensor([position])).logits[:, -1]
                 noise = torch.rand(logits.shape, generator=generator)
-                token = int(decode.nucleus_from_noise(logits.float(), noise, temperature=0.9, top_p=0.8)[0])
+                token = int(nucleus_from_noise(logits.float(), noise, temperature=0.9, top_p=0.8)[0])
                 want.append(token)
                 want_logprobs.append(float(torch.log_softmax(logits.double(), dim=-1)[0, token]))
     finally:

@@ -170,20 +170,3 @@ def layer_index_dynamic():
     leaves the rest eager. The caches keep their update out of the trace (``StaticCache.update``),
     where the index would pick a layer object and guard on it again."""
     return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
-
-
-def nucleus_from_noise(logits: torch.Tensor, noise: torch.Tensor, *, temperature: float,
-                       top_p: float) -> torch.Tensor:
-    """Nucleus sampling on the device: each row of ``logits`` (B, V) draws one token from the
-    smallest set of its most likely tokens whose probabilities (at ``temperature``) reach
-    ``top_p``, renormalised, by the Gumbel-max trick over ``noise`` (B, V), uniform in (0, 1):
-    argmax(log p + Gumbel) is a draw from p. No read-back and no random draw inside (the caller
-    fills ``noise`` outside a captured graph), the same shapes every call. Returns (B,) long."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
-    ordered, order = probs.sort(dim=-1, descending=True)
-    keep = ordered.cumsum(dim=-1) - ordered < top_p  # the smallest prefix reaching top_p (the first always)
-    kept = torch.zeros_like(keep).scatter_(-1, order, keep)  # (B, V) in vocabulary order
-    tiny = torch.finfo(noise.dtype).tiny
-    gumbel = -torch.log(-torch.log(noise.clamp(min=tiny, max=1 - torch.finfo(noise.dtype).eps)))
-    scores = torch.log(probs).masked_fill(~kept, float("-inf")) + gumbel
-    return scores.argmax(dim=-1)

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from weft.core.commands.decode import sharded_by_fsdp
-from weft.core.commands.decode_step import DecodeStep, Sampling
+from weft.core.commands.decode_step import DecodeStep
+from weft.core.commands.sampling import Sampling
 
 
 def capture_blocker(model: torch.nn.Module, *, cache, device: torch.device, world: int) -> str | None:

@@ -48,34 +48,13 @@ import contextlib
 import time
 import traceback
 
-import attrs
 import torch
 import torch.distributed as dist
 
-from weft.core.commands.decode import nucleus_from_noise
+from weft.core.commands.sampling import Sampling, nucleus_from_noise
 
 #: Eager steps before the capture (on CUDA): lazy initialisation happens outside the graph.
 WARMUP = 2
-
-
-@attrs.frozen(kw_only=True)
-class Sampling:
-    """Nucleus sampling in the step (``nucleus_from_noise``): its temperature, top-p and the
-    seeded generator (on the step's device) its uniform draws come from."""
-
-    temperature: float
-    top_p: float
-    generator: torch.Generator
-
-
-def choose_now(logits: torch.Tensor, *, sampling: Sampling | None) -> torch.Tensor:
-    """(B,) tokens from (B, V) logits outside the step (a prompt's first token): the argmax, or
-    ``sampling``'s nucleus over uniform draws made here from its generator: the draws the
-    step makes, in the same order, so every path and world size draws alike."""
-    if sampling is None:
-        return logits.argmax(dim=-1)
-    noise = torch.rand(logits.shape, generator=sampling.generator, device=logits.device)  # (B, V)
-    return nucleus_from_noise(logits.float(), noise, temperature=sampling.temperature, top_p=sampling.top_p)
 
 
 def _traced() -> tuple[collections.Counter, int]:

@@ -30,8 +30,8 @@ from weft.core.commands.decode import (
     text_attention,
 )
 from weft.core.commands.decode_graph import decode_rows_buffered
-from weft.core.commands.decode_step import Sampling, choose_now
 from weft.core.commands.prefill_chunks import prefill_chunk_for, prefill_in_chunks
+from weft.core.commands.sampling import Sampling, choose_now
 from weft.core.recipe import Recipe
 
 

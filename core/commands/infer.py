@@ -177,6 +177,7 @@ def _cmd_generate(args) -> int:
 
 def _generate(args) -> int:
     from weft.core.commands.generate import check_options, run_generate
+    from weft.core.commands.prompt_file import read_prompt_file
 
     check_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   profile=args.profile)  # each a message naming its flag, before any rank starts
@@ -186,7 +187,9 @@ def _generate(args) -> int:
                 raise WeftError(f"no such file: {path}; {flag} takes {kind} file", where=flag)
         if args.prompt_from_data and paths:
             raise WeftError(f"{flag} goes with --prompt; --prompt-from-data takes the data's own", where=flag)
-    prompts = _prompt_file(args) if args.prompt_file is not None else None
+    if args.prompt_file is not None and (args.images or args.videos):
+        raise WeftError("--image and --video go with --prompt; a --prompt-file line names its own", where="--image")
+    prompts = read_prompt_file(args.prompt_file) if args.prompt_file is not None else None
     options = {"prompt": args.prompt, "images": [str(p.resolve()) for p in args.images],
                "videos": [str(p.resolve()) for p in args.videos],
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
@@ -244,39 +247,6 @@ def _steady(result: dict) -> str:
     if result.get("step_graph_breaks"):  # the step did not trace whole: its speed is not the compiled one's
         parts.append(f"{result['step_graph_breaks']} graph breaks, the first: {result['step_graph_break']}")
     return f" ({', '.join(parts)})" if parts else ""
-
-
-def _prompt_file(args: Any) -> list[dict]:
-    """The prompts of ``--prompt-file``: checked here, each mistake a message naming its line."""
-    if not args.prompt_file.is_file():
-        raise WeftError(f"no such file: {args.prompt_file}; --prompt-file takes a JSONL file of prompts",
-                        where="--prompt-file")
-    if args.images or args.videos:
-        raise WeftError("--image and --video go with --prompt; a --prompt-file line names its own", where="--image")
-    prompts = []
-    for number, line in enumerate(args.prompt_file.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{args.prompt_file}:{number}"
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise WeftError(f"not JSON ({error.msg}); each line is one object, e.g. {{\"prompt\": \"...\"}}",
-                            where=where) from None
-        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
-            raise WeftError("each line needs \"prompt\": a string (and may give \"images\", \"videos\": lists of "
-                            "paths)", where=where)
-        paths = {}
-        for key in ("images", "videos"):
-            found = [(args.prompt_file.parent / p).resolve() for p in entry.get(key, [])]
-            missing = [str(p) for p in found if not p.is_file()]
-            if missing:
-                raise WeftError(f"{key}: no such file {missing[0]}", where=where)
-            paths[key] = [str(p) for p in found]
-        prompts.append({"prompt": entry["prompt"], **paths})
-    if not prompts:
-        raise WeftError(f"{args.prompt_file} holds no prompt", where="--prompt-file")
-    return prompts
 
 
 def _cmd_generate_worker(args) -> int:
