@@ -42,6 +42,13 @@ FLOAT8_MLP_SAVED = {"tensorwise": 2.0, "rowwise": 2.0}
 #: "full" and "except_attention".
 RECOMPUTE_ATTENTION = 4.0
 RECOMPUTE_MLP = 1.6
+#: The same MLP term for a float8 layer made again whole ("except_attention", "full"): its
+#: casts' float8 copies (and rowwise's transposed ones) beside the bf16 intermediates. Fitted
+#: to the 128K float8 recipe on one H200 (2026-12-01/02: tensorwise 129.0 GiB, rowwise 136.05,
+#: bf16 122.68), a little above both; rowwise_with_gw_hp unmeasured, given rowwise's (an upper
+#: bound: it casts less). Under "mlp" recomputation (the 32K layout) the float8 peaks already
+#: sit under the estimate, so that mode keeps ``RECOMPUTE_MLP``.
+FLOAT8_RECOMPUTE_MLP = {"tensorwise": 2.8, "rowwise": 4.3, "rowwise_with_gw_hp": 4.3}
 #: The same for a layer whose input comes back from host memory (``offload_activations``,
 #: the frontier recipes, MLP tiled): ~10 layer inputs at once (the restored input, the
 #: next one's prefetch, the recomputed layer's float32 norm work and attention's), fitted
@@ -169,7 +176,7 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
     else:
         part["vision"] = 0.0
     recompute = max(((RECOMPUTE_OFFLOADED if u.offload_activations else RECOMPUTE_ATTENTION) * layer_in
-                     + RECOMPUTE_MLP * _mlp_rows(u, tokens) * shape.intermediate * 2
+                     + _recompute_mlp(u) * _mlp_rows(u, tokens) * shape.intermediate * 2
                      for u in text if u.checkpoint != "off"), default=0.0)
     if setup.loss == "fused":  # a frozen head has no gradient, nor its float32 sum
         head = all(u.trainable for u in units if u.modality is None)
@@ -194,6 +201,12 @@ def _trained(u: Unit) -> int:  # parameters with gradients and optimizer states
 
 def backward_reaches(units: list[Unit]) -> bool:  # nothing trained in it: no backward, nothing saved
     return any(_trained(u) for u in units)
+
+
+def _recompute_mlp(unit: Unit) -> float:
+    """The MLP's intermediates (in tokens x intermediate x 2 bytes) a layer's recomputation holds at once."""
+    whole = unit.checkpoint in ("except_attention", "full")
+    return FLOAT8_RECOMPUTE_MLP.get(unit.float8, RECOMPUTE_MLP) if whole else RECOMPUTE_MLP
 
 
 def _mlp_rows(unit: Unit, tokens: float) -> float:

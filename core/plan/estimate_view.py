@@ -61,7 +61,8 @@ def estimate(recipe: Any, plan: Any, model: Any, *, gpu: str, host_gib: float | 
         # Adapters (plugins/adapter.py): trained beside a frozen base, which holds its weights only.
         "adapter_parameters": sum(u.adapter_params for u in units),
         # float8 by rule: its products at its scaling's measured speed-up on this GPU (gpus.py); a
-        # compiled unrecomputed float8 MLP keeps one intermediate fewer (estimate.py FLOAT8_MLP_SAVED).
+        # compiled unrecomputed float8 MLP keeps one intermediate fewer (estimate.py FLOAT8_MLP_SAVED),
+        # a recomputed one holds more while it is made again (FLOAT8_RECOMPUTE_MLP).
         "float8_units": sum(1 for m in plan.modules_for("shard")
                             if getattr(m.get("shard").params, "matmul", "default") == "float8"),
         "headroom_gib": round(kind.memory_gib - mem["total"] / GIB, 2),
@@ -121,7 +122,8 @@ def render_estimate(result: dict) -> None:
         console.print(f"float8: {result['float8_units']} units multiply in float8 by rule; their products are "
                       "counted at their scaling's speed-up measured on the H200 (core/plan/gpus.py; none where "
                       "not measured); a compiled, unrecomputed layer's MLP keeps one intermediate fewer in "
-                      "tensorwise and rowwise (measured at 32K; the estimate is 3% above)")
+                      "tensorwise and rowwise (measured at 32K; the estimate is 3% above), and a layer made "
+                      "again whole holds its casts' float8 copies besides (measured at 128K)")
     console.print(f"predicted: {result['tokens_per_s']:,} tokens/s over {result['ranks']} GPUs "
                   f"({result['tokens_per_s_per_gpu']:,} per GPU), MFU {result['mfu']:.1%}; "
                   + ("[green]fits[/]" if result["fits"] else "[red]does not fit[/]"))
