@@ -10,10 +10,14 @@ mkdir -p "$dest/gen" "$dest/f8"
 stage() { echo "$(date +%T) $1" >> "$dest/progress"; }
 # 2026-12-04's order (session 18's lease: issue 28's lines all met, 7.16 ms a token at 128K;
 # float8 tensorwise 4,620 tok/s at 128K; the loss curves' held-out evaluation found no samples
-# past the device's corpus, since held out at its start): the held-out loss curves first (c, then
-# d into the same folder: rowwise, the optimizer's variants), then the rows never measured (512K,
-# chunked prefill, the parts of the decoding step), then the rest.
+# past the device's corpus, since held out at its start): the held-out loss curves first (c), the
+# peak's allocations of the LoRA 128K step and of the same step without adapters (docs/estimate.md:
+# the ~30 GiB the CPU does not show), d into c's folder (rowwise, the optimizer's variants), then
+# the rows never measured (512K, chunked prefill, the parts of the decoding step), then the rest.
 stage "float8 c"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" c > "$dest/f8-c.txt" 2>&1)
+stage "memory peaks"; for recipe in qwen2.5-vl-7b-lora-128k-1gpu qwen2.5-vl-7b-128k-1gpu; do  # the LoRA surplus
+  (cd "$(mktemp -d)" && timeout 420 python3 "$here/memory_peak.py" --out "$dest/peak-$recipe" "$recipe" --step 2 \
+    > "$dest/peak-$recipe.txt" 2>&1; rm -rf "$dest/peak-$recipe/run/checkpoints"); done
 stage "float8 d"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" d > "$dest/f8-d.txt" 2>&1)
 stage "decoding, longer prompts (28l)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28l > "$dest/gen-28l.txt" 2>&1)
 stage "decoding (28x)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28x > "$dest/gen-28x.txt" 2>&1)
