@@ -84,6 +84,7 @@ def section_table(name: str) -> Callable[[], str]:
             "data": recipe.DataSection,
             "train": recipe.TrainSection,
             "parallel": recipe.ParallelSection,
+            "eval": recipe.EvalSection,
         }
         return params_table(classes[name])
 
@@ -187,6 +188,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "section.data": section_table("data"),
     "section.train": section_table("train"),
     "section.parallel": section_table("parallel"),
+    "section.eval": section_table("eval"),
     "presets": presets_list,
     "defaults": defaults_table,
     "selectors": selectors_table,

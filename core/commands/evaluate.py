@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import math
 import pathlib
-import time
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
@@ -41,8 +37,8 @@ def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
               adapter_dir: str | None = None) -> dict:
     from weft.core.mesh_spec import MESH_ORDER
     from weft.core.run.rank_job import prepare_inference
-    from weft.core.train.loss import IGNORE, targets
-    from weft.core.train.step import autocast_for, run_micro_batches
+    from weft.core.train.evaluation import forward_pass
+    from weft.core.train.step import autocast_for
 
     pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
                                                  device_type=device_type, run_dir=run_dir, step=step, one_pass=True,
@@ -51,34 +47,12 @@ def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     steps = pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
                           model=run.model, ctx=ctx)
     autocast = autocast_for(recipe.train.precision, device_type)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    seen = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # this rank's tokens, micro-batches
-    labels = 0.0  # global label tokens: run_micro_batches reduces them over every rank
-    dist.barrier()
-    start = time.perf_counter()
-    with torch.no_grad():
-        for index, micro_batches in enumerate(steps):
-            if max_batches and index >= max_batches:
-                break  # every rank has the same number of rounds, so all stop together
-            part, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
-                                             keep_vision=run.keep_vision, autocast=autocast, ctx=ctx,
-                                             fused=run.fused, backward=False)
-            loss_sum += part.double()
-            labels += float(totals[0])
-            # Whole-sequence tokens of the micro-batches with labels (padding rounds have none);
-            # every rank of an SP group sees the same micro-batch: divided by its size below.
-            real = [mb for mb in micro_batches if bool((targets(mb) != IGNORE).any())]
-            seen += torch.tensor([sum(mb["input_ids"].numel() for mb in real), len(real)], dtype=torch.float64,
-                                 device=ctx.device)
-    dist.all_reduce(loss_sum)
-    dist.all_reduce(seen)
-    seconds = time.perf_counter() - start
-    sp = run.plan.mesh.sp
-    tokens, batches = float(seen[0]) / sp, float(seen[1]) / sp
+    done = forward_pass(run=run, rounds=steps, autocast=autocast, ctx=ctx, max_batches=max_batches)
+    labels, tokens, batches, seconds = done["labels"], done["tokens"], done["micro_batches"], done["seconds"]
     if labels == 0:
         raise WeftError(f"no label tokens to evaluate in {recipe.data.path or 'the synthetic data'} "
                         f"({ctx.counters.get('skipped_samples', 0)} samples skipped)", where="--data")
-    loss = float(loss_sum) / labels
+    loss = done["loss_sum"] / labels
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "label_tokens": int(labels),
             "tokens": int(tokens), "micro_batches": int(batches), "seconds": seconds,
             "tokens_per_s": tokens / max(seconds, 1e-9), "skipped": dict(ctx.counters),

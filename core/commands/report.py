@@ -64,11 +64,13 @@ def summary_lines(runs: list[dict]) -> list[str]:
         memory = max((r.get("max_memory_gib", 0.0) for r in rows), default=0.0)
         mfu = [r["mfu"] for r in rows[1:] if "mfu" in r]
         skipped = sum(1 for r in rows if r.get("skipped"))
+        held = [r for r in rows if r.get("eval_loss") is not None]
         lines.append(
             f"{run['name']}: {summary.get('status', '?')}"
             + (f" ({summary['reason']})" if summary.get("reason") else "")
             + f"; {len(rows)} steps (last {rows[-1]['step'] if rows else '-'})"
             + (f", final loss {rows[-1]['loss']:.4f}" if rows and rows[-1].get("loss") is not None else "")
+            + (f", held-out loss {held[-1]['eval_loss']:.4f} at step {held[-1]['step']}" if held else "")
             + f", median {speed:,.0f} tokens/s"
             + (f", MFU {statistics.median(mfu):.1%}" if mfu else "")
             + (f", peak {memory:.1f} GiB" if memory else "")
@@ -100,6 +102,10 @@ def plot(runs: list[dict], out: pathlib.Path) -> pathlib.Path:
             skipped = [(r["step"], r[key]) for r in run["rows"] if r.get("skipped") and r.get(key) is not None]
             if skipped:
                 ax.scatter(*zip(*skipped), marker="x", color="red", zorder=3)
+            held_out = [(r["step"], r["eval_loss"]) for r in run["rows"] if r.get("eval_loss") is not None]
+            if key == "loss" and held_out:  # [eval]'s held-out loss beside the training loss, dashed
+                ax.plot(*zip(*held_out), color=line.get_color(), linestyle="--", marker="o", markersize=3,
+                        label=f"{run['name']} (held out)")
             for step in run["checkpoints"]:
                 ax.axvline(step, color=line.get_color(), alpha=0.25, linestyle=":")
         ax.set_title(label)

@@ -4,7 +4,7 @@
 classes live in recipe.py and data.py beside the rest of the language.
 """
 
-from weft.core.recipe.data import DataSection
+from weft.core.recipe.data import DataSection, EvalSection
 from weft.core.recipe.recipe import ModelSection, ParallelSection, Recipe, TrainSection, apply_override
 
-__all__ = ["DataSection", "ModelSection", "ParallelSection", "Recipe", "TrainSection", "apply_override"]
+__all__ = ["DataSection", "EvalSection", "ModelSection", "ParallelSection", "Recipe", "TrainSection", "apply_override"]

@@ -1,4 +1,5 @@
-"""The recipe's ``[data]`` section: where samples come from and how they are read."""
+"""The recipe's ``[data]`` section: where samples come from and how they are read; and
+``[eval]``: the held-out data a run evaluates every few steps."""
 
 from __future__ import annotations
 
@@ -92,3 +93,16 @@ class DataSection:
             raise ValueError("data.videos makes synthetic samples with videos: data.source = 'synthetic'")
         if self.min_side > self.max_side:
             raise ValueError(f"data.min_side ({self.min_side}) is larger than data.max_side ({self.max_side})")
+
+
+@attrs.frozen(kw_only=True)
+class EvalSection:
+    """Held-out evaluation during a run: every ``every`` steps (and after the last) the loss over
+    every sample of ``data`` once, forward only, as `weft eval` gives it on that step's weights."""
+
+    every: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "steps between held-out evaluations during `weft run` (and after the last step), each row's eval_loss in "
+        "metrics.jsonl; 0 = none"))
+    data: DataSection | None = attrs.field(default=None, metadata=_doc(
+        "[eval.data]: the [data] keys that differ for the held-out samples (e.g. path = \"val.jsonl\", or for text "
+        "skip_samples = 0 and num_samples = N where [data] skips those N); the rest is [data]'s"))

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import attrs
 
 from weft.core.errors import RecipeError
-from weft.core.recipe.data import DataSection, _doc
+from weft.core.recipe.data import DataSection, EvalSection, _doc
 from weft.core.recipe.presets import is_preset_path, preset_names
 from weft.core.recipe.schema import Where, build, did_you_mean, in_range
 from weft.core.recipe.syntax import Rule, bundled_path, load_includes, parse_rules, parse_toml, read_toml_text
@@ -120,6 +120,7 @@ class Recipe:
     data: DataSection = DataSection()
     train: TrainSection = TrainSection()
     parallel: ParallelSection = ParallelSection()
+    eval: EvalSection = EvalSection()
     rules: tuple[Rule, ...] = ()
     source: str = "<memory>"
     raw: dict = attrs.field(factory=dict, eq=False, repr=False)  # the merged TOML data, for the run dir
@@ -147,7 +148,7 @@ class Recipe:
         where = Where(source, text, overridden=overridden)
         if not isinstance(data, dict):
             raise RecipeError("a recipe must be a table of sections", where=source)
-        known = ("include", "model", "data", "train", "parallel", "rules")
+        known = ("include", "model", "data", "train", "parallel", "eval", "rules")
         for key in data:
             if key not in known:
                 raise RecipeError(
@@ -162,6 +163,7 @@ class Recipe:
             name: build(klass, data.get(name, {}), where=where, prefix=name)
             for name, klass in (("data", DataSection), ("train", TrainSection), ("parallel", ParallelSection))
         }
+        sections["eval"] = _eval_section(data, where=where)
         base = pathlib.Path(source).parent if source != "<memory>" else pathlib.Path.cwd()
         rules = parse_rules(data.get("rules", []), where=where, prefix="rules")
         try:
@@ -195,6 +197,24 @@ class Recipe:
         return self.relative(self.data.path)
 
 
+def _eval_section(data: dict, *, where: Where) -> EvalSection:
+    """[eval], its [eval.data] read as [data] with those keys changed (checked as [data] is)."""
+    table = data.get("eval", {})
+    if not isinstance(table, dict):
+        raise RecipeError("[eval] must be a table (every = N, and an [eval.data] table)", where=where.at("eval"))
+    held_out = table.get("data")
+    section = build(EvalSection, {k: v for k, v in table.items() if k != "data"}, where=where, prefix="eval")
+    if held_out is None:
+        return section
+    if not isinstance(held_out, dict):
+        raise RecipeError("[eval.data] must be a table of [data] keys", where=where.at("eval.data"))
+    if "every" not in table:  # held-out samples named, their evaluation forgotten (an explicit 0 turns it off)
+        raise RecipeError("[eval.data] names held-out samples but [eval] gives no every (steps between "
+                          "evaluations): set eval.every", where=where.at("eval.data"))
+    merged = build(DataSection, {**data.get("data", {}), **held_out}, where=where, prefix="eval.data")
+    return EvalSection(every=section.every, data=merged)
+
+
 def _check_preset(model: ModelSection, *, where: Where) -> None:
     """A bare preset name must be a bundled preset (a path-like one is read at build time)."""
     name = model.preset
@@ -222,15 +242,17 @@ def apply_override(data: dict, override: str) -> None:
     parts = key.split(".")
     if len(parts) != 2 or not all(parts):
         raise RecipeError(
-            f"the key {key!r} must be SECTION.KEY with a section among model, data, train, parallel",
+            f"the key {key!r} must be SECTION.KEY with a section among model, data, train, parallel, eval",
             where=flag,
         )
     section, name = parts
-    sections = {"model": ModelSection, "data": DataSection, "train": TrainSection, "parallel": ParallelSection}
+    sections = {"model": ModelSection, "data": DataSection, "train": TrainSection, "parallel": ParallelSection,
+                "eval": EvalSection}
     if section not in sections:
         raise RecipeError(f"unknown section {section!r}{did_you_mean(section, sections)} "
                           f"Accepted: {', '.join(sections)}", where=flag)
-    fields = [f.name for f in attrs.fields(sections[section])]
+    # [eval.data] is a table of [data] keys, set in the recipe: one --set key names one value.
+    fields = [f.name for f in attrs.fields(sections[section]) if (section, f.name) != ("eval", "data")]
     if name not in fields:
         raise RecipeError(f"unknown key {name!r}{did_you_mean(name, fields)} Accepted: {', '.join(fields)}", where=flag)
     try:

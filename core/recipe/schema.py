@@ -114,6 +114,8 @@ def describe(annotation: Any) -> str:
         return "true or false"
     if annotation is str:
         return "a string"
+    if attrs.has(annotation):  # a section in a section ([eval.data])
+        return "a table"
     return getattr(annotation, "__name__", str(annotation))
 
 

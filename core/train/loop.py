@@ -3,7 +3,8 @@
 Order: process group -> prepare (adapter, model, Plan, mesh, weft_shard, weights,
 weft_attention, sequence split) -> optimizer -> resume -> weft_batching -> for each
 step: guard(step_start), micro-batches (forward, loss / global label count, backward),
-weft_grad_sync, guard(step_end), optimizer step, metrics, checkpoint.
+weft_grad_sync, guard(step_end), optimizer step, the held-out loss when due ([eval]), metrics,
+checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from weft.core.run.interrupt import StopRequest
 from weft.core.run.logging import run_logger
 from weft.core.run.peer_watch import PeerWatch, peers_lost, watch_peers
 from weft.core.run.progress import progress_bar
+from weft.core.train.evaluation import HeldOut
 from weft.core.train.oom import out_of_memory
 from weft.core.train.optimizer import make_optimizer, state_gib
 from weft.core.train.prepare import Prepared, close_process_group, init_process_group, prepare_model
@@ -92,6 +94,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
         # A resumed run continues the stream its checkpoint saved.
         torch.manual_seed(recipe.train.seed)
     autocast = autocast_for(recipe.train.precision, ctx.device.type)
+    held_out = HeldOut(recipe=recipe, run=run, pm=pm, ctx=ctx, autocast=autocast) if recipe.eval.every else None
     totals = ending.totals
     state = StepState(step=ctx.start_step, memory=ctx.plugin_state)  # one per run; begin() at each step
     # Each metrics row goes to the run's metrics sinks (weft_metrics: metrics.jsonl by default), on rank 0.
@@ -112,6 +115,8 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
             except torch.OutOfMemoryError as error:
                 raise out_of_memory(step=step, local_tokens=state.local_tokens, ctx=ctx, plan=run.plan) from error
             watch.step_finished()
+            if held_out is not None and held_out.due(step):
+                row.update(held_out())  # eval_loss in the step's row: every metrics sink gets it
             if metrics is not None:
                 metrics(row=row)
             if step % recipe.train.log_every == 0 or step == recipe.train.max_steps:

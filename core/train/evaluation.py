@@ -1,0 +1,92 @@
+"""The held-out loss: every micro-batch of a one-pass batching once, forward only, under the
+run's plan (its sharding, sequence parallelism, kernels, autocast and loss). One code for
+`weft eval`'s figure and a run's ``eval_loss`` (``[eval]``): the loss is the mean over every
+label token of the samples, as one unsharded forward over each sample gives it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from weft.core.errors import WeftError
+from weft.core.train.loss import IGNORE, targets
+from weft.core.train.step import run_micro_batches
+
+
+def forward_pass(*, run: Any, rounds: Iterable, autocast: Any, ctx: Any, max_batches: int = 0) -> dict:
+    """Sum of the loss over every label token, their count, and the whole-sequence tokens and
+    micro-batches with labels (every rank's, each SP group counted once), with the seconds it took."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    seen = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # this rank's tokens, micro-batches
+    labels = 0.0  # global label tokens: run_micro_batches reduces them over every rank
+    dist.barrier()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for index, micro_batches in enumerate(rounds):
+            if max_batches and index >= max_batches:
+                break  # every rank has the same number of rounds, so all stop together
+            part, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
+                                             keep_vision=run.keep_vision, autocast=autocast, ctx=ctx,
+                                             fused=run.fused, backward=False)
+            loss_sum += part.double()
+            labels += float(totals[0])
+            # Whole-sequence tokens of the micro-batches with labels (padding rounds have none);
+            # every rank of an SP group sees the same micro-batch: divided by its size below.
+            real = [mb for mb in micro_batches if bool((targets(mb) != IGNORE).any())]
+            seen += torch.tensor([sum(mb["input_ids"].numel() for mb in real), len(real)], dtype=torch.float64,
+                                 device=ctx.device)
+    dist.all_reduce(loss_sum)
+    dist.all_reduce(seen)
+    sp = run.plan.mesh.sp
+    return {"loss_sum": float(loss_sum), "labels": labels, "tokens": float(seen[0]) / sp,
+            "micro_batches": float(seen[1]) / sp, "seconds": time.perf_counter() - start}
+
+
+class HeldOut:
+    """A run's evaluation every ``eval.every`` steps: the batching's one pass over ``[eval.data]``
+    (``[data]`` when the recipe names none) made into rounds once, before the first step (a
+    data mistake ends the run before it trains), then at each call the mean loss over them on
+    the current weights, in eval mode, without touching the run's random streams (its steps
+    draw the same with an evaluation as without)."""
+
+    def __init__(self, *, recipe: Any, run: Any, pm: Any, ctx: Any, autocast: Any) -> None:
+        self.every, self.last = recipe.eval.every, recipe.train.max_steps
+        self.run, self.ctx, self.autocast = run, ctx, autocast
+        held_out = attrs.evolve(recipe, data=recipe.eval.data or recipe.data)
+        # Its own context: one pass from the first sample, its own counts of skipped samples.
+        eval_ctx = attrs.evolve(ctx, one_pass=True, counters={}, start_step=0)
+        with torch.random.fork_rng(devices=self._devices()):
+            self.rounds = list(pm.call_first("weft_batching", decision=run.plan.decision("batching"),
+                                             recipe=held_out, plan=run.plan, mesh=run.mesh, model=run.model,
+                                             ctx=eval_ctx))
+        labels = torch.tensor(float(sum(int((targets(mb) != IGNORE).sum()) for r in self.rounds for mb in r)),
+                              dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(labels)
+        if not labels:
+            where = "eval.data" if recipe.eval.data is not None else "data"
+            raise WeftError(f"the held-out samples hold no label token to evaluate ({len(self.rounds)} rounds, "
+                            f"{eval_ctx.counters.get('skipped_samples', 0)} samples skipped): give [eval.data] "
+                            "samples with labels", where=f"{recipe.source} ({where})")
+        ctx.log.info("eval.ready", rounds=len(self.rounds), label_tokens=int(labels), every=self.every,
+                     in_sample=recipe.eval.data is None, skipped=dict(eval_ctx.counters))
+
+    def _devices(self) -> list:
+        return [self.ctx.device] if self.ctx.device.type == "cuda" else []
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.last
+
+    def __call__(self) -> dict[str, float]:
+        model, training = self.run.model, self.run.model.training
+        with torch.random.fork_rng(devices=self._devices()):
+            model.eval()
+            try:
+                done = forward_pass(run=self.run, rounds=self.rounds, autocast=self.autocast, ctx=self.ctx)
+            finally:
+                model.train(training)
+        return {"eval_loss": done["loss_sum"] / done["labels"], "eval_tokens": int(done["labels"]),
+                "eval_s": round(done["seconds"], 4)}

@@ -1,0 +1,59 @@
+"""`[eval]`: a run's held-out loss every few steps (``eval_loss`` in metrics.jsonl), the loss
+`weft eval` gives on that step's checkpoint, on one rank and on two; the training steps the
+same with it as without (its batching and forwards draw nothing from the run's streams)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+TEXT = ('[model]\npreset = "qwen2_text_tiny"\n[data]\nsource = "text"\npath = "<stdlib>/json/*.py"\ntokens = 256\n'
+        'num_samples = 48\nskip_samples = 8\n[train]\nmicro_batch_tokens = 1024\nmax_steps = 4\nlr = 3e-3\n'
+        'warmup_steps = 0\nprecision = "fp32"\ncheckpoint_every = 2\n[parallel]\nnproc = 1\n')
+EVAL = '[eval]\nevery = 2\n[eval.data]\nskip_samples = 0\nnum_samples = 8\n'
+HELD_OUT = ("--set", "data.skip_samples=0", "--set", "data.num_samples=8", "--json")
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_held_out_loss_of_a_run_is_weft_evals(weft, tmp_path):
+    (tmp_path / "plain.toml").write_text(TEXT)
+    (tmp_path / "eval.toml").write_text(TEXT + EVAL)
+    for name in ("plain", "eval"):
+        done = weft("run", f"{name}.toml", "--run-dir", name, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+    plain, evaluated = _rows(tmp_path / "plain"), _rows(tmp_path / "eval")
+    assert [r["loss"] for r in evaluated] == [r["loss"] for r in plain]  # the same steps, bit for bit
+    assert [r["step"] for r in evaluated if "eval_loss" in r] == [2, 4]
+    assert all(r["eval_tokens"] == 8 * 255 for r in evaluated if "eval_loss" in r)  # 8 samples of 256
+    for row in (r for r in evaluated if "eval_loss" in r):
+        done = weft("eval", "eval.toml", "--run-dir", "eval", "--step", str(row["step"]), *HELD_OUT, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert row["eval_loss"] == pytest.approx(json.loads(done.stdout)["loss"], rel=1e-12)
+    first, last = (r["eval_loss"] for r in evaluated if "eval_loss" in r)
+    assert last < first  # held out, and still it falls: real text
+    report = weft("report", "eval", "--out", "report.png", cwd=tmp_path)
+    assert report.returncode == 0 and f"held-out loss {last:.4f} at step 4" in report.stdout, report.stderr[-2000:]
+    # Two data-parallel ranks: each evaluates its share of the held-out rounds, the loss the same.
+    done = weft("run", "eval.toml", "--run-dir", "two", "--nproc", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = [r for r in _rows(tmp_path / "two") if "eval_loss" in r]
+    check = weft("eval", "eval.toml", "--run-dir", "two", *HELD_OUT, cwd=tmp_path)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert two[-1]["eval_loss"] == pytest.approx(json.loads(check.stdout)["loss"], rel=1e-6)
+    assert two[-1]["eval_tokens"] == 8 * 255
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (TEXT + "[eval.data]\nnum_samples = 8\n", "[eval] gives no every"),
+    (TEXT + "[eval]\nevery = 2\n[eval.data]\nnum_sample = 8\n", "unknown key 'num_sample'"),
+    (TEXT + "[eval]\nevery = -1\n", "eval.every"),
+])
+def test_mistakes_are_messages(weft, tmp_path, text, message):
+    (tmp_path / "t.toml").write_text(text)
+    done = weft("plan", "t.toml", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in " ".join(done.stderr.split()) and "t.toml" in done.stderr
