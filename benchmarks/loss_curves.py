@@ -7,15 +7,16 @@ Each variant is one `weft run` (its own process) of the same recipe: Qwen2.5-0.5
 (random init, preset qwen2_5_0_5b) on the Python standard library's sources
 (`data.source = "text"`, `<stdlib>/**/*.py`, a BPE trained on them), samples of 4,096
 tokens, 16,384 tokens a step, lr 3e-4 (``--lr``) after 20 warm-up steps and decayed to 0,
-seed 0; the variants differ only in their rules (below). Each run then goes through `weft
-eval` on the corpus's first ``--held-out`` samples, which every training run skips
-(``data.skip_samples``): the same samples for every variant, none trained on, there however
-small the corpus (2026-12-02's device held ~640 samples of 4,096 tokens, fewer than the 1,200
-a 300-step run takes: the runs go round it again, the held-out samples stay out). That held-out
-loss is what variants are compared by. The training loss of the last 20 steps is shown too,
-but it moves more between two runs than a precision does: at lr 1e-3 (2026-12-01's lease)
-two bf16 seeds ended 6.5% apart, and one seed compiled and not 4.6% apart. Writes
-loss_curves.json (every step's loss and tokens/s, the held-out loss, per variant),
+seed 0; the variants differ only in their rules (below). Each run evaluates, every
+``--steps``/6 steps and after its last (``[eval]``), the corpus's first ``--held-out`` samples,
+which its training skips (``data.skip_samples``): the same samples for every variant, none
+trained on, there however small the corpus (2026-12-02's device held ~640 samples of 4,096
+tokens, fewer than the 1,200 a 300-step run takes: the runs go round it again, the held-out
+samples stay out). That held-out loss is what variants are compared by. The training loss of
+the last 20 steps is shown too, but it moves more between two runs than a precision does: at
+lr 1e-3 (2026-12-01's lease) two bf16 seeds ended 6.5% apart, and one seed compiled and not
+4.6% apart. Writes
+loss_curves.json (every step's loss and tokens/s, the held-out losses, per variant),
 loss_curves.md (against bf16's) and, with matplotlib, loss_curves.png. `--preset
 qwen2_text_tiny --tokens 256 --batch 1024 --steps 30 --held-out 8 --emulate` runs the whole
 thing in about a minute on a CPU (`--emulate`: the float8 variants' numerics without float8
@@ -50,11 +51,13 @@ def recipe_text(*, preset: str, tokens: int, batch: int, steps: int, shard: str,
     layers = ", ".join(k for k in ('strategy = "none"', shard, "compile = true" if compile else "") if k)
     seed = "" if "seed" in train else "seed = 0\n"
     rest = 'strategy = "none"' + (', storage_dtype = "bfloat16"' if "bfloat16" in shard else "")
+    held = (f"[eval]\nevery = {max(1, steps // 6)}\n[eval.data]\nskip_samples = 0\nnum_samples = {held_out}\n"
+            if held_out else "")
     return (f'[model]\npreset = "{preset}"\n[data]\nsource = "text"\npath = "<stdlib>/**/*.py"\ntokens = {tokens}\n'
             f"num_samples = {max(1, steps * batch // tokens)}\nskip_samples = {held_out}\n"
             f"[train]\nmax_steps = {steps}\n"
             f"micro_batch_tokens = {batch}\nlr = {lr}\nwarmup_steps = 20\nprecision = \"bf16\"\n"
-            f"checkpoint_every = 0\n{seed}{train}[parallel]\nnproc = 1\n"
+            f"checkpoint_every = -1\n{seed}{train}[parallel]\nnproc = 1\n{held}"
             f'[[rules]]\nname = "the variant\'s layers"\nwhen = {{ path = "*.layers.*" }}\nshard = {{ {layers} }}\n'
             f'[[rules]]\nname = "the rest"\nshard = {{ {rest} }}\n')
 
@@ -70,28 +73,6 @@ def moving_mean(values: list[float], *, width: int = SMOOTH) -> list[float]:
 
 def final_loss(losses: list[float], *, tail: int = 20) -> float:
     return sum(losses[-tail:]) / len(losses[-tail:])
-
-
-def uncompiled(recipe: pathlib.Path) -> pathlib.Path:
-    """The recipe without its compiled units, beside it: every variant is evaluated so (one
-    forward over the held-out samples: a compilation per variant would cost more than it saves)."""
-    plain = recipe.with_name(f"{recipe.stem}-eval.toml")
-    plain.write_text(recipe.read_text().replace(", compile = true", ""))
-    return plain
-
-
-def held_out_loss(recipe: pathlib.Path, run: pathlib.Path, *, count: int) -> float | None:
-    """`weft eval` of the run's last checkpoint on the corpus's first ``count`` samples, the
-    ones its training skipped (the same for every variant): the mean loss over their tokens, or
-    None if it failed."""
-    done = subprocess.run([sys.executable, "-m", "weft", "eval", str(recipe), "--run-dir", str(run), "--json",
-                           "--set", "data.skip_samples=0", "--set", f"data.num_samples={count}"],
-                          capture_output=True, text=True)
-    (run / "held_out.log").write_text(done.stdout + done.stderr)
-    try:
-        return float(json.loads(done.stdout)["loss"]) if done.returncode == 0 else None
-    except (ValueError, KeyError):
-        return None
 
 
 def table(results: dict) -> list[str]:
@@ -153,11 +134,11 @@ def main() -> None:
         (args.out / f"{name}.log").write_text(done.stdout + done.stderr)
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                 if '"loss"' in line] if (run / "metrics.jsonl").is_file() else []
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)  # none written (checkpoint_every = -1): none kept
+        curve = [[r["step"], r["eval_loss"]] for r in rows if "eval_loss" in r]  # [eval]'s rows
         results[name] = {"rc": done.returncode, "loss": [r["loss"] for r in rows],
-                         "tokens_per_s": [r["tokens_per_s"] for r in rows],
-                         "held_out": held_out_loss(uncompiled(recipe), run, count=args.held_out)
-                         if done.returncode == 0 and args.held_out else None}
-        shutil.rmtree(run / "checkpoints", ignore_errors=True)  # read once by the evaluation: disk back
+                         "tokens_per_s": [r["tokens_per_s"] for r in rows], "held_out_curve": curve,
+                         "held_out": curve[-1][1] if done.returncode == 0 and curve else None}
         print(name, "rc", done.returncode, "steps", len(rows), "held-out", results[name]["held_out"], flush=True)
         # After each variant: a run cut short by its call's limit keeps the variants done (--plot redraws them).
         (args.out / "loss_curves.json").write_text(json.dumps(results, indent=1))
@@ -181,11 +162,13 @@ def main() -> None:
         if not r["loss"]:
             continue
         steps = range(1, len(r["loss"]) + 1)
-        top.plot(steps, moving_mean(r["loss"]), label=name, linewidth=1.2)
+        line, = top.plot(steps, moving_mean(r["loss"]), label=name, linewidth=1.2)
+        if r.get("held_out_curve"):  # the held-out loss at each evaluation, dashed in the run's colour
+            top.plot(*zip(*r["held_out_curve"]), color=line.get_color(), linestyle="--", marker="o", markersize=3)
         if name != "bf16" and "seed" not in name and base:
             paired = [(x / y - 1) * 100 for x, y in zip(r["loss"], base)]
             bottom.plot(range(1, len(paired) + 1), moving_mean(paired), label=name, linewidth=1.2)
-    top.set_ylabel(f"loss ({SMOOTH}-step mean)")
+    top.set_ylabel(f"loss ({SMOOTH}-step mean; dashed: held out)")
     top.set_title(f"{args.preset} on the Python standard library, {args.batch:,} tokens a step")
     top.legend()
     for bar in (-1.5, 1.5):
