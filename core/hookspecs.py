@@ -190,8 +190,9 @@ def weft_batching(
     """Turn the recipe's data into this rank's optimizer steps.
 
     When: once per run, after the model is ready (and again on resume, from
-    ``ctx.start_step``); `weft check` takes the first step. With ``ctx.one_pass``
-    (`weft eval`) yield every sample exactly once, then end the iterator; pad a
+    ``ctx.start_step``; once more before the first step with ``[eval]``, the recipe's
+    data replaced by ``[eval.data]``); `weft check` takes the first step. With
+    ``ctx.one_pass`` (`weft eval`, ``[eval]``) yield every sample exactly once, then end the iterator; pad a
     last round that leaves some data-parallel ranks without a micro-batch with
     copies whose labels are all -100 (they must still run the forward).
     Kind: firstresult on ``decision.strategy``; return an iterable of steps,
