@@ -19,6 +19,8 @@ stage "memory peaks"; for recipe in qwen2.5-vl-7b-lora-128k-1gpu qwen2.5-vl-7b-1
   (cd "$(mktemp -d)" && timeout 420 python3 "$here/memory_peak.py" --out "$dest/peak-$recipe" "$recipe" --step 2 \
     > "$dest/peak-$recipe.txt" 2>&1; rm -rf "$dest/peak-$recipe/run/checkpoints"); done
 stage "float8 d"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" d > "$dest/f8-d.txt" 2>&1)
+stage "held-out evaluation in a 7B run"; (cd "$(mktemp -d)" && timeout 400 python3 -m weft run qwen2.5-vl-7b-32k-1gpu \
+  --run-dir "$dest/eval-32k" --set train.max_steps=4 --set eval.every=2 > "$dest/eval-32k.txt" 2>&1)  # [eval] on the GPU
 stage "decoding, longer prompts (28l)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28l > "$dest/gen-28l.txt" 2>&1)
 stage "decoding (28x)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/generate_long.sh" 28x > "$dest/gen-28x.txt" 2>&1)
 stage "float8 b"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/float8_rows.sh" b > "$dest/f8-b.txt" 2>&1)
