@@ -19,16 +19,15 @@ LoRA surplus, float8's recomputation at 128K): what a GPU holds that a CPU run d
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
-import os
 import pathlib
 import pickle
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _bootstrap import ensure_weft  # noqa: E402
+from _one_step import arguments, run_watched, title  # noqa: E402
 
 ensure_weft()
 
@@ -148,34 +147,19 @@ def write(summary: dict, out: pathlib.Path, title: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", help="a bundled recipe's name or a recipe file")
-    parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--step", type=int, default=2, help="the step measured (earlier steps warm up)")
-    parser.add_argument("--pickle", action="store_true", help="also keep snapshot.pickle (torch's memory_viz reads it)")
-    args = parser.parse_args()
-    from weft.core.plugin_manager import build_plugin_manager
-    from weft.core.recipe import Recipe
-    from weft.core.train.loop import train
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    overrides = [*args.overrides, f"train.max_steps={args.step + 1}", "train.checkpoint_every=-1"]
-    recipe = Recipe.from_toml(args.recipe, overrides=tuple(overrides))
+    args = arguments(__doc__.splitlines()[0], step=2, extra=[("--pickle", {
+        "action": "store_true", "help": "also keep snapshot.pickle (torch's memory_viz reads it)"})])
     recorder = StepMemory(args.step)
-    pm = build_plugin_manager(extra=[("step-memory", recorder)])
-    run_dir = args.out / "run"
-    run_dir.mkdir(exist_ok=True)
-    train(recipe=recipe, pm=pm, run_dir=run_dir, resume=False, console=False)
-    if int(os.environ.get("RANK", "0")) != 0 or recorder.snapshot is None:
+    rows = run_watched(args, name="step-memory", plugin=recorder)
+    if rows is None or recorder.snapshot is None:
         return
     if args.pickle:
         with (args.out / "snapshot.pickle").open("wb") as handle:
             pickle.dump(recorder.snapshot, handle)
     summary = summarise(recorder.snapshot, before=recorder.before, max_allocated=recorder.max_allocated,
                         device=torch.cuda.current_device())
-    summary["metrics"] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    write(summary, args.out, f"{args.recipe} {' '.join(args.overrides)}: step {args.step}")
+    summary["metrics"] = rows
+    write(summary, args.out, title(args))
 
 
 if __name__ == "__main__":

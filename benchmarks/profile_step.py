@@ -15,16 +15,15 @@ machine-readable). weft is imported from the checkout (benchmarks/_bootstrap.py)
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
-import os
 import pathlib
 import shutil
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _bootstrap import ensure_weft  # noqa: E402
+from _one_step import arguments, run_watched, title  # noqa: E402
 
 ensure_weft()
 
@@ -200,28 +199,12 @@ def write(summary: dict, out: pathlib.Path, title: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", help="a bundled recipe's name or a recipe file")
-    parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--step", type=int, default=3, help="the step profiled (earlier steps warm up)")
-    parser.add_argument("--trace", action="store_true", help="also write trace.json.gz (Chrome/Perfetto trace)")
-    args = parser.parse_args()
-    from weft.core.plugin_manager import build_plugin_manager
-    from weft.core.recipe import Recipe
-    from weft.core.train.loop import train
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    overrides = [*args.overrides, f"train.max_steps={args.step + 1}", "train.checkpoint_every=-1"]
-    recipe = Recipe.from_toml(args.recipe, overrides=tuple(overrides))
+    args = arguments(__doc__.splitlines()[0], step=3, extra=[("--trace", {
+        "action": "store_true", "help": "also write trace.json.gz (Chrome/Perfetto trace)"})])
     profiler = StepProfiler(args.step)
-    pm = build_plugin_manager(extra=[("step-profiler", profiler)])
-    run_dir = args.out / "run"
-    run_dir.mkdir(exist_ok=True)
-    train(recipe=recipe, pm=pm, run_dir=run_dir, resume=False, console=False)
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0's profile speaks for the step
+    rows = run_watched(args, name="step-profiler", plugin=profiler)
+    if rows is None:
         return
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trace_path = args.out / "trace.json"
     profiler.profiler.export_chrome_trace(str(trace_path))
     summary = summarise(json.loads(trace_path.read_text()))
@@ -230,7 +213,7 @@ def main() -> None:
             shutil.copyfileobj(raw, packed)
     trace_path.unlink()
     summary["metrics"] = rows
-    write(summary, args.out, f"{args.recipe} {' '.join(args.overrides)}: step {args.step}")
+    write(summary, args.out, title(args))
 
 
 if __name__ == "__main__":
