@@ -5,6 +5,7 @@ label token of the samples, as one unsharded forward over each sample gives it."
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Iterable
 
@@ -46,6 +47,10 @@ def forward_pass(*, run: Any, rounds: Iterable, autocast: Any, ctx: Any, max_bat
             "micro_batches": float(seen[1]) / sp, "seconds": time.perf_counter() - start}
 
 
+#: Rounds past which the held-out pass is taken for a batching strategy that never ends.
+MAX_ROUNDS = 100_000
+
+
 class HeldOut:
     """A run's evaluation every ``eval.every`` steps: the batching's one pass over ``[eval.data]``
     (``[data]`` when the recipe names none) made into rounds once, before the first step (a
@@ -59,10 +64,15 @@ class HeldOut:
         held_out = attrs.evolve(recipe, data=recipe.eval.data or recipe.data)
         # Its own context: one pass from the first sample, its own counts of skipped samples.
         eval_ctx = attrs.evolve(ctx, one_pass=True, counters={}, start_step=0)
+        decision = run.plan.decision("batching")
         with torch.random.fork_rng(devices=self._devices()):
-            self.rounds = list(pm.call_first("weft_batching", decision=run.plan.decision("batching"),
-                                             recipe=held_out, plan=run.plan, mesh=run.mesh, model=run.model,
-                                             ctx=eval_ctx))
+            rounds = pm.call_first("weft_batching", decision=decision, recipe=held_out, plan=run.plan,
+                                   mesh=run.mesh, model=run.model, ctx=eval_ctx)
+            self.rounds = list(itertools.islice(rounds, MAX_ROUNDS + 1))
+        if len(self.rounds) > MAX_ROUNDS:  # a strategy that ignores ctx.one_pass would never end
+            raise WeftError(f"batching strategy {decision.strategy!r} gave more than {MAX_ROUNDS:,} rounds for the "
+                            "held-out pass: it must end after one pass when ctx.one_pass is set (docs/hooks.md, "
+                            "weft_batching)", where=f"{recipe.source} (eval)")
         labels = torch.tensor(float(sum(int((targets(mb) != IGNORE).sum()) for r in self.rounds for mb in r)),
                               dtype=torch.float64, device=ctx.device)
         dist.all_reduce(labels)
