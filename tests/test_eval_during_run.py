@@ -57,3 +57,15 @@ def test_mistakes_are_messages(weft, tmp_path, text, message):
     done = weft("plan", "t.toml", cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in " ".join(done.stderr.split()) and "t.toml" in done.stderr
+
+
+def test_the_plan_says_what_is_held_out_and_set_turns_it_off(weft, tmp_path):
+    (tmp_path / "t.toml").write_text(TEXT + EVAL)
+    done = weft("plan", "t.toml", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ("held-out evaluation every 2 steps and after the last: [data] with num_samples = 8, skip_samples = 0"
+            in " ".join(done.stdout.split()))
+    off = weft("plan", "t.toml", "--set", "eval.every=0", cwd=tmp_path)
+    assert off.returncode == 0 and "held-out" not in off.stdout, off.stderr[-2000:]
+    nested = weft("plan", "t.toml", "--set", "eval.data=1", cwd=tmp_path)
+    assert nested.returncode == 2 and "unknown key 'data'" in nested.stderr and "Accepted: every" in nested.stderr

@@ -38,6 +38,10 @@ def render_plan(plan: Any, *, explain: bool, recipe: Any, rope: dict | None = No
     )
     if rope is not None:
         console.print(_rope_line(rope, seq_len=plan.seq_len))
+    if recipe.eval.every:
+        from rich.markup import escape
+
+        console.print(escape(_eval_line(recipe)))  # its [data] is the recipe's section, not markup
     root = plan.root()
     glob = Table(title="run-wide decisions", show_lines=False)
     glob.add_column("hook point")
@@ -86,6 +90,19 @@ def render_trainable(plan: Any, model: Any) -> None:
         line += f"; frozen by rule (no gradients, no optimizer states): {len(frozen)} units, {frozen[0]}"
         line += f" ... {frozen[-1]}" if len(frozen) > 1 else ""
     _console().print(line)
+
+
+def _eval_line(recipe: Any) -> str:
+    """What [eval] evaluates: the [data] keys [eval.data] changes, or the training data itself."""
+    held_out = recipe.eval.data
+    if held_out is None:
+        return (f"held-out evaluation every {recipe.eval.every} steps: on the training data itself ([data]; "
+                "give [eval.data] for held-out samples)")
+    import attrs
+
+    changed = {k: v for k, v in attrs.asdict(held_out).items() if getattr(recipe.data, k) != v}
+    keys = ", ".join(f"{k} = {v!r}" for k, v in changed.items()) or "none: the training data itself"
+    return f"held-out evaluation every {recipe.eval.every} steps and after the last: [data] with {keys}"
 
 
 def _rope_line(rope: dict, *, seq_len: int) -> str:
