@@ -12,6 +12,21 @@ import pathlib
 import sys
 
 SKIP = {"tokens", "logprobs", "text", "answers", "tolerances"}
+#: A run's own inputs and bookkeeping, not results: left out (they filled the call's 12,000
+#: characters of output in 2026-12-02's lease, ahead of the figures).
+INPUTS = {"plan.json", "recipe.json"}
+
+
+def _brief(value):
+    """A result without its long parts: floats rounded, lists of more than 20 (a curve's every
+    step) as their length and last item, the SKIP keys left out, at any depth."""
+    if isinstance(value, dict):
+        return {k: _brief(v) for k, v in value.items() if k not in SKIP}
+    if isinstance(value, list) and len(value) > 20:
+        return {"n": len(value), "last": _brief(value[-1])}
+    if isinstance(value, list):
+        return [_brief(v) for v in value]
+    return round(value, 3) if isinstance(value, float) else value
 
 
 def main(folder: str) -> None:
@@ -21,14 +36,15 @@ def main(folder: str) -> None:
         if path.is_file():
             print(f"== {name}\n{path.read_text().strip()}")
     for path in sorted(root.rglob("*.json")):
+        if path.name in INPUTS:
+            continue
         try:
             result = json.loads(path.read_text())
         except ValueError:
             print(f"== {path.relative_to(root)}: not JSON yet (running, or failed: its .err)")
             continue
         if isinstance(result, dict):
-            brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in result.items() if k not in SKIP}
-            print(f"== {path.relative_to(root)}: {json.dumps(brief)[:600]}")
+            print(f"== {path.relative_to(root)}: {json.dumps(_brief(result))[:600]}")
     for path in sorted(root.rglob("*.metrics.jsonl")):  # a training run's steps: the last two
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip().startswith("{")]
         for row in rows[-2:]:
