@@ -69,3 +69,34 @@ def test_the_plan_says_what_is_held_out_and_set_turns_it_off(weft, tmp_path):
     assert off.returncode == 0 and "held-out" not in off.stdout, off.stderr[-2000:]
     nested = weft("plan", "t.toml", "--set", "eval.data=1", cwd=tmp_path)
     assert nested.returncode == 2 and "unknown key 'data'" in nested.stderr and "Accepted: every" in nested.stderr
+
+
+def test_the_best_checkpoint_outlives_the_rotation(tmp_path):
+    """checkpoints/best.json names the checkpoint of the lowest held-out loss: the rotation keeps
+    it beside the newest ``keep`` (and lets it go once another is named)."""
+    from weft.core.run import checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        (root / f"step-{step}").mkdir(parents=True)
+        (root / f"step-{step}" / checkpoint.MANIFEST).write_text("{}")
+    entry = checkpoint.mark_best(tmp_path, step=2, eval_loss=1.5, rank=0, keep=1)
+    assert entry == checkpoint.best(tmp_path) == {"step": 2, "checkpoint": "step-2", "eval_loss": 1.5}
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-2", "step-6"]
+    checkpoint.mark_best(tmp_path, step=6, eval_loss=1.2, rank=0, keep=1)
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-6"]
+
+
+def test_keep_best_names_the_checkpoint_of_the_lowest_held_out_loss(weft, tmp_path):
+    recipe = (TEXT.replace("checkpoint_every = 2", "checkpoint_every = 2\nkeep_checkpoints = 1")
+              + EVAL.replace("every = 2\n", "every = 2\nkeep_best = true\n"))
+    (tmp_path / "t.toml").write_text(recipe)
+    done = weft("run", "t.toml", "--run-dir", "run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    held = {r["step"]: r["eval_loss"] for r in _rows(tmp_path / "run") if "eval_loss" in r}
+    step = min(held, key=held.get)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["best_checkpoint"] == {"step": step, "checkpoint": f"step-{step}", "eval_loss": held[step]}
+    assert (tmp_path / "run" / "checkpoints" / f"step-{step}").is_dir()
+    bad = weft("plan", "t.toml", "--set", "train.checkpoint_every=3", cwd=tmp_path)
+    assert bad.returncode == 2 and "must be a positive multiple of eval.every" in " ".join(bad.stderr.split())

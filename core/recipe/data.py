@@ -106,3 +106,7 @@ class EvalSection:
     data: DataSection | None = attrs.field(default=None, metadata=_doc(
         "[eval.data]: the [data] keys that differ for the held-out samples (e.g. path = \"val.jsonl\", or for text "
         "skip_samples = 0 and num_samples = N where [data] skips those N); the rest is [data]'s"))
+    keep_best: bool = attrs.field(default=False, metadata=_doc(
+        "keep the checkpoint of the lowest eval_loss beside the newest train.keep_checkpoints (checkpoints/"
+        "best.json names it; summary.json's best_checkpoint); every checkpoint step must be an evaluation step "
+        "(train.checkpoint_every a multiple of eval.every)"))

@@ -164,6 +164,7 @@ class Recipe:
             for name, klass in (("data", DataSection), ("train", TrainSection), ("parallel", ParallelSection))
         }
         sections["eval"] = _eval_section(data, where=where)
+        _check_keep_best(sections["eval"], sections["train"], where=where)
         base = pathlib.Path(source).parent if source != "<memory>" else pathlib.Path.cwd()
         rules = parse_rules(data.get("rules", []), where=where, prefix="rules")
         try:
@@ -212,7 +213,16 @@ def _eval_section(data: dict, *, where: Where) -> EvalSection:
         raise RecipeError("[eval.data] names held-out samples but [eval] gives no every (steps between "
                           "evaluations): set eval.every", where=where.at("eval.data"))
     merged = build(DataSection, {**data.get("data", {}), **held_out}, where=where, prefix="eval.data")
-    return EvalSection(every=section.every, data=merged)
+    return attrs.evolve(section, data=merged)
+
+
+def _check_keep_best(evaluation: EvalSection, train: TrainSection, *, where: Where) -> None:
+    """eval.keep_best compares the held-out loss at each checkpoint: each one needs an evaluation."""
+    every, saved = evaluation.every, train.checkpoint_every
+    if evaluation.keep_best and not (every and saved > 0 and saved % every == 0):
+        raise RecipeError(f"eval.keep_best keeps the checkpoint of the lowest eval_loss, so every checkpoint step "
+                          f"must be an evaluation step: train.checkpoint_every ({saved}) must be a positive "
+                          f"multiple of eval.every ({every})", where=where.at("eval.keep_best"))
 
 
 def _check_preset(model: ModelSection, *, where: Where) -> None:

@@ -3,7 +3,8 @@ optimizer, schedule, RNG, step (frozen weights are rebuilt from the recipe: ``_T
 
 A checkpoint is written to ``checkpoints/.tmp-step-N`` and renamed to ``step-N`` by
 rank 0 after every rank finished, so a crash mid-save leaves the last good checkpoint
-untouched; the newest ``keep`` are kept. ``manifest.json`` is written last, inside the
+untouched; the newest ``keep`` are kept, and beside them the one ``best.json`` names (the
+lowest held-out loss, ``eval.keep_best``). ``manifest.json`` is written last, inside the
 temporary folder: the size and CRC-32 of every file (each rank checksums the files it
 wrote). A folder without a manifest is not a checkpoint.
 
@@ -38,6 +39,8 @@ from weft.core.train.collectives import any_rank, collective_device
 
 _STEP = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
+#: Names the checkpoint of the lowest held-out loss (``eval.keep_best``): the rotation keeps it.
+BEST = "best.json"
 #: What trains, not what is rebuilt: frozen parameters (a frozen unit, the base under adapters,
 #: 4-bit weights) are made again from the run's recipe (``model.path`` or the seed) when it
 #: resumes or exports, so a checkpoint of a LoRA run holds its adapters and their optimizer
@@ -105,10 +108,38 @@ def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank:
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        for old in checkpoint_dirs(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _rotate(run_dir, keep=keep)
     dist.barrier()
     return final
+
+
+def _rotate(run_dir: pathlib.Path, *, keep: int) -> None:
+    """The checkpoints past the newest ``keep`` removed, but the best (``best.json``)."""
+    kept = (best(run_dir) or {}).get("checkpoint")
+    for old in checkpoint_dirs(run_dir)[:-keep]:
+        if old.name != kept:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def best(run_dir: pathlib.Path) -> dict | None:
+    """``checkpoints/best.json``: the checkpoint of the lowest held-out loss so far (``step``,
+    ``checkpoint``, ``eval_loss``), or None."""
+    try:
+        return json.loads((run_dir / "checkpoints" / BEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def mark_best(run_dir: pathlib.Path, *, step: int, eval_loss: float, rank: int, keep: int) -> dict:
+    """Name ``step-N`` (just saved) the best, atomically (rank 0), and let the one it
+    supersedes go the way of the rotation."""
+    entry = {"step": step, "checkpoint": f"step-{step}", "eval_loss": eval_loss}
+    if rank == 0:
+        staged = run_dir / "checkpoints" / f".{BEST}.tmp"
+        staged.write_text(json.dumps(entry, indent=1))
+        staged.replace(run_dir / "checkpoints" / BEST)
+        _rotate(run_dir, keep=keep)
+    return entry
 
 
 def verify(path: pathlib.Path, *, rank: int = 0, world: int = 1) -> str | None:

@@ -29,6 +29,7 @@ class Ending:
     last_step: int | None = None
     loss: float | None = None
     checkpoint: str | None = None
+    best: dict | None = None  # eval.keep_best: the checkpoint of the lowest held-out loss
     totals: dict = attrs.field(factory=lambda: {"tokens": 0, "train_s": 0.0, "skipped_steps": 0})
     written: bool = False
 
@@ -48,6 +49,7 @@ class Ending:
             "reason": self.reason,
             "last_step": self.last_step,
             "last_checkpoint": self.checkpoint,
+            **({"best_checkpoint": self.best} if self.best is not None else {}),
             "steps": recipe.train.max_steps,
             "start_step": ctx.start_step,
             "final_loss": self.loss,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import pathlib
 import resource
 import sys
@@ -96,6 +97,8 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
     autocast = autocast_for(recipe.train.precision, ctx.device.type)
     held_out = HeldOut(recipe=recipe, run=run, pm=pm, ctx=ctx, autocast=autocast) if recipe.eval.every else None
     totals = ending.totals
+    if recipe.eval.keep_best and resume:
+        ending.best = checkpoint.best(ctx.run_dir)  # the best so far, before the checkpoint resumed from
     state = StepState(step=ctx.start_step, memory=ctx.plugin_state)  # one per run; begin() at each step
     # Each metrics row goes to the run's metrics sinks (weft_metrics: metrics.jsonl by default), on rank 0.
     metrics = functools.partial(pm.call_all, "weft_metrics", event="step", plan=run.plan, ctx=ctx) \
@@ -130,6 +133,10 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
                                        scheduler=scheduler, rank=ctx.rank, keep=recipe.train.keep_checkpoints)
                 ctx.log.info("checkpoint.saved", step=step, path=str(path))
                 ending.checkpoint = path.name
+                if recipe.eval.keep_best and _better(row.get("eval_loss"), than=ending.best):
+                    ending.best = checkpoint.mark_best(ctx.run_dir, step=step, eval_loss=row["eval_loss"],
+                                                       rank=ctx.rank, keep=recipe.train.keep_checkpoints)
+                    ctx.log.info("checkpoint.best", **ending.best)
             if interrupted:
                 ending.status, ending.reason = "interrupted", f"{stop.signal or 'a signal to another rank'}"
                 break
@@ -214,6 +221,11 @@ def _aborted(abort: GuardAbort, *, state: StepState, metrics, run: Prepared, opt
                                scheduler=scheduler, rank=ctx.rank, keep=ctx.recipe.train.keep_checkpoints)
         ctx.log.info("checkpoint.saved", step=last_good, path=str(path), reason="guard abort: the last good state")
         ending.checkpoint = path.name
+
+
+def _better(loss: float | None, *, than: dict | None) -> bool:
+    """A finite held-out loss below the best so far (or the first)."""
+    return loss is not None and math.isfinite(loss) and (than is None or loss < than["eval_loss"])
 
 
 def _checkpoint_due(every: int, *, step: int, last: int, verdict: Verdict, interrupted: bool = False) -> bool:
