@@ -85,6 +85,12 @@ def test_the_best_checkpoint_outlives_the_rotation(tmp_path):
     assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-2", "step-6"]
     checkpoint.mark_best(tmp_path, step=6, eval_loss=1.2, rank=0, keep=1)
     assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-6"]
+    # Which held-out losses make a new best: a finite one below the best so far, or the first.
+    from weft.core.train.loop import _better
+
+    best = {"eval_loss": 1.2}
+    assert _better(1.0, than=best) and _better(5.0, than=None)
+    assert not _better(1.3, than=best) and not _better(float("nan"), than=None) and not _better(None, than=best)
 
 
 def test_keep_best_names_the_checkpoint_of_the_lowest_held_out_loss(weft, tmp_path):
