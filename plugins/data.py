@@ -101,9 +101,11 @@ def text_corpus(recipe, *, config, processor) -> tuple[Any, Any]:
 
 def _skip_named(samples, *, recipe):
     """The samples; a data.skip_samples past the corpus's end as the key's message, not a traceback."""
+    from weft.strategies.data.text_corpus import SkippedPastEnd
+
     try:
         yield from samples
-    except ValueError as error:
+    except SkippedPastEnd as error:  # only that: a tokenizer's own ValueError is not this key's mistake
         raise WeftError(f"data.skip_samples = {recipe.data.skip_samples} with data.path {recipe.data.path!r}: "
                         f"{error}; hold out fewer (at most the samples the files hold, less one)",
                         where=f"{recipe.source} (data.skip_samples)") from None

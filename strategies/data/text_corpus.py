@@ -43,6 +43,10 @@ def corpus_files(pattern: str, *, base: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in found if p.is_file() and not (stdlib and _INSTALLED & set(p.parts)))
 
 
+class SkippedPastEnd(ValueError):
+    """``skip`` reaches past the corpus's last sample: nothing is left to yield."""
+
+
 def text_samples(files: Sequence[pathlib.Path], *, encode: Callable[[str], list[int]], end: int | None,
                  tokens: int, num_samples: int, skip: int = 0) -> Iterator[Sample]:
     """Up to ``num_samples`` Samples of exactly ``tokens`` ids from the files in order (the
@@ -68,7 +72,7 @@ def text_samples(files: Sequence[pathlib.Path], *, encode: Callable[[str], list[
             if made == num_samples:
                 return
     if skip and not made:  # a held-out evaluation past the corpus's end: say how far it reaches
-        raise ValueError(f"skip = {skip} leaves no sample: the files hold {cut} samples of {tokens} tokens")
+        raise SkippedPastEnd(f"skip = {skip} leaves no sample: the files hold {cut} samples of {tokens} tokens")
 
 
 def corpus_tokenizer(files: Sequence[pathlib.Path], *, vocab_size: int, cache_dir: pathlib.Path) -> tuple[
