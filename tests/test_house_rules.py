@@ -10,6 +10,10 @@
 - no import cycle among weft's modules, counting imports inside functions (a cycle hidden
   by a function-level import is still one room leaning on another that leans back).
 - every rule walks subfolders too (``rglob``): a file in core/x/ obeys core/'s rules.
+- nothing read from elsewhere can run code (docs/faults.md, "Untrusted inputs"): no module but
+  core/run/dcp_read.py calls ``dcp.load``, names ``FileSystemReader`` or imports ``pickle``;
+  every ``torch.load`` passes ``weights_only=True``; ``trust_remote_code`` is never true;
+  ``numpy.load`` never allows pickles.
 - ruff (pyproject.toml) passes.
 """
 
@@ -20,6 +24,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -210,3 +215,77 @@ def test_ruff_is_clean():
         pytest.fail("ruff is not installed: pip install -e '.[test]' installs it")
     done = subprocess.run([str(ruff), "check", "."], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+#: The one module that reads a torch.distributed.checkpoint folder (its own allowlisted unpickler).
+CHECKPOINT_READER = "core/run/dcp_read.py"
+_PICKLERS = ("pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib")
+
+
+def unsafe_reads(source: str) -> list[str]:
+    """Ways ``source`` could run code it reads: a pickle module imported, DCP's own reader or
+    ``load`` (plain pickle inside), ``torch.load`` without ``weights_only=True``,
+    ``trust_remote_code`` not literally False, ``numpy.load(allow_pickle=...)``."""
+    found = []
+
+    def keyword(call: ast.Call, name: str):
+        return next((k.value for k in call.keywords if k.arg == name), None)
+
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(n.split(".")[0] in _PICKLERS for n in names):
+                found.append(f"line {line}: imports {names[0]}")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed.checkpoint") \
+                    and any(a.name in ("load", "FileSystemReader") for a in node.names):
+                found.append(f"line {line}: imports DCP's load or FileSystemReader")
+        elif isinstance(node, ast.Attribute) and node.attr == "FileSystemReader" or \
+                isinstance(node, ast.Name) and node.id == "FileSystemReader":
+            found.append(f"line {line}: FileSystemReader")
+        elif isinstance(node, ast.Call):
+            called = ast.unparse(node.func)
+            if called in ("dcp.load", "torch.distributed.checkpoint.load", "checkpoint.load_state_dict"):
+                found.append(f"line {line}: {called}")
+            if called == "torch.load":
+                weights_only = keyword(node, "weights_only")
+                if not (isinstance(weights_only, ast.Constant) and weights_only.value is True):
+                    found.append(f"line {line}: torch.load without weights_only=True")
+            if called in ("np.load", "numpy.load") and keyword(node, "allow_pickle") is not None:
+                found.append(f"line {line}: {called}(allow_pickle=...)")
+            remote = keyword(node, "trust_remote_code")
+            if remote is not None and not (isinstance(remote, ast.Constant) and remote.value is False):
+                found.append(f"line {line}: trust_remote_code={ast.unparse(remote)}")
+    return found
+
+
+@pytest.mark.quick
+def test_the_unsafe_read_checker_catches_each_way():
+    bad = textwrap.dedent("""
+        import pickle
+        from torch.distributed.checkpoint import FileSystemReader
+        import torch.distributed.checkpoint as dcp
+        def f(path, model_dir):
+            dcp.load({}, checkpoint_id=path)
+            dcp.FileSystemReader(path).read_metadata()
+            torch.load(path)
+            torch.load(path, weights_only=False)
+            np.load(path, allow_pickle=True)
+            AutoModel.from_pretrained(model_dir, trust_remote_code=True)
+    """)
+    found = unsafe_reads(bad)
+    assert sorted(f.split(": ", 1)[1] for f in found) == sorted([
+        "imports pickle", "imports DCP's load or FileSystemReader", "dcp.load", "FileSystemReader",
+        "torch.load without weights_only=True", "torch.load without weights_only=True",
+        "np.load(allow_pickle=...)", "trust_remote_code=True"]), found
+    good = ("def f(p):\n    torch.load(p, weights_only=True)\n"
+            "    AutoModel.from_pretrained(p, trust_remote_code=False)\n")
+    assert unsafe_reads(good) == []
+
+
+@pytest.mark.quick
+def test_nothing_read_from_elsewhere_can_run_code():
+    found = {str(p.relative_to(ROOT)): bad for folder in (*PACKAGES, "weft", "examples")
+             for p in sorted((ROOT / folder).rglob("*.py"))
+             if str(p.relative_to(ROOT)) != CHECKPOINT_READER and (bad := unsafe_reads(p.read_text(encoding="utf-8")))}
+    assert not found, f"read through {CHECKPOINT_READER} or with weights_only=True (docs/faults.md): {found}"

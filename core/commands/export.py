@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
-from weft.core.run.checkpoint import checkpoint_dirs
+from weft.core.run import dcp_read
+from weft.core.run.checkpoint import checkpoint_dirs, refuse_unless_sound
 
 
 def run_recipe(run_dir: pathlib.Path) -> Recipe:
@@ -33,7 +33,8 @@ def run_recipe(run_dir: pathlib.Path) -> Recipe:
 def load_checkpoint_into(model: torch.nn.Module, path: pathlib.Path) -> None:
     """Fill a plain (unsharded) model with a checkpoint's weights, any saving world size, in
     the dtypes they were saved in (a bf16 rule stays bf16 in the export)."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    refuse_unless_sound(path)
+    saved = dcp_read.read_metadata(path).state_dict_metadata
     for name, param in model.named_parameters():
         meta = saved.get(f"model.{name}")
         dtype = getattr(getattr(meta, "properties", None), "dtype", None)
@@ -48,7 +49,7 @@ def load_checkpoint_into(model: torch.nn.Module, path: pathlib.Path) -> None:
         raise WeftError(f"checkpoint {path} lacks {len(missing)} trained tensors of this model, e.g. {missing[:3]}",
                         where=str(path))
     state = {"model": wanted}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp_read.load(state, path)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
 
 
@@ -105,7 +106,8 @@ def _save_adapters(meta: torch.nn.Module, adapters: list, checkpoint: pathlib.Pa
                    recipe: Recipe) -> None:
     """The adapters' tensors read from the checkpoint alone (a 72B run's adapters, not its base),
     in the dtypes they were trained in, written by their plugin's ``save``."""
-    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    refuse_unless_sound(checkpoint)
+    saved = dcp_read.read_metadata(checkpoint).state_dict_metadata
     params = dict(meta.named_parameters())
     names = [name for added in adapters for name in added.names]
     missing = [n for n in names if f"model.{n}" not in saved]
@@ -114,7 +116,7 @@ def _save_adapters(meta: torch.nn.Module, adapters: list, checkpoint: pathlib.Pa
                         where=str(checkpoint))
     tensors = {n: torch.empty(params[n].shape, dtype=saved[f"model.{n}"].properties.dtype) for n in names}
     state = {"model": tensors}
-    dcp.load(state, checkpoint_id=str(checkpoint))
+    dcp_read.load(state, checkpoint)
     base = str(recipe.model.path) if recipe.model.path is not None else recipe.model.preset
     for added in adapters:
         added.save(meta, {n: state["model"][n] for n in added.names}, out_dir, base=base)

@@ -8,9 +8,10 @@ lowest held-out loss, ``eval.keep_best``). ``manifest.json`` is written last, in
 temporary folder: the size and CRC-32 of every file (each rank checksums the files it
 wrote). A folder without a manifest is not a checkpoint.
 
-Nothing here unpickles: the step and the schedule are JSON (``meta.json``), the RNG
-states tensors loaded with ``weights_only=True``, the weights DCP's own format. A
-pickle planted in a checkpoint is refused, never run.
+Nothing here runs what a checkpoint holds: the step and the schedule are JSON (``meta.json``),
+the RNG states tensors loaded with ``weights_only=True``, DCP's index and its non-tensor values
+read by core/run/dcp_read.py (an allowlist of DCP's own classes; ``weights_only``). A pickle
+planted in a checkpoint is refused, never run, even with the manifest rewritten to match it.
 
 ``--resume`` takes the newest checkpoint that passes ``verify`` (every file present,
 sizes and checksums matching, checked by the ranks in parallel) and says which newer
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from weft.core.errors import EXIT_RUNTIME, WeftError
+from weft.core.run import dcp_read
 from weft.core.train.collectives import any_rank, collective_device
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -142,10 +144,10 @@ def mark_best(run_dir: pathlib.Path, *, step: int, eval_loss: float, rank: int, 
     return entry
 
 
-def verify(path: pathlib.Path, *, rank: int = 0, world: int = 1) -> str | None:
+def verify(path: pathlib.Path, *, rank: int = 0, world: int = 1, checksums: bool = True) -> str | None:
     """None when ``path`` is whole; else why not. Sizes are checked here for every file,
-    checksums for this rank's share (files i with i % world == rank): the caller
-    combines the ranks' answers."""
+    checksums (unless ``checksums`` is False) for this rank's share (files i with i % world ==
+    rank): the caller combines the ranks' answers. What is read to decide is read as plain data."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
@@ -157,7 +159,7 @@ def verify(path: pathlib.Path, *, rank: int = 0, world: int = 1) -> str | None:
             return f"{name} is missing"
         if file.stat().st_size != want["size"]:
             return f"{name} has {file.stat().st_size} bytes, the manifest says {want['size']}"
-        if index % world == rank and _crc32(file) != want["crc32"]:
+        if checksums and index % world == rank and _crc32(file) != want["crc32"]:
             return f"{name} does not match its checksum"
     try:
         # The manifest is no signature: what is read here must also be plain data.
@@ -168,7 +170,21 @@ def verify(path: pathlib.Path, *, rank: int = 0, world: int = 1) -> str | None:
     except Exception as error:  # noqa: BLE001 - any failure to read it plainly refuses the checkpoint
         return f"{error.__class__.__name__} reading its metadata or rng-rank{rank}.pt (only tensors and numbers " \
                f"are loaded, never pickled objects): {str(error).splitlines()[0][:200] if str(error) else ''}"
-    return None
+    return dcp_read.plain_data(path)  # DCP's index and its non-tensor values: plain data or refused
+
+
+class CheckpointRefused(WeftError):
+    """A checkpoint a command was pointed at is not whole or not plain data (exit 2)."""
+
+
+def refuse_unless_sound(path: pathlib.Path) -> None:
+    """For the commands that read one checkpoint (export, eval, generate): every file present at
+    its size, the metadata plain data, or :class:`CheckpointRefused` saying why. The checksums
+    are left to ``--resume`` (reading every byte of a 7B run's optimizer states to export its
+    weights would cost minutes); the refusal of code does not depend on them."""
+    reason = verify(path, checksums=False)
+    if reason is not None:
+        raise CheckpointRefused(f"checkpoint {path} is refused: {reason}", where=str(path))
 
 
 def load(*, path: pathlib.Path, model, optimizer, scheduler, rank: int) -> int:
@@ -176,7 +192,7 @@ def load(*, path: pathlib.Path, model, optimizer, scheduler, rank: int) -> int:
     meta = json.loads((path / "meta.json").read_text())
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))  # every trained tensor must be there: DCP raises otherwise
+    dcp_read.load(state, path)  # every trained tensor must be there: DCP raises otherwise
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_LOAD_TRAINED)
     scheduler.load_state_dict(meta["scheduler"])

@@ -96,6 +96,8 @@ def load_run_weights(model: Any, run_dir: pathlib.Path, step: int | None) -> str
                         f"{run_dir / 'checkpoints'}", where="--run-dir")
     try:
         load_checkpoint_into(model, found[-1])
+    except WeftError:  # a refused checkpoint (damaged, or not plain data) says so itself
+        raise
     except Exception as error:  # noqa: BLE001 - DCP's errors name keys, not the user's mistake
         raise WeftError(f"{found[-1]} does not fit this recipe's model ({error.__class__.__name__}: "
                         f"{str(error).splitlines()[0][:200] if str(error) else ''}); evaluate with the recipe the "
