@@ -134,7 +134,7 @@ def _tokenizer_if_any(processor: str) -> Any:
     folder = processor_dir(processor)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return None
-    return transformers.AutoTokenizer.from_pretrained(str(folder))
+    return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
 
 
 def pad_id_of(tokenizer, config) -> int:

@@ -115,3 +115,12 @@ def test_weights_from_a_run_checkpoint(data, one_rank, tmp_path):
 def test_mistakes_are_messages(args, message, tmp_path):
     done = weft("eval", RECIPE, *args, cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_eval_micro_batches_are_their_own_lever(data, one_rank):
+    """eval.micro_batch_tokens (the held-out pass's out-of-memory lever) makes more, smaller
+    micro-batches of the same samples: the same loss over the same label tokens."""
+    smaller = evaluate(data, "--nproc", "1", "--set", "eval.micro_batch_tokens=256")
+    assert smaller["micro_batches"] > one_rank["micro_batches"] and smaller["skipped"] == {}
+    assert smaller["label_tokens"] == one_rank["label_tokens"]
+    assert abs(smaller["loss"] - one_rank["loss"]) <= 1e-5 * abs(one_rank["loss"]), (smaller["loss"], one_rank["loss"])

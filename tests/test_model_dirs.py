@@ -183,3 +183,38 @@ def test_a_shard_missing_from_the_index_is_exit_2_naming_it(hub_dir, tmp_path, c
         other.unlink()
     assert main(["run", str(recipe), "--run-dir", str(tmp_path / "run")]) == 2
     assert f"{partial} has no model.safetensors" in capsys.readouterr().err
+
+
+def test_a_directory_s_own_code_never_runs(hub_dir, tmp_path, capsys):
+    """A downloaded directory may carry code (an ``auto_map`` in its configs naming its own .py
+    files) and pickles (a ``pytorch_model.bin``): weft builds transformers' own classes from
+    the JSON and reads the safetensors only, so a run trains and nothing of it runs; a model
+    type only its own code defines is exit 2, never a prompt to run it (docs/faults.md)."""
+    import pickle
+
+    from fault_runs import Planted
+    from weft.core.commands.main import main
+
+    marker = tmp_path / "code-ran"
+    carrying = tmp_path / "carrying"
+    shutil.copytree(hub_dir, carrying)
+    for module in ("configuration_evil", "modeling_evil", "tokenization_evil", "image_processing_evil"):
+        (carrying / f"{module}.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    config = dict(HUB_CONFIG, auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                                        "AutoModelForImageTextToText": "modeling_evil.EvilModel"})
+    (carrying / "config.json").write_text(json.dumps(config))
+    for name, key, value in (("tokenizer_config.json", "AutoTokenizer", ["tokenization_evil.EvilTokenizer", None]),
+                             ("preprocessor_config.json", "AutoImageProcessor",
+                              "image_processing_evil.EvilImageProcessor")):
+        entry = json.loads((carrying / name).read_text())
+        (carrying / name).write_text(json.dumps(dict(entry, auto_map={key: value})))
+    (carrying / "pytorch_model.bin").write_bytes(pickle.dumps(Planted(marker)))
+    assert main(["run", str(_recipe(tmp_path, carrying)), "--run-dir", str(tmp_path / "run")]) == 0, \
+        capsys.readouterr().err[-3000:]
+    assert not marker.exists()
+
+    (carrying / "config.json").write_text(json.dumps(dict(config, model_type="evil_remote")))
+    assert main(["run", str(_recipe(tmp_path, carrying)), "--run-dir", str(tmp_path / "run2")]) == 2
+    err = capsys.readouterr().err
+    assert "'evil_remote'" in err and "Traceback" not in err and err.count("weft: error:") == 1
+    assert not marker.exists()

@@ -106,6 +106,10 @@ class EvalSection:
     data: DataSection | None = attrs.field(default=None, metadata=_doc(
         "[eval.data]: the [data] keys that differ for the held-out samples (e.g. path = \"val.jsonl\", or for text "
         "skip_samples = 0 and num_samples = N where [data] skips those N); the rest is [data]'s"))
+    micro_batch_tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "padded tokens per held-out micro-batch per rank, in a run's [eval] and in `weft eval` (a lever when the "
+        "held-out pass runs out of memory); 0 = train.micro_batch_tokens; a held-out sample longer is skipped and "
+        "counted"))
     keep_best: bool = attrs.field(default=False, metadata=_doc(
         "keep the checkpoint of the lowest eval_loss beside the newest train.keep_checkpoints (checkpoints/"
         "best.json names it; summary.json's best_checkpoint); every checkpoint step must be an evaluation step "

@@ -15,12 +15,25 @@ import torch.distributed as dist
 
 from weft.core.errors import WeftError
 from weft.core.train.loss import IGNORE, targets
+from weft.core.train.oom import eval_out_of_memory
 from weft.core.train.step import run_micro_batches
 
 
-def forward_pass(*, run: Any, rounds: Iterable, autocast: Any, ctx: Any, max_batches: int = 0) -> dict:
+def held_out_recipe(recipe: Any, *, data: Any) -> Any:
+    """The recipe the held-out batching reads: ``data`` for ``[data]``, and ``eval.micro_batch_tokens``
+    (when set) for the micro-batches, the longest sample still the training's ``seq_len``."""
+    held_out = attrs.evolve(recipe, data=data)
+    if recipe.eval.micro_batch_tokens:
+        held_out = attrs.evolve(held_out, train=attrs.evolve(
+            recipe.train, micro_batch_tokens=recipe.eval.micro_batch_tokens, max_seq_len=recipe.train.seq_len))
+    return held_out
+
+
+def forward_pass(*, run: Any, rounds: Iterable, autocast: Any, ctx: Any, max_batches: int = 0,
+                 after_step: int | None = None) -> dict:
     """Sum of the loss over every label token, their count, and the whole-sequence tokens and
-    micro-batches with labels (every rank's, each SP group counted once), with the seconds it took."""
+    micro-batches with labels (every rank's, each SP group counted once), with the seconds it took.
+    Out of memory, it is weft's message for evaluation (``after_step``: the run's step it follows)."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     seen = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # this rank's tokens, micro-batches
     labels = 0.0  # global label tokens: run_micro_batches reduces them over every rank
@@ -30,9 +43,13 @@ def forward_pass(*, run: Any, rounds: Iterable, autocast: Any, ctx: Any, max_bat
         for index, micro_batches in enumerate(rounds):
             if max_batches and index >= max_batches:
                 break  # every rank has the same number of rounds, so all stop together
-            part, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
-                                             keep_vision=run.keep_vision, autocast=autocast, ctx=ctx,
-                                             fused=run.fused, backward=False)
+            try:
+                part, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
+                                                 keep_vision=run.keep_vision, autocast=autocast, ctx=ctx,
+                                                 fused=run.fused, backward=False)
+            except torch.OutOfMemoryError as error:
+                local = tuple(int(mb["input_ids"].numel()) for mb in micro_batches if "input_ids" in mb)
+                raise eval_out_of_memory(after_step=after_step, local_tokens=local, ctx=ctx) from error
             loss_sum += part.double()
             labels += float(totals[0])
             # Whole-sequence tokens of the micro-batches with labels (padding rounds have none);
@@ -61,7 +78,7 @@ class HeldOut:
     def __init__(self, *, recipe: Any, run: Any, pm: Any, ctx: Any, autocast: Any) -> None:
         self.every, self.last = recipe.eval.every, recipe.train.max_steps
         self.run, self.ctx, self.autocast = run, ctx, autocast
-        held_out = attrs.evolve(recipe, data=recipe.eval.data or recipe.data)
+        held_out = held_out_recipe(recipe, data=recipe.eval.data or recipe.data)
         # Its own context: one pass from the first sample, its own counts of skipped samples.
         eval_ctx = attrs.evolve(ctx, one_pass=True, counters={}, start_step=0)
         decision = run.plan.decision("batching")
@@ -90,12 +107,13 @@ class HeldOut:
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last
 
-    def __call__(self) -> dict[str, float]:
+    def __call__(self, *, step: int) -> dict[str, float]:
         model, training = self.run.model, self.run.model.training
         with torch.random.fork_rng(devices=self._devices()):
             model.eval()
             try:
-                done = forward_pass(run=self.run, rounds=self.rounds, autocast=self.autocast, ctx=self.ctx)
+                done = forward_pass(run=self.run, rounds=self.rounds, autocast=self.autocast, ctx=self.ctx,
+                                    after_step=step)
             finally:
                 model.train(training)
         return {"eval_loss": done["loss_sum"] / done["labels"], "eval_tokens": int(done["labels"]),

@@ -119,7 +119,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
                 raise out_of_memory(step=step, local_tokens=state.local_tokens, ctx=ctx, plan=run.plan) from error
             watch.step_finished()
             if held_out is not None and held_out.due(step):
-                row.update(held_out())  # eval_loss in the step's row: every metrics sink gets it
+                row.update(held_out(step=step))  # eval_loss in the step's row: every metrics sink gets it
             if metrics is not None:
                 metrics(row=row)
             if step % recipe.train.log_every == 0 or step == recipe.train.max_steps:

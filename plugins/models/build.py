@@ -34,7 +34,8 @@ def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | N
             raise RecipeError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json)",
                               where=recipe.source)
         try:
-            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+            # Never the directory's own code (an auto_map in config.json): transformers' classes only.
+            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         except (ValueError, KeyError, OSError) as error:
             raise RecipeError(f"{path / 'config.json'}: transformers cannot read it: {error}",
                               where=f"{recipe.source} (model.path)") from None
@@ -77,7 +78,9 @@ def apply_rope_scaling(config: transformers.PretrainedConfig, *, kind: str, fact
 def from_pretrained(recipe: Recipe, *, auto_class: str, config: Any, device: torch.device | str) -> torch.nn.Module:
     """The whole model with ``model.path``'s weights (the unsharded reference of `weft check`)."""
     auto = getattr(transformers, auto_class)
-    model = auto.from_pretrained(recipe.model_dir(), config=config, local_files_only=True, dtype=torch.float32)
+    # safetensors only: a pickled pytorch_model.bin beside them is never read.
+    model = auto.from_pretrained(recipe.model_dir(), config=config, local_files_only=True, dtype=torch.float32,
+                                 use_safetensors=True, trust_remote_code=False)
     return model.to(device)
 
 

@@ -357,12 +357,13 @@ def load_video_sizing(path_or_bundled_name: str | os.PathLike[str]) -> Any:
 
 
 def _load_from(folder: pathlib.Path, backend: str | None, auto_tok: Any, auto_image: Any) -> tuple[Any, Any]:
-    tokenizer = auto_tok.from_pretrained(str(folder))
+    # The folder's files as data: never its own code (an auto_map), nothing fetched.
+    tokenizer = auto_tok.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     template = processor_chat_template(folder)
     if template is not None:  # the processor's template is the one the model is served with
         tokenizer.chat_template = template
     kwargs = {} if backend is None else {"backend": backend}
-    image_processor = auto_image.from_pretrained(str(folder), **kwargs)
+    image_processor = auto_image.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False, **kwargs)
     return tokenizer, image_processor
 
 
