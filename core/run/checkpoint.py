@@ -184,7 +184,7 @@ def refuse_unless_sound(path: pathlib.Path) -> None:
     weights would cost minutes); the refusal of code does not depend on them."""
     reason = verify(path, checksums=False)
     if reason is not None:
-        raise CheckpointRefused(f"checkpoint {path} is refused: {reason}", where=str(path))
+        raise CheckpointRefused(f"this checkpoint is refused: {reason}", where=str(path))
 
 
 def load(*, path: pathlib.Path, model, optimizer, scheduler, rank: int) -> int:

@@ -78,7 +78,7 @@ class _IndexUnpickler(pickle.Unpickler):
             raise UnsafeCheckpoint(
                 f"{self.path} asks to build {module}.{name}, which is not part of a checkpoint's index (only "
                 "torch.distributed.checkpoint's metadata classes, torch.Size, dtypes and paths are read): refused "
-                "unread, nothing in it ran. A checkpoint written by weft never holds it; the file was replaced",
+                "unread, nothing in it ran (a checkpoint weft writes never holds it)",
                 where=self.path)
         return found
 
