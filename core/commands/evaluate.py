@@ -27,9 +27,10 @@ def run_eval(*, nproc: int, args: list[str]) -> dict:
 
 
 def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
+    from weft.core.commands.task_eval import score_task
     from weft.core.run.rank_job import run_on_rank
 
-    run_on_rank(recipe, out=out, job=_evaluate, **options)
+    run_on_rank(recipe, out=out, job=score_task if options.get("task") else _evaluate, **options)
 
 
 def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,

@@ -19,6 +19,13 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
                           help="JSONL chat file to evaluate (default: the recipe's own data)")
     _common(evaluate, positive)
     evaluate.add_argument("--max-batches", type=positive, default=None, help="stop after N rounds of micro-batches")
+    evaluate.add_argument("--task", type=pathlib.Path, default=None, metavar="FILE.jsonl",
+                          help="accuracy on questions with right answers (choices by log-likelihood, else greedy "
+                               "generation and exact match; docs/eval.md) in place of the loss")
+    evaluate.add_argument("--results", type=pathlib.Path, default=None, metavar="FILE.jsonl",
+                          help="with --task: one line per question (default: TASK-STEM.results.jsonl here)")
+    evaluate.add_argument("--max-new-tokens", type=positive, default=32,
+                          help="with --task: the longest generated answer")
     evaluate.set_defaults(func=_cmd_eval)
 
     generate = sub.add_parser("generate", help="decode from a prompt (and images) under the recipe's plan")
@@ -148,6 +155,10 @@ def _cmd_eval(args) -> int:
 def _eval(args) -> int:
     from weft.core.commands.evaluate import render, run_eval
 
+    if args.task is not None:
+        return _eval_task(args)
+    if args.results is not None:
+        raise WeftError("--results holds --task's answers; give --task too", where="--results")
     overrides = list(args.overrides)
     if args.data is not None:
         if not args.data.is_file():
@@ -156,6 +167,25 @@ def _eval(args) -> int:
     from weft.core.run.model_files import data_needs
 
     recipe, forwarded = _forwarded(args, overrides, {"max_batches": args.max_batches or 0}, needs=data_needs)
+    result = run_eval(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)
+    print(json.dumps(result, indent=1) if args.json else f"weft eval: {render(result)}")
+    return EXIT_OK
+
+
+def _eval_task(args) -> int:
+    """`weft eval --task FILE`: the file checked here (a malformed line is exit 2 naming it), then the ranks."""
+    from weft.core.commands.evaluate import run_eval
+    from weft.core.commands.task_eval import load_task, render
+
+    if args.data is not None or args.max_batches is not None:
+        flag = "--data" if args.data is not None else "--max-batches"
+        raise WeftError(f"{flag} goes with the loss; --task scores every question of its own file", where=flag)
+    load_task(args.task)
+    results = (args.results or pathlib.Path(f"{args.task.stem}.results.jsonl")).resolve()
+    options = {"task": str(args.task.resolve()), "results": str(results), "max_new_tokens": args.max_new_tokens}
+    why = "`weft eval --task` (questions encoded through the tokenizer and the image processor)"
+    recipe, forwarded = _forwarded(args, list(args.overrides), options,
+                                   needs=lambda recipe: {"tokenizer": why, "image processor": why})
     result = run_eval(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)
     print(json.dumps(result, indent=1) if args.json else f"weft eval: {render(result)}")
     return EXIT_OK

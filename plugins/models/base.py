@@ -71,6 +71,18 @@ class TransformersAdapter:
         return prompt_inputs(processor=processor, text=text, images=images, videos=videos,
                              video_limits=video_limits(recipe, processor), system=recipe.data.system)
 
+    def task_inputs(self, recipe: Recipe, *, record: dict, base: pathlib.Path,
+                    choices: Sequence[str] | None) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        from weft.plugins.data import pad_id_of, video_limits
+        from weft.plugins.models.prompt import task_inputs
+        from weft.strategies.data.conversation import load_processor
+
+        config, processor = self.config(recipe)
+        pad_id = pad_id_of(load_processor(processor)[0], config) if processor is not None else 0
+        return task_inputs(processor=processor, record=record, base=base, choices=choices, pad_id=pad_id,
+                           video_limits=video_limits(recipe, processor), system=recipe.data.system,
+                           max_pixels=recipe.data.max_pixels)
+
     def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
         from weft.plugins.models.prompt import decode_tokens
 

@@ -1,4 +1,5 @@
-"""`weft generate`'s prompt: one user turn and the generation prompt, rendered as training renders chats."""
+"""`weft generate`'s prompt (one user turn and the generation prompt) and `weft eval --task`'s
+questions (a conversation, and each choice as its reply), rendered as training renders chats."""
 
 from __future__ import annotations
 
@@ -32,10 +33,37 @@ def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str], vi
     except (OSError, ValueError) as error:
         where = "--image" if images else "--video" if videos else "--prompt"
         raise WeftError(f"cannot encode the prompt: {error}", where=where) from error
-    batch = collate([sample], pad_id=0)
-    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
-            "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-    return {k: batch[k] for k in keys if k in batch}
+    return _model_inputs(collate([sample], pad_id=0))
+
+
+#: A prompt's model inputs: the collated batch without its labels.
+_INPUT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw",
+               "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: batch[k] for k in _INPUT_KEYS if k in batch}
+
+
+def task_inputs(*, processor: str | None, record: dict, base: Any, choices: Sequence[str] | None, pad_id: int,
+                video_limits: Any = None, system: str | None = None,
+                max_pixels: int = 0) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """(the question's prompt inputs (B = 1) for generation, one micro-batch per choice with the
+    choice's tokens as its only labels). ValueError or OSError when the line cannot be read."""
+    from weft.core.errors import WeftError
+    from weft.strategies.data.conversation import collate, load_processor
+    from weft.strategies.data.task_encode import choice_samples, question
+    from weft.strategies.data.video import VideoLimits
+
+    if processor is None:
+        raise WeftError("this recipe's model has no processor folder (model.processor) to read the questions with",
+                        where="model.processor")
+    tokenizer, image_processor = load_processor(processor)
+    messages, prompt = question(record, base=base, tokenizer=tokenizer, image_processor=image_processor,
+                                system=system, max_pixels=max_pixels, videos=video_limits or VideoLimits())
+    scored = choice_samples(choices or (), messages, prompt, tokenizer=tokenizer, image_processor=image_processor,
+                            system=system)
+    return _model_inputs(collate([prompt], pad_id=0)), [collate([s], pad_id=pad_id) for s in scored]
 
 
 def _video_parts(videos: Sequence[str], limits: Any) -> list[dict]:

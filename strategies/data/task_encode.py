@@ -1,0 +1,47 @@
+"""A task's question (`weft eval --task`, core/commands/task_file.py) as the model sees it: the
+conversation rendered as training renders one, with the template's generation prompt; each
+choice as the assistant's reply to it, labelled on the choice's own tokens alone (not the
+header before it, not the closing ``<|im_end|>``), so that a sample's summed label
+log-likelihood is the choice's."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+from weft.strategies.data.conversation import IGNORE_INDEX, Sample, encode_conversation, encode_prompt
+from weft.strategies.data.formats import record_to_messages
+
+
+def question(record: dict, *, base: pathlib.Path, tokenizer: Any, image_processor: Any, system: str | None = None,
+             **read: Any) -> tuple[list[dict], Sample]:
+    """(the question's messages, its prompt: the conversation and the generation prompt, no labels).
+    ``read``: ``record_to_messages``' limits (max_pixels, videos)."""
+    messages = record_to_messages(record, base=base, **read)
+    return messages, encode_prompt(messages, tokenizer=tokenizer, image_processor=image_processor, system=system)
+
+
+def choice_samples(choices: Sequence[str], messages: list[dict], prompt: Sample, *, tokenizer: Any,
+                   image_processor: Any, system: str | None = None) -> list[Sample]:
+    """One sample per choice: the question, then the choice as the reply, labels on the choice's
+    tokens only. ValueError when the template renders the question differently once a reply
+    follows (its prompt is then no prefix of the scored sequence)."""
+    found = []
+    prefix = prompt.num_tokens
+    for choice in choices:
+        full = encode_conversation([*messages, {"role": "assistant", "content": choice}], tokenizer=tokenizer,
+                                   image_processor=image_processor, system=system)
+        if full.num_tokens <= prefix or not torch.equal(full.input_ids[:prefix], prompt.input_ids):
+            raise ValueError(f"the chat template renders the question differently once the reply {choice!r} follows, "
+                             "so the choice's tokens cannot be told apart")
+        labels = full.labels.clone()
+        labels[:prefix] = IGNORE_INDEX  # earlier replies (a few-shot prompt) are context, not the choice
+        scored = (labels != IGNORE_INDEX).nonzero().flatten()
+        if scored.numel() < 2:
+            raise ValueError(f"the choice {choice!r} gives no token of its own before the end of the turn")
+        labels[scored[-1]] = IGNORE_INDEX  # the closing token: "c, then stop" would favour short choices
+        found.append(attrs.evolve(full, labels=labels))
+    return found
