@@ -120,7 +120,8 @@ def wilson(right: int, total: int, *, z: float = 1.959964) -> tuple[float, float
     p, n = right / total, total
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At 0 and at every answer right the bound is exactly 0 or 1 (the formula gives it up to rounding).
+    return (0.0 if right == 0 else max(0.0, centre - half)), (1.0 if right == total else min(1.0, centre + half))
 
 
 def _role(turn: Any) -> str | None:
