@@ -21,7 +21,7 @@ def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
     evaluate.add_argument("--max-batches", type=positive, default=None, help="stop after N rounds of micro-batches")
     evaluate.add_argument("--task", type=pathlib.Path, default=None, metavar="FILE.jsonl",
                           help="accuracy on questions with right answers (choices by log-likelihood, else greedy "
-                               "generation and exact match; docs/eval.md) in place of the loss")
+                               "generation and exact match; docs/inference.md) in place of the loss")
     evaluate.add_argument("--results", type=pathlib.Path, default=None, metavar="FILE.jsonl",
                           help="with --task: one line per question (default: TASK-STEM.results.jsonl here)")
     evaluate.add_argument("--max-new-tokens", type=positive, default=32,

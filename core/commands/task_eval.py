@@ -29,7 +29,7 @@ def load_task(path: pathlib.Path) -> list:
     from weft.core.commands.task_file import TaskLineError, read_task
 
     if not path.is_file():
-        raise WeftError(f"no such file: {path}; --task takes a JSONL file of questions (docs/eval.md)",
+        raise WeftError(f"no such file: {path}; --task takes a JSONL file of questions (docs/inference.md)",
                         where="--task")
     try:
         items = list(read_task(path))
