@@ -6,6 +6,7 @@ messages naming the file and line."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import pathlib
@@ -18,6 +19,7 @@ from weft_cli import run_weft
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny-vl.toml")
+_CALLS = itertools.count()
 CHOICES = [
     {"id": "colour", "messages": [{"role": "user", "content": "Pick a colour"}], "choices": ["red", "blue green"],
      "answer": "red"},
@@ -38,7 +40,7 @@ def folder(tmp_path_factory) -> pathlib.Path:
 
 
 def evaluate(folder: pathlib.Path, task: str, *extra: str) -> tuple[dict, list[dict]]:
-    results = folder / f"{task}-{len(extra)}-{'_'.join(extra).replace('=', '')}.results.jsonl"
+    results = folder / f"{task}-{next(_CALLS)}.results.jsonl"
     done = run_weft("eval", RECIPE, "--task", str(folder / task), "--results", str(results), "--json", *extra,
                     cwd=folder)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -149,7 +151,7 @@ def test_a_malformed_line_is_exit_2_naming_its_line(weft, tmp_path, line, messag
 
 @pytest.mark.quick
 def test_normalisation_and_the_interval():
-    from weft.core.commands.task_file import normalize, wilson
+    from weft.core.train.task_file import normalize, wilson
 
     assert normalize("  Seven.\n") == normalize("seven") == "seven"
     assert normalize("Ｓｅｖｅｎ  Up!") == "seven up" and normalize("'7'") == "7"
@@ -160,3 +162,46 @@ def test_normalisation_and_the_interval():
     assert (low, high) == pytest.approx((0.8883, 0.9785), abs=1e-4)
     assert wilson(10, 10)[1] == 1.0 and wilson(5, 10)[0] == pytest.approx(1 - wilson(5, 10)[1])
     assert not math.isnan(wilson(0, 0)[0])
+
+
+def test_a_run_scores_its_task_at_each_evaluation(folder, tmp_path):
+    """[eval] task: eval_accuracy (and its interval) in the evaluation steps' rows, each question's
+    row in eval/task-step-N.jsonl, the scores `weft eval --task` gives on that step's checkpoint;
+    eval.best_by = "accuracy" keeps the checkpoint of the highest accuracy."""
+    run = tmp_path / "run"
+    task = str(folder / "choices.jsonl")
+    done = run_weft("run", RECIPE, "--nproc", "1", "--run-dir", str(run), "--set", "train.max_steps=4",
+                    "--set", "train.checkpoint_every=2", "--set", "eval.every=2", "--set", f"eval.task={task}",
+                    "--set", "eval.keep_best=true", "--set", "eval.best_by=accuracy", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    scored = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in scored] == [2, 4]
+    assert all(r["eval_accuracy_low"] <= r["eval_accuracy"] <= r["eval_accuracy_high"] for r in scored)
+    in_run = [json.loads(line) for line in (run / "eval" / "task-step-4.jsonl").read_text().splitlines()]
+    summary, after = evaluate(folder, "choices.jsonl", "--nproc", "1", "--run-dir", str(run), "--step", "4")
+    for got, want in zip(after, in_run):
+        assert got["log_likelihoods"] == pytest.approx(want["log_likelihoods"], rel=1e-5, abs=1e-5)
+    assert summary["accuracy"] == scored[-1]["eval_accuracy"]
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    assert best["eval_accuracy"] == max(r["eval_accuracy"] for r in scored)
+    assert best["step"] == next(r["step"] for r in scored if r["eval_accuracy"] == best["eval_accuracy"])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("sets, message", [
+    (["eval.best_by=accuracy"], "eval.best_by = \"accuracy\" keeps the checkpoint of the highest eval_accuracy"),
+    (["eval.task=task.jsonl"], "eval.task is scored at each evaluation, and [eval] gives no every"),
+])
+def test_task_keys_without_what_they_need_are_exit_2(weft, tmp_path, sets, message):
+    done = weft("plan", RECIPE, *(a for s in sets for a in ("--set", s)), cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_a_run_refuses_a_task_it_cannot_score_before_training(weft, tmp_path):
+    task = tmp_path / "gen.jsonl"
+    task.write_text(json.dumps({"messages": [{"role": "user", "content": "Say hi"}], "answer": "hi"}) + "\n")
+    done = weft("run", RECIPE, "--nproc", "1", "--run-dir", str(tmp_path / "run"), "--set", "eval.every=2",
+                "--set", f"eval.task={task}", cwd=tmp_path)
+    assert done.returncode == 2 and "1 of eval.task's questions have no choices (line 1 first)" in done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()

@@ -154,38 +154,21 @@ def _cmd_eval(args) -> int:
 
 def _eval(args) -> int:
     from weft.core.commands.evaluate import render, run_eval
-
-    if args.task is not None:
-        return _eval_task(args)
-    if args.results is not None:
-        raise WeftError("--results holds --task's answers; give --task too", where="--results")
-    overrides = list(args.overrides)
-    if args.data is not None:
-        if not args.data.is_file():
-            raise WeftError(f"no such file: {args.data}; --data takes a JSONL chat file", where="--data")
-        overrides += ["data.source=jsonl", f"data.path={args.data.resolve()}"]
+    from weft.core.commands.task_eval import render_task, task_needs, task_options
     from weft.core.run.model_files import data_needs
 
-    recipe, forwarded = _forwarded(args, overrides, {"max_batches": args.max_batches or 0}, needs=data_needs)
-    result = run_eval(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)
-    print(json.dumps(result, indent=1) if args.json else f"weft eval: {render(result)}")
-    return EXIT_OK
-
-
-def _eval_task(args) -> int:
-    """`weft eval --task FILE`: the file checked here (a malformed line is exit 2 naming it), then the ranks."""
-    from weft.core.commands.evaluate import run_eval
-    from weft.core.commands.task_eval import load_task, render
-
-    if args.data is not None or args.max_batches is not None:
-        flag = "--data" if args.data is not None else "--max-batches"
-        raise WeftError(f"{flag} goes with the loss; --task scores every question of its own file", where=flag)
-    load_task(args.task)
-    results = (args.results or pathlib.Path(f"{args.task.stem}.results.jsonl")).resolve()
-    options = {"task": str(args.task.resolve()), "results": str(results), "max_new_tokens": args.max_new_tokens}
-    why = "`weft eval --task` (questions encoded through the tokenizer and the image processor)"
-    recipe, forwarded = _forwarded(args, list(args.overrides), options,
-                                   needs=lambda recipe: {"tokenizer": why, "image processor": why})
+    overrides = list(args.overrides)
+    if args.task is not None:  # accuracy on a task's questions, in place of the loss
+        options, needs, render = task_options(args), task_needs, render_task
+    else:
+        if args.results is not None:
+            raise WeftError("--results holds --task's answers; give --task too", where="--results")
+        if args.data is not None:
+            if not args.data.is_file():
+                raise WeftError(f"no such file: {args.data}; --data takes a JSONL chat file", where="--data")
+            overrides += ["data.source=jsonl", f"data.path={args.data.resolve()}"]
+        options, needs = {"max_batches": args.max_batches or 0}, data_needs
+    recipe, forwarded = _forwarded(args, overrides, options, needs=needs)
     result = run_eval(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)
     print(json.dumps(result, indent=1) if args.json else f"weft eval: {render(result)}")
     return EXIT_OK

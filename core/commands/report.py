@@ -21,7 +21,8 @@ from typing import Any
 from weft.core.errors import WeftError
 from weft.core.plan.flops import frozen_text_parameters, peak_tflops, sequence_flops, text_parameters
 
-PANELS = (("loss", "loss"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("max_memory_gib", "peak memory (GiB)"),
+PANELS = (("loss", "loss"), ("eval_accuracy", "held-out accuracy (eval.task; band: 95% interval)"),
+          ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("max_memory_gib", "peak memory (GiB)"),
           ("grad_norm", "grad norm"), ("lr", "learning rate"))
 
 
@@ -71,6 +72,8 @@ def summary_lines(runs: list[dict]) -> list[str]:
             + f"; {len(rows)} steps (last {rows[-1]['step'] if rows else '-'})"
             + (f", final loss {rows[-1]['loss']:.4f}" if rows and rows[-1].get("loss") is not None else "")
             + (f", held-out loss {held[-1]['eval_loss']:.4f} at step {held[-1]['step']}" if held else "")
+            + (f", held-out accuracy {held[-1]['eval_accuracy']:.4f} ({held[-1]['eval_accuracy_low']:.4f}-"
+               f"{held[-1]['eval_accuracy_high']:.4f})" if held and "eval_accuracy" in held[-1] else "")
             + f", median {speed:,.0f} tokens/s"
             + (f", MFU {statistics.median(mfu):.1%}" if mfu else "")
             + (f", peak {memory:.1f} GiB" if memory else "")
@@ -106,6 +109,10 @@ def plot(runs: list[dict], out: pathlib.Path) -> pathlib.Path:
             if key == "loss" and held_out:  # [eval]'s held-out loss beside the training loss, dashed
                 ax.plot(*zip(*held_out), color=line.get_color(), linestyle="--", marker="o", markersize=3,
                         label=f"{run['name']} (held out)")
+            band = [(r["step"], r["eval_accuracy_low"], r["eval_accuracy_high"]) for r in run["rows"]
+                    if key == "eval_accuracy" and r.get("eval_accuracy_low") is not None]
+            if band:  # the accuracy's Wilson interval: how far apart two runs must be to differ
+                ax.fill_between(*zip(*band), color=line.get_color(), alpha=0.15)
             for step in run["checkpoints"]:
                 ax.axvline(step, color=line.get_color(), alpha=0.25, linestyle=":")
         ax.set_title(label)

@@ -17,29 +17,29 @@ import json
 import pathlib
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
+from weft.core.train.task_file import load_task
+from weft.core.train.task_scores import encode_task, result_row, score_choices, summarize
 
 
-def load_task(path: pathlib.Path) -> list:
-    """The task's questions, each malformed line a message naming ``FILE:LINE`` (exit 2)."""
-    from weft.core.commands.task_file import TaskLineError, read_task
+def task_options(args: Any) -> dict:
+    """`weft eval --task FILE`'s options for the ranks, the file checked first (a malformed line
+    is exit 2 naming it, before any rank starts)."""
+    if args.data is not None or args.max_batches is not None:
+        flag = "--data" if args.data is not None else "--max-batches"
+        raise WeftError(f"{flag} goes with the loss; --task scores every question of its own file", where=flag)
+    load_task(args.task)
+    results = (args.results or pathlib.Path(f"{args.task.stem}.results.jsonl")).resolve()
+    if not results.parent.is_dir():
+        raise WeftError(f"no folder {results.parent} to write the results into", where="--results")
+    return {"task": str(args.task.resolve()), "results": str(results), "max_new_tokens": args.max_new_tokens}
 
-    if not path.is_file():
-        raise WeftError(f"no such file: {path}; --task takes a JSONL file of questions (docs/inference.md)",
-                        where="--task")
-    try:
-        items = list(read_task(path))
-    except TaskLineError as error:
-        raise WeftError(error.reason, where=f"{path}:{error.line}") from None
-    except UnicodeDecodeError as error:
-        raise WeftError(f"not UTF-8 text ({error.reason})", where=str(path)) from None
-    if not items:
-        raise WeftError(f"{path} holds no question", where="--task")
-    return items
+
+def task_needs(recipe: Recipe) -> dict[str, str]:
+    """What the questions read from the processor folder (core/run/model_files.py)."""
+    why = "`weft eval --task` (questions encoded through the tokenizer and the image processor)"
+    return {"tokenizer": why, "image processor": why}
 
 
 def score_task(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
@@ -54,51 +54,17 @@ def score_task(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, d
     pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
                                                  device_type=device_type, run_dir=run_dir, step=step, one_pass=True,
                                                  adapter_dir=adapter_dir)
-    encoded = []
-    for item in items:
-        try:
-            encoded.append(ctx.adapter.task_inputs(recipe, record=item.record, base=path.parent,
-                                                   choices=item.choices))
-        except (OSError, ValueError) as error:
-            raise WeftError(f"cannot read this question: {error}", where=f"{path}:{item.line}") from None
+    encoded = encode_task(items, path=path, recipe=recipe, ctx=ctx)
     autocast = autocast_for(recipe.train.precision, device_type)
-    owners = [i for i, (_, batches) in enumerate(encoded) for _ in batches]
-    values = sequence_log_likelihoods([b for _, batches in encoded for b in batches], run=run, ctx=ctx,
-                                      autocast=autocast)
-    scores: dict[int, list[float]] = {}
-    for owner, value in zip(owners, values):
-        scores.setdefault(owner, []).append(value)
+    scores = score_choices(encoded, run=run, ctx=ctx, autocast=autocast)
     generated = _generated(items, [prompt for prompt, _ in encoded], run=run, ctx=ctx, pm=pm, recipe=recipe,
                            autocast=autocast, max_new_tokens=max_new_tokens)
-    rows = [_row(item, scores.get(i), generated.get(i)) for i, item in enumerate(items)]
+    rows = [result_row(item, scores.get(i), generated.get(i)) for i, item in enumerate(items)]
     if rank == 0:
         with open(results, "w", encoding="utf-8") as out:
             out.writelines(json.dumps(row) + "\n" for row in rows)
-    return {**_summary(rows), "task": str(path), "results": results, "checkpoint": checkpoint,
+    return {**summarize(rows), "task": str(path), "results": results, "checkpoint": checkpoint,
             "world_size": world_size, "precision": recipe.train.precision}
-
-
-def sequence_log_likelihoods(batches: list[dict], *, run, ctx, autocast) -> list[float]:
-    """Each micro-batch's (one sequence each) summed log-likelihood of its label tokens under the
-    plan: data-parallel group ``d`` takes batches d, d + dp, ...; every rank runs the same number
-    of rounds (the last padded with a label-less copy); each SP rank adds its part."""
-    from weft.core.train.loss import IGNORE
-    from weft.core.train.step import run_micro_batches
-
-    dp, me = run.plan.mesh.dp, run.mesh.dp_rank()
-    total = torch.zeros(len(batches), dtype=torch.float64, device=ctx.device)
-    with torch.no_grad():
-        for r in range(-(-len(batches) // dp)):
-            index = r * dp + me
-            batch = batches[index] if index < len(batches) else \
-                {**batches[0], "labels": torch.full_like(batches[0]["labels"], IGNORE)}
-            part, _ = run_micro_batches(model=run.model, micro_batches=[batch], split=run.split,
-                                        keep_vision=run.keep_vision, autocast=autocast, ctx=ctx, fused=run.fused,
-                                        backward=False)
-            if index < len(batches):
-                total[index] += part.double()  # the loss part: -log-likelihood of this rank's label tokens
-    dist.all_reduce(total)
-    return (-total).tolist()
 
 
 def _generated(items, prompts, *, run, ctx, pm, recipe: Recipe, autocast, max_new_tokens: int) -> dict[int, str]:
@@ -128,38 +94,7 @@ def _generated(items, prompts, *, run, ctx, pm, recipe: Recipe, autocast, max_ne
     return texts
 
 
-def _row(item, scores: list[float] | None, text: str | None) -> dict:
-    from weft.core.commands.task_file import normalize
-
-    if scores is not None:
-        best = max(range(len(scores)), key=lambda j: scores[j])
-        per_byte = [s / max(1, len(c.encode("utf-8"))) for s, c in zip(scores, item.choices)]
-        best_norm = max(range(len(per_byte)), key=lambda j: per_byte[j])
-        return {"id": item.id, "line": item.line, "scoring": "choices", "answer": item.answer,
-                "prediction": item.choices[best], "right": best == item.right,
-                "prediction_norm": item.choices[best_norm], "right_norm": best_norm == item.right,
-                "log_likelihoods": [round(s, 6) for s in scores]}
-    return {"id": item.id, "line": item.line, "scoring": "generation", "answer": item.answer, "prediction": text,
-            "right": normalize(text or "") == normalize(item.answer)}
-
-
-def _summary(rows: list[dict]) -> dict:
-    from weft.core.commands.task_file import wilson
-
-    right = sum(bool(r["right"]) for r in rows)
-    low, high = wilson(right, len(rows))
-    summary = {"questions": len(rows), "right": right, "accuracy": right / len(rows),
-               "interval_95": [round(low, 4), round(high, 4)],
-               "by_scoring": {k: sum(r["scoring"] == k for r in rows) for k in ("choices", "generation")}}
-    chosen = [r for r in rows if r["scoring"] == "choices"]
-    if chosen:
-        right_norm = sum(bool(r["right_norm"]) for r in chosen)
-        summary["accuracy_norm"] = right_norm / len(chosen)  # over the choice questions
-        summary["interval_95_norm"] = [round(x, 4) for x in wilson(right_norm, len(chosen))]
-    return summary
-
-
-def render(result: dict[str, Any]) -> str:
+def render_task(result: dict[str, Any]) -> str:
     """One paragraph for the terminal."""
     low, high = result["interval_95"]
     text = (f"accuracy {result['accuracy']:.4f} ({result['right']} of {result['questions']}; 95% interval "

@@ -110,6 +110,13 @@ class EvalSection:
         "padded tokens per held-out micro-batch per rank, in a run's [eval] and in `weft eval` (a lever when the "
         "held-out pass runs out of memory); 0 = train.micro_batch_tokens; a held-out sample longer is skipped and "
         "counted"))
+    task: str | None = attrs.field(default=None, metadata=_doc(
+        "a task file (JSONL, `weft eval --task`'s questions; relative to the recipe) scored at every evaluation: "
+        "eval_accuracy (and eval_accuracy_norm) in metrics.jsonl, each question's result in eval/task-step-N.jsonl; "
+        "its lines need choices (scored by log-likelihood under the run's plan; generated answers are `weft eval "
+        "--task`'s)"))
+    best_by: Literal["loss", "accuracy"] = attrs.field(default="loss", metadata=_doc(
+        "what eval.keep_best keeps: the lowest eval_loss, or the highest eval_accuracy (needs eval.task)"))
     keep_best: bool = attrs.field(default=False, metadata=_doc(
         "keep the checkpoint of the lowest eval_loss beside the newest train.keep_checkpoints (checkpoints/"
         "best.json names it; summary.json's best_checkpoint); every checkpoint step must be an evaluation step "

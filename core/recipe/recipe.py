@@ -191,6 +191,10 @@ class Recipe:
             raise ValueError("this recipe builds a preset; it has no model.path")
         return self.relative(self.model.path)
 
+    def task_file(self) -> pathlib.Path | None:
+        """``eval.task`` resolved, or None."""
+        return None if self.eval.task is None else self.relative(self.eval.task)
+
     def data_file(self) -> pathlib.Path:
         """``data.path`` resolved: the one place a recipe's data path is resolved."""
         if self.data.path is None:
@@ -217,8 +221,15 @@ def _eval_section(data: dict, *, where: Where) -> EvalSection:
 
 
 def _check_keep_best(evaluation: EvalSection, train: TrainSection, *, where: Where) -> None:
-    """eval.keep_best compares the held-out loss at each checkpoint: each one needs an evaluation."""
+    """eval.keep_best compares the held-out loss (or accuracy) at each checkpoint: each one needs
+    an evaluation; a task is scored at the evaluations."""
     every, saved = evaluation.every, train.checkpoint_every
+    if evaluation.task is not None and not every:
+        raise RecipeError("eval.task is scored at each evaluation, and [eval] gives no every (steps between "
+                          "evaluations): set eval.every", where=where.at("eval.task"))
+    if evaluation.best_by == "accuracy" and evaluation.task is None:
+        raise RecipeError("eval.best_by = \"accuracy\" keeps the checkpoint of the highest eval_accuracy, which "
+                          "eval.task gives: name a task file", where=where.at("eval.best_by"))
     if evaluation.keep_best and not (every and saved > 0 and saved % every == 0):
         raise RecipeError(f"eval.keep_best keeps the checkpoint of the lowest eval_loss, so every checkpoint step "
                           f"must be an evaluation step: train.checkpoint_every ({saved}) must be a positive "

@@ -124,18 +124,19 @@ def _rotate(run_dir: pathlib.Path, *, keep: int) -> None:
 
 
 def best(run_dir: pathlib.Path) -> dict | None:
-    """``checkpoints/best.json``: the checkpoint of the lowest held-out loss so far (``step``,
-    ``checkpoint``, ``eval_loss``), or None."""
+    """``checkpoints/best.json``: the best checkpoint so far (``step``, ``checkpoint``, and its
+    ``eval_loss`` or ``eval_accuracy``: eval.best_by), or None."""
     try:
         return json.loads((run_dir / "checkpoints" / BEST).read_text())
     except (OSError, ValueError):
         return None
 
 
-def mark_best(run_dir: pathlib.Path, *, step: int, eval_loss: float, rank: int, keep: int) -> dict:
-    """Name ``step-N`` (just saved) the best, atomically (rank 0), and let the one it
-    supersedes go the way of the rotation."""
-    entry = {"step": step, "checkpoint": f"step-{step}", "eval_loss": eval_loss}
+def mark_best(run_dir: pathlib.Path, *, step: int, rank: int, keep: int, metric: str = "eval_loss",
+              value: float | None = None, eval_loss: float | None = None) -> dict:
+    """Name ``step-N`` (just saved) the best by ``metric`` (``eval_loss``, ``eval_accuracy``),
+    atomically (rank 0), and let the one it supersedes go the way of the rotation."""
+    entry = {"step": step, "checkpoint": f"step-{step}", metric: value if value is not None else eval_loss}
     if rank == 0:
         staged = run_dir / "checkpoints" / f".{BEST}.tmp"
         staged.write_text(json.dumps(entry, indent=1))

@@ -6,6 +6,7 @@ label token of the samples, as one unsharded forward over each sample gives it."
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from typing import Any, Iterable
 
@@ -100,6 +101,7 @@ class HeldOut:
                             "samples with labels", where=f"{recipe.source} ({where})")
         ctx.log.info("eval.ready", rounds=len(self.rounds), label_tokens=int(labels), every=self.every,
                      in_sample=recipe.eval.data is None, skipped=dict(eval_ctx.counters))
+        self.task = TaskQuestions(recipe=recipe, ctx=ctx) if recipe.eval.task is not None else None
 
     def _devices(self) -> list:
         return [self.ctx.device] if self.ctx.device.type == "cuda" else []
@@ -114,7 +116,48 @@ class HeldOut:
             try:
                 done = forward_pass(run=self.run, rounds=self.rounds, autocast=self.autocast, ctx=self.ctx,
                                     after_step=step)
+                row = {"eval_loss": done["loss_sum"] / done["labels"], "eval_tokens": int(done["labels"]),
+                       "eval_s": round(done["seconds"], 4)}
+                if self.task is not None:
+                    row.update(self.task(run=self.run, autocast=self.autocast, step=step))
             finally:
                 model.train(training)
-        return {"eval_loss": done["loss_sum"] / done["labels"], "eval_tokens": int(done["labels"]),
-                "eval_s": round(done["seconds"], 4)}
+        return row
+
+
+class TaskQuestions:
+    """``eval.task`` in a run: its questions encoded once, before the first step (a malformed
+    line ends the run before it trains), then scored at each evaluation by log-likelihood under
+    the run's plan, as `weft eval --task` scores them on that step's checkpoint; each question's
+    row in ``eval/task-step-N.jsonl`` (rank 0)."""
+
+    def __init__(self, *, recipe: Any, ctx: Any) -> None:
+        from weft.core.train.task_file import load_task
+        from weft.core.train.task_scores import encode_task
+
+        path = recipe.task_file()
+        self.items = load_task(path)
+        generated = [item for item in self.items if item.choices is None]
+        if generated:
+            raise WeftError(f"{len(generated)} of eval.task's questions have no choices (line {generated[0].line} "
+                            "first): in a run a task is scored by log-likelihood; give them choices, or score "
+                            "generated answers with `weft eval --task` on the checkpoints",
+                            where=f"{recipe.source} (eval.task)")
+        self.encoded = encode_task(self.items, path=path, recipe=recipe, ctx=ctx)
+        self.ctx = ctx
+
+    def __call__(self, *, run: Any, autocast: Any, step: int) -> dict[str, float]:
+        from weft.core.train.task_scores import result_row, score_choices, summarize
+
+        try:
+            scores = score_choices(self.encoded, run=run, ctx=self.ctx, autocast=autocast)
+        except torch.OutOfMemoryError as error:
+            raise eval_out_of_memory(after_step=step, local_tokens=(), ctx=self.ctx) from error
+        rows = [result_row(item, scores[i], None) for i, item in enumerate(self.items)]
+        found = summarize(rows)
+        if self.ctx.rank == 0 and self.ctx.run_dir is not None:
+            folder = self.ctx.run_dir / "eval"
+            folder.mkdir(exist_ok=True)
+            (folder / f"task-step-{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {"eval_accuracy": found["accuracy"], "eval_accuracy_norm": found["accuracy_norm"],
+                "eval_accuracy_low": found["interval_95"][0], "eval_accuracy_high": found["interval_95"][1]}

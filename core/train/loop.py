@@ -133,8 +133,9 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
                                        scheduler=scheduler, rank=ctx.rank, keep=recipe.train.keep_checkpoints)
                 ctx.log.info("checkpoint.saved", step=step, path=str(path))
                 ending.checkpoint = path.name
-                if recipe.eval.keep_best and _better(row.get("eval_loss"), than=ending.best):
-                    ending.best = checkpoint.mark_best(ctx.run_dir, step=step, eval_loss=row["eval_loss"],
+                metric = _BEST_BY[recipe.eval.best_by]
+                if recipe.eval.keep_best and _better(row.get(metric), than=ending.best, metric=metric):
+                    ending.best = checkpoint.mark_best(ctx.run_dir, step=step, metric=metric, value=row[metric],
                                                        rank=ctx.rank, keep=recipe.train.keep_checkpoints)
                     ctx.log.info("checkpoint.best", **ending.best)
             if interrupted:
@@ -223,9 +224,18 @@ def _aborted(abort: GuardAbort, *, state: StepState, metrics, run: Prepared, opt
         ending.checkpoint = path.name
 
 
-def _better(loss: float | None, *, than: dict | None) -> bool:
-    """A finite held-out loss below the best so far (or the first)."""
-    return loss is not None and math.isfinite(loss) and (than is None or loss < than["eval_loss"])
+#: eval.best_by -> the metrics row's key it compares.
+_BEST_BY = {"loss": "eval_loss", "accuracy": "eval_accuracy"}
+
+
+def _better(value: float | None, *, than: dict | None, metric: str = "eval_loss") -> bool:
+    """A finite held-out loss below the best so far, or an accuracy above it (or the first);
+    a best of the other metric (the recipe's eval.best_by changed on resume) is beaten."""
+    if value is None or not math.isfinite(value):
+        return False
+    if than is None or metric not in than:
+        return True
+    return value > than[metric] if metric == "eval_accuracy" else value < than[metric]
 
 
 def _checkpoint_due(every: int, *, step: int, last: int, verdict: Verdict, interrupted: bool = False) -> bool:

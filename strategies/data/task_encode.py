@@ -1,4 +1,4 @@
-"""A task's question (`weft eval --task`, core/commands/task_file.py) as the model sees it: the
+"""A task's question (`weft eval --task`, core/train/task_file.py) as the model sees it: the
 conversation rendered as training renders one, with the template's generation prompt; each
 choice as the assistant's reply to it, labelled on the choice's own tokens alone (not the
 header before it, not the closing ``<|im_end|>``), so that a sample's summed label

@@ -26,6 +26,8 @@ from typing import Any, Iterator
 
 import attrs
 
+from weft.core.errors import WeftError
+
 #: Stripped from both ends of an answer before comparing: "Seven." is "seven".
 _EDGE_PUNCTUATION = " \t\n.,;:!?\"'`()[]{}"
 
@@ -103,6 +105,22 @@ def task_item(entry: Any, *, line: int) -> TaskItem:
     ident = entry.get("id", f"line-{line}")
     return TaskItem(id=str(ident), line=line, record=record, answer=answer,
                     choices=tuple(choices) if choices is not None else None)
+
+
+def load_task(path: pathlib.Path) -> list:
+    """The task's questions, each malformed line a message naming ``FILE:LINE`` (exit 2)."""
+    if not path.is_file():
+        raise WeftError(f"no such file: {path}; --task takes a JSONL file of questions (docs/inference.md)",
+                        where="--task")
+    try:
+        items = list(read_task(path))
+    except TaskLineError as error:
+        raise WeftError(error.reason, where=f"{path}:{error.line}") from None
+    except UnicodeDecodeError as error:
+        raise WeftError(f"not UTF-8 text ({error.reason})", where=str(path)) from None
+    if not items:
+        raise WeftError(f"{path} holds no question", where="--task")
+    return items
 
 
 def normalize(text: str) -> str:

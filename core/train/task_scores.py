@@ -1,0 +1,92 @@
+"""`weft eval --task`'s and a run's ``eval.task``'s scores: each choice's summed log-likelihood under
+the plan (one sequence per micro-batch, the data-parallel groups taking turns, each sequence's
+score the sum of its sequence-parallel ranks' parts), each question's row, the accuracy."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weft.core.errors import WeftError
+from weft.core.train.task_file import normalize, wilson
+
+
+def encode_task(items: list, *, path: pathlib.Path, recipe: Any, ctx: Any) -> list[tuple[dict, list[dict]]]:
+    """Each question's (prompt inputs, one micro-batch per choice), through the model family's
+    adapter; a question that cannot be read is a message naming its line."""
+    encoded = []
+    for item in items:
+        try:
+            encoded.append(ctx.adapter.task_inputs(recipe, record=item.record, base=path.parent,
+                                                   choices=item.choices))
+        except (OSError, ValueError) as error:
+            raise WeftError(f"cannot read this question: {error}", where=f"{path}:{item.line}") from None
+    return encoded
+
+
+def score_choices(encoded: list[tuple[dict, list[dict]]], *, run: Any, ctx: Any, autocast: Any) -> dict[int, list]:
+    """Each choice question's summed log-likelihood per choice, by question index."""
+    owners = [i for i, (_, batches) in enumerate(encoded) for _ in batches]
+    values = sequence_log_likelihoods([b for _, batches in encoded for b in batches], run=run, ctx=ctx,
+                                      autocast=autocast)
+    scores: dict[int, list[float]] = {}
+    for owner, value in zip(owners, values):
+        scores.setdefault(owner, []).append(value)
+    return scores
+
+
+def sequence_log_likelihoods(batches: list[dict], *, run, ctx, autocast) -> list[float]:
+    """Each micro-batch's (one sequence each) summed log-likelihood of its label tokens under the
+    plan: data-parallel group ``d`` takes batches d, d + dp, ...; every rank runs the same number
+    of rounds (the last padded with a label-less copy); each SP rank adds its part."""
+    from weft.core.train.loss import IGNORE
+    from weft.core.train.step import run_micro_batches
+
+    dp, me = run.plan.mesh.dp, run.mesh.dp_rank()
+    total = torch.zeros(len(batches), dtype=torch.float64, device=ctx.device)
+    with torch.no_grad():
+        for r in range(-(-len(batches) // dp)):
+            index = r * dp + me
+            batch = batches[index] if index < len(batches) else \
+                {**batches[0], "labels": torch.full_like(batches[0]["labels"], IGNORE)}
+            part, _ = run_micro_batches(model=run.model, micro_batches=[batch], split=run.split,
+                                        keep_vision=run.keep_vision, autocast=autocast, ctx=ctx, fused=run.fused,
+                                        backward=False)
+            if index < len(batches):
+                total[index] += part.double()  # the loss part: -log-likelihood of this rank's label tokens
+    dist.all_reduce(total)
+    return (-total).tolist()
+
+
+def result_row(item, scores: list[float] | None, text: str | None) -> dict:
+
+    if scores is not None:
+        best = max(range(len(scores)), key=lambda j: scores[j])
+        per_byte = [s / max(1, len(c.encode("utf-8"))) for s, c in zip(scores, item.choices)]
+        best_norm = max(range(len(per_byte)), key=lambda j: per_byte[j])
+        return {"id": item.id, "line": item.line, "scoring": "choices", "answer": item.answer,
+                "prediction": item.choices[best], "right": best == item.right,
+                "prediction_norm": item.choices[best_norm], "right_norm": best_norm == item.right,
+                "log_likelihoods": [round(s, 6) for s in scores]}
+    return {"id": item.id, "line": item.line, "scoring": "generation", "answer": item.answer, "prediction": text,
+            "right": normalize(text or "") == normalize(item.answer)}
+
+
+def summarize(rows: list[dict]) -> dict:
+
+    right = sum(bool(r["right"]) for r in rows)
+    low, high = wilson(right, len(rows))
+    summary = {"questions": len(rows), "right": right, "accuracy": right / len(rows),
+               "interval_95": [round(low, 4), round(high, 4)],
+               "by_scoring": {k: sum(r["scoring"] == k for r in rows) for k in ("choices", "generation")}}
+    chosen = [r for r in rows if r["scoring"] == "choices"]
+    if chosen:
+        right_norm = sum(bool(r["right_norm"]) for r in chosen)
+        summary["accuracy_norm"] = right_norm / len(chosen)  # over the choice questions
+        summary["interval_95_norm"] = [round(x, 4) for x in wilson(right_norm, len(chosen))]
+    return summary
+
+
