@@ -1,0 +1,88 @@
+"""examples/digits: scikit-learn's handwritten digits (bundled in its wheel) as a real task. A
+small Qwen2.5-VL-shaped model trained from random initialisation learns to read them — held-out
+accuracy by `weft eval --task`, far above chance after a short run — and the first steps'
+losses are the one-rank run's under ring 2 and Ulysses 2 (float32, 1e-4 relative). The full run
+(README: >= 95% held out) is the example's own command."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from weft_cli import run_weft
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "digits"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> pathlib.Path:
+    """The example's data, written by its own script (images, train.jsonl, held_out.jsonl)."""
+    spec = importlib.util.spec_from_file_location("make_digits", EXAMPLE / "make_digits.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    folder = tmp_path_factory.mktemp("digits")
+    module.main([str(folder / "data")])
+    for name in ("digits.toml", "digits_vl.toml"):  # the recipe beside its data, as in the example's folder
+        shutil.copy(EXAMPLE / name, folder / name)
+    return folder / "data"
+
+
+def train(data: pathlib.Path, run: pathlib.Path, *sets: str, nproc: int = 1) -> list[dict]:
+    done = run_weft("run", str(data.parent / "digits.toml"), "--nproc", str(nproc), "--run-dir", str(run),
+                    *(a for s in sets for a in ("--set", s)), cwd=run.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.quick
+def test_the_split_is_fixed_stratified_and_disjoint(data):
+    train_ids = [json.loads(line)["id"] for line in (data / "train.jsonl").read_text().splitlines()]
+    held = [json.loads(line) for line in (data / "held_out.jsonl").read_text().splitlines()]
+    assert len(train_ids) + len(held) == 1797 and not set(train_ids) & {h["id"] for h in held}
+    counts = {d: sum(h["answer"] == str(d) for h in held) for d in range(10)}
+    assert all(34 <= n <= 38 for n in counts.values()), counts  # 20% of each digit's ~180
+    assert all((data / h["images"][0]).is_file() for h in held)
+
+
+def test_a_short_run_reads_the_held_out_digits(data, tmp_path):
+    """From random weights, 250 steps (~20 s here): greedy answers on the 359 held-out digits,
+    exact match, far above the 10% of guessing; the interval excludes chance."""
+    run = tmp_path / "run"
+    train(data, run, "train.max_steps=250", "train.checkpoint_every=0", "eval.every=0")
+    results = tmp_path / "held.results.jsonl"
+    done = run_weft("eval", str(data.parent / "digits.toml"), "--nproc", "1", "--run-dir", str(run), "--task",
+                    str(data / "held_out.jsonl"), "--results", str(results), "--max-new-tokens", "4", "--json",
+                    cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["questions"] == 359 and summary["by_scoring"]["generation"] == 359
+    assert summary["accuracy"] >= 0.6 and summary["interval_95"][0] > 0.3, summary
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert sum(r["right"] for r in rows) == summary["right"]
+
+
+# 14 samples of 72 tokens a micro-batch, two a step: two rounds on one rank, one per rank under dp 2.
+STEPS = ("train.max_steps=20", "train.checkpoint_every=-1", "train.micro_batch_tokens=1008", "train.step_tokens=2016",
+         "eval.every=0")
+
+
+@pytest.fixture(scope="module")
+def one_rank(data) -> list[dict]:
+    return train(data, data.parent / "one", *STEPS)
+
+
+# Not dp 2 yet: the token-budget batching packs a step per rank, so at step 5 one rank's step
+# holds 2,304 tokens and two ranks' 3,312 (the same steps need a batching that cuts one global
+# batch over the ranks: issue 41's next part).
+@pytest.mark.parametrize("layout", [["parallel.ring=2"], ["parallel.ulysses=2"]], ids=["ring2", "ulysses2"])
+def test_the_first_steps_are_the_one_rank_steps_under_every_layout(data, one_rank, tmp_path, layout):
+    """20 steps of two 1,008-token micro-batches: the same losses as on one rank, float32, 1e-4 relative."""
+    two = train(data, tmp_path / "two", *STEPS, *layout, nproc=2)
+    assert [r["step"] for r in two] == list(range(1, 21))
+    for a, b in zip(one_rank, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
