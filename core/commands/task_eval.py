@@ -1,6 +1,6 @@
 """`weft eval --task FILE.jsonl`: accuracy on questions with a right answer, under the recipe's plan.
 
-A task file's lines (strategies/data/tasks.py) are conversations in any data format with an
+A task file's lines (core/train/task_file.py) are conversations in any data format with an
 ``answer`` (and ``choices``). Choices are scored by log-likelihood under the plan itself —
 sharding, sequence parallelism, kernels, precision — one sequence per micro-batch, the
 data-parallel groups taking turns: each sequence's summed label log-likelihood is the sum of
