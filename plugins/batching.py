@@ -26,6 +26,11 @@ class TokenBudgetParams:
         "doc": "a sample longer than the limit: drop it, or keep its head (never cutting an image span)"})
     prefetch: int = attrs.field(default=2, validator=in_range(low=0),
                                 metadata={"doc": "steps collated ahead in a background thread; 0 = none"})
+    schedule: Literal["rounds", "global"] = attrs.field(default="rounds", metadata={
+        "doc": "rounds: a step takes one micro-batch per data-parallel rank until train.step_tokens, no idle "
+               "rank, but the steps depend on the dp size; global: the same steps at any dp size (the "
+               "micro-batches one rank would take, dealt over the ranks; a rank short of one runs a copy "
+               "that counts for nothing), so the losses and gradients do not change with dp"})
 
 
 def _describe(params, *, recipe, plan, model, adapter, positions: bool) -> dict:
@@ -57,7 +62,7 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
 def _steps(params, recipe, plan, mesh, model, ctx):
     from weft.plugins.data import bad_sample_handler, check_vision, collect_samples, pad_id_of, sample_source, truncate
     from weft.strategies.data.conversation import collate
-    from weft.strategies.data.token_budget import pack_micro_batches, schedule_steps
+    from weft.strategies.data.token_budget import pack_micro_batches, schedule_global_steps, schedule_steps
 
     tokenizer, source = sample_source(recipe, ctx.adapter)
     on_bad = bad_sample_handler(recipe, ctx)
@@ -99,8 +104,9 @@ def _steps(params, recipe, plan, mesh, model, ctx):
         else:
             batches = pack_micro_batches(lengths, budget=budget, seed=recipe.train.seed, epoch=epoch,
                                          bucket_size=params.bucket_size)
-        steps = schedule_steps(batches, lengths, dp_size=plan.mesh.dp, step_tokens=recipe.train.step_tokens,
-                               packed=params.pack)
+        schedule = schedule_global_steps if params.schedule == "global" else schedule_steps
+        steps = schedule(batches, lengths, dp_size=plan.mesh.dp, step_tokens=recipe.train.step_tokens,
+                         packed=params.pack)
         if not steps:
             raise WeftError(
                 f"the data gives no full step: {len(samples)} usable samples make {len(batches)} micro-batches "
@@ -109,7 +115,10 @@ def _steps(params, recipe, plan, mesh, model, ctx):
             )
         for rounds in steps:
             if step >= ctx.start_step:
-                yield [make(round_[me]) for round_ in rounds]
+                fillers = sum(round_[me] is None for round_ in rounds)
+                if fillers:
+                    ctx.count("filler_micro_batches", fillers)
+                yield [make(round_[me]) if round_[me] is not None else filler(make(round_[0])) for round_ in rounds]
             step += 1
         epoch += 1
         ctx.log.info("data.epoch", epoch=epoch)
@@ -120,15 +129,18 @@ def one_pass_rounds(batches, *, dp_size, me, make):
     micro-batches (fewer left than data-parallel ranks) are a copy of one with no label
     kept, so every rank runs the same forwards (FSDP's and SP's collectives) and the
     copies add nothing to the loss."""
+    for start in range(0, len(batches), dp_size):
+        round_ = batches[start:start + dp_size]
+        yield [make(round_[me])] if me < len(round_) else [filler(make(round_[0]))]
+
+
+def filler(micro_batch: dict) -> dict:
+    """A micro-batch with no label kept: the same forward and collectives, nothing to the loss."""
     import torch
 
     from weft.core.train.loss import IGNORE
 
-    for start in range(0, len(batches), dp_size):
-        round_ = batches[start:start + dp_size]
-        if me < len(round_):
-            yield [make(round_[me])]
-        else:
-            filler = make(round_[0])
-            filler["labels"] = torch.full_like(filler["labels"], IGNORE)
-            yield [filler]
+    for key in ("labels", "shift_labels"):  # shift_labels: a packed row's targets, shifted per document
+        if key in micro_batch:
+            micro_batch[key] = torch.full_like(micro_batch[key], IGNORE)
+    return micro_batch

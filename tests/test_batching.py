@@ -60,6 +60,27 @@ def test_data_parallel_ranks_see_disjoint_samples():
             assert len(round_) == 2 and not set(round_[0]) & set(round_[1])
 
 
+def test_the_global_schedule_gives_the_same_steps_at_any_data_parallel_size():
+    """schedule = "global": step k holds the same micro-batches at dp 1, 2 and 3, dealt round-robin;
+    a rank short of one in the last round gets a filler (None), never another step's data."""
+    from weft.strategies.data.token_budget import schedule_global_steps
+
+    lengths = [10, 30, 20, 25, 5, 40, 15, 35, 12, 18, 27, 9, 33]
+    batches = pack_micro_batches(lengths, budget=60, seed=1, epoch=0)
+    one = schedule_global_steps(batches, lengths, dp_size=1, step_tokens=100)
+    assert [[r[0] for r in step] for step in one] == [
+        [mb[0] for mb in step] for step in schedule_steps(batches, lengths, dp_size=1, step_tokens=100)]
+    for dp in (2, 3):
+        many = schedule_global_steps(batches, lengths, dp_size=dp, step_tokens=100)
+        assert len(many) == len(one)
+        for a, b in zip(one, many):
+            assert all(len(r) == dp for r in b)
+            dealt = [mb for r in b for mb in r]
+            assert [r[0] for r in a] == [mb for mb in dealt if mb is not None]  # same, in order
+            assert all(mb is None for mb in dealt[len(a):])  # fillers only at the end
+    assert any(None in r for step in schedule_global_steps(batches, lengths, dp_size=2, step_tokens=100) for r in step)
+
+
 def test_over_long_samples_are_left_out():
     batches = pack_micro_batches([10, 500, 20], budget=100, seed=0, epoch=0)
     assert sorted(i for b in batches for i in b) == [0, 2]

@@ -32,8 +32,8 @@ def data(tmp_path_factory) -> pathlib.Path:
     return folder / "data"
 
 
-def train(data: pathlib.Path, run: pathlib.Path, *sets: str, nproc: int = 1) -> list[dict]:
-    done = run_weft("run", str(data.parent / "digits.toml"), "--nproc", str(nproc), "--run-dir", str(run),
+def train(data: pathlib.Path, run: pathlib.Path, *sets: str, nproc: int = 1, recipe: str = "digits.toml") -> list[dict]:
+    done = run_weft("run", str(data.parent / recipe), "--nproc", str(nproc), "--run-dir", str(run),
                     *(a for s in sets for a in ("--set", s)), cwd=run.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -76,13 +76,25 @@ def one_rank(data) -> list[dict]:
     return train(data, data.parent / "one", *STEPS)
 
 
-# Not dp 2 yet: the token-budget batching packs a step per rank, so at step 5 one rank's step
-# holds 2,304 tokens and two ranks' 3,312 (the same steps need a batching that cuts one global
-# batch over the ranks: issue 41's next part).
-@pytest.mark.parametrize("layout", [["parallel.ring=2"], ["parallel.ulysses=2"]], ids=["ring2", "ulysses2"])
+def fsdp2_recipe(data: pathlib.Path) -> str:
+    """The example's recipe with its one shard rule turned to FSDP2 (the default everywhere else)."""
+    recipe = data.parent / "digits_fsdp2.toml"
+    text = (data.parent / "digits.toml").read_text()
+    assert 'shard = { strategy = "none" }' in text
+    recipe.write_text(text.replace('shard = { strategy = "none" }', 'shard = { strategy = "fsdp2" }'))
+    return recipe.name
+
+
+@pytest.mark.parametrize("layout", [["parallel.ring=2"], ["parallel.ulysses=2"], ["fsdp2"]],
+                         ids=["ring2", "ulysses2", "fsdp2-dp2"])
 def test_the_first_steps_are_the_one_rank_steps_under_every_layout(data, one_rank, tmp_path, layout):
-    """20 steps of two 1,008-token micro-batches: the same losses as on one rank, float32, 1e-4 relative."""
-    two = train(data, tmp_path / "two", *STEPS, *layout, nproc=2)
+    """20 steps of two 1,008-token micro-batches (three at a bucket's end): the same losses as
+    on one rank, float32, 1e-4 relative. Under FSDP2 dp 2 the recipe's global schedule deals
+    each step's micro-batches over the two ranks, a rank short of one running a filler."""
+    recipe = "digits.toml"
+    if layout == ["fsdp2"]:
+        recipe, layout = fsdp2_recipe(data), []
+    two = train(data, tmp_path / "two", *STEPS, *layout, nproc=2, recipe=recipe)
     assert [r["step"] for r in two] == list(range(1, 21))
     for a, b in zip(one_rank, two):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a["step"], a["loss"], b["loss"])

@@ -4,7 +4,8 @@
 
 writes OUT_DIR/images/NNNN.png (NNNN: the sample's index in ``load_digits``),
 OUT_DIR/train.jsonl and OUT_DIR/held_out.jsonl in the sharegpt-style messages format
-of docs/data.md, with image paths relative to the JSONL files:
+of docs/data.md, with image paths relative to the JSONL files (and train_words.jsonl,
+held_out_words.jsonl: the same split answered "seven", for the LoRA example):
 
     {"messages": [{"role": "user", "content": "<image>Which digit is this?"},
                   {"role": "assistant", "content": "7"}],
@@ -26,6 +27,10 @@ from collections.abc import Sequence
 from PIL import Image
 
 PROMPT = "<image>Which digit is this?"
+# The LoRA example's new answer format (examples/digits/words.toml): the same images,
+# the digit as an English word.
+WORDS_PROMPT = "<image>Which digit is this? Answer in words."
+WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 # The vision tower cuts 14-px patches and merges them 2x2, so a side that is a multiple
 # of 28 maps to whole merged tokens and the image processor does not resample it.
 SIDE_STEP = 28
@@ -65,11 +70,12 @@ def stratified_split(*, labels: Sequence[int], held_out: float, seed: int) -> tu
     return sorted(train), sorted(held)
 
 
-def record(*, index: int, label: int) -> dict:
+def record(*, index: int, label: int, words: bool = False) -> dict:
     """One sample in docs/data.md's messages format; `id` and `answer` are for scoring."""
-    answer = str(label)
+    answer = WORDS[label] if words else str(label)
     return {
-        "messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": answer}],
+        "messages": [{"role": "user", "content": WORDS_PROMPT if words else PROMPT},
+                     {"role": "assistant", "content": answer}],
         "images": [f"images/{index:04d}.png"],
         "id": f"digits-{index:04d}",
         "answer": answer,
@@ -83,7 +89,8 @@ def write_jsonl(*, path: pathlib.Path, rows: Sequence[dict]) -> None:
 
 
 def make_digits(*, out_dir: pathlib.Path, seed: int, side: int, held_out: float) -> tuple[int, int]:
-    """Write the images and both JSONL files; returns (train, held-out) sample counts."""
+    """Write the images and the JSONL files (digits, and words for the LoRA example);
+    returns (train, held-out) sample counts."""
     # Imported here so `--help` works without scikit-learn installed.
     from sklearn.datasets import load_digits
 
@@ -96,12 +103,16 @@ def make_digits(*, out_dir: pathlib.Path, seed: int, side: int, held_out: float)
     train, held = stratified_split(labels=labels, held_out=held_out, seed=seed)
     write_jsonl(path=out_dir / "train.jsonl", rows=[record(index=i, label=labels[i]) for i in train])
     write_jsonl(path=out_dir / "held_out.jsonl", rows=[record(index=i, label=labels[i]) for i in held])
+    write_jsonl(path=out_dir / "train_words.jsonl", rows=[record(index=i, label=labels[i], words=True) for i in train])
+    write_jsonl(path=out_dir / "held_out_words.jsonl",
+                rows=[record(index=i, label=labels[i], words=True) for i in held])
     return len(train), len(held)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=pathlib.Path, help="folder for images/, train.jsonl and held_out.jsonl")
+    parser.add_argument("out_dir", type=pathlib.Path,
+                        help="folder for images/, train.jsonl, held_out.jsonl and their _words twins")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/held-out split (default 0)")
     parser.add_argument("--side", type=int, default=56,
                         help=f"image side in px, a multiple of {SIDE_STEP} (default 56: the bundled tiny_vl "

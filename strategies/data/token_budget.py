@@ -1,7 +1,8 @@
 """Token-budget batching: micro-batches filled up to a padded-token budget, steps of equal shape on every rank.
 
 Plain Python, deterministic in (seed, epoch): every rank computes the same global
-schedule and takes its own column, so no lengths need exchanging.
+schedule and takes its own column, so no lengths need exchanging. A slot of None in a
+schedule is a filler: that rank runs a copy of a micro-batch with no label kept.
 """
 
 from __future__ import annotations
@@ -53,12 +54,38 @@ def schedule_steps(
     rank must run the same number of micro-batches, since each issues collectives.
     """
     rounds = [batches[i : i + dp_size] for i in range(0, len(batches) - dp_size + 1, dp_size)]
-    steps: list[list[list[list[int]]]] = []
-    current: list[list[list[int]]] = []
-    tokens = 0
-    for round_ in rounds:
-        current.append(round_)
-        tokens += sum(sum(lengths[i] for i in mb) if packed else len(mb) * max(lengths[i] for i in mb) for mb in round_)
+    return _cut_steps(rounds, lambda round_: sum(_tokens(mb, lengths, packed) for mb in round_), step_tokens)
+
+
+def schedule_global_steps(
+    batches: list[list[int]], lengths: list[int], *, dp_size: int, step_tokens: int, packed: bool = False
+) -> list[list[list[list[int] | None]]]:
+    """The same optimizer steps at any data-parallel size: step -> round -> dp rank -> sample indices.
+
+    A step takes micro-batches until ``step_tokens`` tokens, as one rank would, and deals
+    them round-robin over the ranks. Since the loss divides by the step's label tokens over
+    every rank, the step's loss and gradient do not depend on how its micro-batches are
+    dealt, only on which they are. A rank left without a micro-batch in the last round gets
+    None: a filler that keeps its collectives in step with the others and adds nothing.
+    """
+    steps = []
+    for micro in _cut_steps(batches, lambda mb: _tokens(mb, lengths, packed), step_tokens):
+        padded = micro + [None] * (-len(micro) % dp_size)
+        steps.append([padded[i : i + dp_size] for i in range(0, len(padded), dp_size)])
+    return steps
+
+
+def _tokens(micro_batch: list[int], lengths: list[int], packed: bool) -> int:
+    """Padded tokens (count x longest), or the sum when packed into one row."""
+    return sum(lengths[i] for i in micro_batch) if packed else len(micro_batch) * max(lengths[i] for i in micro_batch)
+
+
+def _cut_steps(items: list, size, step_tokens: int) -> list[list]:
+    """Consecutive items into steps of at least ``step_tokens`` (by ``size``); a short tail is dropped."""
+    steps, current, tokens = [], [], 0
+    for item in items:
+        current.append(item)
+        tokens += size(item)
         if tokens >= step_tokens:
             steps.append(current)
             current, tokens = [], 0
