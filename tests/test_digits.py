@@ -27,7 +27,7 @@ def data(tmp_path_factory) -> pathlib.Path:
     spec.loader.exec_module(module)
     folder = tmp_path_factory.mktemp("digits")
     module.main([str(folder / "data")])
-    for name in ("digits.toml", "digits_vl.toml"):  # the recipe beside its data, as in the example's folder
+    for name in ("digits.toml", "digits_vl.toml", "words.toml"):  # the recipes beside their data, as in the example
         shutil.copy(EXAMPLE / name, folder / name)
     return folder / "data"
 
@@ -49,21 +49,72 @@ def test_the_split_is_fixed_stratified_and_disjoint(data):
     assert all((data / h["images"][0]).is_file() for h in held)
 
 
-def test_a_short_run_reads_the_held_out_digits(data, tmp_path):
-    """From random weights, 250 steps (~20 s here): greedy answers on the 359 held-out digits,
-    exact match, far above the 10% of guessing; the interval excludes chance."""
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def short_run(data) -> tuple[pathlib.Path, dict, pathlib.Path]:
+    """From random weights, 250 steps (~20 s here), then the 359 held-out questions through
+    `weft eval --task`: (run dir, its summary, its per-question results)."""
+    run = data.parent / "short"
     train(data, run, "train.max_steps=250", "train.checkpoint_every=0", "eval.every=0")
-    results = tmp_path / "held.results.jsonl"
+    results = data.parent / "held.results.jsonl"
     done = run_weft("eval", str(data.parent / "digits.toml"), "--nproc", "1", "--run-dir", str(run), "--task",
                     str(data / "held_out.jsonl"), "--results", str(results), "--max-new-tokens", "4", "--json",
-                    cwd=tmp_path)
+                    cwd=data.parent)
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout)
+    return run, json.loads(done.stdout), results
+
+
+@pytest.fixture(scope="module")
+def exported(short_run) -> pathlib.Path:
+    run = short_run[0]
+    done = run_weft("export", str(run), str(run.parent / "short-hf"), cwd=run.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run.parent / "short-hf"
+
+
+def test_a_short_run_reads_the_held_out_digits(short_run):
+    """Greedy answers, exact match, far above the 10% of guessing; the interval excludes chance."""
+    _, summary, results = short_run
     assert summary["questions"] == 359 and summary["by_scoring"]["generation"] == 359
     assert summary["accuracy"] >= 0.6 and summary["interval_95"][0] > 0.3, summary
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert sum(r["right"] for r in rows) == summary["right"]
+
+
+def test_transformers_alone_gives_weft_eval_s_answers(data, short_run, exported, capsys):
+    """The export loaded by transformers (from_pretrained, nothing of weft), each question through
+    the exported chat template and transformers' greedy generate: every answer is weft's."""
+    spec = importlib.util.spec_from_file_location("answer_with_transformers", EXAMPLE / "answer_with_transformers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    status = module.main([str(exported), str(data / "held_out.jsonl"), "--weft-results", str(short_run[2])])
+    said = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert status == 0 and said["answers_differing_from_weft"] == 0, said
+    assert said["questions"] == 359 and said["right"] == short_run[1]["right"]
+
+
+def test_lora_teaches_the_words_with_the_base_untouched(data, exported):
+    """LoRA over the exported model (words.toml): the digit answered as an English word, far above
+    guessing (250 steps: 77% here); the checkpoint holds adapters only and the base's weights file is the same bytes."""
+    import hashlib
+
+    from weft.core.run import dcp_read
+
+    weights = exported / "model.safetensors"
+    before = hashlib.sha256(weights.read_bytes()).hexdigest()
+    run = data.parent / "words"
+    train(data, run, f"model.path={exported}", "train.max_steps=250", "train.checkpoint_every=0",
+          recipe="words.toml")
+    saved = [k for k in dcp_read.read_metadata(run / "checkpoints" / "step-250").state_dict_metadata
+             if k.startswith("model.")]
+    assert saved and all("lora_" in k for k in saved), saved[:5]
+    results = data.parent / "words.results.jsonl"
+    done = run_weft("eval", str(data.parent / "words.toml"), "--nproc", "1", "--set", f"model.path={exported}",
+                    "--run-dir", str(run), "--task", str(data / "held_out_words.jsonl"), "--results", str(results),
+                    "--max-new-tokens", "8", "--json", cwd=data.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["accuracy"] >= 0.6 and summary["interval_95"][0] > 0.3, summary
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == before
 
 
 # 14 samples of 72 tokens a micro-batch, two a step: two rounds on one rank, one per rank under dp 2.

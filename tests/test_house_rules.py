@@ -15,6 +15,8 @@
   every ``torch.load`` passes ``weights_only=True``; ``trust_remote_code`` is never true;
   ``numpy.load`` never allows pickles.
 - ruff (pyproject.toml) passes.
+- the README's two set-up commands are the Makefile's targets, and CI (.ci/run) runs the
+  second: what a user types to test is what CI ran.
 """
 
 from __future__ import annotations
@@ -289,3 +291,15 @@ def test_nothing_read_from_elsewhere_can_run_code():
              for p in sorted((ROOT / folder).rglob("*.py"))
              if str(p.relative_to(ROOT)) != CHECKPOINT_READER and (bad := unsafe_reads(p.read_text(encoding="utf-8")))}
     assert not found, f"read through {CHECKPOINT_READER} or with weights_only=True (docs/faults.md): {found}"
+
+
+@pytest.mark.quick
+def test_ci_runs_the_readme_s_test_command():
+    readme = (ROOT / "README.md").read_text()
+    setup = readme[readme.index("## Set up"):readme.index("## The commands")]
+    assert "make digits" in setup and "make test" in setup
+    assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == "exec make test"
+    makefile = (ROOT / "Makefile").read_text()
+    test_target = makefile[makefile.index("\ntest:"):]
+    assert "ruff check ." in test_target and "-m pytest -q" in test_target
+    assert "\ndigits:" in makefile and "--task examples/digits/data/held_out.jsonl" in makefile

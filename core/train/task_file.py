@@ -13,6 +13,10 @@ training reads them) plus what makes it a question with a right answer:
 A conversation that ends with an assistant turn has it removed from the prompt: it is the
 reference reply, and the answer when the line gives none. So a training file's held-out lines
 are a task as they are. ``"id"`` names the line in the results (default ``line-N``).
+
+For the text-only families, ``"context": "..."`` takes the conversation's place: plain text, no
+chat template, as ``data.source = "text"`` trains on it; each choice (or the generated reply) is
+its continuation, lm-evaluation-harness's own framing of multiple choice.
 """
 
 from __future__ import annotations
@@ -73,15 +77,22 @@ def task_item(entry: Any, *, line: int) -> TaskItem:
     if not isinstance(entry, dict):
         raise ValueError(f"a task line is a JSON object, got {type(entry).__name__}")
     key = "messages" if "messages" in entry else "conversations" if "conversations" in entry else None
-    if key is None or not isinstance(entry[key], list) or not entry[key]:
-        raise ValueError("no conversation: a task line holds 'messages' (or sharegpt 'conversations') as training "
-                         "data does (docs/data.md), plus 'answer' and optionally 'choices'")
-    turns = list(entry[key])
     reference = None
-    if _role(turns[-1]) == "assistant":
-        reference = _text(turns.pop())
-    if not turns:
-        raise ValueError("the conversation holds only the reference reply: a question must come before it")
+    if key is None and "context" in entry:  # plain text: the choices continue it, no template
+        if not isinstance(entry["context"], str) or not entry["context"]:
+            raise ValueError(f"'context' must be a non-empty string (the text the choices continue), got "
+                             f"{json.dumps(entry['context'])[:80]}")
+        turns = None
+    elif key is None or not isinstance(entry[key], list) or not entry[key]:
+        raise ValueError("no conversation: a task line holds 'messages' (or sharegpt 'conversations') as training "
+                         "data does (docs/data.md), or a plain-text 'context', plus 'answer' and optionally "
+                         "'choices'")
+    else:
+        turns = list(entry[key])
+        if _role(turns[-1]) == "assistant":
+            reference = _text(turns.pop())
+        if not turns:
+            raise ValueError("the conversation holds only the reference reply: a question must come before it")
     answer, choices = entry.get("answer", reference), entry.get("choices")
     if choices is not None:
         if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
@@ -101,7 +112,8 @@ def task_item(entry: Any, *, line: int) -> TaskItem:
                          f"got {json.dumps(answer)[:80]}; a line without 'answer' needs the reference reply as "
                          "its last (assistant) turn")
     record = {k: v for k, v in entry.items() if k not in ("answer", "choices", "id")}
-    record[key] = turns
+    if turns is not None:
+        record[key] = turns
     ident = entry.get("id", f"line-{line}")
     return TaskItem(id=str(ident), line=line, record=record, answer=answer,
                     choices=tuple(choices) if choices is not None else None)

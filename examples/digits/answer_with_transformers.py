@@ -6,7 +6,7 @@ compare its answers one by one with `weft eval --task`'s.
         examples/digits/data/held_out.jsonl --weft-results runs/digits.results.jsonl
 
 Nothing of weft is imported: the model and its processor come from the exported
-directory (`from_pretrained`), each question goes through the processor's own chat
+directory (`from_pretrained`), each question goes through the exported chat
 template with its image, and the answer is transformers' greedy `generate`. So it shows
 that what weft trained, saved and scored is a plain transformers model that answers the
 same. Prints the accuracy and the number of answers that differ from weft's; exit 1 if
@@ -22,17 +22,26 @@ import sys
 
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 
-def ask(model, processor, *, question: str, image: Image.Image, max_new_tokens: int) -> str:
-    """The greedy reply to one user turn holding one image."""
+def ask(model, tokenizer, image_processor, *, question: str, image: Image.Image, max_new_tokens: int) -> str:
+    """The greedy reply to one user turn holding one image.
+
+    What Qwen2.5-VL's processor does, from its two halves: AutoProcessor would also build
+    the video processor, which needs torchvision (not installed with weft's CPU torch).
+    The chat template renders one <|image_pad|>; the processor repeats it once per merged
+    patch (grid t x h x w / merge_size^2), and so does this.
+    """
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[prompt], images=[image], return_tensors="pt")
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    pixels = image_processor(images=[image], return_tensors="pt")
+    pads = int(pixels["image_grid_thw"][0].prod()) // image_processor.merge_size ** 2
+    prompt = prompt.replace("<|image_pad|>", "<|image_pad|>" * pads)
+    inputs = dict(tokenizer([prompt], return_tensors="pt"), **pixels)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     # Local files only, and the directory's own code never runs: the export is plain data.
     model = AutoModelForImageTextToText.from_pretrained(args.model_dir, dtype=torch.float32, trust_remote_code=False,
                                                         local_files_only=True).eval()
-    processor = AutoProcessor.from_pretrained(args.model_dir, trust_remote_code=False, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=False, local_files_only=True)
+    image_processor = AutoImageProcessor.from_pretrained(args.model_dir, backend="pil", local_files_only=True)
     weft = {row["id"]: row for row in map(json.loads, args.weft_results.read_text().splitlines())}
 
     right = differ = 0
@@ -55,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in lines:
         user = line["messages"][0]["content"]
         image = Image.open(args.task.parent / line["images"][0]).convert("RGB")
-        answer = ask(model, processor, question=user.replace("<image>", ""), image=image,
+        answer = ask(model, tokenizer, image_processor, question=user.replace("<image>", ""), image=image,
                      max_new_tokens=args.max_new_tokens)
         right += answer.strip() == line["answer"]
         theirs = weft.get(line["id"], {}).get("prediction")

@@ -52,13 +52,18 @@ def task_inputs(*, processor: str | None, record: dict, base: Any, choices: Sequ
     choice's tokens as its only labels). ValueError or OSError when the line cannot be read."""
     from weft.core.errors import WeftError
     from weft.strategies.data.conversation import collate, load_processor
-    from weft.strategies.data.task_encode import choice_samples, question
+    from weft.strategies.data.task_encode import choice_samples, continuation_samples, question, text_question
     from weft.strategies.data.video import VideoLimits
 
     if processor is None:
         raise WeftError("this recipe's model has no processor folder (model.processor) to read the questions with",
                         where="model.processor")
     tokenizer, image_processor = load_processor(processor)
+    if "context" in record:  # plain text for text-only models, tokenized as data.source = "text" reads it
+        encode = lambda text: tokenizer(text, add_special_tokens=False, verbose=False).input_ids  # noqa: E731
+        prompt = text_question(record["context"], encode=encode)
+        scored = continuation_samples(choices or (), prompt, encode=encode)
+        return _model_inputs(collate([prompt], pad_id=0)), [collate([s], pad_id=pad_id) for s in scored]
     messages, prompt = question(record, base=base, tokenizer=tokenizer, image_processor=image_processor,
                                 system=system, max_pixels=max_pixels, videos=video_limits or VideoLimits())
     scored = choice_samples(choices or (), messages, prompt, tokenizer=tokenizer, image_processor=image_processor,

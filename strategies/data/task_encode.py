@@ -2,12 +2,13 @@
 conversation rendered as training renders one, with the template's generation prompt; each
 choice as the assistant's reply to it, labelled on the choice's own tokens alone (not the
 header before it, not the closing ``<|im_end|>``), so that a sample's summed label
-log-likelihood is the choice's."""
+log-likelihood is the choice's. A plain-text question (a ``context``, for text-only models) is
+its tokens as ``data.source = "text"`` reads text, each choice its continuation."""
 
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
@@ -44,4 +45,26 @@ def choice_samples(choices: Sequence[str], messages: list[dict], prompt: Sample,
             raise ValueError(f"the choice {choice!r} gives no token of its own before the end of the turn")
         labels[scored[-1]] = IGNORE_INDEX  # the closing token: "c, then stop" would favour short choices
         found.append(attrs.evolve(full, labels=labels))
+    return found
+
+
+def text_question(context: str, *, encode: Callable[[str], list[int]]) -> Sample:
+    """A plain-text question: the context's tokens, no template, no labels."""
+    ids = torch.tensor(encode(context), dtype=torch.long)  # (S,)
+    if ids.numel() == 0:
+        raise ValueError("the context gives no token")
+    return Sample(input_ids=ids, labels=torch.full_like(ids, IGNORE_INDEX))
+
+
+def continuation_samples(choices: Sequence[str], prompt: Sample, *, encode: Callable[[str], list[int]]) -> list[Sample]:
+    """One sample per choice: the context's tokens, then the choice's own, labelled on the
+    choice's alone. Each is encoded by itself (lm-evaluation-harness encodes the continuation
+    apart too), so a choice's tokens are the same whatever context it follows."""
+    found = []
+    for choice in choices:
+        ids = torch.tensor(encode(choice), dtype=torch.long)  # (C,)
+        if ids.numel() == 0:
+            raise ValueError(f"the choice {choice!r} gives no token")
+        found.append(Sample(input_ids=torch.cat([prompt.input_ids, ids]),
+                            labels=torch.cat([torch.full_like(prompt.input_ids, IGNORE_INDEX), ids])))
     return found
