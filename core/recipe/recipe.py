@@ -29,8 +29,8 @@ else:  # pragma: no cover - Python 3.10 is not supported, kept for clarity
 class ModelSection:
     path: str | None = attrs.field(default=None, metadata=_doc("local Hugging Face model directory"))
     preset: str | None = attrs.field(default=None, metadata=_doc("random init of a named shape (recipes/presets)"))
-    processor: str | None = attrs.field(default=None,
-                                        metadata=_doc("processor folder or bundled name; default: the model's"))
+    processor: str | None = attrs.field(default=None, metadata=_doc(
+        "processor folder (a path relative to the recipe, as model.path) or bundled name; default: the model's"))
     rope_scaling: Literal["none", "yarn", "linear", "dynamic"] = attrs.field(default="none", metadata=_doc(
         "text decoder's rotary scaling: none (as the model ships), yarn, linear or dynamic (NTK); a rope rule too"))
     rope_factor: float = attrs.field(default=1.0, validator=in_range(low=1.0, high=64.0),

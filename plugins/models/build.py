@@ -4,6 +4,7 @@ export its weights: the shared part of every built-in model adapter."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -43,7 +44,15 @@ def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | N
     if recipe.model.rope_scaling != "none":
         apply_rope_scaling(config, kind=recipe.model.rope_scaling, factor=recipe.model.rope_factor,
                            original=recipe.model.rope_original_max)
-    return config, recipe.model.processor or processor
+    return config, _named_processor(recipe) or processor
+
+
+def _named_processor(recipe: Recipe) -> str | None:
+    """``model.processor``: a bundled name as given, a path relative to the recipe (as model.path)."""
+    named = recipe.model.processor
+    if named is None or ("/" not in named and os.sep not in named):
+        return named
+    return str(recipe.relative(named))
 
 
 def text_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:

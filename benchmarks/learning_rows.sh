@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issue 41's GPU rows, one call on one H200: models trained by weft from random weights on real
+# data, then scored on held-out questions (BENCHMARKS.md, "It learns on the GPU").
+#
+#   1. examples/text_choice on the device's own standard library: more steps than the CPU can
+#      give (the CPU's 500 steps leave it near chance); multiple choice by log-likelihood.
+#   2. examples/digits/digits_grid.toml: rows of 3-8 digits at 224 px a digit (64-512 image
+#      tokens), a 33.7M-parameter Qwen2.5-VL; exact match of the whole digit string.
+#
+# Carry .whl (structlog) and examples/digits/data_grid (make_grids.py's output: scikit-learn is
+# not on the device). Run from the checkout's root:
+#   bash benchmarks/learning_rows.sh "$OUT"
+# Each figure goes to OUT as it comes (a call cut short keeps the rows done). TEXT_STEPS,
+# GRID_STEPS and the *_LIMIT seconds override the defaults; PY the interpreter.
+set -uo pipefail
+out=${1:?output folder}
+mkdir -p "$out"
+root=$PWD
+py=${PY:-python3}
+if [ -z "${PY:-}" ]; then  # the device: weft and structlog into a folder, run from outside the checkout
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  "$py" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .
+  export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
+"$py" -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)" \
+  > "$out/versions.txt" 2>&1
+runs=/tmp/learning_runs
+rm -rf "$runs"; mkdir -p "$runs"
+cd /tmp
+
+keep() {  # a run's figures (never its checkpoints) into OUT
+  mkdir -p "$out/$1"
+  cp "$runs/$1/metrics.jsonl" "$runs/$1/summary.json" "$out/$1/" 2>/dev/null
+}
+
+# 1. Text multiple choice: the held-out passages from the device's own standard library.
+"$py" "$root/examples/text_choice/make_passages.py" "$runs/text_held_out.jsonl" > "$out/text_make.log" 2>&1
+/usr/bin/time -f "%e s" -o "$out/text_run.time" timeout "${TEXT_LIMIT:-200}" \
+  "$py" -m weft run "$root/examples/text_choice/text_choice.toml" --run-dir "$runs/text" \
+  --set train.max_steps="${TEXT_STEPS:-3000}" --set train.micro_batch_tokens=16384 --set data.num_samples=9000 \
+  --set train.checkpoint_every=1000 > "$out/text_run.log" 2>&1
+keep text
+for step in 1000 2000 3000; do
+  [ -d "$runs/text/checkpoints/step-$step" ] || continue
+  "$py" -m weft eval "$root/examples/text_choice/text_choice.toml" --run-dir "$runs/text" --step "$step" \
+    --task "$runs/text_held_out.jsonl" --results "$out/text.step-$step.results.jsonl" --json \
+    > "$out/text_eval.step-$step.json" 2> "$out/text_eval.step-$step.err"
+done
+
+# 2. Rows of digits: train, then the held-out rows by greedy generation (the static cache).
+/usr/bin/time -f "%e s" -o "$out/grid_run.time" timeout "${GRID_LIMIT:-330}" \
+  "$py" -m weft run "$root/examples/digits/digits_grid.toml" --run-dir "$runs/grid" \
+  --set train.max_steps="${GRID_STEPS:-1500}" --set train.checkpoint_every=250 > "$out/grid_run.log" 2>&1
+keep grid
+"$py" -m weft eval "$root/examples/digits/digits_grid.toml" --run-dir "$runs/grid" \
+  --task "$root/examples/digits/data_grid/held_out.jsonl" --max-new-tokens 12 \
+  --results "$out/grid.results.jsonl" --json > "$out/grid_eval.json" 2> "$out/grid_eval.err"
+tail -n 3 "$out"/*_eval*.json "$out"/*.time 2>/dev/null
