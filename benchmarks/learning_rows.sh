@@ -11,7 +11,8 @@
 # not on the device). Run from the checkout's root:
 #   bash benchmarks/learning_rows.sh "$OUT"
 # Each figure goes to OUT as it comes (a call cut short keeps the rows done). TEXT_STEPS,
-# GRID_STEPS and the *_LIMIT seconds override the defaults; PY the interpreter.
+# GRID_STEPS and the *_LIMIT seconds override the defaults; PY the interpreter; ROWS="grid" (or
+# "text") runs one row only, keeping the other's runs (a second call on a warm machine).
 set -uo pipefail
 out=${1:?output folder}
 mkdir -p "$out"
@@ -26,7 +27,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
 "$py" -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)" \
   > "$out/versions.txt" 2>&1
 runs=/tmp/learning_runs
-rm -rf "$runs"; mkdir -p "$runs"
+rows=${ROWS:-text grid}
+mkdir -p "$runs"
 cd /tmp
 
 keep() {  # a run's figures (never its checkpoints) into OUT
@@ -35,6 +37,8 @@ keep() {  # a run's figures (never its checkpoints) into OUT
 }
 
 # 1. Text multiple choice: the held-out passages from the device's own standard library.
+if [[ $rows == *text* ]]; then
+rm -rf "$runs/text"
 "$py" "$root/examples/text_choice/make_passages.py" "$runs/text_held_out.jsonl" > "$out/text_make.log" 2>&1
 /usr/bin/time -f "%e s" -o "$out/text_run.time" timeout "${TEXT_LIMIT:-200}" \
   "$py" -m weft run "$root/examples/text_choice/text_choice.toml" --run-dir "$runs/text" \
@@ -47,8 +51,11 @@ for step in 1000 2000 3000; do
     --task "$runs/text_held_out.jsonl" --results "$out/text.step-$step.results.jsonl" --json \
     > "$out/text_eval.step-$step.json" 2> "$out/text_eval.step-$step.err"
 done
+fi
 
 # 2. Rows of digits: train, then the held-out rows by greedy generation (the static cache).
+if [[ $rows == *grid* ]]; then
+rm -rf "$runs/grid"
 /usr/bin/time -f "%e s" -o "$out/grid_run.time" timeout "${GRID_LIMIT:-330}" \
   "$py" -m weft run "$root/examples/digits/digits_grid.toml" --run-dir "$runs/grid" \
   --set train.max_steps="${GRID_STEPS:-1500}" --set train.checkpoint_every=250 > "$out/grid_run.log" 2>&1
@@ -56,4 +63,5 @@ keep grid
 "$py" -m weft eval "$root/examples/digits/digits_grid.toml" --run-dir "$runs/grid" \
   --task "$root/examples/digits/data_grid/held_out.jsonl" --max-new-tokens 12 \
   --results "$out/grid.results.jsonl" --json > "$out/grid_eval.json" 2> "$out/grid_eval.err"
+fi
 tail -n 3 "$out"/*_eval*.json "$out"/*.time 2>/dev/null
