@@ -19,9 +19,12 @@ mkdir -p "$out"
 root=$PWD
 py=${PY:-python3}
 if [ -z "${PY:-}" ]; then  # the device: weft and structlog into a folder, run from outside the checkout
-  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  "$py" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .
-  export PYTHONPATH=/tmp/site
+  # A fresh folder each call: pip --target skips folders that exist, so a second install into
+  # the same one would keep the first call's weft.
+  site=/tmp/site-$$
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+  "$py" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" .
+  export PYTHONPATH=$site
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
 "$py" -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)" \
@@ -60,7 +63,7 @@ rm -rf "$runs/grid"
   "$py" -m weft run "$root/examples/digits/digits_grid.toml" --run-dir "$runs/grid" \
   --set train.max_steps="${GRID_STEPS:-1500}" --set train.checkpoint_every=250 > "$out/grid_run.log" 2>&1
 keep grid
-"$py" -m weft eval "$root/examples/digits/digits_grid.toml" --run-dir "$runs/grid" \
+timeout "${EVAL_LIMIT:-150}" "$py" -m weft eval "$root/examples/digits/digits_grid.toml" --run-dir "$runs/grid" \
   --task "$root/examples/digits/data_grid/held_out.jsonl" --max-new-tokens 12 \
   --results "$out/grid.results.jsonl" --json > "$out/grid_eval.json" 2> "$out/grid_eval.err"
 fi

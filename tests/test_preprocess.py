@@ -29,6 +29,9 @@ def test_workers_and_cache_give_the_same_samples(tmp_path):
             assert (a.where, a.reason) == (b.where, b.reason)
         else:
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+            # Copied out of the pool by value: a tensor in shared memory holds a file descriptor
+            # while the sample lives, and a large dataset ran out of them (the pool then hung).
+            assert not any(t.is_shared() for t in (b.input_ids, b.labels, b.pixel_values) if t is not None)
             assert (a.pixel_values is None) == (b.pixel_values is None)
             if a.pixel_values is not None:
                 assert torch.equal(a.pixel_values, b.pixel_values)
