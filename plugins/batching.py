@@ -115,7 +115,8 @@ def _steps(params, recipe, plan, mesh, model, ctx):
             )
         for rounds in steps:
             if step >= ctx.start_step:
-                fillers = sum(round_[me] is None for round_ in rounds)
+                # Every rank deals the same schedule: each counts all ranks' fillers, so rank 0's summary has them.
+                fillers = sum(slot is None for round_ in rounds for slot in round_)
                 if fillers:
                     ctx.count("filler_micro_batches", fillers)
                 yield [make(round_[me]) if round_[me] is not None else filler(make(round_[0])) for round_ in rounds]

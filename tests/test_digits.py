@@ -149,3 +149,5 @@ def test_the_first_steps_are_the_one_rank_steps_under_every_layout(data, one_ran
     assert [r["step"] for r in two] == list(range(1, 21))
     for a, b in zip(one_rank, two):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
+    fillers = json.loads((tmp_path / "two" / "summary.json").read_text())["filler_micro_batches"]
+    assert (fillers > 0) == (recipe != "digits.toml"), fillers  # dp 2's odd steps only; SP has one dp group

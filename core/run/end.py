@@ -57,6 +57,8 @@ class Ending:
             "tokens_per_s": self.totals["tokens"] / self.totals["train_s"] if self.totals["train_s"] else 0.0,
             "skipped_samples": ctx.counters.get("skipped_samples", 0),
             "truncated_samples": ctx.counters.get("truncated_samples", 0),
+            # batching's schedule = "global": label-less copies run where a step left a rank none
+            "filler_micro_batches": ctx.counters.get("filler_micro_batches", 0),
             "skipped_steps": self.totals["skipped_steps"],
             "wall_s": time.perf_counter() - self.t_start,
             "world_size": ctx.world_size,
