@@ -94,7 +94,8 @@ def test_transformers_alone_gives_weft_eval_s_answers(data, short_run, exported,
 
 def test_lora_teaches_the_words_with_the_base_untouched(data, exported):
     """LoRA over the exported model (words.toml): the digit answered as an English word, far above
-    guessing (250 steps: 77% here); the checkpoint holds adapters only and the base's weights file is the same bytes."""
+    guessing (150 steps: 38% here, 250: 77%, the recipe's 800: 96.7%); the checkpoint holds
+    adapters only and the base's weights file is the same bytes."""
     import hashlib
 
     from weft.core.run import dcp_read
@@ -102,9 +103,9 @@ def test_lora_teaches_the_words_with_the_base_untouched(data, exported):
     weights = exported / "model.safetensors"
     before = hashlib.sha256(weights.read_bytes()).hexdigest()
     run = data.parent / "words"
-    train(data, run, f"model.path={exported}", "train.max_steps=250", "train.checkpoint_every=0",
+    train(data, run, f"model.path={exported}", "train.max_steps=150", "train.checkpoint_every=0",
           recipe="words.toml")
-    saved = [k for k in dcp_read.read_metadata(run / "checkpoints" / "step-250").state_dict_metadata
+    saved = [k for k in dcp_read.read_metadata(run / "checkpoints" / "step-150").state_dict_metadata
              if k.startswith("model.")]
     assert saved and all("lora_" in k for k in saved), saved[:5]
     results = data.parent / "words.results.jsonl"
@@ -113,7 +114,7 @@ def test_lora_teaches_the_words_with_the_base_untouched(data, exported):
                     "--max-new-tokens", "8", "--json", cwd=data.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
-    assert summary["accuracy"] >= 0.6 and summary["interval_95"][0] > 0.3, summary
+    assert summary["accuracy"] >= 0.25 and summary["interval_95"][0] > 0.2, summary  # guessing: 10%
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == before
 
 
