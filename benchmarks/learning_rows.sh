@@ -10,12 +10,14 @@
 # Carry .whl (structlog) and examples/digits/data_grid (make_grids.py's output: scikit-learn is
 # not on the device). Run from the checkout's root:
 #   bash benchmarks/learning_rows.sh "$OUT"
-# Each figure goes to OUT as it comes (a call cut short keeps the rows done). TEXT_STEPS,
+# Each row's files go to OUT/rows.tgz as the row ends (a device call brings back only so many
+# files, and a call cut short keeps the rows done). TEXT_STEPS,
 # GRID_STEPS and the *_LIMIT seconds override the defaults; PY the interpreter; ROWS="grid" (or
 # "text") runs one row only, keeping the other's runs (a second call on a warm machine).
 set -uo pipefail
-out=${1:?output folder}
-mkdir -p "$out"
+archive=${1:?output folder}
+out=/tmp/learning_out
+mkdir -p "$archive" "$out"
 root=$PWD
 py=${PY:-python3}
 if [ -z "${PY:-}" ]; then  # the device: weft and structlog into a folder, run from outside the checkout
@@ -34,9 +36,10 @@ rows=${ROWS:-text grid}
 mkdir -p "$runs"
 cd /tmp
 
-keep() {  # a run's figures (never its checkpoints) into OUT
+keep() {  # a run's figures (never its checkpoints), then everything so far into OUT/rows.tgz
   mkdir -p "$out/$1"
   cp "$runs/$1/metrics.jsonl" "$runs/$1/summary.json" "$out/$1/" 2>/dev/null
+  tar czf "$archive/rows.tgz" -C "$out" .
 }
 
 # 1. Text multiple choice: the held-out passages from the device's own standard library.
@@ -54,6 +57,7 @@ for step in 1000 2000 3000; do
     --task "$runs/text_held_out.jsonl" --results "$out/text.step-$step.results.jsonl" --json \
     > "$out/text_eval.step-$step.json" 2> "$out/text_eval.step-$step.err"
 done
+keep text
 fi
 
 # 2. Rows of digits: train, then the held-out rows by greedy generation (the static cache).
@@ -66,5 +70,6 @@ keep grid
 timeout "${EVAL_LIMIT:-150}" "$py" -m weft eval "$root/examples/digits/digits_grid.toml" --run-dir "$runs/grid" \
   --task "$root/examples/digits/data_grid/held_out.jsonl" --max-new-tokens 12 \
   --results "$out/grid.results.jsonl" --json > "$out/grid_eval.json" 2> "$out/grid_eval.err"
+keep grid
 fi
 tail -n 3 "$out"/*_eval*.json "$out"/*.time 2>/dev/null
