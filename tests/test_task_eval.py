@@ -21,8 +21,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny-vl.toml")
 _CALLS = itertools.count()
 CHOICES = [
+    # A conversation's own "context" key is its data, not a plain-text question (tests/test_text_choice.py).
     {"id": "colour", "messages": [{"role": "user", "content": "Pick a colour"}], "choices": ["red", "blue green"],
-     "answer": "red"},
+     "answer": "red", "context": "a field of the dataset's own"},
     {"id": "image", "messages": [{"role": "user", "content": "<image>Which colour is this?"}], "images": ["red.png"],
      "choices": ["red", "blue", "a shade of green"], "answer": 0},
     # A training line as it is: its last turn is the reference reply, and the answer.

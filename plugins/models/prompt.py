@@ -59,7 +59,8 @@ def task_inputs(*, processor: str | None, record: dict, base: Any, choices: Sequ
         raise WeftError("this recipe's model has no processor folder (model.processor) to read the questions with",
                         where="model.processor")
     tokenizer, image_processor = load_processor(processor)
-    if "context" in record:  # plain text for text-only models, tokenized as data.source = "text" reads it
+    if "messages" not in record and "conversations" not in record:  # a plain-text "context" (text-only models),
+        # tokenized as data.source = "text" reads text; a conversation's own "context" key stays its data
         encode = lambda text: tokenizer(text, add_special_tokens=False, verbose=False).input_ids  # noqa: E731
         prompt = text_question(record["context"], encode=encode)
         scored = continuation_samples(choices or (), prompt, encode=encode)
