@@ -78,7 +78,7 @@ def text_corpus(recipe, *, config, processor) -> tuple[Any, Any]:
     model's tokenizer, or by a byte-level BPE trained on them when the model has none."""
     import pathlib
 
-    from weft.strategies.data.text_corpus import corpus_files, corpus_tokenizer, text_samples
+    from weft.strategies.data.text_corpus import corpus_files, corpus_tokenizer, text_samples, tokenizer_encode
 
     files = corpus_files(recipe.data.path, base=recipe.relative("."))  # relative to the recipe, as data paths are
     where = f"{recipe.source} (data.path)"
@@ -90,7 +90,7 @@ def text_corpus(recipe, *, config, processor) -> tuple[Any, Any]:
     if tokenizer is not None:
         end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
         end = end if isinstance(end, int) and end != tokenizer.unk_token_id else tokenizer.eos_token_id
-        encode = lambda body: tokenizer(body, add_special_tokens=False, verbose=False).input_ids  # noqa: E731
+        encode = tokenizer_encode(tokenizer)
     else:  # a preset of a real size: a tokenizer of the corpus itself, within the model's vocabulary
         cache = pathlib.Path.home() / ".cache" / "weft" / "text-tokenizers"
         encode, end = corpus_tokenizer(files, vocab_size=min(text.vocab_size, 32768), cache_dir=cache)

@@ -53,6 +53,7 @@ def task_inputs(*, processor: str | None, record: dict, base: Any, choices: Sequ
     from weft.core.errors import WeftError
     from weft.strategies.data.conversation import collate, load_processor
     from weft.strategies.data.task_encode import choice_samples, continuation_samples, question, text_question
+    from weft.strategies.data.text_corpus import tokenizer_encode
     from weft.strategies.data.video import VideoLimits
 
     if processor is None:
@@ -61,7 +62,7 @@ def task_inputs(*, processor: str | None, record: dict, base: Any, choices: Sequ
     tokenizer, image_processor = load_processor(processor)
     if "messages" not in record and "conversations" not in record:  # a plain-text "context" (text-only models),
         # tokenized as data.source = "text" reads text; a conversation's own "context" key stays its data
-        encode = lambda text: tokenizer(text, add_special_tokens=False, verbose=False).input_ids  # noqa: E731
+        encode = tokenizer_encode(tokenizer)
         prompt = text_question(record["context"], encode=encode)
         scored = continuation_samples(choices or (), prompt, encode=encode)
         return _model_inputs(collate([prompt], pad_id=0)), [collate([s], pad_id=pad_id) for s in scored]

@@ -20,6 +20,7 @@ import json
 import pathlib
 import sysconfig
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -45,6 +46,12 @@ def corpus_files(pattern: str, *, base: pathlib.Path) -> list[pathlib.Path]:
 
 class SkippedPastEnd(ValueError):
     """``skip`` reaches past the corpus's last sample: nothing is left to yield."""
+
+
+def tokenizer_encode(tokenizer: Any) -> Callable[[str], list[int]]:
+    """A model tokenizer's ids of plain text, as text samples and plain-text questions take
+    them: no special tokens added."""
+    return lambda text: tokenizer(text, add_special_tokens=False, verbose=False).input_ids
 
 
 def text_samples(files: Sequence[pathlib.Path], *, encode: Callable[[str], list[int]], end: int | None,
