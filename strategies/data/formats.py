@@ -5,6 +5,11 @@
 - sharegpt-style (LLaMA-Factory, ms-swift): ``{"messages": [{"role": "user", "content": "<image>What is it?"}, ...],
   "images": ["rel/path.png"]}``: each ``<image>`` placeholder takes the next image of the list, in order.
   ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}`` is read too.
+- LLaVA (its instruction data, ``llava_v1_5_mix665k.json`` and those built like it): sharegpt-style
+  ``conversations`` with a singular ``"image"`` (or ``"video"``) key, a path or a list of paths,
+  the same as ``"images"`` (``"videos"``); a record with both spellings is an error.
+- An ``<image>`` or ``<video>`` placeholder in a record with no file for it, or a file with no
+  placeholder, is an error: never left in the prompt as literal text.
 - videos mirror images: a ``{"type": "video", "video": "clip.mp4"}`` part (or a list of frame
   files, ``"video": ["f0.png", "f1.png"]``; optional ``fps`` and ``max_frames`` keys), or
   ``<video>`` placeholders taking the paths of a ``"videos"`` list (strategies/data/video.py).
@@ -45,10 +50,28 @@ def record_to_messages(record: Any, *, base: pathlib.Path, max_pixels: int = 0,
     else:
         raise ValueError("no 'messages' (or sharegpt 'conversations') key")
     messages = _turns(messages)
-    images, clips = record.get("images"), record.get("videos")
-    if images is not None or clips is not None:
+    images, clips = media_lists(record)
+    if images is not None or clips is not None or _has_placeholder(messages):
+        # A placeholder with no list is checked here too: 2 <image> placeholders but 0 images.
         return _sharegpt(messages, images or [], clips or [], base=base, max_pixels=max_pixels, videos=videos)
     return [_chat_message(m, base=base, max_pixels=max_pixels, videos=videos) for m in messages]
+
+
+def media_lists(record: dict) -> tuple[Any, Any]:
+    """(images, videos) of a record as lists of paths, or None where it names none: the
+    ``images`` / ``videos`` keys, or LLaVA's singular ``image`` / ``video`` (a path or a list)."""
+    out = []
+    for plural, singular in (("images", "image"), ("videos", "video")):
+        if plural in record and singular in record:
+            raise ValueError(f"both {plural!r} and {singular!r} keys: give the record's files once")
+        value = record.get(plural, record.get(singular))
+        out.append([value] if singular in record and isinstance(value, str) else value)
+    return out[0], out[1]
+
+
+def _has_placeholder(messages: list) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), str)
+               and (PLACEHOLDER in m["content"] or VIDEO_PLACEHOLDER in m["content"]) for m in messages)
 
 
 def _turns(value: Any) -> list:

@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from weft.strategies.data.conversation import Sample
+from weft.strategies.data.formats import media_lists
 from weft.strategies.data.video import VideoLimits
 
 #: A JSONL line longer than this is skipped and counted without being held in memory
@@ -80,9 +81,13 @@ def _image_paths(record: Any) -> list[str]:
     """Every image, video and video-frame file a record names."""
     paths = []
     if isinstance(record, dict):
-        for key in ("images", "videos"):
-            if isinstance(record.get(key), list):
-                paths += [p for p in record[key] if isinstance(p, str)]
+        try:
+            lists = media_lists(record)
+        except ValueError:  # both spellings: the record is refused when it is read
+            lists = ()
+        for value in lists:
+            if isinstance(value, list):
+                paths += [p for p in value if isinstance(p, str)]
         for message in record.get("messages", []) if isinstance(record.get("messages"), list) else []:
             content = message.get("content") if isinstance(message, dict) else None
             for part in content if isinstance(content, list) else []:
