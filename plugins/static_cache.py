@@ -54,7 +54,9 @@ class StaticLayer(DynamicLayer):
                 # chunks are views of the buffer.
                 rows, state["splits"] = split_rows(max(state["capacity"], s))
                 shape = (state["rows"], h, rows, d)  # (B, Hkv, capacity rounded up, D)
-                self.keys = key_states.new_zeros(shape)
+                # One dtype for both halves, the values': under autocast (precision = "bf16" over
+                # float32 weights) mRoPE's float32 cos/sin make the keys float32, the values bf16.
+                self.keys = key_states.new_zeros(shape, dtype=value_states.dtype)
                 self.values = value_states.new_zeros((*shape[:3], value_states.shape[-1]))
             self.keys[state["row"], :, start:start + s] = key_states[0]
             self.values[state["row"], :, start:start + s] = value_states[0]
@@ -176,6 +178,7 @@ class StaticCache(Cache):
         # the cache up to its position, read from the device.
         lengths = self.state["position"].reshape(-1) + 1  # (B or 1,)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        query = query.to(key.dtype)  # the rotated query of an autocast step is float32, the cache is not
         if self.kernel == "triton":
             out = triton_decode_attention(query, key, value, lengths=lengths, scale=scale, plan=self.state["plan"])
         elif self.kernel == "flash":
@@ -193,6 +196,7 @@ class StaticCache(Cache):
         # query (1, Hq, C, D), key/value (1, Hkv, start + C, D) -> (1, C, Hq, D). Not traced under a
         # rule's compiled attention: the chunk's start and the keys' length change at every chunk.
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        query = query.to(key.dtype)
         out = prefix_chunk_attention(query, key, value, start=self.state["start"], scale=scale)
         return out.transpose(1, 2).contiguous(), None
 
