@@ -12,7 +12,7 @@
 #   bash benchmarks/learning_rows.sh "$OUT"
 # Each row's files go to OUT/rows.tgz as the row ends (a device call brings back only so many
 # files, and a call cut short keeps the rows done). TEXT_STEPS,
-# GRID_STEPS and the *_LIMIT seconds override the defaults; PY the interpreter; ROWS="grid" (or
+# GRID_STEPS, GRID_TOKENS (tokens a step), GRID_LRS and the *_LIMIT seconds override the defaults; PY the interpreter; ROWS="grid" (or
 # "text") runs one row only, keeping the other's runs (a second call on a warm machine).
 set -uo pipefail
 archive=${1:?output folder}
@@ -60,16 +60,23 @@ done
 keep text
 fi
 
-# 2. Rows of digits: train, then the held-out rows by greedy generation (the static cache).
+# 2. Rows of digits: train, then the held-out rows by greedy generation (the static cache). One
+# run for each learning rate of GRID_LRS, side by side on the one GPU (a 33.7M-parameter model
+# leaves most of it idle), named grid-LR.
+grid_row() {
+  local name=grid-$1
+  rm -rf "$runs/$name"
+  /usr/bin/time -f "%e s" -o "$out/$name.run.time" timeout "${GRID_LIMIT:-330}" \
+    "$py" -m weft run "$root/examples/digits/digits_grid.toml" --run-dir "$runs/$name" \
+    --set train.max_steps="${GRID_STEPS:-1500}" --set train.micro_batch_tokens="${GRID_TOKENS:-16384}" \
+    --set train.lr="$1" --set train.checkpoint_every=250 > "$out/$name.run.log" 2>&1
+  timeout "${EVAL_LIMIT:-150}" "$py" -m weft eval "$root/examples/digits/digits_grid.toml" --run-dir "$runs/$name" \
+    --task "$root/examples/digits/data_grid/held_out.jsonl" --max-new-tokens 12 \
+    --results "$out/$name.results.jsonl" --json > "$out/$name.eval.json" 2> "$out/$name.eval.err"
+}
 if [[ $rows == *grid* ]]; then
-rm -rf "$runs/grid"
-/usr/bin/time -f "%e s" -o "$out/grid_run.time" timeout "${GRID_LIMIT:-330}" \
-  "$py" -m weft run "$root/examples/digits/digits_grid.toml" --run-dir "$runs/grid" \
-  --set train.max_steps="${GRID_STEPS:-1500}" --set train.checkpoint_every=250 > "$out/grid_run.log" 2>&1
-keep grid
-timeout "${EVAL_LIMIT:-150}" "$py" -m weft eval "$root/examples/digits/digits_grid.toml" --run-dir "$runs/grid" \
-  --task "$root/examples/digits/data_grid/held_out.jsonl" --max-new-tokens 12 \
-  --results "$out/grid.results.jsonl" --json > "$out/grid_eval.json" 2> "$out/grid_eval.err"
-keep grid
+for lr in ${GRID_LRS:-1e-3}; do grid_row "$lr" & done
+wait
+for lr in ${GRID_LRS:-1e-3}; do keep "grid-$lr"; done
 fi
-tail -n 3 "$out"/*_eval*.json "$out"/*.time 2>/dev/null
+tail -n 3 "$out"/*eval*.json "$out"/*.time 2>/dev/null

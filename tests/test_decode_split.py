@@ -182,3 +182,30 @@ def test_a_cache_is_not_kept_alive_by_its_decode_attention():
         assert alive() is None
         with pytest.raises(RuntimeError, match="outlived its cache"):
             entry(None, None, None, None, None)
+
+
+def test_the_static_cache_keeps_keys_in_the_values_dtype():
+    """Under autocast over float32 weights (``precision = "bf16"``) mRoPE's float32 cos/sin make
+    the keys and queries float32 while the values are bf16: the cache holds both halves in the
+    values' dtype and attends with the query cast to it (the H200's bf16 decode failed on float32
+    keys beside bf16 values). The answer: SDPA over the keys rounded to bf16."""
+    from weft.plugins.static_cache import StaticCache
+
+    torch.manual_seed(3)
+    cache = StaticCache(num_layers=1)
+    cache.reserve(7, rows=1)
+    prompt = torch.randn(1, 2, 4, 8)  # float32 keys, as mRoPE leaves them
+    cache.begin_prefill(keep=None, prompt=4)
+    cache.update(prompt, prompt.bfloat16(), 0)
+    cache.begin_decode()
+    cache.at(4, device=torch.device("cpu"))
+    new = torch.randn(1, 2, 1, 8)
+    keys, values = cache.update(new, new.bfloat16(), 0)
+    assert keys.dtype == values.dtype == torch.bfloat16
+    query = torch.randn(1, 4, 1, 8)  # float32
+    out, _ = cache._attend(None, query, keys, values, None, scaling=0.25)
+    k = torch.cat([prompt, new], dim=2).bfloat16().float()
+    want = torch.nn.functional.scaled_dot_product_attention(query.bfloat16().float(), k, k, scale=0.25,
+                                                            enable_gqa=True)
+    assert out.dtype == torch.bfloat16
+    assert (out.float().transpose(1, 2) - want).abs().max() < 2e-2
