@@ -4,7 +4,7 @@
 #
 #   1. examples/text_choice on the device's own standard library: more steps than the CPU can
 #      give (the CPU's 500 steps leave it near chance); multiple choice by log-likelihood.
-#   2. examples/digits/digits_grid.toml: rows of 3-8 digits at 224 px a digit (64-512 image
+#   2. examples/digits/digits_grid.toml: rows of 3-8 digits at 56 px a digit (12-32 image
 #      tokens), a 33.7M-parameter Qwen2.5-VL; exact match of the whole digit string.
 #
 # Carry .whl (structlog) and examples/digits/data_grid (make_grids.py's output: scikit-learn is
@@ -66,17 +66,17 @@ fi
 grid_row() {
   local name=grid-$1
   rm -rf "$runs/$name"
-  /usr/bin/time -f "%e s" -o "$out/$name.run.time" timeout "${GRID_LIMIT:-330}" \
+  /usr/bin/time -f "%e s" -o "$out/$name.run.time" timeout "${GRID_LIMIT:-480}" \
     "$py" -m weft run "$root/examples/digits/digits_grid.toml" --run-dir "$runs/$name" \
-    --set train.max_steps="${GRID_STEPS:-1500}" --set train.micro_batch_tokens="${GRID_TOKENS:-16384}" \
+    --set train.max_steps="${GRID_STEPS:-1000}" --set train.micro_batch_tokens="${GRID_TOKENS:-8192}" \
     --set train.lr="$1" --set train.checkpoint_every=250 > "$out/$name.run.log" 2>&1
-  timeout "${EVAL_LIMIT:-150}" "$py" -m weft eval "$root/examples/digits/digits_grid.toml" --run-dir "$runs/$name" \
+  timeout "${EVAL_LIMIT:-90}" "$py" -m weft eval "$root/examples/digits/digits_grid.toml" --run-dir "$runs/$name" \
     --task "$root/examples/digits/data_grid/held_out.jsonl" --max-new-tokens 12 \
     --results "$out/$name.results.jsonl" --json > "$out/$name.eval.json" 2> "$out/$name.eval.err"
 }
 if [[ $rows == *grid* ]]; then
-for lr in ${GRID_LRS:-1e-3}; do grid_row "$lr" & done
+for lr in ${GRID_LRS:-3e-4}; do grid_row "$lr" & done
 wait
-for lr in ${GRID_LRS:-1e-3}; do keep "grid-$lr"; done
+for lr in ${GRID_LRS:-3e-4}; do keep "grid-$lr"; done
 fi
 tail -n 3 "$out"/*eval*.json "$out"/*.time 2>/dev/null
