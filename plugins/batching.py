@@ -60,20 +60,20 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
 
 
 def _steps(params, recipe, plan, mesh, model, ctx):
-    from weft.plugins.data import bad_sample_handler, check_vision, collect_samples, pad_id_of, sample_source, truncate
+    from weft.plugins.data import bad_sample_handler, check_vision, pad_id_of, run_samples, truncate
     from weft.strategies.data.conversation import collate
+    from weft.strategies.data.shards import token_counts
     from weft.strategies.data.token_budget import pack_micro_batches, schedule_global_steps, schedule_steps
 
-    tokenizer, source = sample_source(recipe, ctx.adapter)
     on_bad = bad_sample_handler(recipe, ctx)
-    samples = collect_samples(recipe, source, on_bad=on_bad)
+    tokenizer, samples = run_samples(recipe, ctx.adapter, ctx=ctx, on_bad=on_bad)
     samples = check_vision(samples, config=ctx.adapter.config(recipe)[0], ctx=ctx, on_bad=on_bad)
     budget = recipe.train.micro_batch_tokens
     limit = min(budget, recipe.train.seq_len)
     if params.over_long == "truncate":
         samples = truncate(samples, limit=limit, tokenizer=tokenizer, ctx=ctx, on_bad=on_bad)
     # Over-long samples get a length past the budget, so packing leaves them out.
-    lengths = [s.num_tokens if s.num_tokens <= limit else budget + 1 for s in samples]
+    lengths = [n if n <= limit else budget + 1 for n in token_counts(samples)]
     too_long = sum(1 for n in lengths if n > budget)
     if too_long:
         ctx.count("skipped_samples", too_long)

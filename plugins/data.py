@@ -157,54 +157,96 @@ def bad_sample_handler(recipe, ctx):
     return on_bad
 
 
-def collect_samples(recipe, source, *, on_bad) -> list:
-    """Every good sample of ``source``. With a shared cache on several ranks, rank 0
-    preprocesses and fills the cache first; the others then read it. Preprocessing a
-    large dataset outlasts the run's collective timeout, so they wait on a CPU group of
-    their own with a long one."""
+def run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
+    """(tokenizer, the good samples) as a run batches them: a JSONL file with ``data.cache``
+    preprocessed once into shards on disk that every rank maps (strategies/data/shards.py),
+    its bad lines reported from the store; any other source collected in memory."""
+    if recipe.data.source != "jsonl" or not recipe.data.cache:
+        tokenizer, source = sample_source(recipe, adapter)
+        return tokenizer, collect_samples(recipe, source, on_bad=on_bad)
+    from weft.strategies.data import datasets
+    from weft.strategies.data.conversation import load_processor
+    from weft.strategies.data.preprocess import default_workers
+
+    _, processor = adapter.config(recipe)
+    if processor is None:
+        sample_source(recipe, adapter)  # the message naming model.processor
+    path = recipe.data_file()
+    if not path.is_file():
+        raise WeftError(f"data.path {str(path)!r} does not exist", where=f"{recipe.source} (data.path)")
+    tokenizer, _ = load_processor(processor)
+    workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
+    store = _first_on_rank0(lambda: datasets.jsonl_store(
+        path, processor=processor, cache_dir=path.with_name(path.name + ".weft-cache"), workers=workers,
+        max_pixels=recipe.data.max_pixels, system=recipe.data.system, videos=video_limits(recipe, processor),
+        log=ctx.log))
+    for where, reason in store.bad:
+        on_bad(datasets.BadSample(where, reason))
+    ctx.log.info("data.store", samples=len(store), bad=len(store.bad), folder=str(store.folder))
+    return tokenizer, store
+
+
+def _first_on_rank0(make):
+    """``make()`` on rank 0 first, then on the others (which then find its work done): the
+    shared preprocessing of several ranks. Preprocessing a large dataset outlasts the run's
+    collective timeout, so they wait on a CPU group of their own with a long one."""
     import datetime
 
     import torch.distributed as dist
 
-    from weft.strategies.data import datasets
-
-    shared = recipe.data.source == "jsonl" and recipe.data.cache and dist.is_initialized() and dist.get_world_size() > 1
+    shared = dist.is_initialized() and dist.get_world_size() > 1
     if shared:
         waiting = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=12))
         if dist.get_rank() != 0:
             dist.barrier(group=waiting)
-    samples = datasets.collect(source, on_bad=on_bad)
-    if shared and dist.get_rank() == 0:
-        dist.barrier(group=waiting)
-    return samples
+    try:
+        return make()
+    finally:
+        if shared and dist.get_rank() == 0:
+            dist.barrier(group=waiting)
 
 
-def truncate(samples, *, limit, tokenizer, ctx, on_bad) -> list:
-    """Samples longer than ``limit`` keep their head (never cutting an image span)."""
+def collect_samples(recipe, source, *, on_bad) -> list:
+    """Every good sample of ``source``, in memory. With a shared cache on several ranks, rank 0
+    preprocesses and fills the cache first; the others then read it."""
+    from weft.strategies.data import datasets
+
+    if recipe.data.source == "jsonl" and recipe.data.cache:
+        return _first_on_rank0(lambda: datasets.collect(source, on_bad=on_bad))
+    return datasets.collect(source, on_bad=on_bad)
+
+
+def truncate(samples, *, limit, tokenizer, ctx, on_bad):
+    """Samples longer than ``limit`` keep their head (never cutting an image span). Only the
+    over-long ones are read (the token counts say which): a store's samples stay on disk."""
     from weft.strategies.data.conversation import truncate_sample
     from weft.strategies.data.datasets import BadSample
+    from weft.strategies.data.shards import SampleView, token_counts
 
-    kept = []
-    for index, sample in enumerate(samples):
-        if sample.num_tokens <= limit:
-            kept.append(sample)
+    kept, overlay = [], {}
+    for index, count in enumerate(token_counts(samples)):
+        if count <= limit:
+            kept.append(index)
             continue
         if tokenizer is None:
             on_bad(BadSample(f"sample {index}", "too long, and no tokenizer to find its image spans for a cut"))
             continue
         try:
-            kept.append(truncate_sample(sample, limit, tokenizer=tokenizer))
+            overlay[index] = truncate_sample(samples[index], limit, tokenizer=tokenizer)
+            kept.append(index)
             ctx.count("truncated_samples")
         except ValueError as error:
             on_bad(BadSample(f"sample {index}", str(error)))
-    return kept
+    return SampleView(samples, kept, overlay)
 
 
-def check_vision(samples, *, config, ctx, on_bad) -> list:
+def check_vision(samples, *, config, ctx, on_bad):
     """Samples whose image and video tokens match their grids; the others named and passed to
     ``on_bad``. Logs the share of image and video tokens (a dataset whose ratio drops to 0 lost
-    its images)."""
+    its images). A store's samples are checked once, from their token ids and grids alone (not
+    their pixels), the answer kept beside its shards for the next run."""
     from weft.strategies.data.datasets import BadSample
+    from weft.strategies.data.shards import SampleStore, SampleView, remembered
     from weft.strategies.data.vision_integrity import vision_mismatch
 
     token = getattr(config, "image_token_id", None)
@@ -213,18 +255,35 @@ def check_vision(samples, *, config, ctx, on_bad) -> list:
         return samples  # a text model
     video_token = getattr(config, "video_token_id", None)
     merge = getattr(vision, "spatial_merge_size", 2)
-    kept, image_tokens, tokens = [], 0, 0
-    for index, sample in enumerate(samples):
-        reason = vision_mismatch(sample.input_ids, sample.image_grid_thw, image_token_id=token, merge_size=merge)
-        if reason is None and video_token is not None:
-            reason = vision_mismatch(sample.input_ids, sample.video_grid_thw, image_token_id=video_token,
-                                     merge_size=merge, kind="video")
-        if reason is not None:
-            on_bad(BadSample(f"sample {index}", f"vision integrity: {reason}"))
-            continue
-        kept.append(sample)
-        image_tokens += int((sample.input_ids == token).sum())
-        image_tokens += int((sample.input_ids == video_token).sum()) if video_token is not None else 0
-        tokens += sample.num_tokens
-    ctx.log.info("data.vision", samples=len(kept), image_token_ratio=round(image_tokens / max(tokens, 1), 4))
-    return kept
+    fields = ("input_ids", "image_grid_thw", "video_grid_thw")
+    read = ((lambda i: samples.fields(i, fields)) if isinstance(samples, SampleStore)
+            else (lambda i: {name: getattr(samples[i], name) for name in fields}))
+
+    def check() -> dict:
+        bad, image_tokens, tokens = [], 0, 0
+        for index in range(len(samples)):
+            sample = read(index)
+            ids = sample["input_ids"]
+            reason = vision_mismatch(ids, sample.get("image_grid_thw"), image_token_id=token, merge_size=merge)
+            if reason is None and video_token is not None:
+                reason = vision_mismatch(ids, sample.get("video_grid_thw"), image_token_id=video_token,
+                                         merge_size=merge, kind="video")
+            if reason is not None:
+                bad.append([index, reason])
+                continue
+            image_tokens += int((ids == token).sum())
+            image_tokens += int((ids == video_token).sum()) if video_token is not None else 0
+            tokens += int(ids.numel())
+        return {"bad": bad, "image_tokens": image_tokens, "tokens": tokens}
+
+    if isinstance(samples, SampleStore):
+        found = remembered(samples, f"vision-{token}-{video_token}-{merge}", check)
+    else:
+        found = check()
+    refused = {index for index, _ in found["bad"]}
+    for index, reason in found["bad"]:
+        on_bad(BadSample(f"sample {index}", f"vision integrity: {reason}"))
+    kept = [i for i in range(len(samples)) if i not in refused]
+    ctx.log.info("data.vision", samples=len(kept),
+                 image_token_ratio=round(found["image_tokens"] / max(found["tokens"], 1), 4))
+    return SampleView(samples, kept) if refused or isinstance(samples, SampleStore) else samples

@@ -41,21 +41,61 @@ def jsonl_samples(
     its file:line and the reason; blank lines are not samples.
     """
     from weft.strategies.data.conversation import processor_dir
-    from weft.strategies.data.preprocess import MAX_LINE_BYTES, encode_lines
+    from weft.strategies.data.preprocess import encode_lines
     from weft.strategies.data.video import VideoLimits
 
-    def lines():
-        with path.open("rb") as handle:
-            for number, line in enumerate(_bounded_lines(handle, limit=MAX_LINE_BYTES), start=1):
-                if isinstance(line, int) or line.strip():
-                    # An oversized line travels as its size: _encode reports it, nothing else is kept.
-                    yield f"{path}:{number}", line if isinstance(line, int) else line.decode("utf-8", "replace")
-
-    for where, result in encode_lines(lines(), processor=processor, processor_folder=processor_dir(processor),
+    for where, result in encode_lines(jsonl_lines(path), processor=processor, processor_folder=processor_dir(processor),
                                       base=path.parent, workers=workers, cache_dir=cache_dir,
                                       max_pixels=max_pixels, videos=videos or VideoLimits(), system=system):
 
         yield result if isinstance(result, Sample) else BadSample(where, result)
+
+
+def jsonl_lines(path: pathlib.Path) -> Iterator[tuple[str, str | int]]:
+    """(file:line, the line) for every non-blank line; an oversized one as its size in bytes
+    (``_encode`` reports it; nothing else of it is kept)."""
+    from weft.strategies.data.preprocess import MAX_LINE_BYTES
+
+    with path.open("rb") as handle:
+        for number, line in enumerate(_bounded_lines(handle, limit=MAX_LINE_BYTES), start=1):
+            if isinstance(line, int) or line.strip():
+                yield f"{path}:{number}", line if isinstance(line, int) else line.decode("utf-8", "replace")
+
+
+def jsonl_store(path: pathlib.Path, *, processor: str, cache_dir: pathlib.Path, workers: int = 1,
+                max_pixels: int = 0, videos: Any = None, system: str | None = None, log=None):
+    """The JSONL file preprocessed into a store of shards in ``cache_dir`` (strategies/data/
+    shards.py), made or resumed here, then opened. The store is named by the data file (its
+    path, size and modification time) and by everything that decides its tokens
+    (``encoding_fingerprint``); stores of an older version of the file are removed once the new
+    one is complete. An image or video file changed in place after preprocessing is not seen:
+    touch the data file (or remove the cache) to preprocess it again."""
+    import hashlib
+    import shutil
+
+    from weft.strategies.data import shards
+    from weft.strategies.data.conversation import processor_dir
+    from weft.strategies.data.preprocess import encode_lines, encoding_fingerprint
+    from weft.strategies.data.video import VideoLimits
+
+    videos = videos or VideoLimits()
+    stat = path.stat()
+    data_key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    fingerprint = encoding_fingerprint(processor_folder=processor_dir(processor), max_pixels=max_pixels,
+                                       videos=videos, system=system)
+    encoding_key = hashlib.sha256(f"{fingerprint}:shards={shards.FORMAT}".encode()).hexdigest()[:12]
+    folder = cache_dir / f"shards-{data_key}-{encoding_key}"
+
+    def encode(jobs):
+        return encode_lines(jobs, processor=processor, processor_folder=processor_dir(processor), base=path.parent,
+                            workers=workers, cache_dir=None, max_pixels=max_pixels, videos=videos, system=system)
+
+    shards.build(folder, lines=jsonl_lines(path), encode=encode, log=log)
+    for old in cache_dir.glob("shards-*"):  # an older version of the data file: never read again
+        if old.is_dir() and not old.name.startswith(f"shards-{data_key}-"):
+            shutil.rmtree(old, ignore_errors=True)
+    store = shards.SampleStore(folder)
+    return store
 
 
 def _bounded_lines(handle, *, limit: int) -> Iterator[bytes | int]:

@@ -136,6 +136,15 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
     return where, sample
 
 
+def encoding_fingerprint(*, processor_folder: pathlib.Path, max_pixels: int, videos: VideoLimits,
+                         system: str | None) -> str:
+    """Everything besides a line itself that decides its tokens and pixels: the processor's files,
+    the pixel limit (a sample cached under a looser one is not reused), the video limits (nor one
+    at another frame rate), the system prompt, and the version of the encoding itself."""
+    return (f"{ENCODING}:{processor_fingerprint(processor_folder)}:max_pixels={max_pixels}:"
+            f"fps={videos.fps:g}:max_frames={videos.max_frames}:system={system!r}")
+
+
 def encode_lines(lines: Iterable[tuple[str, str]], *, processor: str, processor_folder: pathlib.Path,
                  base: pathlib.Path, workers: int, cache_dir: pathlib.Path | None, max_pixels: int = 0,
                  videos: VideoLimits = VideoLimits(), system: str | None = None) -> Iterator[tuple[str, Any]]:
@@ -143,11 +152,8 @@ def encode_lines(lines: Iterable[tuple[str, str]], *, processor: str, processor_
     """Encode (where, JSON line) jobs in order; yields (where, Sample) or (where, reason)."""
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
-    # The pixel limit is part of the cache key: a sample cached under a looser one is not reused.
-    # So are the video limits (a sample cached at another frame rate is not reused), the system
-    # prompt, and the version of the encoding itself.
-    fingerprint = (f"{ENCODING}:{processor_fingerprint(processor_folder)}:max_pixels={max_pixels}:"
-                   f"fps={videos.fps:g}:max_frames={videos.max_frames}:system={system!r}")
+    fingerprint = encoding_fingerprint(processor_folder=processor_folder, max_pixels=max_pixels, videos=videos,
+                                       system=system)
     args = (processor, str(base), str(cache_dir) if cache_dir else None, fingerprint, max_pixels, videos, system)
     if workers <= 1:
         _init(*args)

@@ -1,0 +1,262 @@
+"""Preprocessed samples on disk: safetensors shards that every rank memory-maps.
+
+A store is one folder of shards ``shard-00000.safetensors``, ``shard-00001...``, each with a
+sidecar ``shard-00000.json`` (the lines it covers, its samples' token counts, the bad lines
+among them and the shard file's size), and ``done.json`` once every line is in. A sample is
+the tensors ``{slot}.{field}`` of its shard (``Sample``'s fields, the absent ones left out).
+
+- Reading: the sidecars only (token counts for the batching, a few bytes a sample); a sample's
+  tensors are read from the memory-mapped shard when it is batched, so a rank's host memory is
+  the micro-batches in flight, not the dataset, and the time to the first step does not grow
+  with the dataset once it is preprocessed.
+- Writing: a shard goes to a temporary name and is renamed, then its sidecar: a crash leaves
+  complete shards and at most one temporary file. Building again resumes after the last complete
+  shard (its sidecar names the lines it covers); a shard whose file is missing, or whose size or
+  header does not match its sidecar, is made again from its first line on, with every shard
+  after it.
+
+safetensors, not torch.save: no pickle is ever read back (a planted file cannot run code), the
+format is the one model weights ship in, and ``safe_open`` maps the file and reads only the
+tensors asked for. Arrow (Hugging Face ``datasets``) would add pyarrow for a columnar layout
+this needs none of: a sample is read whole, by index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+from collections import OrderedDict
+from typing import Callable, Iterable, Iterator, Sequence
+
+import attrs
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from weft.strategies.data.conversation import Sample
+
+#: The store layout's version: part of the store's name, so a change makes new stores.
+FORMAT = 1
+FIELDS = tuple(field.name for field in attrs.fields(Sample))
+#: A shard is closed at this many bytes of tensors (or SHARD_SAMPLES samples): small enough
+#: that a killed preprocessing loses little, large enough that a million samples are a few
+#: hundred files.
+SHARD_BYTES = 256 << 20
+SHARD_SAMPLES = 4096
+#: Open shard files kept mapped by one reader (each holds a file descriptor).
+OPEN_SHARDS = 32
+
+
+def _name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def _write_json(path: pathlib.Path, value) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+
+
+def complete(folder: pathlib.Path) -> bool:
+    return (folder / "done.json").is_file()
+
+
+def _shard_ok(folder: pathlib.Path, side: dict) -> bool:
+    """The shard file is there, of the size its sidecar recorded, and its header reads."""
+    path = folder / side["file"]
+    try:
+        if path.stat().st_size != side["bytes"]:
+            return False
+        if side["samples"]:
+            with safe_open(str(path), framework="pt") as handle:
+                handle.keys()
+    except Exception:  # missing, truncated or overwritten: made again
+        return False
+    return True
+
+
+def _sidecars(folder: pathlib.Path) -> list[dict]:
+    """The complete shards' sidecars in order, up to the first missing or damaged one."""
+    sides = []
+    while (path := folder / f"{_name(len(sides))}.json").is_file():
+        try:
+            side = json.loads(path.read_text())
+        except (OSError, ValueError):
+            break
+        if not _shard_ok(folder, side):
+            break
+        sides.append(side)
+    return sides
+
+
+@contextlib.contextmanager
+def _locked(folder: pathlib.Path):
+    """One builder at a time (two runs over one dataset): the second waits, then finds it done."""
+    with open(folder / "lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build(folder: pathlib.Path, *, lines: Iterable[tuple[str, str]],
+          encode: Callable[[Iterable[tuple[str, str]]], Iterator[tuple[str, object]]],
+          log=None, shard_bytes: int = SHARD_BYTES, shard_samples: int = SHARD_SAMPLES) -> None:
+    """Encode ``lines`` ((where, line) jobs) through ``encode`` (yields (where, Sample) or
+    (where, reason)) into the store at ``folder``, resuming after its complete shards."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder):
+        if complete(folder) and len(_sidecars(folder)) == json.loads((folder / "done.json").read_text())["shards"]:
+            return
+        (folder / "done.json").unlink(missing_ok=True)
+        for stale in folder.glob(".*.tmp"):  # a killed build's half-written shard
+            stale.unlink()
+        sides = _sidecars(folder)
+        for later in folder.glob("shard-*.json"):  # after a damaged shard: made again
+            if int(later.stem.split("-")[1]) >= len(sides):
+                later.unlink()
+        done = sides[-1]["lines_end"] if sides else 0
+        if log is not None and sides:
+            log.info("data.preprocess_resumed", shards=len(sides), lines=done, folder=str(folder))
+        writer = _Writer(folder, index=len(sides), lines_end=done, shard_bytes=shard_bytes,
+                         shard_samples=shard_samples)
+        remaining = (job for number, job in enumerate(lines) if number >= done)
+        for where, result in encode(remaining):
+            writer.add(where, result)
+        writer.close()
+        _write_json(folder / "done.json", {"shards": writer.index, "lines": writer.lines_end})
+
+
+class _Writer:
+    def __init__(self, folder: pathlib.Path, *, index: int, lines_end: int, shard_bytes: int,
+                 shard_samples: int) -> None:
+        self.folder, self.index, self.lines_end = folder, index, lines_end
+        self.shard_bytes, self.shard_samples = shard_bytes, shard_samples
+        self._reset()
+
+    def _reset(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.lengths: list[int] = []
+        self.bad: list[list[str]] = []
+        self.size = 0
+        self.first = self.lines_end
+
+    def add(self, where: str, result) -> None:
+        self.lines_end += 1
+        if not isinstance(result, Sample):
+            self.bad.append([where, str(result)])
+        else:
+            slot = len(self.lengths)
+            for field in FIELDS:
+                value = getattr(result, field)
+                if value is not None:
+                    self.tensors[f"{slot}.{field}"] = value.contiguous()
+                    self.size += value.numel() * value.element_size()
+            self.lengths.append(result.num_tokens)
+        if self.size >= self.shard_bytes or len(self.lengths) >= self.shard_samples:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.lines_end == self.first:
+            return
+        name = _name(self.index)
+        path = self.folder / f"{name}.safetensors"
+        tmp = self.folder / f".{name}.{os.getpid()}.tmp"
+        # An empty shard (every line of it bad) is still a file: its sidecar needs its size.
+        save_file(self.tensors or {"empty": torch.zeros(0)}, str(tmp))
+        tmp.replace(path)
+        _write_json(self.folder / f"{name}.json", {
+            "file": path.name, "bytes": path.stat().st_size, "samples": len(self.lengths),
+            "lines_start": self.first, "lines_end": self.lines_end, "lengths": self.lengths, "bad": self.bad,
+        })
+        self.index += 1
+        self._reset()
+
+    def close(self) -> None:
+        self.flush()
+
+
+class SampleStore(Sequence):
+    """A complete store, read by index: ``store[i]`` is the i-th good sample, read from its
+    shard's mapping; ``token_counts`` and ``bad`` come from the sidecars without reading one."""
+
+    def __init__(self, folder: pathlib.Path) -> None:
+        if not complete(folder):
+            raise ValueError(f"{folder}: preprocessing has not finished")
+        sides = _sidecars(folder)
+        if len(sides) != json.loads((folder / "done.json").read_text())["shards"]:
+            raise ValueError(f"{folder}: a shard is missing or damaged")
+        self.folder = folder
+        self.token_counts: list[int] = []
+        self.bad: list[tuple[str, str]] = []
+        self._where: list[tuple[int, int]] = []  # (shard, slot) of each good sample
+        self._files = [side["file"] for side in sides]
+        for shard, side in enumerate(sides):
+            self.token_counts += side["lengths"]
+            self._where += [(shard, slot) for slot in range(side["samples"])]
+            self.bad += [tuple(entry) for entry in side["bad"]]
+        self._open: OrderedDict[int, object] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def _handle(self, shard: int):
+        handle = self._open.pop(shard, None)
+        if handle is None:
+            handle = safe_open(str(self.folder / self._files[shard]), framework="pt")
+            if len(self._open) >= OPEN_SHARDS:
+                self._open.popitem(last=False)
+        self._open[shard] = handle  # the most recently used last
+        return handle
+
+    def fields(self, index: int, names: Sequence[str] = FIELDS) -> dict[str, torch.Tensor]:
+        """The sample's tensors of ``names`` (those it has), nothing else read."""
+        shard, slot = self._where[index]
+        handle = self._handle(shard)
+        keys = {f"{slot}.{name}" for name in names} & set(handle.keys())
+        return {key.split(".", 1)[1]: handle.get_tensor(key) for key in keys}
+
+    def __getitem__(self, index: int) -> Sample:
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        return Sample(**self.fields(index % len(self)))
+
+
+class SampleView(Sequence):
+    """Some of a store's (or a view's) samples (``indices``), a few of them replaced
+    (``overlay``: a truncated sample), with their token counts: what the checks and cuts of a
+    run leave."""
+
+    def __init__(self, base: Sequence[Sample], indices: list[int], overlay: dict[int, Sample] | None = None) -> None:
+        self.base, self.indices, self.overlay = base, indices, overlay or {}
+        counts = token_counts(base)
+        self.token_counts = [self.overlay[i].num_tokens if i in self.overlay else counts[i] for i in indices]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, k: int) -> Sample:
+        i = self.indices[k]
+        return self.overlay[i] if i in self.overlay else self.base[i]
+
+
+def token_counts(samples: Sequence[Sample]) -> list[int]:
+    """Each sample's tokens, from a store's sidecars where it has them (nothing read)."""
+    counts = getattr(samples, "token_counts", None)
+    return list(counts) if counts is not None else [s.num_tokens for s in samples]
+
+
+def remembered(store: SampleStore, name: str, compute: Callable[[], dict]) -> dict:
+    """``compute()``'s answer about a complete store, kept as ``name``.json beside its shards:
+    what a run finds about its samples once (a check over every sample) the next run reads."""
+    path = store.folder / f"{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        found = compute()
+        _write_json(path, found)
+        return found
