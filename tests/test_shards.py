@@ -134,3 +134,26 @@ def test_the_reader_reads_only_the_samples_asked_for(dataset, tmp_path):
     view = shards.SampleView(store, [2, 0])
     assert view.token_counts == [store.token_counts[2], store.token_counts[0]]
     _same(view[1], store[0])
+
+
+def test_tensors_outlive_their_shard_leaving_the_open_set_and_shared_storage_is_written(tmp_path, monkeypatch):
+    """A sample read from a shard stays valid after the reader closes that shard (only so many
+    stay open); a sample whose labels are its ids (one storage) is written as two tensors."""
+    import gc
+
+    from weft.strategies.data.conversation import Sample
+
+    def encode(_jobs):
+        for n in range(12):
+            ids = torch.full((5,), n)
+            yield f"made:{n}", Sample(input_ids=ids, labels=ids)
+
+    shards.build(tmp_path / "store", lines=iter(()), encode=encode, shard_samples=2)
+    monkeypatch.setattr(shards, "OPEN_SHARDS", 1)
+    store = shards.SampleStore(tmp_path / "store")
+    first = store[0]
+    later = [store[i] for i in (3, 7, 11)]
+    gc.collect()
+    assert len(store._open) == 1 and len(store) == 12
+    assert first.input_ids.tolist() == [0] * 5 and first.labels.tolist() == [0] * 5
+    assert [s.input_ids[0].item() for s in later] == [3, 7, 11]

@@ -42,7 +42,9 @@ class DataSection:
     workers: int = attrs.field(default=-1, validator=in_range(low=-1),
                                metadata=_doc("preprocessing processes; -1 = min(8, cores - 1), 0/1 = in-process"))
     cache: bool = attrs.field(default=True,
-                              metadata=_doc("cache tokenized samples next to the dataset (<file>.weft-cache/)"))
+                              metadata=_doc(
+        "jsonl: preprocess once into shards on disk beside the dataset (<file>.weft-cache/), which every rank maps "
+        "and reads by sample; false: preprocess at every start, every sample held in memory"))
     tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
         "synthetic: samples of exactly this many tokens, ids from the model's vocabulary, no tokenizer needed "
         "(0: short chat conversations through the model's processor); text: the length of every sample"))

@@ -154,7 +154,9 @@ class _Writer:
             for field in FIELDS:
                 value = getattr(result, field)
                 if value is not None:
-                    self.tensors[f"{slot}.{field}"] = value.contiguous()
+                    # A copy of its own: safetensors refuses tensors that share storage (labels
+                    # made as a view of the ids, a sample's slice of a larger batch).
+                    self.tensors[f"{slot}.{field}"] = value.detach().clone(memory_format=torch.contiguous_format)
                     self.size += value.numel() * value.element_size()
             self.lengths.append(result.num_tokens)
         if self.size >= self.shard_bytes or len(self.lengths) >= self.shard_samples:
