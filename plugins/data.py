@@ -221,7 +221,7 @@ def truncate(samples, *, limit, tokenizer, ctx, on_bad):
     over-long ones are read (the token counts say which): a store's samples stay on disk."""
     from weft.strategies.data.conversation import truncate_sample
     from weft.strategies.data.datasets import BadSample
-    from weft.strategies.data.shards import SampleView, token_counts
+    from weft.strategies.data.shards import SampleStore, SampleView, token_counts
 
     kept, overlay = [], {}
     for index, count in enumerate(token_counts(samples)):
@@ -237,7 +237,9 @@ def truncate(samples, *, limit, tokenizer, ctx, on_bad):
             ctx.count("truncated_samples")
         except ValueError as error:
             on_bad(BadSample(f"sample {index}", str(error)))
-    return SampleView(samples, kept, overlay)
+    if isinstance(samples, (SampleStore, SampleView)):
+        return SampleView(samples, kept, overlay)
+    return [overlay.get(i, samples[i]) for i in kept]  # in memory already: a list, as it came
 
 
 def check_vision(samples, *, config, ctx, on_bad):
@@ -286,4 +288,6 @@ def check_vision(samples, *, config, ctx, on_bad):
     kept = [i for i in range(len(samples)) if i not in refused]
     ctx.log.info("data.vision", samples=len(kept),
                  image_token_ratio=round(found["image_tokens"] / max(found["tokens"], 1), 4))
-    return SampleView(samples, kept) if refused or isinstance(samples, SampleStore) else samples
+    if isinstance(samples, (SampleStore, SampleView)):
+        return SampleView(samples, kept)
+    return [samples[i] for i in kept] if refused else samples

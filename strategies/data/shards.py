@@ -2,8 +2,10 @@
 
 A store is one folder of shards ``shard-00000.safetensors``, ``shard-00001...``, each with a
 sidecar ``shard-00000.json`` (the lines it covers, its samples' token counts, the bad lines
-among them and the shard file's size), and ``done.json`` once every line is in. A sample is
-the tensors ``{slot}.{field}`` of its shard (``Sample``'s fields, the absent ones left out).
+among them and the shard file's size), and ``done.json`` once every line is in. A shard is
+columnar: one tensor a field of ``Sample`` (every sample's ``input_ids`` end to end, every
+image's patches end to end, ...) and ``rows``, (samples, fields): how many rows of each field
+each sample has (-1: the field is absent). A sample is a slice of each, read by offset.
 
 - Reading: the sidecars only (token counts for the batching, a few bytes a sample); a sample's
   tensors are read from the memory-mapped shard when it is batched, so a rank's host memory is
@@ -23,6 +25,7 @@ this needs none of: a sample is read whole, by index.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import json
@@ -39,7 +42,7 @@ from safetensors.torch import save_file
 from weft.strategies.data.conversation import Sample
 
 #: The store layout's version: part of the store's name, so a change makes new stores.
-FORMAT = 1
+FORMAT = 2
 FIELDS = tuple(field.name for field in attrs.fields(Sample))
 #: A shard is closed at this many bytes of tensors (or SHARD_SAMPLES samples): small enough
 #: that a killed preprocessing loses little, large enough that a million samples are a few
@@ -70,9 +73,8 @@ def _shard_ok(folder: pathlib.Path, side: dict) -> bool:
     try:
         if path.stat().st_size != side["bytes"]:
             return False
-        if side["samples"]:
-            with safe_open(str(path), framework="pt") as handle:
-                handle.keys()
+        with safe_open(str(path), framework="pt") as handle:
+            handle.keys()
     except Exception:  # missing, truncated or overwritten: made again
         return False
     return True
@@ -139,7 +141,8 @@ class _Writer:
         self._reset()
 
     def _reset(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.parts: dict[str, list[torch.Tensor]] = {field: [] for field in FIELDS}
+        self.rows: list[list[int]] = []
         self.lengths: list[int] = []
         self.bad: list[list[str]] = []
         self.size = 0
@@ -150,14 +153,14 @@ class _Writer:
         if not isinstance(result, Sample):
             self.bad.append([where, str(result)])
         else:
-            slot = len(self.lengths)
+            rows = []
             for field in FIELDS:
                 value = getattr(result, field)
+                rows.append(-1 if value is None else int(value.shape[0]))
                 if value is not None:
-                    # A copy of its own: safetensors refuses tensors that share storage (labels
-                    # made as a view of the ids, a sample's slice of a larger batch).
-                    self.tensors[f"{slot}.{field}"] = value.detach().clone(memory_format=torch.contiguous_format)
+                    self.parts[field].append(value)
                     self.size += value.numel() * value.element_size()
+            self.rows.append(rows)
             self.lengths.append(result.num_tokens)
         if self.size >= self.shard_bytes or len(self.lengths) >= self.shard_samples:
             self.flush()
@@ -168,8 +171,11 @@ class _Writer:
         name = _name(self.index)
         path = self.folder / f"{name}.safetensors"
         tmp = self.folder / f".{name}.{os.getpid()}.tmp"
-        # An empty shard (every line of it bad) is still a file: its sidecar needs its size.
-        save_file(self.tensors or {"empty": torch.zeros(0)}, str(tmp))
+        # One tensor a field, the samples end to end (a copy of its own: safetensors refuses
+        # tensors that share storage); an all-bad shard is still a file, its sidecar needs a size.
+        tensors = {field: torch.cat(parts).contiguous() for field, parts in self.parts.items() if parts}
+        tensors["rows"] = torch.tensor(self.rows, dtype=torch.long).reshape(-1, len(FIELDS))
+        save_file(tensors, str(tmp))
         tmp.replace(path)
         _write_json(self.folder / f"{name}.json", {
             "file": path.name, "bytes": path.stat().st_size, "samples": len(self.lengths),
@@ -182,8 +188,28 @@ class _Writer:
         self.flush()
 
 
+class _Shard:
+    """One open shard: its file and each sample's first row and row count in every field."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.handle = safe_open(str(path), framework="pt")
+        rows = self.handle.get_tensor("rows")  # (samples, fields), -1 = absent
+        self.counts = rows.tolist()
+        self.starts = (rows.clamp(min=0).cumsum(0) - rows.clamp(min=0)).tolist()  # (samples, fields)
+
+    def fields(self, slot: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            f = FIELDS.index(name)
+            count = self.counts[slot][f]
+            if count >= 0:
+                start = self.starts[slot][f]
+                out[name] = self.handle.get_slice(name)[start:start + count]
+        return out
+
+
 class SampleStore(Sequence):
-    """A complete store, read by index: ``store[i]`` is the i-th good sample, read from its
+    """A complete store, read by index: ``store[i]`` is the i-th good sample, sliced from its
     shard's mapping; ``token_counts`` and ``bad`` come from the sidecars without reading one."""
 
     def __init__(self, folder: pathlib.Path) -> None:
@@ -195,32 +221,31 @@ class SampleStore(Sequence):
         self.folder = folder
         self.token_counts: list[int] = []
         self.bad: list[tuple[str, str]] = []
-        self._where: list[tuple[int, int]] = []  # (shard, slot) of each good sample
         self._files = [side["file"] for side in sides]
-        for shard, side in enumerate(sides):
+        self._first: list[int] = []  # each shard's first sample: a sample's shard by bisection
+        for side in sides:
+            self._first.append(len(self.token_counts))
             self.token_counts += side["lengths"]
-            self._where += [(shard, slot) for slot in range(side["samples"])]
             self.bad += [tuple(entry) for entry in side["bad"]]
-        self._open: OrderedDict[int, object] = OrderedDict()
+        self._open: OrderedDict[int, _Shard] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self.token_counts)
 
-    def _handle(self, shard: int):
-        handle = self._open.pop(shard, None)
-        if handle is None:
-            handle = safe_open(str(self.folder / self._files[shard]), framework="pt")
+    def _shard(self, shard: int) -> _Shard:
+        """The shard, opened (the most recently used OPEN_SHARDS kept open)."""
+        entry = self._open.pop(shard, None)
+        if entry is None:
+            entry = _Shard(self.folder / self._files[shard])
             if len(self._open) >= OPEN_SHARDS:
                 self._open.popitem(last=False)
-        self._open[shard] = handle  # the most recently used last
-        return handle
+        self._open[shard] = entry  # the most recently used last
+        return entry
 
     def fields(self, index: int, names: Sequence[str] = FIELDS) -> dict[str, torch.Tensor]:
         """The sample's tensors of ``names`` (those it has), nothing else read."""
-        shard, slot = self._where[index]
-        handle = self._handle(shard)
-        keys = {f"{slot}.{name}" for name in names} & set(handle.keys())
-        return {key.split(".", 1)[1]: handle.get_tensor(key) for key in keys}
+        shard = bisect.bisect_right(self._first, index) - 1
+        return self._shard(shard).fields(index - self._first[shard], names)
 
     def __getitem__(self, index: int) -> Sample:
         if not -len(self) <= index < len(self):
