@@ -193,18 +193,17 @@ class _Shard:
 
     def __init__(self, path: pathlib.Path) -> None:
         self.handle = safe_open(str(path), framework="pt")
-        rows = self.handle.get_tensor("rows")  # (samples, fields), -1 = absent
-        self.counts = rows.tolist()
-        self.starts = (rows.clamp(min=0).cumsum(0) - rows.clamp(min=0)).tolist()  # (samples, fields)
+        self.counts = self.handle.get_tensor("rows")  # (samples, fields), -1 = absent
+        present = self.counts.clamp(min=0)
+        self.starts = present.cumsum(0) - present  # (samples, fields): tensors, not lists, kept cheap to open
 
     def fields(self, slot: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        counts, starts = self.counts[slot].tolist(), self.starts[slot].tolist()
         out = {}
         for name in names:
             f = FIELDS.index(name)
-            count = self.counts[slot][f]
-            if count >= 0:
-                start = self.starts[slot][f]
-                out[name] = self.handle.get_slice(name)[start:start + count]
+            if counts[f] >= 0:
+                out[name] = self.handle.get_slice(name)[starts[f]:starts[f] + counts[f]]
         return out
 
 
