@@ -41,4 +41,6 @@ digits: $(VENV)/.installed-digits
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	# Two workers, a test file each (module fixtures made once): ~8.5 min on 2 cores where one
+	# worker took ~12, much of it waiting on process starts and the fault tests' timeouts.
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
