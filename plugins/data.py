@@ -161,6 +161,15 @@ def run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
     """(tokenizer, the good samples) as a run batches them: a JSONL file with ``data.cache``
     preprocessed once into shards on disk that every rank maps (strategies/data/shards.py),
     its bad lines reported from the store; any other source collected in memory."""
+    from weft.strategies.data import datasets
+
+    try:
+        return _run_samples(recipe, adapter, ctx=ctx, on_bad=on_bad)
+    except datasets.DataFileError as error:
+        raise WeftError(str(error), where=f"{recipe.source} (data.path)") from None
+
+
+def _run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
     if recipe.data.source != "jsonl" or not recipe.data.cache:
         tokenizer, source = sample_source(recipe, adapter)
         return tokenizer, collect_samples(recipe, source, on_bad=on_bad)

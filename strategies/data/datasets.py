@@ -17,6 +17,10 @@ class BadSample(Exception):
         self.reason = reason
 
 
+class DataFileError(ValueError):
+    """The data file as a whole cannot be read (not one bad sample): the user's error."""
+
+
 def synthetic_samples(
     *, seed: int, num_samples: int, min_side: int, max_side: int, tokenizer: Any, image_processor: Any,
     videos: tuple[tuple[int, int, int], ...] = (), system: str | None = None, video_sizing: Any = None,
@@ -53,13 +57,36 @@ def jsonl_samples(
 
 def jsonl_lines(path: pathlib.Path) -> Iterator[tuple[str, str | int]]:
     """(file:line, the line) for every non-blank line; an oversized one as its size in bytes
-    (``_encode`` reports it; nothing else of it is kept)."""
+    (``_encode`` reports it; nothing else of it is kept). A ``.json`` file is one JSON array of
+    records, as LLaVA ships its instruction data: (file:record N, the record as one line)."""
     from weft.strategies.data.preprocess import MAX_LINE_BYTES
 
+    if path.suffix == ".json":
+        yield from _array_records(path)
+        return
     with path.open("rb") as handle:
         for number, line in enumerate(_bounded_lines(handle, limit=MAX_LINE_BYTES), start=1):
             if isinstance(line, int) or line.strip():
                 yield f"{path}:{number}", line if isinstance(line, int) else line.decode("utf-8", "replace")
+
+
+def _array_records(path: pathlib.Path) -> Iterator[tuple[str, str]]:
+    """A JSON array file's records, numbered from 1. The whole array is parsed at once (by the
+    process that preprocesses: rank 0), so an array file is bounded by that process's memory;
+    JSONL is read a line at a time."""
+    import json
+
+    try:
+        records = json.loads(path.read_bytes())
+    except json.JSONDecodeError as error:
+        raise DataFileError(f"data.path {str(path)!r}: not a JSON array file ({error.msg} at line {error.lineno}, "
+                        f"column {error.colno}); a .json file holds one array of records, a .jsonl file one record "
+                        "a line") from None
+    if not isinstance(records, list):
+        raise DataFileError(f"data.path {str(path)!r}: a .json file holds one JSON array of records; this one "
+                            f"holds a {type(records).__name__} (one record a line: name the file .jsonl)")
+    for number, record in enumerate(records, start=1):
+        yield f"{path}:record {number}", json.dumps(record)
 
 
 def jsonl_store(path: pathlib.Path, *, processor: str, cache_dir: pathlib.Path, workers: int = 1,

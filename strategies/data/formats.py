@@ -8,6 +8,9 @@
 - LLaVA (its instruction data, ``llava_v1_5_mix665k.json`` and those built like it): sharegpt-style
   ``conversations`` with a singular ``"image"`` (or ``"video"``) key, a path or a list of paths,
   the same as ``"images"`` (``"videos"``); a record with both spellings is an error.
+- Alpaca (``{"instruction", "input", "output"}``, optional ``system`` and ``history``): the
+  instruction and its input as the user turn, the output as the reply; ``images`` / ``image``
+  with ``<image>`` placeholders as in the sharegpt style.
 - An ``<image>`` or ``<video>`` placeholder in a record with no file for it, or a file with no
   placeholder, is an error: never left in the prompt as literal text.
 - videos mirror images: a ``{"type": "video", "video": "clip.mp4"}`` part (or a list of frame
@@ -47,14 +50,35 @@ def record_to_messages(record: Any, *, base: pathlib.Path, max_pixels: int = 0,
             {"role": _SHAREGPT_ROLES.get(turn.get("from"), turn.get("from")), "content": turn.get("value")}
             for turn in _turns(record["conversations"])
         ]
+    elif "instruction" in record and "output" in record:
+        messages = alpaca_messages(record)
     else:
-        raise ValueError("no 'messages' (or sharegpt 'conversations') key")
+        raise ValueError("no 'messages' (or sharegpt 'conversations', or Alpaca 'instruction' and 'output') key")
     messages = _turns(messages)
     images, clips = media_lists(record)
     if images is not None or clips is not None or _has_placeholder(messages):
         # A placeholder with no list is checked here too: 2 <image> placeholders but 0 images.
         return _sharegpt(messages, images or [], clips or [], base=base, max_pixels=max_pixels, videos=videos)
     return [_chat_message(m, base=base, max_pixels=max_pixels, videos=videos) for m in messages]
+
+
+def alpaca_messages(record: dict) -> list[dict]:
+    """Alpaca's ``instruction`` (+ ``input``, after a blank line, when not empty) as the user
+    turn and ``output`` as the reply; an optional ``system`` string and ``history`` of
+    [instruction, output] pairs before it (LLaMA-Factory's Alpaca columns)."""
+    fields = {key: record.get(key) for key in ("instruction", "input", "output", "system")}
+    for key, value in fields.items():
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"Alpaca '{key}' must be a string, got {type(value).__name__}")
+    messages = [{"role": "system", "content": fields["system"]}] if fields["system"] else []
+    history = record.get("history") or []
+    if not isinstance(history, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair) for pair in history):
+        raise ValueError("Alpaca 'history' must be a list of [instruction, output] string pairs")
+    for asked, answered in history:
+        messages += [{"role": "user", "content": asked}, {"role": "assistant", "content": answered}]
+    prompt = fields["instruction"] + (f"\n\n{fields['input']}" if fields["input"] else "")
+    return [*messages, {"role": "user", "content": prompt}, {"role": "assistant", "content": fields["output"]}]
 
 
 def media_lists(record: dict) -> tuple[Any, Any]:

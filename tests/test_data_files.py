@@ -1,0 +1,90 @@
+"""The files and records people bring: a JSON array file (LLaVA ships its instruction data so)
+reads as the JSONL of its records, through the store too; Alpaca records are the chat they
+mean; a .json file that is not one array is exit 2 naming data.path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from weft.strategies.data.datasets import BadSample, jsonl_samples, jsonl_store
+from weft_cli import run_weft
+
+
+def _same(a, b):
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+    assert (a.pixel_values is None) == (b.pixel_values is None)
+    if a.pixel_values is not None:
+        assert torch.equal(a.pixel_values, b.pixel_values) and torch.equal(a.image_grid_thw, b.image_grid_thw)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    (tmp_path / "coco").mkdir()
+    Image.new("RGB", (84, 56), (200, 30, 30)).save(tmp_path / "coco" / "red.png")
+    return tmp_path
+
+
+LLAVA = [
+    {"id": "1", "image": "coco/red.png",
+     "conversations": [{"from": "human", "value": "<image>\nWhat colour is it?"}, {"from": "gpt", "value": "Red."}]},
+    {"id": "2", "conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi."}]},
+    {"id": "3", "image": "coco/missing.png",
+     "conversations": [{"from": "human", "value": "<image>\nAnd this?"}, {"from": "gpt", "value": "Blue."}]},
+]
+
+
+@pytest.mark.quick
+def test_a_json_array_file_reads_as_its_records_lines(folder):
+    (folder / "llava.json").write_text(json.dumps(LLAVA, indent=2))  # as LLaVA ships it: one array
+    (folder / "llava.jsonl").write_text("".join(json.dumps(r) + "\n" for r in LLAVA))
+    array = list(jsonl_samples(folder / "llava.json", processor="tiny_vl"))
+    lines = list(jsonl_samples(folder / "llava.jsonl", processor="tiny_vl"))
+    assert [type(s) for s in array] == [type(s) for s in lines]
+    _same(array[0], lines[0])
+    _same(array[1], lines[1])
+    assert isinstance(array[2], BadSample) and array[2].where.endswith("llava.json:record 3")
+    store = jsonl_store(folder / "llava.json", processor="tiny_vl", cache_dir=folder / "cache")
+    assert len(store) == 2 and store.bad[0][0].endswith("llava.json:record 3")
+    _same(store[0], lines[0])
+
+
+@pytest.mark.quick
+def test_alpaca_records_are_the_chat_they_mean(folder):
+    records = [
+        {"instruction": "Name the colour.", "input": "A ripe tomato", "output": "Red."},
+        {"instruction": "Say hi.", "input": "", "output": "Hi.", "system": "Be brief.",
+         "history": [["Who are you?", "A model."]]},
+        {"instruction": "<image>What colour is it?", "output": "Red.", "images": ["coco/red.png"]},
+        {"instruction": "Name it.", "output": 3},  # not a string: a bad sample
+    ]
+    chat = [
+        {"messages": [{"role": "user", "content": "Name the colour.\n\nA ripe tomato"},
+                      {"role": "assistant", "content": "Red."}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who are you?"},
+                      {"role": "assistant", "content": "A model."}, {"role": "user", "content": "Say hi."},
+                      {"role": "assistant", "content": "Hi."}]},
+        {"messages": [{"role": "user", "content": "<image>What colour is it?"},
+                      {"role": "assistant", "content": "Red."}], "images": ["coco/red.png"]},
+    ]
+    (folder / "alpaca.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    alpaca = list(jsonl_samples(folder / "alpaca.jsonl", processor="tiny_vl"))
+    same = list(jsonl_samples(folder / "chat.jsonl", processor="tiny_vl"))
+    for a, b in zip(alpaca[:3], same):
+        _same(a, b)
+    assert alpaca[2].pixel_values is not None
+    assert isinstance(alpaca[3], BadSample) and "Alpaca 'output' must be a string" in alpaca[3].reason
+
+
+def test_a_json_file_that_is_not_an_array_is_exit_2(folder):
+    (folder / "one.json").write_text(json.dumps(LLAVA[1]))
+    (folder / "r.toml").write_text('[model]\npreset = "qwen2_5_vl_tiny"\n[data]\nsource = "jsonl"\npath = "one.json"\n'
+                                   '[train]\nmax_steps = 1\n')
+    done = run_weft("run", str(folder / "r.toml"), "--nproc", "1", "--run-dir", str(folder / "run"), cwd=folder)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "data.path" in done.stderr and "one JSON array of records" in done.stderr and "dict" in done.stderr
+    assert "Traceback" not in done.stderr
