@@ -20,7 +20,8 @@ class DataSection:
         "synthetic conversations, a JSONL chat file, or plain text files packed into samples of data.tokens tokens "
         "(real text for loss curves)"))
     path: str | None = attrs.field(default=None, metadata=_doc(
-        "jsonl: the JSONL file (chat format); text: a glob of plain text files (** recursive; \"<stdlib>/**/*.py\": "
+        "jsonl: the JSONL file (chat, sharegpt, LLaVA or Alpaca records), or a .json file of one array of them; "
+        "text: a glob of plain text files (** recursive; \"<stdlib>/**/*.py\": "
         "the Python standard library's sources); relative to the recipe (with --set: to the current folder)"))
     num_samples: int = attrs.field(default=256, validator=in_range(low=1), metadata=_doc(
         "synthetic samples; text: the most samples taken from the files"))
