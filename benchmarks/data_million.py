@@ -115,10 +115,14 @@ def preprocess(root: pathlib.Path, toml: pathlib.Path, data: pathlib.Path, *, np
         out["interrupted_after_s"] = round(time.perf_counter() - start, 1)
         out["shards_before_interrupt"] = len(list(folder.glob("shards-*/shard-*.json")))
     start = time.perf_counter()
-    done = subprocess.run([*command, "--resume"] if interrupt else command, capture_output=True, text=True, cwd=root)
+    if interrupt:  # a new run over the same data (the stopped one left no checkpoint): its store resumes
+        command[command.index("--run-dir") + 1] += "-again"
+    done = subprocess.run(command, capture_output=True, text=True, cwd=root)
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])
     out["cold_start_and_one_step_s"] = round(time.perf_counter() - start, 1)
+    log = (root / command[command.index("--run-dir") + 1] / "log.jsonl").read_text()
+    out["resumed_preprocessing"] = "data.preprocess_resumed" in log
     return out
 
 
