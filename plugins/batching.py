@@ -60,7 +60,8 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
 
 
 def _steps(params, recipe, plan, mesh, model, ctx):
-    from weft.plugins.data import bad_sample_handler, check_vision, pad_id_of, run_samples, truncate
+    from weft.plugins.data import bad_sample_handler, pad_id_of, run_samples
+    from weft.plugins.sample_checks import check_vision, truncate
     from weft.strategies.data.conversation import collate
     from weft.strategies.data.shards import token_counts
     from weft.strategies.data.token_budget import pack_micro_batches, schedule_global_steps, schedule_steps
