@@ -18,9 +18,7 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
         return long_synthetic(recipe, config=config, processor=processor)
     if recipe.data.source == "text":
         return text_corpus(recipe, config=config, processor=processor)
-    if processor is None:
-        raise WeftError("this model has no processor (tokenizer and image processor) to read data with; "
-                        "set model.processor to a processor folder", where=f"{recipe.source} (model.processor)")
+    _need_processor(recipe, processor)
     tokenizer, image_processor = load_processor(processor)
     if recipe.data.source == "synthetic":
         return tokenizer, datasets.synthetic_samples(
@@ -29,16 +27,28 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
             videos=tuple(tuple(size) for size in recipe.data.videos), system=recipe.data.system,
             video_sizing=load_video_sizing(processor),
         )
+    path, workers, cache = _jsonl_file(recipe)
+    return tokenizer, datasets.jsonl_samples(path, processor=processor, workers=workers,
+                                             cache_dir=cache if recipe.data.cache else None,
+                                             max_pixels=recipe.data.max_pixels, system=recipe.data.system,
+                                             videos=video_limits(recipe, processor))
+
+
+def _need_processor(recipe, processor) -> None:
+    if processor is None:
+        raise WeftError("this model has no processor (tokenizer and image processor) to read data with; "
+                        "set model.processor to a processor folder", where=f"{recipe.source} (model.processor)")
+
+
+def _jsonl_file(recipe):
+    """(the data file, preprocessing workers, the cache folder beside it) of a JSONL recipe."""
+    from weft.strategies.data.preprocess import default_workers
+
     path = recipe.data_file()
     if not path.is_file():
         raise WeftError(f"data.path {str(path)!r} does not exist", where=f"{recipe.source} (data.path)")
-    from weft.strategies.data.preprocess import default_workers
-
     workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
-    cache = path.with_name(path.name + ".weft-cache") if recipe.data.cache else None
-    return tokenizer, datasets.jsonl_samples(path, processor=processor, workers=workers, cache_dir=cache,
-                                             max_pixels=recipe.data.max_pixels, system=recipe.data.system,
-                                             videos=video_limits(recipe, processor))
+    return path, workers, path.with_name(path.name + ".weft-cache")
 
 
 def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
@@ -175,18 +185,13 @@ def _run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
         return tokenizer, collect_samples(recipe, source, on_bad=on_bad)
     from weft.strategies.data import datasets
     from weft.strategies.data.conversation import load_processor
-    from weft.strategies.data.preprocess import default_workers
 
     _, processor = adapter.config(recipe)
-    if processor is None:
-        sample_source(recipe, adapter)  # the message naming model.processor
-    path = recipe.data_file()
-    if not path.is_file():
-        raise WeftError(f"data.path {str(path)!r} does not exist", where=f"{recipe.source} (data.path)")
+    _need_processor(recipe, processor)
+    path, workers, cache = _jsonl_file(recipe)
     tokenizer, _ = load_processor(processor)
-    workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
     store = _first_on_rank0(lambda: datasets.jsonl_store(
-        path, processor=processor, cache_dir=path.with_name(path.name + ".weft-cache"), workers=workers,
+        path, processor=processor, cache_dir=cache, workers=workers,
         max_pixels=recipe.data.max_pixels, system=recipe.data.system, videos=video_limits(recipe, processor),
         log=ctx.log))
     for where, reason in store.bad:

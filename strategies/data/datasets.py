@@ -117,12 +117,11 @@ def jsonl_store(path: pathlib.Path, *, processor: str, cache_dir: pathlib.Path, 
         return encode_lines(jobs, processor=processor, processor_folder=processor_dir(processor), base=path.parent,
                             workers=workers, cache_dir=None, max_pixels=max_pixels, videos=videos, system=system)
 
-    shards.build(folder, lines=jsonl_lines(path), encode=encode, log=log)
+    sides = shards.build(folder, lines=jsonl_lines(path), encode=encode, log=log)
     for old in cache_dir.glob("shards-*"):  # an older version of the data file: never read again
         if old.is_dir() and not old.name.startswith(f"shards-{data_key}-"):
             shutil.rmtree(old, ignore_errors=True)
-    store = shards.SampleStore(folder)
-    return store
+    return shards.SampleStore(folder, sides=sides)
 
 
 def _bounded_lines(handle, *, limit: int) -> Iterator[bytes | int]:

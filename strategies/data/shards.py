@@ -37,7 +37,6 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import attrs
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from weft.strategies.data.conversation import Sample
@@ -74,8 +73,7 @@ def _shard_ok(folder: pathlib.Path, side: dict) -> bool:
     try:
         if path.stat().st_size != side["bytes"]:
             return False
-        with safe_open(str(path), framework="pt") as handle:
-            handle.keys()
+        _Shard(path).close()  # its header and row table read
     except Exception:  # missing, truncated or overwritten: made again
         return False
     return True
@@ -108,17 +106,18 @@ def _locked(folder: pathlib.Path):
 
 def build(folder: pathlib.Path, *, lines: Iterable[tuple[str, str]],
           encode: Callable[[Iterable[tuple[str, str]]], Iterator[tuple[str, object]]],
-          log=None, shard_bytes: int = SHARD_BYTES, shard_samples: int = SHARD_SAMPLES) -> None:
+          log=None, shard_bytes: int = SHARD_BYTES, shard_samples: int = SHARD_SAMPLES) -> list[dict]:
     """Encode ``lines`` ((where, line) jobs) through ``encode`` (yields (where, Sample) or
-    (where, reason)) into the store at ``folder``, resuming after its complete shards."""
+    (where, reason)) into the store at ``folder``, resuming after its complete shards. Returns
+    the complete store's sidecars, checked (``SampleStore(folder, sides=...)`` opens it)."""
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder):
-        if complete(folder) and len(_sidecars(folder)) == json.loads((folder / "done.json").read_text())["shards"]:
-            return
+        sides = _sidecars(folder)
+        if complete(folder) and len(sides) == json.loads((folder / "done.json").read_text())["shards"]:
+            return sides
         (folder / "done.json").unlink(missing_ok=True)
         for stale in folder.glob(".*.tmp"):  # a killed build's half-written shard
             stale.unlink()
-        sides = _sidecars(folder)
         for later in folder.glob("shard-*.json"):  # after a damaged shard: made again
             if int(later.stem.split("-")[1]) >= len(sides):
                 later.unlink()
@@ -132,6 +131,7 @@ def build(folder: pathlib.Path, *, lines: Iterable[tuple[str, str]],
             writer.add(where, result)
         writer.close()
         _write_json(folder / "done.json", {"shards": writer.index, "lines": writer.lines_end})
+        return _sidecars(folder)
 
 
 class _Writer:
@@ -250,10 +250,11 @@ class SampleStore(Sequence):
     """A complete store, read by index: ``store[i]`` is the i-th good sample, sliced from its
     shard's file; ``token_counts`` and ``bad`` come from the sidecars without reading one."""
 
-    def __init__(self, folder: pathlib.Path) -> None:
+    def __init__(self, folder: pathlib.Path, *, sides: list[dict] | None = None) -> None:
+        """``sides``: the sidecars ``build`` just checked (else read and checked here)."""
         if not complete(folder):
             raise ValueError(f"{folder}: preprocessing has not finished")
-        sides = _sidecars(folder)
+        sides = _sidecars(folder) if sides is None else sides
         if len(sides) != json.loads((folder / "done.json").read_text())["shards"]:
             raise ValueError(f"{folder}: a shard is missing or damaged")
         self.folder = folder
