@@ -37,6 +37,8 @@ def make_dataset(root: pathlib.Path, *, samples: int, pool: int, seed: int = 0) 
             Image.new("RGB", (56 * rng.randint(1, 3), 56 * rng.randint(1, 3)),
                       tuple(rng.randint(0, 255) for _ in range(3))).save(images / f"{i}.png")
     path = root / f"train-{samples}.jsonl"
+    if path.exists():  # the same seed writes the same file: keep it, and the store made from it
+        return path
     with path.open("w") as out:
         for n in range(samples):
             question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30)))
