@@ -28,6 +28,8 @@ def _toml(value: Any) -> str:
     """A default as it would be written in TOML."""
     if value is None:
         return "unset"
+    if value is attrs.NOTHING:
+        return "required"
     if isinstance(value, bool):
         return "`true`" if value else "`false`"
     if isinstance(value, str):
@@ -78,10 +80,12 @@ def params_table(cls: type) -> str:
 def section_table(name: str) -> Callable[[], str]:
     def render() -> str:
         from weft.core.recipe import recipe
+        from weft.core.recipe.data import DataSource
 
         classes = {
             "model": recipe.ModelSection,
             "data": recipe.DataSection,
+            "data.sources": DataSource,
             "train": recipe.TrainSection,
             "parallel": recipe.ParallelSection,
             "eval": recipe.EvalSection,
@@ -186,6 +190,7 @@ def strategies_section() -> str:
 GENERATORS: dict[str, Callable[[], str]] = {
     "section.model": section_table("model"),
     "section.data": section_table("data"),
+    "section.data.sources": section_table("data.sources"),
     "section.train": section_table("train"),
     "section.parallel": section_table("parallel"),
     "section.eval": section_table("eval"),

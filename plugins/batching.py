@@ -54,76 +54,142 @@ def weft_strategies():
 def weft_batching(decision, recipe, plan, mesh, model, ctx):
     if decision.strategy != "token_budget":
         return None
-    from weft.strategies.data.prefetch import prefetched
-
-    return prefetched(_steps(decision.params, recipe, plan, mesh, model, ctx), decision.params.prefetch)
+    return TokenBudgetSteps(decision.params, recipe=recipe, plan=plan, mesh=mesh, model=model, ctx=ctx)
 
 
-def _steps(params, recipe, plan, mesh, model, ctx):
-    from weft.plugins.data import bad_sample_handler, pad_id_of, run_samples
-    from weft.plugins.sample_checks import check_vision, truncate
-    from weft.strategies.data.conversation import collate
-    from weft.strategies.data.shards import token_counts
-    from weft.strategies.data.token_budget import pack_micro_batches, schedule_global_steps, schedule_steps
+class TokenBudgetSteps:
+    """This rank's steps, from ``ctx.start_step`` on, collated ``prefetch`` steps ahead; under
+    ``train.epochs`` they end after the last epoch, and ``len()`` counts them (the data is read
+    for it, once). The schedule is a function of the lengths, the seed and the epoch, so every
+    rank deals the same one and takes its own slots."""
 
-    on_bad = bad_sample_handler(recipe, ctx)
-    tokenizer, samples = run_samples(recipe, ctx.adapter, ctx=ctx, on_bad=on_bad)
-    samples = check_vision(samples, config=ctx.adapter.config(recipe)[0], ctx=ctx, on_bad=on_bad)
-    budget = recipe.train.micro_batch_tokens
-    limit = min(budget, recipe.train.seq_len)
-    if params.over_long == "truncate":
-        samples = truncate(samples, limit=limit, tokenizer=tokenizer, ctx=ctx, on_bad=on_bad)
-    # Over-long samples get a length past the budget, so packing leaves them out.
-    lengths = [n if n <= limit else budget + 1 for n in token_counts(samples)]
-    too_long = sum(1 for n in lengths if n > budget)
-    if too_long:
-        ctx.count("skipped_samples", too_long)
-        ctx.log.warning("data.too_long", samples=too_long, micro_batch_tokens=budget, max_seq_len=recipe.train.seq_len)
-    pad_id = pad_id_of(tokenizer, ctx.adapter.config(recipe)[0])
-    if params.pack:
-        from weft.strategies.data.packing import collate_packed, pack_documents
+    def __init__(self, params, *, recipe, plan, mesh, model, ctx) -> None:
+        self.params, self.recipe, self.plan, self.mesh, self.model, self.ctx = params, recipe, plan, mesh, model, ctx
+        self._data = None
 
-        positions = ctx.adapter.positions(model)
+    def __iter__(self):
+        from weft.strategies.data.prefetch import prefetched
 
-        def make(indices):
-            return collate_packed([samples[i] for i in indices], pad_id=pad_id, positions=positions)
-    else:
+        return prefetched(self._steps(), self.params.prefetch)
 
-        def make(indices):
-            return collate([samples[i] for i in indices], pad_id=pad_id)
+    def __len__(self) -> int:
+        epochs = self.recipe.train.epochs
+        if not epochs:
+            raise TypeError("the steps are counted under train.epochs only; else train.max_steps")
+        return sum(len(self._schedule(epoch)) for epoch in range(epochs))
 
-    me, step, epoch = mesh.dp_rank(), 0, 0
-    if ctx.one_pass:
-        batches = (pack_documents(lengths, budget=budget, seed=recipe.train.seed, epoch=0) if params.pack else
-                   pack_micro_batches(lengths, budget=budget, seed=recipe.train.seed, epoch=0,
-                                      bucket_size=params.bucket_size))
-        yield from one_pass_rounds(batches, dp_size=plan.mesh.dp, me=me, make=make)
-        return
-    while True:
+    def _load(self):
+        """(samples, lengths, make), read once: the checked samples, their lengths (over-long
+        ones past the budget, counted), and the collation of a micro-batch's indices."""
+        if self._data is not None:
+            return self._data
+        from weft.plugins.data import bad_sample_handler, pad_id_of, run_samples
+        from weft.plugins.sample_checks import truncate
+        from weft.strategies.data.conversation import collate
+        from weft.strategies.data.shards import token_counts
+
+        recipe, ctx, params = self.recipe, self.ctx, self.params
+        on_bad = bad_sample_handler(recipe, ctx)
+        tokenizer, samples = run_samples(recipe, ctx.adapter, ctx=ctx, on_bad=on_bad)
+        budget = recipe.train.micro_batch_tokens
+        limit = min(budget, recipe.train.seq_len)
+        if params.over_long == "truncate":
+            samples = truncate(samples, limit=limit, tokenizer=tokenizer, ctx=ctx, on_bad=on_bad)
+        # Over-long samples get a length past the budget, so packing leaves them out.
+        lengths = [n if n <= limit else budget + 1 for n in token_counts(samples)]
+        too_long = sum(1 for n in lengths if n > budget)
+        if too_long:
+            ctx.count("skipped_samples", too_long)
+            ctx.log.warning("data.too_long", samples=too_long, micro_batch_tokens=budget,
+                            max_seq_len=recipe.train.seq_len)
+        pad_id = pad_id_of(tokenizer, ctx.adapter.config(recipe)[0])
         if params.pack:
-            batches = pack_documents(lengths, budget=budget, seed=recipe.train.seed, epoch=epoch)
+            from weft.strategies.data.packing import collate_packed
+
+            positions = ctx.adapter.positions(self.model)
+
+            def make(indices):
+                return collate_packed([samples[i] for i in indices], pad_id=pad_id, positions=positions)
         else:
-            batches = pack_micro_batches(lengths, budget=budget, seed=recipe.train.seed, epoch=epoch,
-                                         bucket_size=params.bucket_size)
-        schedule = schedule_global_steps if params.schedule == "global" else schedule_steps
-        steps = schedule(batches, lengths, dp_size=plan.mesh.dp, step_tokens=recipe.train.step_tokens,
-                         packed=params.pack)
+
+            def make(indices):
+                return collate([samples[i] for i in indices], pad_id=pad_id)
+
+        self._data = samples, lengths, make
+        return self._data
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        from weft.strategies.data.packing import pack_documents
+        from weft.strategies.data.token_budget import pack_micro_batches
+
+        _, lengths, _ = self._load()
+        budget, seed = self.recipe.train.micro_batch_tokens, self.recipe.train.seed
+        if self.params.pack:
+            return pack_documents(lengths, budget=budget, seed=seed, epoch=epoch)
+        return pack_micro_batches(lengths, budget=budget, seed=seed, epoch=epoch, bucket_size=self.params.bucket_size)
+
+    def _schedule(self, epoch: int):
+        from weft.strategies.data.token_budget import schedule_global_steps, schedule_steps
+
+        samples, lengths, _ = self._load()
+        batches = self._batches(epoch)
+        schedule = schedule_global_steps if self.params.schedule == "global" else schedule_steps
+        steps = schedule(batches, lengths, dp_size=self.plan.mesh.dp, step_tokens=self.recipe.train.step_tokens,
+                         packed=self.params.pack, whole=bool(self.recipe.train.epochs))
         if not steps:
             raise WeftError(
                 f"the data gives no full step: {len(samples)} usable samples make {len(batches)} micro-batches "
-                f"for {plan.mesh.dp} data-parallel ranks; add samples or lower train.step_tokens",
-                where=recipe.source,
+                f"for {self.plan.mesh.dp} data-parallel ranks; add samples or lower train.step_tokens",
+                where=self.recipe.source,
             )
-        for rounds in steps:
-            if step >= ctx.start_step:
+        return steps
+
+    def _steps(self):
+        ctx, me = self.ctx, self.mesh.dp_rank()
+        samples, _, make = self._load()
+        if ctx.one_pass:
+            yield from one_pass_rounds(self._batches(0), dp_size=self.plan.mesh.dp, me=me, make=make)
+            return
+        log = SampleLog(ctx, samples) if self.recipe.train.log_samples and ctx.rank == 0 else None
+        step, epoch, epochs = 0, 0, self.recipe.train.epochs
+        while not epochs or epoch < epochs:
+            for rounds in self._schedule(epoch):
+                step += 1
+                if step <= ctx.start_step:
+                    continue
                 # Every rank deals the same schedule: each counts all ranks' fillers, so rank 0's summary has them.
                 fillers = sum(slot is None for round_ in rounds for slot in round_)
                 if fillers:
                     ctx.count("filler_micro_batches", fillers)
+                if log is not None:
+                    log.write(step, rounds)
                 yield [make(round_[me]) if round_[me] is not None else filler(make(round_[0])) for round_ in rounds]
-            step += 1
-        epoch += 1
-        ctx.log.info("data.epoch", epoch=epoch)
+            epoch += 1
+            ctx.log.info("data.epoch", epoch=epoch)
+
+
+class SampleLog:
+    """``samples.jsonl`` in the run folder (``train.log_samples``): each step's samples by
+    data-parallel rank, then micro-batch, as ids (strategies/data/mixture.py's ``sample_id``);
+    a resumed run first drops the rows after the step it resumed from."""
+
+    def __init__(self, ctx, samples) -> None:
+        import json
+
+        self.samples, self.path = samples, ctx.run_dir / "samples.jsonl"
+        rows = self.path.read_text().splitlines() if self.path.exists() and ctx.start_step else []
+        kept = [row for row in rows if json.loads(row)["step"] <= ctx.start_step]
+        self.path.write_text("".join(row + "\n" for row in kept))
+
+    def write(self, step: int, rounds) -> None:
+        import json
+
+        from weft.strategies.data.mixture import sample_id
+
+        ranks = [[None if round_[rank] is None else [sample_id(self.samples, i) for i in round_[rank]]
+                  for round_ in rounds] for rank in range(len(rounds[0]))]
+        with self.path.open("a") as out:
+            out.write(json.dumps({"step": step, "ranks": ranks}) + "\n")
 
 
 def one_pass_rounds(batches, *, dp_size, me, make):

@@ -27,11 +27,18 @@ def sample_source(recipe, adapter) -> tuple[Any, Any]:
             videos=tuple(tuple(size) for size in recipe.data.videos), system=recipe.data.system,
             video_sizing=load_video_sizing(processor),
         )
-    path, workers, cache = _jsonl_file(recipe)
-    return tokenizer, datasets.jsonl_samples(path, processor=processor, workers=workers,
-                                             cache_dir=cache if recipe.data.cache else None,
-                                             max_pixels=recipe.data.max_pixels, system=recipe.data.system,
-                                             videos=video_limits(recipe, processor))
+    files = _jsonl_files(recipe)
+    return tokenizer, (sample for _, path in files for sample in _file_samples(recipe, path, processor))
+
+
+def _file_samples(recipe, path, processor):
+    """One JSONL (or JSON array) file's samples, preprocessed as the recipe says (no store)."""
+    from weft.strategies.data import datasets
+
+    return datasets.jsonl_samples(path, processor=processor, workers=_workers(recipe),
+                                  cache_dir=_cache_of(path) if recipe.data.cache else None,
+                                  skip_pixels=recipe.data.skip_pixels, system=recipe.data.system,
+                                  videos=video_limits(recipe, processor), pixels=recipe.data.pixels)
 
 
 def _need_processor(recipe, processor) -> None:
@@ -40,15 +47,24 @@ def _need_processor(recipe, processor) -> None:
                         "set model.processor to a processor folder", where=f"{recipe.source} (model.processor)")
 
 
-def _jsonl_file(recipe):
-    """(the data file, preprocessing workers, the cache folder beside it) of a JSONL recipe."""
+def _jsonl_files(recipe) -> list:
+    """(the key naming it, the file) of each data file of a JSONL recipe, each checked to exist."""
+    files = recipe.data_files()
+    for key, path in files:
+        if not path.is_file():
+            raise WeftError(f"{key} {str(path)!r} does not exist", where=f"{recipe.source} ({key})")
+    return files
+
+
+def _workers(recipe) -> int:
     from weft.strategies.data.preprocess import default_workers
 
-    path = recipe.data_file()
-    if not path.is_file():
-        raise WeftError(f"data.path {str(path)!r} does not exist", where=f"{recipe.source} (data.path)")
-    workers = default_workers() if recipe.data.workers == -1 else recipe.data.workers
-    return path, workers, path.with_name(path.name + ".weft-cache")
+    return default_workers() if recipe.data.workers == -1 else recipe.data.workers
+
+
+def _cache_of(path):
+    """The cache folder beside a data file."""
+    return path.with_name(path.name + ".weft-cache")
 
 
 def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
@@ -170,7 +186,9 @@ def bad_sample_handler(recipe, ctx):
 def run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
     """(tokenizer, the good samples) as a run batches them: a JSONL file with ``data.cache``
     preprocessed once into shards on disk that every rank maps (strategies/data/shards.py),
-    its bad lines reported from the store; any other source collected in memory."""
+    its bad lines reported from the store; any other source collected in memory; several
+    ``[[data.sources]]`` mixed. Samples whose image tokens do not match their grids are
+    reported and left out (plugins/sample_checks.py)."""
     from weft.strategies.data import datasets
 
     try:
@@ -180,24 +198,55 @@ def run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
 
 
 def _run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
-    if recipe.data.source != "jsonl" or not recipe.data.cache:
+    from weft.plugins.sample_checks import check_vision
+
+    config, processor = adapter.config(recipe)
+    if recipe.data.source != "jsonl":
         tokenizer, source = sample_source(recipe, adapter)
-        return tokenizer, collect_samples(recipe, source, on_bad=on_bad)
-    from weft.strategies.data import datasets
+        return tokenizer, check_vision(collect_samples(recipe, source, on_bad=on_bad), config=config, ctx=ctx,
+                                       on_bad=on_bad)
     from weft.strategies.data.conversation import load_processor
 
-    _, processor = adapter.config(recipe)
     _need_processor(recipe, processor)
-    path, workers, cache = _jsonl_file(recipe)
     tokenizer, _ = load_processor(processor)
+    parts = [check_vision(_file_store(recipe, path, processor, ctx=ctx, on_bad=on_bad), config=config, ctx=ctx,
+                          on_bad=on_bad) for _, path in _jsonl_files(recipe)]
+    return tokenizer, mixed(recipe, parts, ctx=ctx) if recipe.data.sources else parts[0]
+
+
+def _file_store(recipe, path, processor, *, ctx, on_bad):
+    """A data file's samples: with ``data.cache``, its store of shards on disk (made by rank 0
+    first), its bad lines reported from the store; else every sample in memory."""
+    from weft.strategies.data import datasets
+
+    if not recipe.data.cache:
+        return datasets.collect(_file_samples(recipe, path, processor), on_bad=on_bad)
     store = _first_on_rank0(lambda: datasets.jsonl_store(
-        path, processor=processor, cache_dir=cache, workers=workers,
-        max_pixels=recipe.data.max_pixels, system=recipe.data.system, videos=video_limits(recipe, processor),
-        log=ctx.log))
+        path, processor=processor, cache_dir=_cache_of(path), workers=_workers(recipe),
+        skip_pixels=recipe.data.skip_pixels, system=recipe.data.system, videos=video_limits(recipe, processor),
+        pixels=recipe.data.pixels, log=ctx.log))
     for where, reason in store.bad:
         on_bad(datasets.BadSample(where, reason))
     ctx.log.info("data.store", samples=len(store), bad=len(store.bad), folder=str(store.folder))
-    return tokenizer, store
+    return store
+
+
+def mixed(recipe, parts, *, ctx):
+    """The ``[[data.sources]]`` mixed (strategies/data/mixture.py), drawn from ``train.seed``."""
+    from weft.strategies.data.mixture import Mixture, chosen, quotas
+
+    sources = recipe.data.sources
+    sizes = [len(part) for part in parts]
+    counts = quotas(sizes, weights=[s.weight for s in sources], samples=[s.samples for s in sources],
+                    total=recipe.data.mix_samples)
+    for n, (size, count) in enumerate(zip(sizes, counts)):
+        if count and not size:
+            raise WeftError(f"data.sources[{n}].path {sources[n].path!r} gives no usable sample for its "
+                            f"{count} in the mixture", where=f"{recipe.source} (data.sources[{n}])")
+    mixture = Mixture(parts, [chosen(size, count, seed=recipe.train.seed, source=n)
+                              for n, (size, count) in enumerate(zip(sizes, counts))])
+    ctx.log.info("data.mixture", samples=len(mixture), by_source=counts, available=sizes)
+    return mixture
 
 
 def _first_on_rank0(make):

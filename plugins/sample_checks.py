@@ -10,7 +10,7 @@ def truncate(samples, *, limit, tokenizer, ctx, on_bad):
     over-long ones are read (the token counts say which): a store's samples stay on disk."""
     from weft.strategies.data.conversation import truncate_sample
     from weft.strategies.data.datasets import BadSample
-    from weft.strategies.data.shards import SampleStore, SampleView, token_counts
+    from weft.strategies.data.shards import SampleView, token_counts
 
     kept, overlay = [], {}
     for index, count in enumerate(token_counts(samples)):
@@ -26,9 +26,9 @@ def truncate(samples, *, limit, tokenizer, ctx, on_bad):
             ctx.count("truncated_samples")
         except ValueError as error:
             on_bad(BadSample(f"sample {index}", str(error)))
-    if isinstance(samples, (SampleStore, SampleView)):
-        return SampleView(samples, kept, overlay)
-    return [overlay.get(i, samples[i]) for i in kept]  # in memory already: a list, as it came
+    if isinstance(samples, list):
+        return [overlay.get(i, samples[i]) for i in kept]  # in memory already: a list, as it came
+    return SampleView(samples, kept, overlay)  # a store, a view or a mixture: read when batched
 
 
 def check_vision(samples, *, config, ctx, on_bad):

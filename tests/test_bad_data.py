@@ -143,8 +143,8 @@ def test_strict_data_stops_at_the_first_bad_line(weft, dataset, tmp_path):
 
 
 @pytest.mark.quick
-def test_images_past_max_pixels_are_skipped_and_counted(tmp_path):
-    """data.max_pixels: an image of more pixels is a bad sample named by its line (read from
+def test_images_past_skip_pixels_are_skipped_and_counted(tmp_path):
+    """data.skip_pixels: an image of more pixels is a bad sample named by its line (read from
     the header, never decoded); a cache filled under a looser limit is not reused."""
     from weft.strategies.data.datasets import BadSample, jsonl_samples
 
@@ -156,10 +156,11 @@ def test_images_past_max_pixels_are_skipped_and_counted(tmp_path):
     path.write_text("\n".join(json.dumps(chat(f"images/{name}.png")) for name in ("big", "small", "big")) + "\n")
     cache = tmp_path / "cache"
 
-    def results(max_pixels):
-        return list(jsonl_samples(path, processor="tiny_vl", cache_dir=cache, max_pixels=max_pixels))
+    def results(skip_pixels):
+        return list(jsonl_samples(path, processor="tiny_vl", cache_dir=cache, skip_pixels=skip_pixels))
 
     assert not any(isinstance(r, BadSample) for r in results(0))  # fills the cache
     limited = results(3000)
     assert [isinstance(r, BadSample) for r in limited] == [True, False, True]
-    assert limited[0].where == f"{path}:1" and "84x56 = 4,704 pixels, over data.max_pixels = 3,000" in limited[0].reason
+    assert limited[0].where == f"{path}:1"
+    assert "84x56 = 4,704 pixels, over data.skip_pixels = 3,000" in limited[0].reason

@@ -88,3 +88,36 @@ def test_a_json_file_that_is_not_an_array_is_exit_2(folder):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "data.path" in done.stderr and "one JSON array of records" in done.stderr and "dict" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.quick
+def test_max_pixels_resizes_as_the_processor_does(folder):
+    """data.min_pixels / data.max_pixels: images over and under the budget come out as the model's
+    own image processor sizes them for it (its smart_resize), in the store as in memory."""
+    from weft.strategies.data.conversation import load_processor
+
+    sizes = {"big": (448, 336), "small": (40, 30), "middle": (112, 84)}
+    for name, size in sizes.items():
+        Image.new("RGB", size, (20, 120, 220)).save(folder / "coco" / f"{name}.png")
+    records = [{"messages": [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A."}],
+                "images": [f"coco/{name}.png"]} for name in sizes]
+    (folder / "sized.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    budget = (56 * 56, 112 * 112)
+    _, processor = load_processor("tiny_vl")
+    for pixels in ((0, 0), budget, (0, budget[1])):
+        resized = list(jsonl_samples(folder / "sized.jsonl", processor="tiny_vl", pixels=pixels))
+        store = jsonl_store(folder / "sized.jsonl", processor="tiny_vl", cache_dir=folder / "cache", pixels=pixels)
+        own = {"shortest_edge": pixels[0] or processor.size.shortest_edge,
+               "longest_edge": pixels[1] or processor.size.longest_edge}
+        for n, name in enumerate(sizes):
+            with Image.open(folder / "coco" / f"{name}.png") as image:
+                want = processor(images=[image.convert("RGB")], return_tensors="pt", size=own)
+            assert torch.equal(resized[n].image_grid_thw, want["image_grid_thw"]), (pixels, name)
+            assert torch.equal(resized[n].pixel_values, want["pixel_values"].float())
+            _same(store[n], resized[n])
+        t, h, w = resized[0].image_grid_thw[0].tolist()
+        if pixels == budget:  # the big one shrunk into the budget, the small one grown to its least
+            assert h * w * 14 * 14 <= budget[1] < 448 * 336
+            assert resized[1].image_grid_thw[0].prod() * 14 * 14 >= budget[0] > 40 * 30
+        if pixels == (0, 0):
+            assert h * w * 14 * 14 > budget[1]  # the folder's own budget keeps it larger

@@ -82,10 +82,10 @@ def cmd_run(args) -> int:
 
 def _check_inputs(recipe, pm) -> None:
     if recipe.data.source == "jsonl":
-        path = recipe.data_file()
-        if not path.is_file():
-            raise WeftError(f"data.path {str(path)!r} does not exist (relative to the recipe; with --set, to here)",
-                            where=f"{recipe.source} (data.path)")
+        for key, path in recipe.data_files():
+            if not path.is_file():
+                raise WeftError(f"{key} {str(path)!r} does not exist (relative to the recipe; with --set, to here)",
+                                where=f"{recipe.source} ({key})")
     tokenized = recipe.data.source == "jsonl" or not recipe.data.tokens
     processor = pm.models.for_recipe(recipe).config(recipe)[1]
     # A downloaded directory without a file the run reads: one message, not one error per rank.

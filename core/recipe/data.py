@@ -15,6 +15,25 @@ def _doc(text: str) -> dict[str, str]:
 
 
 @attrs.frozen(kw_only=True)
+class DataSource:
+    """One dataset of a mixture (``[[data.sources]]``): its file and its part of the whole."""
+
+    path: str = attrs.field(metadata=_doc(
+        "the source's file, as data.path takes it (JSONL, or a .json array); relative to the recipe"))
+    weight: float | None = attrs.field(default=None, validator=attrs.validators.optional(in_range(low=0.0)),
+                                       metadata=_doc(
+        "this source's share of the mixture (weights are normalised over the sources); the mixture holds "
+        "data.mix_samples samples, or, without it, as many as the first source to run out allows"))
+    samples: int | None = attrs.field(default=None, validator=attrs.validators.optional(in_range(low=1)),
+                                      metadata=_doc(
+        "exactly this many samples of the source (repeating it when it has fewer); neither key: all of it once"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.weight is not None and self.samples is not None:
+            raise ValueError(f"data.sources {self.path!r}: give weight or samples, not both")
+
+
+@attrs.frozen(kw_only=True)
 class DataSection:
     source: Literal["synthetic", "jsonl", "text"] = attrs.field(default="synthetic", metadata=_doc(
         "synthetic conversations, a JSONL chat file, or plain text files packed into samples of data.tokens tokens "
@@ -23,6 +42,12 @@ class DataSection:
         "jsonl: the JSONL file (chat, sharegpt, LLaVA or Alpaca records), or a .json file of one array of them; "
         "text: a glob of plain text files (** recursive; \"<stdlib>/**/*.py\": "
         "the Python standard library's sources); relative to the recipe (with --set: to the current folder)"))
+    sources: tuple[DataSource, ...] = attrs.field(default=(), metadata=_doc(
+        "jsonl: several datasets mixed, [[data.sources]] tables of path and weight or samples (in place of "
+        "data.path); the mixture is drawn once from train.seed, every epoch shuffles it"))
+    mix_samples: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "samples in a weighted mixture of data.sources (an epoch); 0 = as many as the first source to run out "
+        "allows, no weighted sample repeated"))
     num_samples: int = attrs.field(default=256, validator=in_range(low=1), metadata=_doc(
         "synthetic samples; text: the most samples taken from the files"))
     skip_samples: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
@@ -38,7 +63,14 @@ class DataSection:
         "assistant.\"); unset: the template's own"))
     strict: bool = attrs.field(default=False, metadata=_doc("a bad sample stops the run instead of being skipped"))
     max_pixels: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
-        "an image of more pixels (width x height) is skipped and counted before it is decoded; "
+        "an image of more pixels (width x height) is resized to fit by the model's image processor (Qwen2.5-VL's "
+        "smart_resize: sides multiples of patch x merge, the aspect kept), as its max_pixels does (training, eval, "
+        "weft generate); 0 = the processor folder's own (its size.longest_edge)"))
+    min_pixels: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "an image of fewer pixels is resized up to this many, as above; 0 = the processor folder's own "
+        "(size.shortest_edge)"))
+    skip_pixels: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "an image file of more pixels is skipped and counted before it is decoded (a guard against huge files); "
         "0 = PIL's decompression-bomb limit (~89M)"))
     workers: int = attrs.field(default=-1, validator=in_range(low=-1),
                                metadata=_doc("preprocessing processes; -1 = min(8, cores - 1), 0/1 = in-process"))
@@ -65,9 +97,23 @@ class DataSection:
     max_frames: int = attrs.field(default=768, validator=in_range(low=2), metadata=_doc(
         "most frames kept of one video (sampled evenly); a video part's own 'max_frames' key overrides it"))
 
+    @property
+    def pixels(self) -> tuple[int, int]:
+        """(min, max) pixels images are resized within; 0 = the processor's own bound."""
+        return self.min_pixels, self.max_pixels
+
     def __attrs_post_init__(self) -> None:
-        if self.source == "jsonl" and self.path is None:
-            raise ValueError("data.source = 'jsonl' needs data.path")
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ValueError(f"data.min_pixels ({self.min_pixels:,}) is over data.max_pixels ({self.max_pixels:,})")
+        if self.source == "jsonl" and (self.path is None) == (not self.sources):
+            raise ValueError("data.source = 'jsonl' needs data.path (one file) or [[data.sources]] (several mixed), "
+                             "one of them")
+        if self.sources and self.source != "jsonl":
+            raise ValueError(f"[[data.sources]] mixes data files: data.source = 'jsonl' (it is {self.source!r})")
+        if any(s.weight is not None for s in self.sources) and any(s.weight is None for s in self.sources):
+            raise ValueError("[[data.sources]]: give every source a weight, or none (samples counts, or whole)")
+        if self.mix_samples and not any(s.weight is not None for s in self.sources):
+            raise ValueError("data.mix_samples sizes a weighted mixture: give the [[data.sources]] weights")
         if self.source == "text" and (self.path is None or not self.tokens):
             raise ValueError("data.source = 'text' packs the files of data.path (a glob, e.g. \"<stdlib>/**/*.py\") "
                              "into samples of data.tokens tokens: set both")

@@ -18,6 +18,7 @@ from weft.core.recipe.data import DataSection, EvalSection, _doc
 from weft.core.recipe.presets import is_preset_path, preset_names
 from weft.core.recipe.schema import Where, build, did_you_mean, in_range
 from weft.core.recipe.syntax import Rule, bundled_path, load_includes, parse_rules, parse_toml, read_toml_text
+from weft.core.recipe.train import TrainSection
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,43 +48,6 @@ class ModelSection:
         if self.rope_scaling == "none" and self.rope_factor != 1.0:
             raise ValueError(f"model.rope_factor = {self.rope_factor:g} does nothing "
                              "without model.rope_scaling (yarn, linear or dynamic)")
-
-
-@attrs.frozen(kw_only=True)
-class TrainSection:
-    max_steps: int = attrs.field(default=20, validator=in_range(low=1), metadata=_doc("optimizer steps"))
-    seed: int = attrs.field(default=0, validator=in_range(low=0),
-                            metadata=_doc("seeds model init, data order, dropout"))
-    checkpoint_every: int = attrs.field(default=0, validator=in_range(low=-1), metadata=_doc(
-        "steps between checkpoints; 0 = only at the end; -1 = none at all (benchmarks, disks smaller than the model)"))
-    keep_checkpoints: int = attrs.field(default=2, validator=in_range(low=1), metadata=_doc("newest checkpoints kept"))
-    micro_batch_tokens: int = attrs.field(default=2048, validator=in_range(low=16),
-                                          metadata=_doc("padded tokens per micro-batch per rank"))
-    step_tokens: int = attrs.field(default=0, validator=in_range(low=0),
-                                   metadata=_doc("accumulate micro-batches until this many tokens (all ranks); "
-                                                 "0 = one round"))
-    max_seq_len: int = attrs.field(default=0, validator=in_range(low=0),
-                                   metadata=_doc("longest sample; 0 = micro_batch_tokens; the seq_len rule selector"))
-    lr: float = attrs.field(default=1e-3, validator=in_range(low=0.0), metadata=_doc("peak learning rate"))
-    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(low=0.0, high=1.0),
-                                      metadata=_doc("cosine floor as a fraction of lr"))
-    warmup_steps: int = attrs.field(default=2, validator=in_range(low=0), metadata=_doc("linear warmup steps"))
-    weight_decay: float = attrs.field(default=0.0, validator=in_range(low=0.0), metadata=_doc("AdamW weight decay"))
-    beta1: float = attrs.field(default=0.9, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta1"))
-    beta2: float = attrs.field(default=0.95, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta2"))
-    optimizer: str = attrs.field(default="adamw_sr", metadata=_doc(
-        "the run's optimizer strategy (an optimizer rule's default): adamw_sr (float32 math, stochastic rounding of "
-        "bf16 weights and moments: no update lost; torch's AdamW for float32 weights), adamw (torch's fused, "
-        "round-to-nearest in the weights' dtype), adamw_8bit (torchao's 8-bit moments); `weft plugins` lists all"))
-    precision: Literal["fp32", "bf16"] = attrs.field(default="fp32", metadata=_doc("fp32, or bf16 autocast"))
-    loss: Literal["logits", "fused"] = attrs.field(default="logits", metadata=_doc(
-        "logits: the model's logits, then a chunked float32 cross-entropy; fused: lm_head and the loss by chunks "
-        "from the hidden states, the logits never exist (the head's weights join the root FSDP unit)"))
-    log_every: int = attrs.field(default=1, validator=in_range(low=1), metadata=_doc("steps between console lines"))
-
-    @property
-    def seq_len(self) -> int:
-        return self.max_seq_len or self.micro_batch_tokens
 
 
 @attrs.frozen(kw_only=True)
@@ -200,6 +164,14 @@ class Recipe:
         if self.data.path is None:
             raise RecipeError("data.source = 'jsonl' needs data.path", where=f"{self.source} (data.path)")
         return self.relative(self.data.path)
+
+    def data_files(self) -> list[tuple[str, pathlib.Path]]:
+        """(the key that names it, the file) of each data file: ``data.path``, or each of
+        ``[[data.sources]]`` in order."""
+        if self.data.sources:
+            return [(f"data.sources[{n}].path", self.relative(source.path)) for n, source in
+                    enumerate(self.data.sources)]
+        return [("data.path", self.data_file())]
 
 
 def _eval_section(data: dict, *, where: Where) -> EvalSection:

@@ -189,6 +189,14 @@ def build(cls: type, data: Any, *, where: Where, prefix: str) -> Any:
         if attrs.has(annotation):
             kwargs[field.name] = build(annotation, value, where=where, prefix=dotted)
             continue
+        table = _table_of(annotation)
+        if table is not None:  # an array of tables ([[data.sources]]), each checked as a table
+            if not isinstance(value, list):
+                raise RecipeError(f"{_show(value)} is not accepted for {key!r}; expected an array of tables "
+                                  f"([[{dotted}]])", where=where.at(dotted))
+            kwargs[field.name] = tuple(build(table, item, where=where, prefix=f"{dotted}[{n}]")
+                                       for n, item in enumerate(value))
+            continue
         try:
             kwargs[field.name] = convert(value, annotation)
         except ValueError:
@@ -206,6 +214,14 @@ def build(cls: type, data: Any, *, where: Where, prefix: str) -> Any:
         ) from None
     except (ValueError, TypeError) as error:
         raise RecipeError(str(error), where=where.at(prefix)) from None
+
+
+def _table_of(annotation: Any) -> type | None:
+    """The attrs class of a ``tuple[Class, ...]`` field (an array of tables), else None."""
+    if typing.get_origin(annotation) is tuple:
+        item = typing.get_args(annotation)[0]
+        return item if attrs.has(item) else None
+    return None
 
 
 def _dotted_keys(data: dict, prefix: str) -> set[str]:

@@ -192,10 +192,23 @@ def load(*, path: pathlib.Path, model, optimizer, scheduler, rank: int) -> int:
     """Restore a checkpoint in place; returns the step it was taken after."""
     meta = json.loads((path / "meta.json").read_text())
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
+    # A parameter no gradient reached before the save (the vision tower while every sample so
+    # far was text) had no optimizer state then: it gets none now either, as in the run that
+    # never stopped (torch's state_dict made one for every parameter, its step already counted).
+    saved = set(dcp_read.read_metadata(path).state_dict_metadata)
+    stateless = [fqn for fqn in optim_sd["state"] if not any(k.startswith(f"optim.state.{fqn}.") for k in saved)]
+    for fqn in stateless:
+        del optim_sd["state"][fqn]
     state = {"model": model_sd, "optim": optim_sd}
     dcp_read.load(state, path)  # every trained tensor must be there: DCP raises otherwise
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_LOAD_TRAINED)
+    if stateless:
+        # The state dict's names drop the wrappers' parts (recomputation's, torch.compile's).
+        params = {re.sub(r"(_checkpoint_wrapped_module|_orig_mod)\.", "", name): p
+                  for name, p in model.named_parameters()}
+        for fqn in stateless:
+            optimizer.state.pop(params.get(fqn), None)
     scheduler.load_state_dict(meta["scheduler"])
     rng = path / f"rng-rank{rank}.pt"
     if rng.is_file() and meta["world_size"] == dist.get_world_size():

@@ -80,15 +80,23 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     if ctx.rank == 0:
         (ctx.run_dir / "plan.json").write_text(json.dumps(run.plan.to_json(), indent=1))
+    decision = run.plan.decision("batching")
+
+    def batching():
+        return pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
+                             model=run.model, ctx=ctx)
+
+    counted = None
+    if recipe.train.epochs:  # the steps of the epochs, counted from the data before the schedule is made
+        counted = batching()
+        recipe = epoch_steps(recipe, counted, strategy=decision.strategy, ctx=ctx)
     optimizer, scheduler = make_optimizer(recipe, run.model, plan=run.plan, pm=pm, ctx=ctx)
     ctx.optimizer = optimizer
     if resume:
         ctx.start_step = _resume(ctx, run.model, optimizer, scheduler)
         if ctx.rank == 0:
             trim_metrics(ctx.run_dir / "metrics.jsonl", last_step=ctx.start_step)
-    decision = run.plan.decision("batching")
-    steps = iter(pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
-                               model=run.model, ctx=ctx))
+    steps = iter(counted if counted is not None else batching())
     if not resume:
         # Start-up may draw from torch's generators a varying amount; the steps draw from a stream
         # the seed fixes (stochastic rounding repeats from run to run and agrees across replicas).
@@ -145,6 +153,26 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
     if ctx.rank == 0:
         pm.call_all("weft_metrics", event="end", row=summary, plan=run.plan, ctx=ctx)
     return summary
+
+
+def epoch_steps(recipe: Recipe, steps: Any, *, strategy: str, ctx: RunContext) -> Recipe:
+    """The recipe with ``train.max_steps`` = the steps of ``train.epochs`` epochs: ``len()`` of
+    the batching's iterable (the data read to count them)."""
+    import attrs
+
+    if "max_steps" in recipe.raw.get("train", {}):
+        raise WeftError("train.epochs and train.max_steps both set: the epochs count the steps; drop one",
+                        where=f"{recipe.source} (train.epochs)")
+    try:
+        total = len(steps)
+    except TypeError:
+        raise WeftError(f"batching strategy {strategy!r} does not count its steps (its iterable has no len()), "
+                        "which train.epochs needs; set train.max_steps instead", where=f"{recipe.source} (train.epochs)"
+                        ) from None
+    ctx.log.info("data.epochs", epochs=recipe.train.epochs, steps=total)
+    resolved = attrs.evolve(recipe, train=attrs.evolve(recipe.train, max_steps=total))
+    ctx.recipe = attrs.evolve(ctx.recipe, train=resolved.train)
+    return resolved
 
 
 def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, autocast, pm, ctx: RunContext,

@@ -69,7 +69,8 @@ class TransformersAdapter:
 
         processor = self.config(recipe)[1]
         return prompt_inputs(processor=processor, text=text, images=images, videos=videos,
-                             video_limits=video_limits(recipe, processor), system=recipe.data.system)
+                             video_limits=video_limits(recipe, processor), system=recipe.data.system,
+                             pixels=recipe.data.pixels)
 
     def task_inputs(self, recipe: Recipe, *, record: dict, base: pathlib.Path,
                     choices: Sequence[str] | None) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
@@ -81,7 +82,7 @@ class TransformersAdapter:
         pad_id = pad_id_of(load_processor(processor)[0], config) if processor is not None else 0
         return task_inputs(processor=processor, record=record, base=base, choices=choices, pad_id=pad_id,
                            video_limits=video_limits(recipe, processor), system=recipe.data.system,
-                           max_pixels=recipe.data.max_pixels)
+                           skip_pixels=recipe.data.skip_pixels, pixels=recipe.data.pixels)
 
     def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
         from weft.plugins.models.prompt import decode_tokens

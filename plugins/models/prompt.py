@@ -10,7 +10,8 @@ import torch
 
 
 def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str], videos: Sequence[str] = (),
-                  video_limits: Any = None, system: str | None = None) -> dict[str, torch.Tensor]:
+                  video_limits: Any = None, system: str | None = None,
+                  pixels: tuple[int, int] = (0, 0)) -> dict[str, torch.Tensor]:
     """(B = 1) input_ids, attention_mask, mm_token_type_ids and the image and video inputs of one
     user turn ([images][videos]text) rendered as training renders conversations (the processor's
     chat template, else weft's layout), with ``system`` (``data.system``) as its system message
@@ -23,7 +24,7 @@ def prompt_inputs(*, processor: str | None, text: str, images: Sequence[str], vi
     if processor is None:
         raise WeftError("this recipe's model has no processor folder (model.processor), so a text prompt cannot be "
                         "encoded", where="model.processor")
-    tokenizer, image_processor = load_processor(processor)
+    tokenizer, image_processor = load_processor(processor, pixels=pixels)
     content = [{"type": "image", "image": path} for path in images] + _video_parts(videos, video_limits) \
         + [{"type": "text", "text": text}]
     try:
@@ -47,7 +48,8 @@ def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def task_inputs(*, processor: str | None, record: dict, base: Any, choices: Sequence[str] | None, pad_id: int,
                 video_limits: Any = None, system: str | None = None,
-                max_pixels: int = 0) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+                skip_pixels: int = 0, pixels: tuple[int, int] = (0, 0),
+                ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     """(the question's prompt inputs (B = 1) for generation, one micro-batch per choice with the
     choice's tokens as its only labels). ValueError or OSError when the line cannot be read."""
     from weft.core.errors import WeftError
@@ -59,7 +61,7 @@ def task_inputs(*, processor: str | None, record: dict, base: Any, choices: Sequ
     if processor is None:
         raise WeftError("this recipe's model has no processor folder (model.processor) to read the questions with",
                         where="model.processor")
-    tokenizer, image_processor = load_processor(processor)
+    tokenizer, image_processor = load_processor(processor, pixels=pixels)
     if "messages" not in record and "conversations" not in record:  # a plain-text "context" (text-only models),
         # tokenized as data.source = "text" reads text; a conversation's own "context" key stays its data
         encode = tokenizer_encode(tokenizer)
@@ -67,7 +69,7 @@ def task_inputs(*, processor: str | None, record: dict, base: Any, choices: Sequ
         scored = continuation_samples(choices or (), prompt, encode=encode)
         return _model_inputs(collate([prompt], pad_id=0)), [collate([s], pad_id=pad_id) for s in scored]
     messages, prompt = question(record, base=base, tokenizer=tokenizer, image_processor=image_processor,
-                                system=system, max_pixels=max_pixels, videos=video_limits or VideoLimits())
+                                system=system, skip_pixels=skip_pixels, videos=video_limits or VideoLimits())
     scored = choice_samples(choices or (), messages, prompt, tokenizer=tokenizer, image_processor=image_processor,
                             system=system)
     return _model_inputs(collate([prompt], pad_id=0)), [collate([s], pad_id=pad_id) for s in scored]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.resources
 import io
+import json
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -323,14 +324,17 @@ def processor_dir(path_or_bundled_name: str | os.PathLike[str]) -> pathlib.Path:
     return pathlib.Path(text)
 
 
-def load_processor(path_or_bundled_name: str | os.PathLike[str], *, backend: str | None = "pil") -> tuple[Any, Any]:
+def load_processor(path_or_bundled_name: str | os.PathLike[str], *, backend: str | None = "pil",
+                   pixels: tuple[int, int] = (0, 0)) -> tuple[Any, Any]:
     """(tokenizer, image_processor) from a processor folder.
 
     A bare name such as "tiny_vl" means the folder shipped in `weft.recipes`; a path
     (anything with a separator, or a PathLike) is used as is. `backend="pil"` by default
     so pixel values do not depend on whether torchvision happens to be installed. The
     tokenizer carries the folder's chat template (``chat_template.jinja``, else
-    ``chat_template.json``, else its own), which encode_conversation renders with.
+    ``chat_template.json``, else its own), which encode_conversation renders with. ``pixels``:
+    (min, max) pixels an image is resized within by the image processor itself (``data.min_pixels``,
+    ``data.max_pixels``; 0 keeps the folder's own bound).
     """
     from transformers import AutoImageProcessor, AutoTokenizer
 
@@ -341,11 +345,11 @@ def load_processor(path_or_bundled_name: str | os.PathLike[str], *, backend: str
         if resource.is_dir():
             # as_file gives a real directory even if the package is zipped.
             with importlib.resources.as_file(resource) as folder:
-                return _load_from(folder, backend, AutoTokenizer, AutoImageProcessor)
+                return _load_from(folder, backend, AutoTokenizer, AutoImageProcessor, pixels)
     folder = pathlib.Path(text)
     if not folder.is_dir():
         raise FileNotFoundError(f"no processor folder {text!r} (neither bundled in {_RECIPES_PACKAGE} nor on disk)")
-    return _load_from(folder, backend, AutoTokenizer, AutoImageProcessor)
+    return _load_from(folder, backend, AutoTokenizer, AutoImageProcessor, pixels)
 
 
 def load_video_sizing(path_or_bundled_name: str | os.PathLike[str]) -> Any:
@@ -356,7 +360,8 @@ def load_video_sizing(path_or_bundled_name: str | os.PathLike[str]) -> Any:
     return VideoSizing.from_folder(processor_dir(path_or_bundled_name))
 
 
-def _load_from(folder: pathlib.Path, backend: str | None, auto_tok: Any, auto_image: Any) -> tuple[Any, Any]:
+def _load_from(folder: pathlib.Path, backend: str | None, auto_tok: Any, auto_image: Any,
+               pixels: tuple[int, int] = (0, 0)) -> tuple[Any, Any]:
     # The folder's files as data: never its own code (an auto_map), nothing fetched.
     tokenizer = auto_tok.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     template = processor_chat_template(folder)
@@ -364,6 +369,27 @@ def _load_from(folder: pathlib.Path, backend: str | None, auto_tok: Any, auto_im
         tokenizer.chat_template = template
     kwargs = {} if backend is None else {"backend": backend}
     image_processor = auto_image.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False, **kwargs)
+    if any(pixels):
+        # The processor's own resize (Qwen2.5-VL's smart_resize), within the recipe's budget: its
+        # size in pixels, shortest_edge the least and longest_edge the most.
+        own = image_processor.size
+        low, high = (getattr(own, name, None) if not isinstance(own, dict) else own.get(name)
+                     for name in ("shortest_edge", "longest_edge"))
+        if low is None or high is None:
+            raise ValueError(f"data.min_pixels / data.max_pixels resize within a pixel budget; the image processor "
+                             f"of {folder} sizes images otherwise (size = {dict(own) if own else own!r})")
+        size = {"shortest_edge": pixels[0] or low, "longest_edge": pixels[1] or high}
+        if size["shortest_edge"] > size["longest_edge"]:
+            raise ValueError(f"data.min_pixels = {size['shortest_edge']:,} is over the image budget's most, "
+                             f"{size['longest_edge']:,} pixels (data.max_pixels, else the processor's own)")
+        given = json.loads((folder / "preprocessor_config.json").read_text())
+        if "min_pixels" in given or "max_pixels" in given:  # the older keys, which win over size when read
+            kwargs.update(min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        image_processor = auto_image.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
+                                                     size=size, **kwargs)
+        now = image_processor.size
+        if (getattr(now, "shortest_edge", None), getattr(now, "longest_edge", None)) != tuple(size.values()):
+            raise ValueError(f"the image processor of {folder} did not take the pixel budget {size} (its size: {now})")
     return tokenizer, image_processor
 
 

@@ -36,7 +36,7 @@ def synthetic_samples(
 
 def jsonl_samples(
     path: pathlib.Path, *, processor: str, workers: int = 1, cache_dir: pathlib.Path | None = None,
-    max_pixels: int = 0, videos: Any = None, system: str | None = None,
+    skip_pixels: int = 0, videos: Any = None, system: str | None = None, pixels: tuple[int, int] = (0, 0),
 ) -> Iterator[Sample | BadSample]:
     """JSONL in the chat or sharegpt-style format (``data_formats``), one record per line,
     encoded in ``workers`` processes (``preprocess``), tokenized samples cached in ``cache_dir``.
@@ -50,7 +50,8 @@ def jsonl_samples(
 
     for where, result in encode_lines(jsonl_lines(path), processor=processor, processor_folder=processor_dir(processor),
                                       base=path.parent, workers=workers, cache_dir=cache_dir,
-                                      max_pixels=max_pixels, videos=videos or VideoLimits(), system=system):
+                                      skip_pixels=skip_pixels, videos=videos or VideoLimits(), system=system,
+                                      pixels=pixels):
 
         yield result if isinstance(result, Sample) else BadSample(where, result)
 
@@ -90,7 +91,8 @@ def _array_records(path: pathlib.Path) -> Iterator[tuple[str, str]]:
 
 
 def jsonl_store(path: pathlib.Path, *, processor: str, cache_dir: pathlib.Path, workers: int = 1,
-                max_pixels: int = 0, videos: Any = None, system: str | None = None, log=None):
+                skip_pixels: int = 0, videos: Any = None, system: str | None = None, log=None,
+                pixels: tuple[int, int] = (0, 0)):
     """The JSONL file preprocessed into a store of shards in ``cache_dir`` (strategies/data/
     shards.py), made or resumed here, then opened. The store is named by the data file (its
     path, size and modification time) and by everything that decides its tokens
@@ -108,14 +110,15 @@ def jsonl_store(path: pathlib.Path, *, processor: str, cache_dir: pathlib.Path, 
     videos = videos or VideoLimits()
     stat = path.stat()
     data_key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    fingerprint = encoding_fingerprint(processor_folder=processor_dir(processor), max_pixels=max_pixels,
-                                       videos=videos, system=system)
+    fingerprint = encoding_fingerprint(processor_folder=processor_dir(processor), skip_pixels=skip_pixels,
+                                       videos=videos, system=system, pixels=pixels)
     encoding_key = hashlib.sha256(f"{fingerprint}:shards={shards.FORMAT}".encode()).hexdigest()[:12]
     folder = cache_dir / f"shards-{data_key}-{encoding_key}"
 
     def encode(jobs):
         return encode_lines(jobs, processor=processor, processor_folder=processor_dir(processor), base=path.parent,
-                            workers=workers, cache_dir=None, max_pixels=max_pixels, videos=videos, system=system)
+                            workers=workers, cache_dir=None, skip_pixels=skip_pixels, videos=videos, system=system,
+                            pixels=pixels)
 
     sides = shards.build(folder, lines=jsonl_lines(path), encode=encode, log=log)
     for old in cache_dir.glob("shards-*"):  # an older version of the data file: never read again

@@ -36,9 +36,9 @@ VIDEO_PLACEHOLDER = "<video>"
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
-def record_to_messages(record: Any, *, base: pathlib.Path, max_pixels: int = 0,
+def record_to_messages(record: Any, *, base: pathlib.Path, skip_pixels: int = 0,
                        videos: VideoLimits = VideoLimits()) -> list[dict]:
-    """A JSONL record as chat messages with their images opened (each at most ``max_pixels``
+    """A JSONL record as chat messages with their images opened (each at most ``skip_pixels``
     pixels when > 0; always within PIL's limit) and their videos decoded and sampled
     (``videos``). A bad record, image or video is a ValueError."""
     if not isinstance(record, dict):
@@ -58,8 +58,8 @@ def record_to_messages(record: Any, *, base: pathlib.Path, max_pixels: int = 0,
     images, clips = media_lists(record)
     if images is not None or clips is not None or _has_placeholder(messages):
         # A placeholder with no list is checked here too: 2 <image> placeholders but 0 images.
-        return _sharegpt(messages, images or [], clips or [], base=base, max_pixels=max_pixels, videos=videos)
-    return [_chat_message(m, base=base, max_pixels=max_pixels, videos=videos) for m in messages]
+        return _sharegpt(messages, images or [], clips or [], base=base, skip_pixels=skip_pixels, videos=videos)
+    return [_chat_message(m, base=base, skip_pixels=skip_pixels, videos=videos) for m in messages]
 
 
 def alpaca_messages(record: dict) -> list[dict]:
@@ -111,7 +111,7 @@ def _role(message: Any) -> str:
     return message["role"]
 
 
-def _chat_message(message: Any, *, base: pathlib.Path, max_pixels: int = 0,
+def _chat_message(message: Any, *, base: pathlib.Path, skip_pixels: int = 0,
                   videos: VideoLimits = VideoLimits()) -> dict:
     role = _role(message)
     content = message.get("content")
@@ -125,7 +125,7 @@ def _chat_message(message: Any, *, base: pathlib.Path, max_pixels: int = 0,
         if kind == "text":
             parts.append({"type": "text", "text": str(part.get("text", ""))})
         elif kind == "image":
-            image = load_image(part.get("image", part.get("path")), base=base, max_pixels=max_pixels)
+            image = load_image(part.get("image", part.get("path")), base=base, skip_pixels=skip_pixels)
             parts.append({"type": "image", "image": image})
         elif kind == "video":
             parts.append(_video_part(part.get("video", part.get("path")), base=base, limits=videos.for_part(part)))
@@ -139,7 +139,7 @@ def _video_part(source: Any, *, base: pathlib.Path, limits: VideoLimits) -> dict
     return {"type": "video", "video": frames, "fps": fps}
 
 
-def _sharegpt(messages: list, images: Any, clips: Any, *, base: pathlib.Path, max_pixels: int = 0,
+def _sharegpt(messages: list, images: Any, clips: Any, *, base: pathlib.Path, skip_pixels: int = 0,
               videos: VideoLimits = VideoLimits()) -> list[dict]:
     for key, value, placeholder in (("images", images, PLACEHOLDER), ("videos", clips, VIDEO_PLACEHOLDER)):
         if not isinstance(value, list):
@@ -157,7 +157,7 @@ def _sharegpt(messages: list, images: Any, clips: Any, *, base: pathlib.Path, ma
         parts: list[dict] = []
         for piece in re.split(f"({re.escape(PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})", content):
             if piece == PLACEHOLDER:
-                parts.append({"type": "image", "image": load_image(next(queue), base=base, max_pixels=max_pixels)})
+                parts.append({"type": "image", "image": load_image(next(queue), base=base, skip_pixels=skip_pixels)})
             elif piece == VIDEO_PLACEHOLDER:
                 parts.append(_video_part(next(clip_queue), base=base, limits=videos))
             elif piece:

@@ -13,7 +13,7 @@ from typing import Any
 from PIL import Image
 
 
-def load_image(source: Any, *, base: pathlib.Path, max_pixels: int = 0) -> Image.Image:
+def load_image(source: Any, *, base: pathlib.Path, skip_pixels: int = 0) -> Image.Image:
     if not isinstance(source, str) or not source:
         raise ValueError(f"an image part needs a file path, got {source!r}")
     path = base / source
@@ -25,9 +25,9 @@ def load_image(source: Any, *, base: pathlib.Path, max_pixels: int = 0) -> Image
         raise ValueError(f"image {source!r}: {error}") from None
     with opened as image:
         width, height = image.size
-        if max_pixels and width * height > max_pixels:  # from the header: never decoded
+        if skip_pixels and width * height > skip_pixels:  # from the header: never decoded
             raise ValueError(f"image {source!r} is {width}x{height} = {width * height:,} pixels, over "
-                             f"data.max_pixels = {max_pixels:,}")
+                             f"data.skip_pixels = {skip_pixels:,}")
         if width * height > (Image.MAX_IMAGE_PIXELS or float("inf")):
             # Checked before decoding: one such image must not take the host's memory.
             raise ValueError(f"image {source!r} is {width}x{height} = {width * height:,} pixels, over the "

@@ -52,18 +52,18 @@ def processor_fingerprint(folder: pathlib.Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str, max_pixels: int = 0,
-          videos: VideoLimits = VideoLimits(), system: str | None = None) -> None:
+def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str, skip_pixels: int = 0,
+          videos: VideoLimits = VideoLimits(), system: str | None = None, pixels: tuple[int, int] = (0, 0)) -> None:
     from weft.strategies.data.conversation import load_processor, load_video_sizing
 
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
-    tokenizer, image_processor = load_processor(processor)
+    tokenizer, image_processor = load_processor(processor, pixels=pixels)
     video_sizing = load_video_sizing(processor)
     # Frames are grouped by the processor's own temporal patch size.
     videos = attrs.evolve(videos, temporal=int(getattr(image_processor, "temporal_patch_size", 2)))
     _WORKER.update(tokenizer=tokenizer, image_processor=image_processor, base=pathlib.Path(base),
-                   cache=pathlib.Path(cache_dir) if cache_dir else None, fingerprint=fingerprint, max_pixels=max_pixels,
-                   videos=videos, system=system, video_sizing=video_sizing)
+                   cache=pathlib.Path(cache_dir) if cache_dir else None, fingerprint=fingerprint,
+                   skip_pixels=skip_pixels, videos=videos, system=system, video_sizing=video_sizing)
 
 
 def _key(line: str, record: Any, base: pathlib.Path, fingerprint: str) -> str:
@@ -121,7 +121,7 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
         except Exception:  # a damaged or planted entry is re-made below
             pass
     try:
-        messages = record_to_messages(record, base=_WORKER["base"], max_pixels=_WORKER["max_pixels"],
+        messages = record_to_messages(record, base=_WORKER["base"], skip_pixels=_WORKER["skip_pixels"],
                                       videos=_WORKER["videos"])
         sample = encode_conversation(
             messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"],
@@ -136,25 +136,27 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
     return where, sample
 
 
-def encoding_fingerprint(*, processor_folder: pathlib.Path, max_pixels: int, videos: VideoLimits,
-                         system: str | None) -> str:
+def encoding_fingerprint(*, processor_folder: pathlib.Path, skip_pixels: int, videos: VideoLimits,
+                         system: str | None, pixels: tuple[int, int] = (0, 0)) -> str:
     """Everything besides a line itself that decides its tokens and pixels: the processor's files,
-    the pixel limit (a sample cached under a looser one is not reused), the video limits (nor one
-    at another frame rate), the system prompt, and the version of the encoding itself."""
-    return (f"{ENCODING}:{processor_fingerprint(processor_folder)}:max_pixels={max_pixels}:"
-            f"fps={videos.fps:g}:max_frames={videos.max_frames}:system={system!r}")
+    the pixel limit (a sample cached under a looser one is not reused), the resize budget, the video
+    limits (nor one at another frame rate), the system prompt, and the version of the encoding itself."""
+    return (f"{ENCODING}:{processor_fingerprint(processor_folder)}:skip_pixels={skip_pixels}:"
+            f"pixels={pixels[0]}-{pixels[1]}:fps={videos.fps:g}:max_frames={videos.max_frames}:system={system!r}")
 
 
 def encode_lines(lines: Iterable[tuple[str, str]], *, processor: str, processor_folder: pathlib.Path,
-                 base: pathlib.Path, workers: int, cache_dir: pathlib.Path | None, max_pixels: int = 0,
-                 videos: VideoLimits = VideoLimits(), system: str | None = None) -> Iterator[tuple[str, Any]]:
+                 base: pathlib.Path, workers: int, cache_dir: pathlib.Path | None, skip_pixels: int = 0,
+                 videos: VideoLimits = VideoLimits(), system: str | None = None,
+                 pixels: tuple[int, int] = (0, 0)) -> Iterator[tuple[str, Any]]:
 
     """Encode (where, JSON line) jobs in order; yields (where, Sample) or (where, reason)."""
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
-    fingerprint = encoding_fingerprint(processor_folder=processor_folder, max_pixels=max_pixels, videos=videos,
-                                       system=system)
-    args = (processor, str(base), str(cache_dir) if cache_dir else None, fingerprint, max_pixels, videos, system)
+    fingerprint = encoding_fingerprint(processor_folder=processor_folder, skip_pixels=skip_pixels, videos=videos,
+                                       system=system, pixels=pixels)
+    args = (processor, str(base), str(cache_dir) if cache_dir else None, fingerprint, skip_pixels, videos, system,
+            pixels)
     if workers <= 1:
         _init(*args)
         yield from map(_encode, lines)

@@ -42,9 +42,9 @@ def pack_micro_batches(
 
 
 def schedule_steps(
-    batches: list[list[int]], lengths: list[int], *, dp_size: int, step_tokens: int, packed: bool = False
-) -> list[list[list[list[int]]]]:
-
+    batches: list[list[int]], lengths: list[int], *, dp_size: int, step_tokens: int, packed: bool = False,
+    whole: bool = False,
+) -> list[list[list[list[int] | None]]]:
     """Arrange micro-batches into optimizer steps: step -> round -> dp rank -> sample indices.
 
     A round gives each data-parallel rank one micro-batch; a step takes rounds
@@ -52,13 +52,21 @@ def schedule_steps(
     are reached, at least one.
     Leftover micro-batches that cannot fill a round or a step are dropped: every
     rank must run the same number of micro-batches, since each issues collectives.
+    With ``whole`` (an epoch: every sample once) they are kept: the last round's
+    missing slots are None (fillers) and the last step may hold fewer tokens.
     """
-    rounds = [batches[i : i + dp_size] for i in range(0, len(batches) - dp_size + 1, dp_size)]
-    return _cut_steps(rounds, lambda round_: sum(_tokens(mb, lengths, packed) for mb in round_), step_tokens)
+    if whole:
+        padded = batches + [None] * (-len(batches) % dp_size)
+        rounds = [padded[i : i + dp_size] for i in range(0, len(padded), dp_size)]
+    else:
+        rounds = [batches[i : i + dp_size] for i in range(0, len(batches) - dp_size + 1, dp_size)]
+    return _cut_steps(rounds, lambda round_: sum(_tokens(mb, lengths, packed) for mb in round_ if mb is not None),
+                      step_tokens, keep_tail=whole)
 
 
 def schedule_global_steps(
-    batches: list[list[int]], lengths: list[int], *, dp_size: int, step_tokens: int, packed: bool = False
+    batches: list[list[int]], lengths: list[int], *, dp_size: int, step_tokens: int, packed: bool = False,
+    whole: bool = False,
 ) -> list[list[list[list[int] | None]]]:
     """The same optimizer steps at any data-parallel size: step -> round -> dp rank -> sample indices.
 
@@ -67,9 +75,10 @@ def schedule_global_steps(
     every rank, the step's loss and gradient do not depend on how its micro-batches are
     dealt, only on which they are. A rank left without a micro-batch in the last round gets
     None: a filler that keeps its collectives in step with the others and adds nothing.
+    A last step short of ``step_tokens`` is dropped, or with ``whole`` (an epoch) kept.
     """
     steps = []
-    for micro in _cut_steps(batches, lambda mb: _tokens(mb, lengths, packed), step_tokens):
+    for micro in _cut_steps(batches, lambda mb: _tokens(mb, lengths, packed), step_tokens, keep_tail=whole):
         padded = micro + [None] * (-len(micro) % dp_size)
         steps.append([padded[i : i + dp_size] for i in range(0, len(padded), dp_size)])
     return steps
@@ -80,8 +89,9 @@ def _tokens(micro_batch: list[int], lengths: list[int], packed: bool) -> int:
     return sum(lengths[i] for i in micro_batch) if packed else len(micro_batch) * max(lengths[i] for i in micro_batch)
 
 
-def _cut_steps(items: list, size, step_tokens: int) -> list[list]:
-    """Consecutive items into steps of at least ``step_tokens`` (by ``size``); a short tail is dropped."""
+def _cut_steps(items: list, size, step_tokens: int, *, keep_tail: bool = False) -> list[list]:
+    """Consecutive items into steps of at least ``step_tokens`` (by ``size``); a short tail is
+    dropped, or kept as a last step with ``keep_tail``."""
     steps, current, tokens = [], [], 0
     for item in items:
         current.append(item)
@@ -89,4 +99,6 @@ def _cut_steps(items: list, size, step_tokens: int) -> list[list]:
         if tokens >= step_tokens:
             steps.append(current)
             current, tokens = [], 0
+    if keep_tail and current:
+        steps.append(current)
     return steps

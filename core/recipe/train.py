@@ -1,0 +1,56 @@
+"""The recipe's ``[train]`` section: steps or epochs, the optimizer's schedule, precision, loss,
+checkpoints and logging."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from weft.core.recipe.data import _doc
+from weft.core.recipe.schema import in_range
+
+
+@attrs.frozen(kw_only=True)
+class TrainSection:
+    max_steps: int = attrs.field(default=20, validator=in_range(low=1), metadata=_doc(
+        "optimizer steps (unless train.epochs is set)"))
+    epochs: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "passes over the data in place of max_steps: every usable sample once an epoch (an epoch's last step "
+        "may be shorter), the steps counted from the data before the first; 0 = train.max_steps decides"))
+    seed: int = attrs.field(default=0, validator=in_range(low=0),
+                            metadata=_doc("seeds model init, data order, dropout"))
+    checkpoint_every: int = attrs.field(default=0, validator=in_range(low=-1), metadata=_doc(
+        "steps between checkpoints; 0 = only at the end; -1 = none at all (benchmarks, disks smaller than the model)"))
+    keep_checkpoints: int = attrs.field(default=2, validator=in_range(low=1), metadata=_doc("newest checkpoints kept"))
+    micro_batch_tokens: int = attrs.field(default=2048, validator=in_range(low=16),
+                                          metadata=_doc("padded tokens per micro-batch per rank"))
+    step_tokens: int = attrs.field(default=0, validator=in_range(low=0),
+                                   metadata=_doc("accumulate micro-batches until this many tokens (all ranks); "
+                                                 "0 = one round"))
+    max_seq_len: int = attrs.field(default=0, validator=in_range(low=0),
+                                   metadata=_doc("longest sample; 0 = micro_batch_tokens; the seq_len rule selector"))
+    lr: float = attrs.field(default=1e-3, validator=in_range(low=0.0), metadata=_doc("peak learning rate"))
+    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(low=0.0, high=1.0),
+                                      metadata=_doc("cosine floor as a fraction of lr"))
+    warmup_steps: int = attrs.field(default=2, validator=in_range(low=0), metadata=_doc("linear warmup steps"))
+    weight_decay: float = attrs.field(default=0.0, validator=in_range(low=0.0), metadata=_doc("AdamW weight decay"))
+    beta1: float = attrs.field(default=0.9, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta1"))
+    beta2: float = attrs.field(default=0.95, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta2"))
+    optimizer: str = attrs.field(default="adamw_sr", metadata=_doc(
+        "the run's optimizer strategy (an optimizer rule's default): adamw_sr (float32 math, stochastic rounding of "
+        "bf16 weights and moments: no update lost; torch's AdamW for float32 weights), adamw (torch's fused, "
+        "round-to-nearest in the weights' dtype), adamw_8bit (torchao's 8-bit moments); `weft plugins` lists all"))
+    precision: Literal["fp32", "bf16"] = attrs.field(default="fp32", metadata=_doc("fp32, or bf16 autocast"))
+    loss: Literal["logits", "fused"] = attrs.field(default="logits", metadata=_doc(
+        "logits: the model's logits, then a chunked float32 cross-entropy; fused: lm_head and the loss by chunks "
+        "from the hidden states, the logits never exist (the head's weights join the root FSDP unit)"))
+    log_every: int = attrs.field(default=1, validator=in_range(low=1), metadata=_doc("steps between console lines"))
+    log_samples: bool = attrs.field(default=False, metadata=_doc(
+        "samples.jsonl in the run folder: each step's sample ids by data-parallel rank and micro-batch (the "
+        "sample's index among its file's usable ones; [source, index] in a mixture), to see which samples a "
+        "step trained on"))
+
+    @property
+    def seq_len(self) -> int:
+        return self.max_seq_len or self.micro_batch_tokens
