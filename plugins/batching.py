@@ -76,7 +76,7 @@ class TokenBudgetSteps:
         epochs = self.recipe.train.epochs
         if not epochs:
             raise TypeError("the steps are counted under train.epochs only; else train.max_steps")
-        return sum(len(self._schedule(epoch)) for epoch in range(epochs))
+        return sum(sum(1 for _ in self._schedule(epoch)) for epoch in range(epochs))
 
     def _load(self):
         """(samples, lengths, make), read once: the checked samples, their lengths (over-long
@@ -87,6 +87,7 @@ class TokenBudgetSteps:
         from weft.plugins.sample_checks import truncate
         from weft.strategies.data.conversation import collate
         from weft.strategies.data.shards import token_counts
+        from weft.strategies.data.token_budget import as_lengths, clipped
 
         recipe, ctx, params = self.recipe, self.ctx, self.params
         on_bad = bad_sample_handler(recipe, ctx)
@@ -96,8 +97,8 @@ class TokenBudgetSteps:
         if params.over_long == "truncate":
             samples = truncate(samples, limit=limit, tokenizer=tokenizer, ctx=ctx, on_bad=on_bad)
         # Over-long samples get a length past the budget, so packing leaves them out.
-        lengths = [n if n <= limit else budget + 1 for n in token_counts(samples)]
-        too_long = sum(1 for n in lengths if n > budget)
+        lengths = clipped(token_counts(samples), limit=limit, over=budget + 1)
+        too_long = int((as_lengths(lengths) > budget).sum())
         if too_long:
             ctx.count("skipped_samples", too_long)
             ctx.log.warning("data.too_long", samples=too_long, micro_batch_tokens=budget,
@@ -118,7 +119,8 @@ class TokenBudgetSteps:
         self._data = samples, lengths, make
         return self._data
 
-    def _batches(self, epoch: int) -> list[list[int]]:
+    def _batches(self, epoch: int):
+        """The epoch's micro-batches (sample indices), made as they are taken."""
         from weft.strategies.data.packing import pack_documents
         from weft.strategies.data.token_budget import pack_micro_batches
 
@@ -129,26 +131,27 @@ class TokenBudgetSteps:
         return pack_micro_batches(lengths, budget=budget, seed=seed, epoch=epoch, bucket_size=self.params.bucket_size)
 
     def _schedule(self, epoch: int):
+        """The epoch's steps (step -> round -> dp rank -> sample indices), made as they are taken."""
         from weft.strategies.data.token_budget import schedule_global_steps, schedule_steps
 
         samples, lengths, _ = self._load()
-        batches = self._batches(epoch)
         schedule = schedule_global_steps if self.params.schedule == "global" else schedule_steps
-        steps = schedule(batches, lengths, dp_size=self.plan.mesh.dp, step_tokens=self.recipe.train.step_tokens,
-                         packed=self.params.pack, whole=bool(self.recipe.train.epochs))
-        if not steps:
+        steps = schedule(self._batches(epoch), lengths, dp_size=self.plan.mesh.dp,
+                         step_tokens=self.recipe.train.step_tokens, packed=self.params.pack,
+                         whole=bool(self.recipe.train.epochs))
+        first = next(steps, None)
+        if first is None:
             raise WeftError(
-                f"the data gives no full step: {len(samples)} usable samples make {len(batches)} micro-batches "
-                f"for {self.plan.mesh.dp} data-parallel ranks; add samples or lower train.step_tokens",
-                where=self.recipe.source,
-            )
-        return steps
+                f"the data gives no full step: {len(samples)} usable samples for {self.plan.mesh.dp} data-parallel "
+                "ranks; add samples or lower train.step_tokens", where=self.recipe.source)
+        yield first
+        yield from steps
 
     def _steps(self):
         ctx, me = self.ctx, self.mesh.dp_rank()
         samples, _, make = self._load()
         if ctx.one_pass:
-            yield from one_pass_rounds(self._batches(0), dp_size=self.plan.mesh.dp, me=me, make=make)
+            yield from one_pass_rounds(list(self._batches(0)), dp_size=self.plan.mesh.dp, me=me, make=make)
             return
         log = SampleLog(ctx, samples) if self.recipe.train.log_samples and ctx.rank == 0 else None
         step, epoch, epochs = 0, 0, self.recipe.train.epochs

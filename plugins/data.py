@@ -38,7 +38,8 @@ def _file_samples(recipe, path, processor):
     return datasets.jsonl_samples(path, processor=processor, workers=_workers(recipe),
                                   cache_dir=_cache_of(path) if recipe.data.cache else None,
                                   skip_pixels=recipe.data.skip_pixels, system=recipe.data.system,
-                                  videos=video_limits(recipe, processor), pixels=recipe.data.pixels)
+                                  videos=video_limits(recipe, processor), pixels=recipe.data.pixels,
+                                  split=recipe.data.split)
 
 
 def _need_processor(recipe, processor) -> None:
@@ -51,7 +52,7 @@ def _jsonl_files(recipe) -> list:
     """(the key naming it, the file) of each data file of a JSONL recipe, each checked to exist."""
     files = recipe.data_files()
     for key, path in files:
-        if not path.is_file():
+        if not path.exists():
             raise WeftError(f"{key} {str(path)!r} does not exist", where=f"{recipe.source} ({key})")
     return files
 
@@ -224,7 +225,7 @@ def _file_store(recipe, path, processor, *, ctx, on_bad):
     store = _first_on_rank0(lambda: datasets.jsonl_store(
         path, processor=processor, cache_dir=_cache_of(path), workers=_workers(recipe),
         skip_pixels=recipe.data.skip_pixels, system=recipe.data.system, videos=video_limits(recipe, processor),
-        pixels=recipe.data.pixels, log=ctx.log))
+        pixels=recipe.data.pixels, split=recipe.data.split, log=ctx.log))
     for where, reason in store.bad:
         on_bad(datasets.BadSample(where, reason))
     ctx.log.info("data.store", samples=len(store), bad=len(store.bad), folder=str(store.folder))

@@ -74,9 +74,11 @@ def check_vision(samples, *, config, ctx, on_bad):
     refused = {index for index, _ in found["bad"]}
     for index, reason in found["bad"]:
         on_bad(BadSample(f"sample {index}", f"vision integrity: {reason}"))
-    kept = [i for i in range(len(samples)) if i not in refused]
-    ctx.log.info("data.vision", samples=len(kept),
+    ctx.log.info("data.vision", samples=len(samples) - len(refused),
                  image_token_ratio=round(found["image_tokens"] / max(found["tokens"], 1), 4))
+    if not refused:
+        return samples  # as they came: a million-sample store needs no view of all its indices
+    kept = [i for i in range(len(samples)) if i not in refused]
     if isinstance(samples, (SampleStore, SampleView)):
         return SampleView(samples, kept)
-    return [samples[i] for i in kept] if refused else samples
+    return [samples[i] for i in kept]

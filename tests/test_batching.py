@@ -52,7 +52,7 @@ def test_restart_mid_epoch_gives_the_same_order():
 
 def test_data_parallel_ranks_see_disjoint_samples():
     recipe_lengths = [10, 30, 20, 25, 5, 40, 15, 35]
-    batches = pack_micro_batches(recipe_lengths, budget=60, seed=0, epoch=0)
+    batches = list(pack_micro_batches(recipe_lengths, budget=60, seed=0, epoch=0))
     assert sorted(i for b in batches for i in b) == list(range(len(recipe_lengths)))
     assert all(len(b) * max(recipe_lengths[i] for i in b) <= 60 for b in batches)
     for step in schedule_steps(batches, recipe_lengths, dp_size=2, step_tokens=0):
@@ -66,12 +66,12 @@ def test_the_global_schedule_gives_the_same_steps_at_any_data_parallel_size():
     from weft.strategies.data.token_budget import schedule_global_steps
 
     lengths = [10, 30, 20, 25, 5, 40, 15, 35, 12, 18, 27, 9, 33]
-    batches = pack_micro_batches(lengths, budget=60, seed=1, epoch=0)
-    one = schedule_global_steps(batches, lengths, dp_size=1, step_tokens=100)
+    batches = list(pack_micro_batches(lengths, budget=60, seed=1, epoch=0))
+    one = list(schedule_global_steps(batches, lengths, dp_size=1, step_tokens=100))
     assert [[r[0] for r in step] for step in one] == [
         [mb[0] for mb in step] for step in schedule_steps(batches, lengths, dp_size=1, step_tokens=100)]
     for dp in (2, 3):
-        many = schedule_global_steps(batches, lengths, dp_size=dp, step_tokens=100)
+        many = list(schedule_global_steps(batches, lengths, dp_size=dp, step_tokens=100))
         assert len(many) == len(one)
         for a, b in zip(one, many):
             assert all(len(r) == dp for r in b)
@@ -82,7 +82,7 @@ def test_the_global_schedule_gives_the_same_steps_at_any_data_parallel_size():
 
 
 def test_over_long_samples_are_left_out():
-    batches = pack_micro_batches([10, 500, 20], budget=100, seed=0, epoch=0)
+    batches = list(pack_micro_batches([10, 500, 20], budget=100, seed=0, epoch=0))
     assert sorted(i for b in batches for i in b) == [0, 2]
 
 
@@ -110,3 +110,19 @@ def test_prefetching_stops_its_thread_when_the_consumer_stops_early():
     with pytest.raises(ValueError, match="bad sample"):
         list(prefetched(broken(), depth=2))
     assert alive() == 0
+
+
+def test_a_large_epoch_is_made_as_it_is_taken():
+    """A million samples: the first micro-batches are taken without making the epoch's others
+    (a generator); every sample that fits is in exactly one micro-batch, within budget."""
+    import itertools
+
+    lengths = torch.randint(8, 300, (1_000_000,), generator=torch.Generator().manual_seed(0)).tolist()
+    first = list(itertools.islice(pack_micro_batches(lengths, budget=1024, seed=0, epoch=0), 10))
+    assert len(first) == 10 and all(len(b) * max(lengths[i] for i in b) <= 1024 for b in first)
+    small = lengths[:5000] + [2000]  # one over the budget
+    batches = list(pack_micro_batches(small, budget=1024, seed=0, epoch=0))
+    assert sorted(i for b in batches for i in b) == list(range(5000))
+    assert all(len(b) * max(small[i] for i in b) <= 1024 for b in batches)
+    assert batches == list(pack_micro_batches(small, budget=1024, seed=0, epoch=0))
+    assert batches != list(pack_micro_batches(small, budget=1024, seed=0, epoch=1))

@@ -121,3 +121,51 @@ def test_max_pixels_resizes_as_the_processor_does(folder):
             assert resized[1].image_grid_thw[0].prod() * 14 * 14 >= budget[0] > 40 * 30
         if pixels == (0, 0):
             assert h * w * 14 * 14 > budget[1]  # the folder's own budget keeps it larger
+
+
+def test_csv_parquet_a_saved_dataset_and_a_folder_read_as_the_jsonl(folder):
+    """The same records as CSV rows, parquet rows, a Hugging Face dataset saved to disk (its
+    DatasetDict's split), and a folder of files give the JSONL's tokens and pixels."""
+    import datasets
+
+    chat = [
+        {"messages": [{"role": "user", "content": "<image>What colour is it?"},
+                      {"role": "assistant", "content": "Red."}], "images": ["coco/red.png"]},
+        {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]},
+    ]
+    alpaca = [{"instruction": "Name the colour.", "input": "A ripe tomato", "output": "Red."},
+              {"instruction": "Say hi.", "input": "", "output": "Hi."}]
+    (folder / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    (folder / "alpaca.jsonl").write_text("".join(json.dumps(r) + "\n" for r in alpaca))
+    want = list(jsonl_samples(folder / "chat.jsonl", processor="tiny_vl"))
+    want_alpaca = list(jsonl_samples(folder / "alpaca.jsonl", processor="tiny_vl"))
+    # CSV: Alpaca columns as they are, a messages / images column as JSON text.
+    import csv
+
+    with (folder / "alpaca.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["instruction", "input", "output"])
+        writer.writeheader()
+        writer.writerows(alpaca)
+    with (folder / "chat.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["messages", "images"])
+        writer.writeheader()
+        writer.writerows({"messages": json.dumps(r["messages"]), "images": json.dumps(r.get("images", ""))
+                          if "images" in r else ""} for r in chat)
+    dataset = datasets.Dataset.from_list(chat)
+    dataset.to_parquet(str(folder / "chat.parquet"))
+    datasets.DatasetDict({"train": dataset, "validation": dataset.select([1])}).save_to_disk(str(folder / "saved"))
+    (folder / "several").mkdir()
+    (folder / "several" / "coco").symlink_to(folder / "coco")
+    (folder / "several" / "a.jsonl").write_text(json.dumps(chat[0]) + "\n")
+    (folder / "several" / "b.json").write_text(json.dumps([chat[1]]))
+    for path, expected in ((folder / "chat.csv", want), (folder / "alpaca.csv", want_alpaca),
+                           (folder / "chat.parquet", want), (folder / "saved", want), (folder / "several", want)):
+        got = list(jsonl_samples(path, processor="tiny_vl"))
+        assert len(got) == len(expected) and not any(isinstance(s, BadSample) for s in got), (path, got)
+        for a, b in zip(got, expected):
+            _same(a, b)
+    store = jsonl_store(folder / "saved", processor="tiny_vl", cache_dir=folder / "cache")
+    held_out = jsonl_store(folder / "saved", processor="tiny_vl", cache_dir=folder / "cache", split="validation")
+    assert len(store) == 2 and len(held_out) == 1 and store.folder != held_out.folder and store.folder.is_dir()
+    _same(store[0], want[0])
+    _same(held_out[0], want[1])

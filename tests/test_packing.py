@@ -33,7 +33,7 @@ def test_document_mask_directly():
 
 @pytest.mark.quick
 def test_pack_documents_fills_rows_up_to_the_budget():
-    rows = pack_documents([30, 50, 20, 70, 10, 40], budget=100, seed=0, epoch=0)
+    rows = list(pack_documents([30, 50, 20, 70, 10, 40], budget=100, seed=0, epoch=0))
     lengths = [30, 50, 20, 70, 10, 40]
     assert sorted(i for row in rows for i in row) == list(range(6))
     assert all(sum(lengths[i] for i in row) <= 100 for row in rows) and len(rows) <= 3

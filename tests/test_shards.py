@@ -51,7 +51,7 @@ def test_the_store_gives_the_in_memory_samples_and_bad_lines(dataset, tmp_path):
     plain = list(datasets.jsonl_samples(path, processor="tiny_vl"))
     store = datasets.jsonl_store(path, processor="tiny_vl", cache_dir=tmp_path / "cache", workers=2)
     good = [s for s in plain if not isinstance(s, datasets.BadSample)]
-    assert len(store) == len(good) and store.token_counts == [s.num_tokens for s in good]
+    assert len(store) == len(good) and list(store.token_counts) == [s.num_tokens for s in good]
     for a, b in zip(good, store):
         _same(a, b)
     assert store.bad == [(s.where, s.reason) for s in plain if isinstance(s, datasets.BadSample)]

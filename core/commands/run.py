@@ -83,7 +83,7 @@ def cmd_run(args) -> int:
 def _check_inputs(recipe, pm) -> None:
     if recipe.data.source == "jsonl":
         for key, path in recipe.data_files():
-            if not path.is_file():
+            if not path.exists():
                 raise WeftError(f"{key} {str(path)!r} does not exist (relative to the recipe; with --set, to here)",
                                 where=f"{recipe.source} ({key})")
     tokenized = recipe.data.source == "jsonl" or not recipe.data.tokens

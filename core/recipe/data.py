@@ -39,9 +39,13 @@ class DataSection:
         "synthetic conversations, a JSONL chat file, or plain text files packed into samples of data.tokens tokens "
         "(real text for loss curves)"))
     path: str | None = attrs.field(default=None, metadata=_doc(
-        "jsonl: the JSONL file (chat, sharegpt, LLaVA or Alpaca records), or a .json file of one array of them; "
+        "jsonl: the data file (chat, sharegpt, LLaVA or Alpaca records: .jsonl a record a line, .json one array of "
+        "them, .csv a row each, .parquet), a folder a Hugging Face dataset was saved to (save_to_disk), or a folder "
+        "of such files; "
         "text: a glob of plain text files (** recursive; \"<stdlib>/**/*.py\": "
         "the Python standard library's sources); relative to the recipe (with --set: to the current folder)"))
+    split: str = attrs.field(default="train", metadata=_doc(
+        "the split read of a saved Hugging Face DatasetDict (data.path a save_to_disk folder)"))
     sources: tuple[DataSource, ...] = attrs.field(default=(), metadata=_doc(
         "jsonl: several datasets mixed, [[data.sources]] tables of path and weight or samples (in place of "
         "data.path); the mixture is drawn once from train.seed, every epoch shuffles it"))

@@ -10,8 +10,7 @@ of its own with no targets.
 
 from __future__ import annotations
 
-import random
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -20,23 +19,27 @@ from weft.strategies.data.conversation import vision_keys
 IGNORE = -100
 
 
-def pack_documents(lengths: list[int], *, budget: int, seed: int, epoch: int) -> list[list[int]]:
-    """Shuffled documents, first-fit into rows of at most ``budget`` tokens (sum, not padded)."""
-    rng = random.Random(f"pack:{seed}:{epoch}")
-    order = [i for i in range(len(lengths)) if lengths[i] <= budget]
-    rng.shuffle(order)
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for index in order:
-        for r, free in enumerate(room):
-            if lengths[index] <= free:
-                rows[r].append(index)
-                room[r] -= lengths[index]
-                break
-        else:
-            rows.append([index])
-            room.append(budget - lengths[index])
-    return rows
+def pack_documents(lengths: Sequence[int], *, budget: int, seed: int, epoch: int) -> Iterator[list[int]]:
+    """Shuffled documents, first-fit into rows of at most ``budget`` tokens (sum, not padded),
+    a window of documents at a time (token_budget.WINDOW buckets: the rows open to first-fit are
+    those of one window, so a million documents cost a window's rows each, not all of them)."""
+    from weft.strategies.data.token_budget import WINDOW, as_lengths, epoch_generator, shuffled_windows
+
+    sizes = as_lengths(lengths)
+    generator = epoch_generator("pack", seed=seed, epoch=epoch)
+    for window in shuffled_windows(sizes, budget=budget, generator=generator, span=256 * WINDOW):
+        rows: list[list[int]] = []
+        room: list[int] = []
+        for index, length in zip(window.tolist(), sizes[window].tolist()):
+            for r, free in enumerate(room):
+                if length <= free:
+                    rows[r].append(index)
+                    room[r] -= length
+                    break
+            else:
+                rows.append([index])
+                room.append(budget - length)
+        yield from rows
 
 
 def collate_packed(

@@ -1,0 +1,182 @@
+"""The files and folders people bring, as (where, one JSON record) pairs: what preprocessing
+reads (strategies/data/preprocess.py takes a record as one JSON line, whatever file it came from).
+
+- ``.jsonl``: one record a line, read a line at a time (an oversized line as its size only);
+- ``.json``: one JSON array of records, as LLaVA ships its instruction data (``file:record N``);
+- ``.csv``: one record a row, its header the keys (Alpaca's instruction/input/output columns, or
+  a ``messages`` / ``conversations`` / ``images`` / ``videos`` column holding JSON text);
+- ``.parquet``: one record a row, nested columns as they are (pyarrow, the ``datasets`` extra);
+- a folder a Hugging Face ``datasets`` dataset was saved to (``save_to_disk``; a DatasetDict's
+  ``data.split``), read offline with ``datasets.load_from_disk``;
+- any other folder: its files of the kinds above, in sorted order, as one dataset.
+
+A row's empty cells (None: a column other rows have) are left out of its record. Images are
+paths, relative to the data file's folder (or a saved dataset's; to the folder itself when
+``data.path`` is a folder of data files);
+a ``datasets`` Image column is read as its files' paths (images embedded as bytes are not read yet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+from typing import Iterator
+
+#: The file kinds a folder of data files may hold, by suffix.
+SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+#: CSV cells under these columns hold JSON text (a list of messages, of image paths).
+_JSON_COLUMNS = ("messages", "conversations", "images", "videos", "history")
+
+
+class DataFileError(ValueError):
+    """The data file as a whole cannot be read (not one bad sample): the user's error."""
+
+
+def is_saved_dataset(path: pathlib.Path) -> bool:
+    """A folder ``datasets``' save_to_disk wrote (a Dataset's state.json or a DatasetDict's dict)."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def data_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The files ``path`` stands for: itself, a saved dataset's files, or a folder's data files."""
+    if path.is_file():
+        return [path]
+    if is_saved_dataset(path):
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+
+
+def base_of(path: pathlib.Path) -> pathlib.Path:
+    """The folder a record's image and video paths are relative to: a data file's own folder (a
+    saved dataset is one file in this: the folder it lies in), or a folder of data files itself."""
+    return path if path.is_dir() and not is_saved_dataset(path) else path.parent
+
+
+def data_key(path: pathlib.Path) -> str:
+    """Names one version of the data: each of its files' path, size and modification time."""
+    digest = hashlib.sha256(str(path.resolve()).encode())
+    for file in data_files(path):
+        stat = file.stat()
+        digest.update(f"{file.relative_to(path) if file != path else ''}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:12]
+
+
+def records(path: pathlib.Path, *, split: str = "train", max_line_bytes: int) -> Iterator[tuple[str, str | int]]:
+    """(where, the record as one JSON line) for every record of ``path``; a JSONL line over
+    ``max_line_bytes`` as its size in bytes (the encoder reports it)."""
+    if path.is_dir():
+        if is_saved_dataset(path):
+            yield from _saved_dataset(path, split=split)
+            return
+        files = data_files(path)
+        if not files:
+            raise DataFileError(f"data.path {str(path)!r}: a folder with no data file ({', '.join(SUFFIXES)}) and "
+                                "no saved dataset")
+        for file in files:
+            yield from records(file, split=split, max_line_bytes=max_line_bytes)
+        return
+    reader = {".json": _array_records, ".csv": _csv_records, ".parquet": _parquet_records}.get(path.suffix)
+    if reader is not None:
+        yield from reader(path)
+        return
+    with path.open("rb") as handle:
+        for number, line in enumerate(_bounded_lines(handle, limit=max_line_bytes), start=1):
+            if isinstance(line, int) or line.strip():
+                yield f"{path}:{number}", line if isinstance(line, int) else line.decode("utf-8", "replace")
+
+
+def _array_records(path: pathlib.Path) -> Iterator[tuple[str, str]]:
+    """A JSON array file's records, numbered from 1. The whole array is parsed at once (by the
+    process that preprocesses: rank 0), so an array file is bounded by that process's memory;
+    JSONL is read a line at a time."""
+    try:
+        found = json.loads(path.read_bytes())
+    except json.JSONDecodeError as error:
+        raise DataFileError(f"data.path {str(path)!r}: not a JSON array file ({error.msg} at line {error.lineno}, "
+                            f"column {error.colno}); a .json file holds one array of records, a .jsonl file one "
+                            "record a line") from None
+    if not isinstance(found, list):
+        raise DataFileError(f"data.path {str(path)!r}: a .json file holds one JSON array of records; this one "
+                            f"holds a {type(found).__name__} (one record a line: name the file .jsonl)")
+    for number, record in enumerate(found, start=1):
+        yield f"{path}:record {number}", json.dumps(record)
+
+
+def _csv_records(path: pathlib.Path) -> Iterator[tuple[str, str]]:
+    import csv
+
+    with path.open(newline="", encoding="utf-8", errors="replace") as handle:
+        rows = csv.DictReader(handle)
+        for number, row in enumerate(rows, start=2):  # the header is line 1
+            record = {}
+            for key, value in row.items():
+                if key is None or value in (None, ""):
+                    continue  # a ragged row's extra cells, an empty cell
+                if key in _JSON_COLUMNS and value.lstrip()[:1] in ("[", "{"):
+                    try:
+                        value = json.loads(value)
+                    except json.JSONDecodeError:
+                        pass  # left as text: the record is then refused with its reason
+                record[key] = value
+            yield f"{path}:{number}", json.dumps(record)
+
+
+def _parquet_records(path: pathlib.Path) -> Iterator[tuple[str, str]]:
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise DataFileError(f"data.path {str(path)!r}: reading parquet needs pyarrow (pip install "
+                            "'weft[datasets]')") from None
+    number = 0
+    for batch in parquet.ParquetFile(path).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            number += 1
+            yield f"{path}:row {number}", _row_json(row)
+
+
+def _saved_dataset(path: pathlib.Path, *, split: str) -> Iterator[tuple[str, str]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataFileError(f"data.path {str(path)!r} is a saved Hugging Face dataset; reading it needs the "
+                            "datasets package (pip install 'weft[datasets]')") from None
+    found = datasets.load_from_disk(str(path))
+    if isinstance(found, datasets.DatasetDict):
+        if split not in found:
+            raise DataFileError(f"data.split {split!r}: the dataset at {str(path)!r} has the splits "
+                                f"{', '.join(found)}")
+        found = found[split]
+    for column, feature in found.features.items():  # an Image column: its files, not decoded images
+        if isinstance(feature, datasets.Image):
+            found = found.cast_column(column, datasets.Image(decode=False))
+    for number, row in enumerate(found, start=1):
+        yield f"{path}:row {number}", _row_json(row)
+
+
+def _row_json(row: dict) -> str:
+    """A table row as a record: None cells left out, Image cells as their file paths."""
+
+    def plain(value):
+        if isinstance(value, dict):
+            if set(value) == {"bytes", "path"}:  # a datasets Image, not decoded
+                return value["path"]
+            return {k: plain(v) for k, v in value.items() if v is not None}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return json.dumps({key: plain(value) for key, value in row.items() if value is not None})
+
+
+def _bounded_lines(handle, *, limit: int) -> Iterator[bytes | int]:
+    """The file's lines as bytes; a line over ``limit`` bytes as its length (an int), read
+    through in 1 MiB pieces and dropped."""
+    while line := handle.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):  # whole (the newline may be byte limit + 1)
+            yield line
+            continue
+        size = len(line)
+        while not line.endswith(b"\n") and (line := handle.readline(1 << 20)):
+            size += len(line)
+        yield size
