@@ -18,6 +18,7 @@ import datetime
 import json
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,6 +77,7 @@ def _stamp(line: dict) -> float:
 
 def run(root: pathlib.Path, toml: pathlib.Path, *, nproc: int) -> dict:
     run_dir = root / f"run-{toml.stem}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a log of an earlier run there would be read as this one's
     start = time.perf_counter()
     peak = root / f"{toml.stem}.maxrss"
     # GNU time's %M: the largest resident set of any one process of the run (a rank, or the launcher).
@@ -119,6 +121,7 @@ def preprocess(root: pathlib.Path, toml: pathlib.Path, data: pathlib.Path, *, np
     start = time.perf_counter()
     if interrupt:  # a new run over the same data (the stopped one left no checkpoint): its store resumes
         command[command.index("--run-dir") + 1] += "-again"
+    shutil.rmtree(command[command.index("--run-dir") + 1], ignore_errors=True)
     done = subprocess.run(command, capture_output=True, text=True, cwd=root)
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])

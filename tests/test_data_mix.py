@@ -157,3 +157,16 @@ def test_resumed_mid_epoch_trains_on_the_same_samples(mixed_run, tmp_path, nproc
     else:  # the same micro-batches dealt over two ranks: the sums in another order
         assert all(len(row["ranks"]) == 2 for row in after[stop:])
         assert _losses(broken) == pytest.approx(_losses(unbroken), rel=1e-4)
+
+
+@pytest.mark.quick
+def test_a_held_out_file_replaces_the_mixture_in_eval_data():
+    from weft.core.recipe import Recipe
+
+    recipe = Recipe.from_dict({
+        "model": {"preset": "qwen2_5_vl_tiny"},
+        "data": {"source": "jsonl", "mix_samples": 10, "sources": [{"path": "a.jsonl", "weight": 1.0}]},
+        "eval": {"every": 5, "data": {"path": "val.jsonl"}},
+    })
+    assert recipe.eval.data.path == "val.jsonl" and recipe.eval.data.sources == () and not recipe.eval.data.mix_samples
+    assert recipe.data.sources[0].weight == 1.0 and recipe.data.path is None

@@ -188,7 +188,11 @@ def _eval_section(data: dict, *, where: Where) -> EvalSection:
     if "every" not in table:  # held-out samples named, their evaluation forgotten (an explicit 0 turns it off)
         raise RecipeError("[eval.data] names held-out samples but [eval] gives no every (steps between "
                           "evaluations): set eval.every", where=where.at("eval.data"))
-    merged = build(DataSection, {**data.get("data", {}), **held_out}, where=where, prefix="eval.data")
+    inherited = dict(data.get("data", {}))
+    if "path" in held_out or "sources" in held_out:  # one file or a mixture: the held-out one replaces [data]'s
+        for key in ("path", "sources", "mix_samples"):
+            inherited.pop(key, None)
+    merged = build(DataSection, {**inherited, **held_out}, where=where, prefix="eval.data")
     return attrs.evolve(section, data=merged)
 
 
