@@ -131,32 +131,50 @@ def test_two_epochs_see_the_mixture_twice(mixed_run):
     assert len(_losses(mixed_run / "run")) == summary["steps"] == len(rows)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_resumed_mid_epoch_trains_on_the_same_samples(mixed_run, tmp_path, nproc):
+def _resumed(run_dir, tmp_path, *, stop: int, nproc: int, recipe):
+    """A copy of ``run_dir`` as a run killed after step ``stop``'s checkpoint leaves it (that
+    checkpoint, and metrics and sample rows past it), resumed on ``nproc`` ranks."""
     from weft_cli import run_weft
 
-    unbroken = mixed_run / "run"
-    steps = len(_samples(unbroken))
-    stop = 4  # within the first epoch, not at its end
-    assert stop < steps // 2
-    broken = tmp_path / "run"
-    shutil.copytree(unbroken, broken)
-    # What a run killed after step `stop`'s checkpoint leaves: that checkpoint and rows past it.
+    broken = tmp_path / f"resumed-{nproc}"
+    shutil.copytree(run_dir, broken)
     for checkpoint in (broken / "checkpoints").iterdir():
         if checkpoint.is_dir() and int(checkpoint.name.split("-")[1]) > stop:
             shutil.rmtree(checkpoint)
-    done = run_weft("run", str(mixed_run / "mix.toml"), "--run-dir", str(broken), "--resume", "--nproc", str(nproc),
-                    cwd=mixed_run)
+    done = run_weft("run", str(recipe), "--run-dir", str(broken), "--resume", "--nproc", str(nproc), cwd=recipe.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((broken / "summary.json").read_text())["start_step"] == stop
-    before, after = _samples(unbroken), _samples(broken)
-    assert [row["step"] for row in after] == list(range(1, steps + 1))
+    return broken
+
+
+def test_resumed_mid_epoch_trains_on_the_same_samples(mixed_run, tmp_path):
+    """On 1 rank: killed at step 4 of the first epoch, resumed, the same sample ids and the same
+    losses to the bit. The one-rank checkpoint resumed on 2 ranks (schedule "global"): the same
+    ids, the losses within float32 summation order."""
+    unbroken = mixed_run / "run"
+    before = _samples(unbroken)
+    stop = 4  # within the first epoch, not at its end
+    assert stop < len(before) // 2
+    one = _resumed(unbroken, tmp_path, stop=stop, nproc=1, recipe=mixed_run / "mix.toml")
+    assert _samples(one) == before and _losses(one) == _losses(unbroken)
+    two = _resumed(unbroken, tmp_path, stop=stop, nproc=2, recipe=mixed_run / "mix.toml")
+    after = _samples(two)
+    assert [row["step"] for row in after] == list(range(1, len(before) + 1))
     assert [_ids(row) for row in after] == [_ids(row) for row in before]
-    if nproc == 1:
-        assert after == before and _losses(broken) == _losses(unbroken)
-    else:  # the same micro-batches dealt over two ranks: the sums in another order
-        assert all(len(row["ranks"]) == 2 for row in after[stop:])
-        assert _losses(broken) == pytest.approx(_losses(unbroken), rel=1e-4)
+    assert all(len(row["ranks"]) == 2 for row in after[stop:])
+    assert _losses(two) == pytest.approx(_losses(unbroken), rel=1e-4)
+
+
+def test_a_two_rank_run_resumed_on_two_ranks_is_the_unbroken_one(mixed_run, tmp_path):
+    from weft_cli import run_weft
+
+    unbroken = tmp_path / "two"
+    done = run_weft("run", str(mixed_run / "mix.toml"), "--run-dir", str(unbroken), "--nproc", "2", cwd=mixed_run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The global schedule: the one-rank run's samples, dealt over two ranks.
+    assert [_ids(row) for row in _samples(unbroken)] == [_ids(row) for row in _samples(mixed_run / "run")]
+    resumed = _resumed(unbroken, tmp_path, stop=4, nproc=2, recipe=mixed_run / "mix.toml")
+    assert _samples(resumed) == _samples(unbroken) and _losses(resumed) == _losses(unbroken)
 
 
 @pytest.mark.quick
