@@ -30,6 +30,11 @@ LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 #: bf16: a plan's difference from the float32 reference may be this many times the unsharded
 #: model's own in bf16 (its "floor").
 BF16_FACTOR = 2.0
+#: bf16: the least loss tolerance. The loss is one number, so its floor is one sample of the
+#: bf16 rounding's error, and a mean over a thousand tokens can cancel to 1e-6 by chance (the
+#: tiny VL's seeds 0..3: floors 1.3e-6 to 3.4e-5, ring 2 at 4e-6 to 3.7e-5); 1e-4 is still 40
+#: times below bf16's unit roundoff, and a plan that is wrong shows in its gradients as well.
+BF16_LOSS_TOL = 1e-4
 
 
 def _exact_matmuls() -> None:
@@ -183,7 +188,7 @@ def compare(ref: dict, got: dict, *, floor: dict | None = None) -> dict:
         clipped = _worst(ref["clipped"], got["clipped"], ref["groups"])[2]
     loss_tol, grad_tol = LOSS_TOL, GRAD_TOL
     if floor is not None:
-        loss_tol = max(LOSS_TOL, BF16_FACTOR * floor["loss_rel_diff"])
+        loss_tol = max(BF16_LOSS_TOL, BF16_FACTOR * floor["loss_rel_diff"])
         grad_tol = max(GRAD_TOL, BF16_FACTOR * floor["grad_max_rel_diff"])
     ok = loss_rel <= loss_tol and worst <= grad_tol and (norm_rel is None or norm_rel <= grad_tol)
     ok = ok and (clipped is None or clipped <= grad_tol)
