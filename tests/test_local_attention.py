@@ -308,6 +308,7 @@ def test_vision_tower_through_the_varlen_binding_equals_sdpa(varlen_on_cpu):
     from transformers import AttentionInterface
 
     from weft.core.recipe.presets import build_config, load_preset
+    from weft.core.train.attention_install import set_attention_names
     from weft.strategies.attention.hf_adapter import make_vision_attention_function
 
     config = build_config(*load_preset("qwen2_5_vl_tiny")[:2])
@@ -321,7 +322,7 @@ def test_vision_tower_through_the_varlen_binding_equals_sdpa(varlen_on_cpu):
     results = []
     for name in ("sdpa", "weft_flash_vision_test"):
         model.zero_grad()
-        model.set_attn_implementation({"vision_config": name, "text_config": "sdpa"})
+        set_attention_names(model, {"vision_config": name, "text_config": "sdpa"})
         out = model.model.visual(pixels, grid_thw=grid).pooler_output  # (merged patches, hidden)
         out.backward(torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out))
         results.append((out.detach(), [p.grad.clone() for p in model.model.visual.parameters()]))

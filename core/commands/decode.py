@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weft.core.train.attention_install import set_attention_names
+
 #: Greedy tokens read back to the host (stop check, streaming) every this many steps.
 READ_EVERY = 16
 
@@ -139,9 +141,9 @@ def text_attention(model: torch.nn.Module, name: str) -> None:
     """Decode the text model with ``name``; the vision tower keeps its own."""
     vision = getattr(model.config, "vision_config", None)
     if vision is None:
-        model.set_attn_implementation(name)
+        set_attention_names(model, name)
     else:
-        model.set_attn_implementation({"text_config": name, "vision_config": vision._attn_implementation})
+        set_attention_names(model, {"text_config": name, "vision_config": vision._attn_implementation})
 
 
 def prompt_sample(inputs: dict) -> Any:

@@ -34,9 +34,27 @@ def install_attention(*, model: Any, plan: Any, mesh: Any, ctx: Any, pm: Any) ->
         else:
             chosen[tower] = _register_dispatcher(model, tower, bindings)
     has_towers = hasattr(model.config, "vision_config")
-    model.set_attn_implementation(chosen if has_towers else chosen["text_config"])
+    set_attention_names(model, chosen if has_towers else chosen["text_config"])
     ctx.log.info("attention.installed", **chosen)
     return chosen
+
+
+def set_attention_names(model: Any, names: str | dict[str, str]) -> None:
+    """``model.set_attn_implementation(names)`` for names registered in AttentionInterface.
+
+    transformers >= 5.25 takes any name with "flash" in it for a flash-attn kernel and looks it
+    up (on the Hub when the package is absent), yet weft's vision attention is a registered
+    function whose name says "flash" only so that the tower is called with the whole sequence
+    and its cu_seqlens. Such a name is therefore set through a stand-in ("sdpa", which passes
+    the check on every model weft runs) and then written to the config, whose setter carries
+    it into the sub-configs the modules read at each call."""
+    by_key = names if isinstance(names, dict) else {"": names}
+    stand_in = {key: "sdpa" if "flash" in name else name for key, name in by_key.items()}
+    if stand_in == by_key:
+        model.set_attn_implementation(names)
+        return
+    model.set_attn_implementation(stand_in if isinstance(names, dict) else stand_in[""])
+    model.config._attn_implementation = names
 
 
 def _register_dispatcher(model: Any, tower: str, bindings: dict[str, AttentionBinding]) -> str:
