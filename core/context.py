@@ -15,8 +15,25 @@ if TYPE_CHECKING:
 
 
 @attrs.define(kw_only=True)
+class RunState:
+    """What the core learns of a run as it goes, after the context is made: plugins read it
+    through ``RunContext``'s properties, only the core writes it. One object shared by every
+    context of a run (a context made anew from another keeps it), so whatever holds an
+    earlier context (the peer watch, the ending's record) sees the same values."""
+
+    start_step: int = 0  # first step to yield: > 0 when resuming
+    optimizer: Any = None  # the run's optimizer (weft_optimizer), once made; guards may read its state
+    positions: PositionWatch | None = None  # largest position id seen, vs the rotary context
+
+
+@attrs.frozen(kw_only=True)
 class RunContext:
-    """Per-run state handed to hooks. Only ``counters`` is written by plugins."""
+    """Per-run facts handed to hooks, frozen: a hook that assigns to one fails
+    (``attrs.exceptions.FrozenInstanceError``; ``AttributeError`` for the properties). What a
+    plugin keeps is in the two dicts it may write: ``counters`` (through ``count``: summed into
+    the run's summary) and ``plugin_state`` (by its own keys). Where the core settles a fact
+    later (the recipe resolved by a rope rule or by ``train.epochs``), it makes a new context
+    with ``attrs.evolve`` and hands that one on."""
 
     recipe: Recipe
     device: torch.device
@@ -25,16 +42,26 @@ class RunContext:
     run_dir: pathlib.Path | None = None
     log: Any = None  # a structlog logger bound with rank
     counters: dict[str, int] = attrs.field(factory=dict)
-    start_step: int = 0  # first step to yield: > 0 when resuming
     one_pass: bool = False  # weft eval: batching yields every sample once, then its iterator ends
     #: weft eval/generate: no backward runs. The shard hook then attaches no recomputation or
     #: activation offload (they serve a backward only, and their hooks break a compiled step).
     inference: bool = False
     plugin_state: dict = attrs.field(factory=dict)  # what a plugin keeps between calls in this run, by its own keys
     adapter: ModelAdapter | None = None  # the model family's adapter (weft_models)
-    positions: PositionWatch | None = None  # largest position id seen, vs the rotary context
-    optimizer: Any = None  # the run's optimizer (weft_optimizer), once made; guards may read its state
     adapter_dir: pathlib.Path | None = None  # weft eval/generate --adapter: a saved adapter the adapter hook loads
+    state: RunState = attrs.field(factory=RunState)  # the core's: read it through the properties below
+
+    @property
+    def start_step(self) -> int:
+        return self.state.start_step
+
+    @property
+    def optimizer(self) -> Any:
+        return self.state.optimizer
+
+    @property
+    def positions(self) -> PositionWatch | None:
+        return self.state.positions
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n

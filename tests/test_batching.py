@@ -6,7 +6,7 @@ import pytest
 import structlog
 import torch
 
-from weft.core.context import RunContext
+from weft.core.context import RunContext, RunState
 from weft.core.plan.planner import plan_recipe
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
@@ -31,7 +31,7 @@ def steps(*, seed: int, start: int, count: int, dp_rank: int = 0, world: int = 1
     })
     pm = build_plugin_manager(entry_points=False)
     plan, _ = plan_recipe(recipe, pm=pm, world_size=world)
-    ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger(), start_step=start,
+    ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger(), state=RunState(start_step=start),
                      adapter=pm.models.for_recipe(recipe))
     iterator = iter(pm.call_first("weft_batching", decision=plan.decision("batching"), recipe=recipe, plan=plan,
                                   mesh=FakeMesh(dp_rank), model=None, ctx=ctx))

@@ -380,7 +380,7 @@ def test_hook_weft_metrics(tmp_path):
     pm = make_pm()
     recipe, plan, ctx = make_plan(pm, [])  # the default rules: the jsonl sink
     assert [d.strategy for d in plan.decisions_of("metrics")] == ["jsonl"]
-    ctx.run_dir = tmp_path
+    ctx = attrs.evolve(ctx, run_dir=tmp_path)
     # Collect-all, nothing returned; the jsonl sink appends each step's row, ignores the end.
     assert pm.hook.weft_metrics(event="step", row={"step": 1, "loss": 2.5}, plan=plan, ctx=ctx) == []
     pm.hook.weft_metrics(event="step", row={"step": 2, "loss": 2.0}, plan=plan, ctx=ctx)
@@ -708,3 +708,34 @@ def test_building_the_plugin_manager_imports_no_torch():
             "build_plugin_manager(entry_points=False).registry; print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.quick
+def test_a_plugin_writing_to_the_context_fails(tmp_path):
+    """The context is frozen for plugins: a hook that assigns to a field or to a property the
+    core keeps (start_step, optimizer, positions) fails; the two dicts plugins keep their own
+    state in stay writable, and a context made anew from it shares the core's run state."""
+
+    class Writer:
+        def __init__(self, field: str) -> None:
+            self.field = field
+
+        @hookimpl
+        def weft_metrics(self, event, row, plan, ctx):
+            ctx.count("rows")
+            ctx.plugin_state["writer"] = row["step"]
+            setattr(ctx, self.field, 7)
+
+    frozen = attrs.exceptions.FrozenInstanceError
+    for field, error in (("recipe", frozen), ("run_dir", frozen), ("start_step", AttributeError),
+                         ("optimizer", AttributeError)):
+        pm = make_pm(("writer", Writer(field)))
+        _, plan, ctx = make_plan(pm, [{"metrics": {"strategy": "jsonl"}}])
+        ctx = attrs.evolve(ctx, run_dir=tmp_path)
+        with pytest.raises(error):
+            pm.hook.weft_metrics(event="step", row={"step": 1}, plan=plan, ctx=ctx)
+        assert ctx.start_step == 0 and ctx.optimizer is None
+    assert (ctx.counters, ctx.plugin_state) == ({"rows": 1}, {"writer": 1})
+    again = attrs.evolve(ctx, one_pass=True)
+    ctx.state.start_step = 3  # the core's own, as a resume sets it
+    assert again.start_step == 3 and again.counters is ctx.counters

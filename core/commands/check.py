@@ -87,6 +87,7 @@ def _one_step(recipe: Recipe, *, target: pathlib.Path, rank: int, world_size: in
     ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size,
                      log=log)
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
+    ctx, recipe = run.ctx, run.ctx.recipe
     decision = run.plan.decision("batching")
     steps = pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
                           model=run.model, ctx=ctx)

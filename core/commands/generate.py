@@ -17,6 +17,7 @@ import functools
 import pathlib
 import time
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -227,7 +228,7 @@ def _prompts_from_data(recipe: Recipe, *, run, pm, ctx, count: int) -> list[dict
         raise WeftError(f"--prompt-from-data gives every rank one prompt, but the plan has {run.plan.mesh.dp} "
                         "data-parallel groups; set parallel.dp_shard/dp_replicate so that all ranks share the "
                         "sequence (ring/ulysses)", where="--prompt-from-data")
-    ctx.one_pass = True
+    ctx = attrs.evolve(ctx, one_pass=True)
     steps = pm.call_first("weft_batching", decision=run.plan.decision("batching"), recipe=recipe, plan=run.plan,
                           mesh=run.mesh, model=run.model, ctx=ctx)
     found = []

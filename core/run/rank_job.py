@@ -82,7 +82,7 @@ def prepare_inference(recipe: Recipe, *, rank: int, world_size: int, local_rank:
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     checkpoint = load_run_weights(run.model, run_dir, step) if run_dir is not None else None
     run.model.eval()
-    return pm, ctx, run, checkpoint
+    return pm, run.ctx, run, checkpoint
 
 
 def load_run_weights(model: Any, run_dir: pathlib.Path, step: int | None) -> str:

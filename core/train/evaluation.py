@@ -81,7 +81,7 @@ class HeldOut:
         self.run, self.ctx, self.autocast = run, ctx, autocast
         held_out = held_out_recipe(recipe, data=recipe.eval.data or recipe.data)
         # Its own context: one pass from the first sample, its own counts of skipped samples.
-        eval_ctx = attrs.evolve(ctx, one_pass=True, counters={}, start_step=0)
+        eval_ctx = attrs.evolve(ctx, one_pass=True, counters={}, state=attrs.evolve(ctx.state, start_step=0))
         decision = run.plan.decision("batching")
         with torch.random.fork_rng(devices=self._devices()):
             rounds = pm.call_first("weft_batching", decision=decision, recipe=held_out, plan=run.plan,

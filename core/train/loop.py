@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+import attrs
 import torch
 
 from weft.core.context import RunContext, StepState
@@ -78,6 +79,8 @@ def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, conso
 def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: bool, stop: StopRequest,
            ending: Ending, watch: PeerWatch) -> dict:
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
+    ctx = run.ctx
+    recipe = ctx.recipe  # as the plan resolved it
     if ctx.rank == 0:
         (ctx.run_dir / "plan.json").write_text(json.dumps(run.plan.to_json(), indent=1))
     decision = run.plan.decision("batching")
@@ -90,10 +93,11 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
     if recipe.train.epochs:  # the steps of the epochs, counted from the data before the schedule is made
         counted = batching()
         recipe = epoch_steps(recipe, counted, strategy=decision.strategy, ctx=ctx)
+        ctx = attrs.evolve(ctx, recipe=recipe)
     optimizer, scheduler = make_optimizer(recipe, run.model, plan=run.plan, pm=pm, ctx=ctx)
-    ctx.optimizer = optimizer
+    ctx.state.optimizer = optimizer
     if resume:
-        ctx.start_step = _resume(ctx, run.model, optimizer, scheduler)
+        ctx.state.start_step = _resume(ctx, run.model, optimizer, scheduler)
         if ctx.rank == 0:
             trim_metrics(ctx.run_dir / "metrics.jsonl", last_step=ctx.start_step)
     steps = iter(counted if counted is not None else batching())
@@ -158,8 +162,6 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
 def epoch_steps(recipe: Recipe, steps: Any, *, strategy: str, ctx: RunContext) -> Recipe:
     """The recipe with ``train.max_steps`` = the steps of ``train.epochs`` epochs: ``len()`` of
     the batching's iterable (the data read to count them)."""
-    import attrs
-
     if "max_steps" in recipe.raw.get("train", {}):
         raise WeftError("train.epochs and train.max_steps both set: the epochs count the steps; drop one",
                         where=f"{recipe.source} (train.epochs)")
@@ -170,9 +172,7 @@ def epoch_steps(recipe: Recipe, steps: Any, *, strategy: str, ctx: RunContext) -
                         "which train.epochs needs; set train.max_steps instead", where=f"{recipe.source} (train.epochs)"
                         ) from None
     ctx.log.info("data.epochs", epochs=recipe.train.epochs, steps=total)
-    resolved = attrs.evolve(recipe, train=attrs.evolve(recipe.train, max_steps=total))
-    ctx.recipe = attrs.evolve(ctx.recipe, train=resolved.train)
-    return resolved
+    return attrs.evolve(recipe, train=attrs.evolve(recipe.train, max_steps=total))
 
 
 def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, autocast, pm, ctx: RunContext,

@@ -36,10 +36,14 @@ class Prepared:
     split: SequenceSplit | None  # None without sequence parallelism
     keep_vision: bool  # data-parallel ranks run the vision tower together (see core.step)
     fused: FusedHead | None = None  # train.loss = "fused": the loss from the hidden states
+    #: The context from here on: the one given, with the model family's adapter and the recipe
+    #: as the plan resolved it (a rope rule's rotary keys).
+    ctx: RunContext | None = None
 
 
 def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
-    adapter = ctx.adapter = pm.models.for_recipe(recipe)
+    adapter = pm.models.for_recipe(recipe)
+    ctx = attrs.evolve(ctx, adapter=adapter)
     # Built on the meta device, sharded, then each rank materialises only its shards: read
     # from model.path, or a preset's random init drawn from the seed (the same values on any
     # world size and device). No process ever holds the whole model.
@@ -47,7 +51,8 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     plan, _ = plan_recipe(recipe, pm=pm, world_size=ctx.world_size, model=model)
     resolved = resolve_rope(recipe, plan=plan, pm=pm)
     if resolved is not recipe:  # a rope rule: the same modules, built with its rotary keys
-        recipe = ctx.recipe = resolved
+        recipe = resolved
+        ctx = attrs.evolve(ctx, recipe=recipe)
         model = adapter.build(recipe, device="meta", seed=recipe.train.seed)
         ctx.log.info("rope.rule", scaling=recipe.model.rope_scaling, factor=recipe.model.rope_factor)
     # Adapters (LoRA) on the model as built, before sharding: FSDP2 shards them with their
@@ -67,14 +72,14 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
         added.init(model, seed=recipe.train.seed)
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
     # The position watch goes first on the text decoder, so it sees whole-sequence ids.
-    ctx.positions = adapter.watch_positions(model, recipe=recipe, log=ctx.log)
+    ctx.state.positions = adapter.watch_positions(model, recipe=recipe, log=ctx.log)
     split = adapter.sequence_parallel(model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
     keep_vision = plan.mesh.dp > 1 and adapter.vision_tower(model) is not None
     if keep_vision:
         adapter.keep_vision_alive(model)
     fused = FusedHead(model=model, decoder=adapter.text_decoder(model)) if recipe.train.loss == "fused" else None
     model.train()
-    return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision, fused=fused)
+    return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision, fused=fused, ctx=ctx)
 
 
 def on_meta(model: torch.nn.Module) -> bool:
