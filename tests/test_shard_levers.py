@@ -362,3 +362,25 @@ def test_the_built_in_hook_leaves_a_third_party_root_to_its_plugin(light_install
     apply_root_strategy(light_installed.STRATEGIES, model=model, plan=plan, mesh=None, ctx=ctx)
     assert not any(p.requires_grad for p in model.layers[0].parameters()) and light_installed.SEEN == [model]
 
+
+
+@pytest.mark.quick
+def test_the_shard_plugins_never_compare_a_strategy_name_to_a_literal():
+    """Which lever or sharding a unit gets follows from its params (and the root's strategy
+    record), never from a strategy's name spelled out in the shard plugin's files."""
+    import ast
+
+    plugins = pathlib.Path(__file__).resolve().parents[1] / "plugins"
+    found = []
+    for path in sorted(plugins.glob("shard*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(s, (ast.Attribute, ast.Name)) and getattr(s, "attr", getattr(s, "id", None))
+                        in ("strategy", "name") for s in sides)
+            literal = any(isinstance(c, ast.Constant) and isinstance(c.value, str) for s in sides
+                          for c in ([s] if isinstance(s, ast.Constant) else getattr(s, "elts", [])))
+            if named and literal:
+                found.append(f"{path.name}:{node.lineno}")
+    assert not found, found
