@@ -54,6 +54,13 @@ class Strategy:
     #: The root's shard strategy: ``lines``, what `weft plan` prints under the plan of what its
     #: rules do inside the units (e.g. which linear layers multiply in float8).
     describe: Callable[..., dict] | None = None
+    #: Shard strategies: what the strategy does to the model when it is the root's,
+    #: ``apply(model, units, *, plan, mesh, ctx) -> None``: ``units`` every module of the Plan
+    #: with a shard decision (root included, whatever strategy its rule names), in the Plan's
+    #: order; called once by the plugin that declared the strategy, from its ``weft_shard``,
+    #: on the model as built on the meta device. It may reuse the built-in levers
+    #: (plugins/shard_levers.py), each of which acts on the units whose params carry its fields.
+    apply: Callable[..., None] | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -1,5 +1,6 @@
 """The shard rules' ``matmul = "float8"``: the units' linear layers swapped for float8 ones when
-the model is sharded, and what `weft plan` says of it (the shard strategies' ``describe``)."""
+the model is sharded (the ``float8`` lever, plugins/shard_levers.py), and what `weft plan` says
+of it (the shard strategies' ``describe``)."""
 
 from __future__ import annotations
 
@@ -29,26 +30,25 @@ def describe(params, *, recipe, plan, model, adapter, positions) -> dict:
     return {"lines": lines}
 
 
-def float8_units(model, plan, *, device) -> int:
-    """``matmul = "float8"``: each such unit's eligible linear layers swapped for torchao's
-    Float8Linear; a device without float8 matrix units is the rule's error."""
-    units = [u for u in plan.modules_for("shard") if u.info.kind == "unit"
-             and getattr(u.get("shard").params, "matmul", "default") == "float8"]
+def float8_units(model, units, *, device) -> int:
+    """Each unit's eligible linear layers swapped for torchao's Float8Linear (``units``: (module
+    plan, its Float8 lever config) of the units that ask for it); a device without float8
+    matrix units is the rule's error. Returns how many layers were swapped."""
     if not units:
         return 0
     from weft.strategies.model.float8 import convert, has_float8_units
 
-    if not has_float8_units(device) and not all(u.get("shard").params.float8_emulate for u in units):
+    if not has_float8_units(device) and not all(config.float8_emulate for _, config in units):
         from weft.core.errors import PlanError
 
-        rule = next(u.get("shard") for u in units if not u.get("shard").params.float8_emulate)
+        rule = next(u.get("shard") for u, config in units if not config.float8_emulate)
         name = _device_name(device)
         raise PlanError(f"shard rule {rule.rule!r} asks for matmul = 'float8' on {len(units)} units, but {name} has "
                         "no float8 matrix units (GPUs of compute capability 8.9 or more: Ada, Hopper, Blackwell); "
                         "drop the key to multiply in the storage dtype, or set float8_emulate = true for float8's "
                         "numerics without its speed", where=f"{rule.source} (shard.matmul)")
-    return sum(len(convert(model.get_submodule(u.info.path), recipe=u.get("shard").params.float8_recipe,
-                           emulate=u.get("shard").params.float8_emulate)) for u in units)
+    return sum(len(convert(model.get_submodule(u.info.path), recipe=config.float8_recipe,
+                           emulate=config.float8_emulate)) for u, config in units)
 
 
 def _device_name(device) -> str:

@@ -150,7 +150,7 @@ def test_a_unit_scope_over_an_untraceable_attention_compiles_the_children_and_sa
     from weft.core.mesh_spec import MeshSpec
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe.rules import ModuleInfo, build_plan
-    from weft.plugins.shard import _compile_units
+    from weft.plugins.shard_levers import compile_units
 
     layer = torch.nn.Module()
     layer.self_attn, layer.mlp = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
@@ -164,7 +164,7 @@ def test_a_unit_scope_over_an_untraceable_attention_compiles_the_children_and_sa
         {"when": {"path": "layers.0"}, "shard": {"strategy": "none", "compile": True, "compile_scope": "unit"}}]})
     plan = build_plan(recipe=recipe, modules=infos, registry=build_plugin_manager(entry_points=False).registry,
                       mesh=MeshSpec(ulysses=2), world_size=2)
-    compiled, children = _compile_units(model, plan)
+    compiled, children = compile_units(model, plan.modules_for("shard"), plan=plan)
     assert children == ["layers.0"] and compiled == 1  # the MLP: the attention is not traced
     assert layer._compiled_call_impl is None and layer.mlp._compiled_call_impl is not None
     assert layer.self_attn._compiled_call_impl is None

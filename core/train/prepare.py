@@ -24,6 +24,7 @@ from weft.core.recipe.rules import Plan
 from weft.core.train.attention_install import install_attention
 from weft.core.train.rope import resolve_rope
 from weft.core.train.step import FusedHead
+from weft.core.train.weights import materialize_weights
 
 
 @attrs.frozen(kw_only=True)
@@ -64,10 +65,8 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
                  model=adapter.name, params=sum(p.numel() for p in model.parameters()), device=str(ctx.device),
                  gpu=gpu)
     pm.call_all("weft_shard", model=model, plan=plan, mesh=mesh, ctx=ctx)
-    if on_meta(model):  # (a shard plugin may have materialised it: 4-bit units under FSDP2)
-        quantize = plan.quantized_units()  # passed only when asked: a family's own materialize may not take it
-        adapter.materialize(model, recipe, device=ctx.device, seed=recipe.train.seed, log=ctx.log,
-                            **({"quantize": quantize} if quantize else {}))
+    # (a shard strategy may have materialised it already: 4-bit units under FSDP2)
+    materialize_weights(model, adapter=adapter, recipe=recipe, plan=plan, device=ctx.device, log=ctx.log)
     for added in adapters:  # after the base's weights: the adapters are not in its checkpoint
         added.init(model, seed=recipe.train.seed)
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
@@ -80,12 +79,6 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     fused = FusedHead(model=model, decoder=adapter.text_decoder(model)) if recipe.train.loss == "fused" else None
     model.train()
     return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision, fused=fused, ctx=ctx)
-
-
-def on_meta(model: torch.nn.Module) -> bool:
-    """Whether any of the model's parameters or buffers (an FSDP2 shard's local part too) has
-    no storage yet."""
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
 def device_type_for(recipe: Recipe) -> str:
