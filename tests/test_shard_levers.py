@@ -271,7 +271,7 @@ def test_four_bit_units_are_materialised_once_before_sharding():
 
     plan, ctx, units = planned({"strategy": "fsdp2", "trainable": False, "quantize": "nf4"},
                                root={"strategy": "fsdp2"})
-    ctx.adapter = Family()
+    ctx = attrs.evolve(ctx, adapter=Family())
     with torch.device("meta"):
         model = Toy()
     mesh = type("M", (), {"fsdp_mesh": lambda self: type("D", (), {"size": lambda self: 1})()})()
