@@ -168,3 +168,39 @@ def test_the_example_strategy_refuses_a_vision_tower(tmp_path):
                ModuleInfo(path="visual.blocks.0.attn", class_name="Attn", kind="attention", modality="vision")]
     with pytest.raises(PlanError, match="causal, for text modules"):
         build_plan(recipe=recipe, modules=modules, registry=pm.registry, mesh=MeshSpec(), world_size=1)
+
+
+def _record_under_ring(rank: int, world: int) -> None:
+    import attention_recorder
+    from distributed import sp_model
+    from weft.core.train.step import shard_micro_batch
+    from weft.strategies.data.conversation import collate, encode_conversation, load_processor
+    from weft.strategies.data.synthetic_vl import synthetic_conversations
+
+    model, _, plan, mesh, split = sp_model({
+        "model": {"preset": "qwen2_5_vl_tiny"}, "parallel": {"ring": world},
+        "rules": [{"when": {"modality": "text"}, "attention": {"strategy": "record_ring"}}],
+    }, rank=rank, world=world, plugins=("attention_recorder",))
+    tokenizer, image_processor = load_processor("tiny_vl")
+    samples = [encode_conversation(c.messages, tokenizer=tokenizer, image_processor=image_processor)
+               for c in synthetic_conversations(seed=5, num_samples=2, min_side=28, max_side=56)]
+    batch = collate(samples, pad_id=tokenizer.pad_token_id, pad_to_multiple_of=split.multiple)
+    batch["weft_doc_ids"] = torch.zeros_like(batch["input_ids"])  # one document a row, as packing would say
+    local = shard_micro_batch(batch, split)
+    model(**{k: v for k, v in local.items() if k not in ("labels", "shift_labels")}, use_cache=False)
+    b, s = batch["input_ids"].shape
+    assert s % split.multiple == 0 and split.multiple == 2 * world  # zigzag: 2 chunks a rank
+    text = [c for c in attention_recorder.CALLS if c["module"] == "Qwen2_5_VLAttention"]
+    assert len(text) == 2  # one per layer, on every rank
+    for call in text:
+        assert call["query"] == (b, 4, s // world, 16) and call["key"] == (b, 2, s // world, 16)
+        assert call["mask"] is None and call["kwargs"]["position_ids"] is None
+        assert tuple(call["kwargs"]["weft_doc_ids"].shape) == (b, s)  # the whole sequence's
+
+
+def test_under_sequence_parallelism_each_rank_sees_its_part():
+    """docs/attention.md, "Sequence parallelism": ring 2, zigzag. Each rank's query and key hold
+    its part of the sequence; the document ids arrive whole."""
+    from distributed import run_ranks
+
+    run_ranks(2, _record_under_ring)
