@@ -193,19 +193,6 @@ def strategies_section() -> str:
     return "\n".join(out)
 
 
-GENERATORS: dict[str, Callable[[], str]] = {
-    "section.model": section_table("model"),
-    "section.data": section_table("data"),
-    "section.data.sources": section_table("data.sources"),
-    "section.train": section_table("train"),
-    "section.parallel": section_table("parallel"),
-    "section.eval": section_table("eval"),
-    "presets": presets_list,
-    "defaults": defaults_table,
-    "selectors": selectors_table,
-    "points": points_table,
-    "strategies": strategies_section,
-}
 
 
 def hook_specs() -> list[tuple[str, str, bool, str]]:
@@ -244,6 +231,13 @@ def hook_points_list() -> str:
     return _code_list(HOOK_POINTS)
 
 
+def multi_points_list() -> str:
+    """The hook points a rule may give a list of strategies, inline."""
+    from weft.core.hookspecs import MULTI_POINTS
+
+    return _code_list(MULTI_POINTS)
+
+
 def firstresult_list() -> str:
     return _code_list(name for name, _, first, _ in hook_specs() if first)
 
@@ -265,12 +259,30 @@ def builtin_plugins_list() -> str:
     return _code_list(names)
 
 
+#: docs/rules.md's blocks, every one of which it must hold.
+GENERATORS: dict[str, Callable[[], str]] = {
+    "section.model": section_table("model"),
+    "section.data": section_table("data"),
+    "section.data.sources": section_table("data.sources"),
+    "section.train": section_table("train"),
+    "section.parallel": section_table("parallel"),
+    "section.eval": section_table("eval"),
+    "presets": presets_list,
+    "defaults": defaults_table,
+    "selectors": selectors_table,
+    "points": points_table,
+    "strategies": strategies_section,
+    "hooks.points": hook_points_list,
+    "hooks.multi": multi_points_list,
+}
+
 HOOK_GENERATORS: dict[str, Callable[[], str]] = {
     "hooks.table": hooks_table,
     "hooks.points": hook_points_list,
     "hooks.firstresult": firstresult_list,
     "hooks.collect_all": collect_all_list,
     "hooks.builtins": builtin_plugins_list,
+    "hooks.multi": multi_points_list,
 }
 
 

@@ -21,7 +21,7 @@ PAGES = sorted([ROOT / "README.md", ROOT / "DEVELOPERS.md", ROOT / "BENCHMARKS.m
 HOOK_BLOCKS = {
     "README.md": {"hooks.points", "hooks.table"},
     "docs/hooks.md": {"hooks.builtins", "hooks.firstresult", "hooks.collect_all"},
-    "docs/plugins.md": {"hooks.points", "hooks.firstresult", "hooks.collect_all"},
+    "docs/plugins.md": {"hooks.points", "hooks.firstresult", "hooks.collect_all", "hooks.multi"},
 }
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.DOTALL | re.MULTILINE)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
