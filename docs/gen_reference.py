@@ -10,7 +10,8 @@ classes of core/recipe/recipe.py (keys, accepted values, defaults, docs), the se
 constants, and the parameter classes of the built-in strategies. The hook lists of
 README.md, docs/hooks.md and docs/plugins.md come from core/hookspecs.py (the hookspecs,
 their firstresult flags, their first docstring lines), which is what `weft plugins`
-prints. tests/test_docs_reference.py fails when a page and the code disagree.
+prints. tests/test_docs_reference.py (rules.md) and tests/test_docs_pages.py (the hook pages)
+fail when a page and the code disagree.
 """
 
 from __future__ import annotations
