@@ -1,13 +1,17 @@
-"""Regenerate the reference tables of docs/rules.md from the code that defines them.
+"""Regenerate the reference parts of the docs from the code that defines them.
 
-    python docs/gen_reference.py           # rewrite docs/rules.md in place
-    python docs/gen_reference.py --check   # exit 1 if docs/rules.md is out of date
+    python docs/gen_reference.py           # rewrite the pages in place
+    python docs/gen_reference.py --check   # exit 1 if a page is out of date
 
-Each table sits between ``<!-- generated: NAME -->`` and ``<!-- /generated -->``;
-everything outside the markers is prose and is left alone. Tables come from the
-attrs classes of core/recipe/recipe.py (keys, accepted values, defaults, docs), the
-selector constants, and the parameter classes of the built-in strategies.
-tests/test_docs_reference.py fails when the file and the code disagree.
+Each generated part sits between ``<!-- generated: NAME -->`` and ``<!-- /generated -->``
+(on lines of their own for a table, inside a sentence for a list); everything outside
+the markers is prose and is left alone. docs/rules.md's tables come from the attrs
+classes of core/recipe/recipe.py (keys, accepted values, defaults, docs), the selector
+constants, and the parameter classes of the built-in strategies. The hook lists of
+README.md, docs/hooks.md and docs/plugins.md come from core/hookspecs.py (the hookspecs,
+their firstresult flags, their first docstring lines), which is what `weft plugins`
+prints. tests/test_docs_reference.py (rules.md) and tests/test_docs_pages.py (the hook pages)
+fail when a page and the code disagree.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from typing import Any, Callable
 
 import attrs
 
-RULES_MD = pathlib.Path(__file__).resolve().parent / "rules.md"
-_BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.DOTALL)
+DOCS = pathlib.Path(__file__).resolve().parent
+RULES_MD = DOCS / "rules.md"
+#: The pages whose hook lists are generated (docs/rules.md has its own generators).
+HOOK_PAGES = (DOCS.parent / "README.md", DOCS / "hooks.md", DOCS / "plugins.md")
+_BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n?)(?P<body>.*?)(<!-- /generated -->)", re.DOTALL)
 
 
 def _toml(value: Any) -> str:
@@ -187,6 +194,73 @@ def strategies_section() -> str:
     return "\n".join(out)
 
 
+
+
+def hook_specs() -> list[tuple[str, str, bool, str]]:
+    """(hook, signature, firstresult, summary) of every hookspec, in the order `weft plugins`
+    lists them: the two registration hooks, then the hook points in the order a run meets them."""
+    import inspect
+
+    from weft.core import hookspecs
+
+    out = []
+    for point in ("strategies", "models", *hookspecs.HOOK_POINTS):
+        name = f"weft_{point}"
+        fn = getattr(hookspecs, name)
+        opts = getattr(fn, f"{hookspecs.PROJECT}_spec")
+        summary = inspect.getdoc(fn).split("\n\n")[0].replace("\n", " ").replace("``", "`")
+        out.append((name, f"{name}({', '.join(inspect.signature(fn).parameters)})", bool(opts.get("firstresult")),
+                    summary))
+    return out
+
+
+def hooks_table() -> str:
+    rows = ["| hook | kind | job |", "| --- | --- | --- |"]
+    for _, signature, first, summary in hook_specs():
+        rows.append(f"| `{signature}` | {'firstresult' if first else 'collect-all'} | {_escape(summary)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _code_list(names) -> str:
+    return ", ".join(f"`{name}`" for name in names)
+
+
+def hook_points_list() -> str:
+    """The rule keys (and `Strategy.point` values), inline."""
+    from weft.core.hookspecs import HOOK_POINTS
+
+    return _code_list(HOOK_POINTS)
+
+
+def multi_points_list() -> str:
+    """The hook points a rule may give a list of strategies, inline."""
+    from weft.core.hookspecs import MULTI_POINTS
+
+    return _code_list(MULTI_POINTS)
+
+
+def firstresult_list() -> str:
+    return _code_list(name for name, _, first, _ in hook_specs() if first)
+
+
+def collect_all_list() -> str:
+    return _code_list(name for name, _, first, _ in hook_specs() if not first)
+
+
+def builtin_plugins_list() -> str:
+    """The built-in plugin that implements each hook point, in the hook points' order."""
+    from weft.core.hookspecs import HOOK_POINTS
+    from weft.core.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(entry_points=False)
+    names: list[str] = []
+    for point in HOOK_POINTS:
+        names += [i.plugin_name for i in getattr(pm.hook, f"weft_{point}").get_hookimpls()
+                  if i.plugin_name not in names]
+    return _code_list(names)
+
+
+#: docs/rules.md's blocks, every one of which it must hold.
 GENERATORS: dict[str, Callable[[], str]] = {
     "section.model": section_table("model"),
     "section.data": section_table("data"),
@@ -199,43 +273,68 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "selectors": selectors_table,
     "points": points_table,
     "strategies": strategies_section,
+    "hooks.points": hook_points_list,
+    "hooks.multi": multi_points_list,
+}
+
+HOOK_GENERATORS: dict[str, Callable[[], str]] = {
+    "hooks.table": hooks_table,
+    "hooks.points": hook_points_list,
+    "hooks.firstresult": firstresult_list,
+    "hooks.collect_all": collect_all_list,
+    "hooks.builtins": builtin_plugins_list,
+    "hooks.multi": multi_points_list,
 }
 
 
-def render(text: str) -> str:
+def pages() -> dict[pathlib.Path, tuple[dict[str, Callable[[], str]], bool]]:
+    """Each generated page: its generators, and whether it must hold every one of them."""
+    return {RULES_MD: (GENERATORS, True), **{page: (HOOK_GENERATORS, False) for page in HOOK_PAGES}}
+
+
+def render(text: str, generators: dict[str, Callable[[], str]] | None = None, *, every: bool = True,
+           page: str = "docs/rules.md") -> str:
     """``text`` with every generated block replaced by a fresh rendering."""
-    missing = set(GENERATORS) - {m.group("name") for m in _BLOCK.finditer(text)}
+    generators = GENERATORS if generators is None else generators
+    missing = set(generators) - {m.group("name") for m in _BLOCK.finditer(text)} if every else set()
     if missing:
         raise SystemExit(
-            f"docs/rules.md lacks the generated blocks {sorted(missing)}; "
+            f"{page} lacks the generated blocks {sorted(missing)}; "
             "add '<!-- generated: NAME -->' ... '<!-- /generated -->'"
         )
 
-
     def fill(match: re.Match) -> str:
         name = match.group("name")
-        if name not in GENERATORS:
-            raise SystemExit(f"docs/rules.md has an unknown generated block {name!r}; known: {', '.join(GENERATORS)}")
-        return f"{match.group(1)}{GENERATORS[name]()}{match.group(4)}"
+        if name not in generators:
+            raise SystemExit(f"{page} has an unknown generated block {name!r}; known: {', '.join(generators)}")
+        return f"{match.group(1)}{generators[name]()}{match.group(4)}"
 
     return _BLOCK.sub(fill, text)
 
 
+def render_page(path: pathlib.Path) -> tuple[str, str]:
+    """(current, fresh) text of one generated page."""
+    generators, every = pages()[path]
+    current = path.read_text(encoding="utf-8")
+    return current, render(current, generators, every=every, page=path.name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/rules.md is out of date")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page is out of date")
     args = parser.parse_args(argv)
-    current = RULES_MD.read_text(encoding="utf-8")
-    fresh = render(current)
-    if args.check:
-        if fresh != current:
-            print("docs/rules.md is out of date: run python docs/gen_reference.py", file=sys.stderr)
-            return 1
-        return 0
-    if fresh != current:
-        RULES_MD.write_text(fresh, encoding="utf-8")
-        print("docs/rules.md updated")
-    return 0
+    stale = 0
+    for path in pages():
+        current, fresh = render_page(path)
+        if fresh == current:
+            continue
+        if args.check:
+            print(f"{path.name} is out of date: run python docs/gen_reference.py", file=sys.stderr)
+            stale = 1
+        else:
+            path.write_text(fresh, encoding="utf-8")
+            print(f"{path.name} updated")
+    return stale
 
 
 if __name__ == "__main__":

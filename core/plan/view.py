@@ -204,7 +204,9 @@ def render_plugins(table: dict) -> None:
     for column in ("point", "name", "plugin", "parameters", "summary"):
         strategies.add_column(column)
     for s in table["strategies"]:
-        params = "; ".join(f"{p['name']}: {p['accepts']} = {p['default']!r}" for p in s["params"]) or "-"
+        # One parameter a line, with its metadata doc: what a rule may write, and what it does.
+        params = "\n".join(f"{p['name']}: {p['accepts']} = {p['default']!r}" + (f" ({p['doc']})" if p["doc"] else "")
+                           for p in s["params"]) or "-"
         strategies.add_row(s["point"], s["name"], s["plugin"], params, s["summary"])
     console.print(strategies)
     models = Table(title="model families")

@@ -36,7 +36,7 @@ from weft.core.run.peer_watch import PeerWatch, peers_lost, watch_peers
 from weft.core.run.progress import progress_bar
 from weft.core.train.evaluation import HeldOut
 from weft.core.train.oom import out_of_memory
-from weft.core.train.optimizer import make_optimizer, state_gib
+from weft.core.train.optimizer import advance_schedule, make_optimizer, state_gib
 from weft.core.train.prepare import Prepared, close_process_group, init_process_group, prepare_model
 from weft.core.train.step import autocast_for, finish_step, run_micro_batches
 from weft.core.train.timing import PhaseTimer
@@ -220,7 +220,7 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
         totals["state_gib"] = state_gib(run.model, optimizer)
     optimizer.zero_grad(set_to_none=True)
     lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao (a CPU one: no sync)
-    scheduler.step()
+    advance_schedule(scheduler, skipped=verdict.action == "skip")
     # Waits for the optimizer's kernels (the events' last mark), so dt holds the whole step.
     phases = timer.seconds()  # forward_s, backward_s, optimizer_s
     dt = time.perf_counter() - t0

@@ -11,6 +11,7 @@ rule's ``lr`` (else ``train.lr``) times its ``lr_scale`` and its ``weight_decay`
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -61,6 +62,26 @@ def make_optimizer(recipe: Any, model: torch.nn.Module, *, plan: Any, pm: Any, c
                          lr=group.lr, weight_decay=group.weight_decay, tensors=len(group.params),
                          parameters=sum(p.numel() for p in group.params), modules=len(group.modules))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
+
+
+#: torch's warning when a schedule advances before the optimizer's first step.
+_EARLY_SCHEDULE = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+
+def advance_schedule(scheduler: Any, *, skipped: bool) -> None:
+    """One step along ``[train]``'s schedule, whether the optimizer stepped or a guard skipped it.
+
+    A skipped step uses up its place: step n trains at the schedule's value for n whatever was
+    skipped before it, so the schedule ends at ``max_steps`` as the recipe says (docs/faults.md).
+    torch warns when a schedule advances before any optimizer step, to catch a loop that calls
+    the two in the wrong order; a run whose first steps were skipped is not that mistake, so on
+    a skipped step that one warning is ignored, in this call only."""
+    if not skipped:
+        scheduler.step()
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_EARLY_SCHEDULE, category=UserWarning)
+        scheduler.step()
 
 
 def lr_lambda(recipe: Any):
