@@ -1,4 +1,5 @@
-"""What every hook call can see of the run besides the Plan, and what guards see of a step."""
+"""What every hook call can see of the run besides the Plan (frozen), the core's own state of the
+run beside it, and what guards see of a step."""
 
 from __future__ import annotations
 

@@ -12,10 +12,11 @@ The core calls these hooks in this order, once per run unless said otherwise:
 4. ``weft_optimizer``    once per run (training only): the optimizer over the Plan's parameter groups;
    ``weft_batching``     once: returns this rank's iterator of optimizer steps.
 5. per optimizer step:   ``weft_guard(event="step_start")`` -> forward/backward for each
-   micro-batch -> ``weft_grad_sync`` -> ``weft_guard(event="step_end")`` -> optimizer.
+   micro-batch -> ``weft_grad_sync`` -> ``weft_guard(event="step_end")`` -> optimizer ->
+   ``weft_metrics(event="step")`` (rank 0), and ``weft_metrics(event="end")`` once at the end.
 6. ``weft_guard(event="error")`` when a step raises; ``weft_kv_cache`` once per `weft generate`.
 
-Arguments are frozen objects (Plan, Decision, Recipe) or the live model/mesh; a plugin
+Arguments are frozen objects (Plan, Decision, Recipe, the RunContext) or the live model/mesh; a plugin
 returns what it makes instead of mutating shared arguments. Firstresult hooks are
 dispatched on a strategy name: an implementation returns ``None`` for names it does
 not own. weft's ``call_first`` raises ``HookError`` naming the hook and the
