@@ -12,10 +12,13 @@ from weft.plugins.shard_params import Fsdp2Params, KeepParams, check_keep
 def weft_strategies():
     return [
         Strategy(point="shard", name="fsdp2", params=Fsdp2Params,
-                 summary="FSDP2 fully_shard per unit over dp_shard x SP ranks", check=check_keep, describe=describe),
+                 summary="FSDP2 fully_shard per unit over dp_shard x SP ranks", check=check_keep, describe=describe,
+                 shard_dims=("dp_shard", "ring", "ulysses"),
+                 gathers=True),
         Strategy(point="shard", name="none", params=KeepParams,
                  summary="keep the module whole on every rank; grad_sync averages its gradients", check=check_keep,
-                 describe=describe),
+                 describe=describe,
+                 shard_dims=()),
     ]
 
 
