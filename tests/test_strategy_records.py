@@ -9,11 +9,11 @@ import pathlib
 import textwrap
 
 import pytest
-from weft_cli import run_weft
 
 from weft.core.plan.estimate import GIB, memory
 from weft.core.plan.gpus import GPUS
 from weft.core.plan.step_time import step_seconds
+from weft_cli import run_weft
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,6 @@ def _recipe(tmp_path: pathlib.Path, *, shard: str, preset: str = "qwen2_text_tin
 
 def _planned(recipe_path: pathlib.Path, *, world_size: int):
     import weft_strategy_plugin
-
     from weft.core.plan.estimate_inputs import contributions_of, setup_of, shape_of, units_of
     from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import build_plugin_manager
