@@ -49,9 +49,9 @@ def make(name: str, params: list[torch.nn.Parameter], lr: float):
     if name == "adamw_sr_fp32_states":
         return AdamWSR(params, lr=lr, betas=(0.9, 0.95), state_dtype="float32")
     if name == "adamw_8bit":  # the plugin's own maker: torchao's AdamW8bit, bf16 stochastic rounding
-        from weft.plugins.optimizer import _MAKERS
+        from weft.plugins.optimizer import _adamw_8bit
 
-        return _MAKERS["adamw_8bit"]([{"params": params, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+        return _adamw_8bit([{"params": params, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
     raise ValueError(name)
 
 

@@ -54,13 +54,61 @@ class Strategy:
     #: The root's shard strategy: ``lines``, what `weft plan` prints under the plan of what its
     #: rules do inside the units (e.g. which linear layers multiply in float8).
     describe: Callable[..., dict] | None = None
-    #: Shard strategies: what the strategy does to the model when it is the root's,
-    #: ``apply(model, units, *, plan, mesh, ctx) -> None``: ``units`` every module of the Plan
-    #: with a shard decision (root included, whatever strategy its rule names), in the Plan's
-    #: order; called once by the plugin that declared the strategy, from its ``weft_shard``,
-    #: on the model as built on the meta device. It may reuse the built-in levers
+    #: What the strategy does: called by the hook implementation of the plugin that declares it,
+    #: for each decision naming it, as ``impl(params, **arguments)``: the decision's params and the
+    #: hook's other arguments by keyword (each plugin's module says which; attention:
+    #: ``impl(params, module_path=, plan=, mesh=) -> AttentionBinding``). The hook implementation
+    #: dispatches on the record (:class:`Declared`), never on the name. Shard strategies differ:
+    #: the root's shapes the whole model, ``impl(model, units, *, plan, mesh, ctx) -> None``, with
+    #: ``units`` every module of the Plan with a shard decision (root included, whatever strategy
+    #: its rule names), on the model as built on the meta device; it may reuse the built-in levers
     #: (plugins/shard_levers.py), each of which acts on the units whose params carry its fields.
-    apply: Callable[..., None] | None = None
+    impl: Callable[..., Any] | None = None
+    #: The strategy leaves its modules as they are (adapter ``none``): the core counts a decision
+    #: naming it as none (which modules are adapted, whether an adapter rule decides a module).
+    inert: bool = False
+    #: Shard strategies, for `weft plan --estimate`: the mesh dims ("dp_replicate", "dp_shard",
+    #: "ring", "ulysses") whose ranks split a unit's weights, gradients and optimizer states (the
+    #: product of their degrees divides them); () keeps them whole on every rank.
+    shard_dims: tuple[str, ...] = ()
+    #: Shard strategies: a unit's weights are gathered whole around its forward and backward and its
+    #: gradients reduce-scattered in float32 (FSDP's way); the estimate counts the gathered copies,
+    #: the float32 gradients of the reduce and the gathers' exposed time.
+    gathers: bool = False
+    #: Root-level strategies (grad_sync, optimizer, ...), for `weft plan --estimate`: what the root's
+    #: decision adds to a rank's peak, ``estimate_memory(params, *, units, shape, setup) -> {part:
+    #: bytes}`` (core/plan/estimate.py's Unit list, Shape and Setup); a part of its own is a row of
+    #: the table, one of the core's names (``gradients``) adds to that row.
+    estimate_memory: Callable[..., dict] | None = None
+    #: The same for a step's seconds: ``estimate_time(params, *, units, shape, setup, gpu) ->
+    #: {part: seconds}`` (``gpu``: core/plan/gpus.py's GpuKind).
+    estimate_time: Callable[..., dict] | None = None
+    #: Grad-sync strategies, for `weft check`: the gradients after this strategy, from the unsharded
+    #: model's, ``reference(params, *, grads, norm) -> {name: tensor}`` (``grads``: float32 gradients
+    #: by parameter name; ``norm``: their global L2 norm). The check then compares the ranks'
+    #: gradients after grad sync with it too; None: only the gradients before it and the norm.
+    reference: Callable[..., dict] | None = None
+    #: kv_cache strategies: the cache holds several prompts of different lengths at once, each row
+    #: at its own position; `weft generate` decodes several prompts together in one.
+    batched_prompts: bool = False
+
+
+class Declared:
+    """A plugin's own strategies, by (point, name): what its ``weft_strategies`` returns and what
+    its hook implementations dispatch on. ``of(decision)`` is None for a strategy another plugin
+    declared (a firstresult hook then answers None)."""
+
+    def __init__(self, *strategies: Strategy) -> None:
+        self._by_key = {(s.point, s.name): s for s in strategies}
+
+    def list(self) -> list[Strategy]:
+        return list(self._by_key.values())
+
+    def of(self, decision: Any) -> Strategy | None:
+        return self._by_key.get((decision.point, decision.strategy))
+
+    def get(self, point: str, name: str) -> Strategy | None:
+        return self._by_key.get((point, name))
 
 
 @attrs.frozen(kw_only=True)

@@ -62,14 +62,16 @@ def check_peft(params, *, recipe, plan) -> str | None:
     return None
 
 
+NONE = Strategy(point="adapter", name="none", params=NoParams, inert=True,
+                summary="no adapter: the module's own weights train")
+LORA = Strategy(point="adapter", name="lora", params=LoraParams, check=check_peft,
+                summary="PEFT LoRA on the module's linear layers; the base frozen (no gradients, no optimizer "
+                        "state, no gradient reduction)")
+
+
 @hookimpl
 def weft_strategies():
-    return [
-        Strategy(point="adapter", name="none", params=NoParams, summary="no adapter: the module's own weights train"),
-        Strategy(point="adapter", name="lora", params=LoraParams,
-                 summary="PEFT LoRA on the module's linear layers; the base frozen (no gradients, no optimizer "
-                         "state, no gradient reduction)", check=check_peft),
-    ]
+    return [NONE, LORA]
 
 
 @hookimpl
@@ -77,7 +79,7 @@ def weft_adapter(model, plan, ctx):
     folder = getattr(ctx, "adapter_dir", None) if ctx is not None else None
     if folder is not None:  # weft eval/generate --adapter: the directory's adapter, not the rules'
         return _from_directory(model, folder, ctx=ctx)
-    decided = plan.modules_for("adapter", "lora")
+    decided = [m for m in plan.modules_for("adapter") if m.get("adapter").strategy == LORA.name]
     if not decided:
         return None
     from weft.core.errors import PlanError

@@ -23,7 +23,7 @@ import attrs
 
 from weft.core.errors import PlanError
 from weft.core.hookspecs import hookimpl
-from weft.core.registry import AttentionBinding, NoParams, Strategy
+from weft.core.registry import AttentionBinding, Declared, NoParams, Strategy
 
 Layout = Literal["zigzag", "contiguous"]
 Backend = Literal["auto", "math", "cpu_flash", "cudnn", "torch_flash", "flash", "triton"]
@@ -109,59 +109,16 @@ def _vision_only(params, *, info, plan):
     return None
 
 
-#: The parameter class of each strategy ``auto`` resolves to: it keeps the fields they share.
-_RESOLVED_PARAMS: dict[str, type] = {"ring": RingParams, "usp": RingParams, "ulysses": KernelParams,
-                                     "local": KernelParams, "sdpa": NoParams, "vision_local": NoParams}
-
-
 def _resolve_auto(params, *, info, plan):
     if info.modality == "vision":
-        name = resolve_vision("auto", backend=params.backend)
+        name = resolve_vision(AUTO.name, backend=params.backend)
     else:
-        name = resolve_auto("auto", ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=plan.packed(),
+        name = resolve_auto(AUTO.name, ulysses=plan.mesh.ulysses, ring=plan.mesh.ring, packed=plan.packed(),
                             backend=params.backend)
-    cls = _RESOLVED_PARAMS[name]
+    # The resolved strategy's own parameter class, keeping the fields it shares with auto's.
+    cls = STRATEGIES.get("attention", name).params
     fields = attrs.fields_dict(cls)
     return name, cls(**{k: v for k, v in attrs.asdict(params).items() if k in fields})
-
-
-@hookimpl
-def weft_strategies():
-    return [
-        Strategy(point="attention", name="sdpa", params=NoParams,
-                 summary="torch SDPA on the whole local sequence (no sequence parallelism)",
-                 resolve=_refuse_packed_text("sdpa")),
-        Strategy(point="attention", name="eager", params=NoParams,
-                 summary="transformers' eager attention (reference; slow)", resolve=_refuse_packed_text("eager")),
-        Strategy(point="attention", name="ring", params=RingParams,
-                 summary="ring attention over the ring ranks, async K/V rotation, exact backward",
-                 sp_dims=("ring",), check=check_backend),
-        Strategy(point="attention", name="local", params=KernelParams,
-                 summary="a weft block kernel (flash-attn-4 where installed) on the whole local sequence; "
-                         "no sequence parallelism; vision_local on a vision tower", check=check_backend,
-                 resolve=_resolve_local),
-        Strategy(point="attention", name="ulysses", params=KernelParams,
-                 summary="head/sequence all-to-all over the Ulysses ranks; "
-                         "KV heads replicated when fewer than the degree",
-                 sp_dims=("ulysses",), head_split=("ulysses",), check=check_backend),
-        Strategy(point="attention", name="usp", params=RingParams,
-                 summary="Ulysses inside, ring outside (2-D)",
-                 sp_dims=("ulysses", "ring"), head_split=("ulysses",), check=check_backend),
-        # Its head split and checks are those of the strategy it resolves to; sp_dims says
-        # which sequence splits it can serve (the planner's list of fitting strategies).
-        Strategy(point="attention", name="auto", params=RingParams,
-                 summary="resolved when planning: sdpa, local, ring, ulysses or usp from the mesh's ulysses and "
-                         "ring degrees; on a vision tower vision_local (flash-attn-4 installed) or sdpa",
-                 sp_dims=("ulysses", "ring"), resolve=_resolve_auto),
-        Strategy(point="attention", name="vision_local", params=NoParams,
-                 summary="vision tower: each block's windows and images as the segments of one flash-attn-4 "
-                         "varlen call where it runs, else one SDPA call per segment; images whole on a rank",
-                 resolve=_vision_only),
-        Strategy(point="attention", name="vision_ulysses", params=VisionUlyssesParams,
-                 summary="vision tower: large images' patches split over all SP ranks, "
-                         "Ulysses in every block (window and full)",
-                 sp_dims=("ulysses", "ring"), head_split=("ring", "ulysses")),
-    ]
 
 
 def resolve_auto(strategy: str, *, ulysses: int, ring: int, packed: bool = False, backend: str = "auto") -> str:
@@ -169,15 +126,15 @@ def resolve_auto(strategy: str, *, ulysses: int, ring: int, packed: bool = False
     parallelism take ``ring`` on one rank: weft's kernels read the document ids.
     Without either, ``local`` when a kernel is asked for by name or flash-attn-4 is
     installed (it runs where it can, torch's SDPA elsewhere), else transformers' ``sdpa``."""
-    if strategy != "auto":
+    if strategy != AUTO.name:
         return strategy
     if ulysses > 1 and ring > 1:
-        return "usp"
+        return USP.name
     if ulysses > 1 or ring > 1 or packed:
-        return "ulysses" if ulysses > 1 else "ring"
+        return ULYSSES.name if ulysses > 1 else RING.name
     from weft.strategies.attention.kernels.blocks import fa4_importable
 
-    return "local" if backend != "auto" or fa4_importable() else "sdpa"
+    return LOCAL.name if backend != "auto" or fa4_importable() else SDPA.name
 
 
 def resolve_vision(strategy: str, *, backend: str = "auto") -> str:
@@ -185,12 +142,12 @@ def resolve_vision(strategy: str, *, backend: str = "auto") -> str:
     one flash-attn-4 call per block (``vision_local``) where flash-attn-4 is installed or a
     kernel is named, else transformers' ``sdpa`` (one call per window). Images stay whole
     on a rank either way; sharing one over the SP ranks is ``vision_ulysses``'s, by rule."""
-    if strategy == "local" or (strategy == "auto" and backend != "auto"):
-        return "vision_local"
-    if strategy == "auto":
+    if strategy == LOCAL.name or (strategy == AUTO.name and backend != "auto"):
+        return VISION_LOCAL.name
+    if strategy == AUTO.name:
         from weft.strategies.attention.kernels.blocks import fa4_importable
 
-        return "vision_local" if fa4_importable() else "sdpa"
+        return VISION_LOCAL.name if fa4_importable() else SDPA.name
     return strategy
 
 
@@ -198,40 +155,126 @@ def traceable(decision, module_path: str, plan) -> bool:
     """Whether torch.compile may trace this attention module whole: the functions that run
     one kernel on the local sequence (``local``: weft's operators; ``sdpa``: torch's), not
     those with collectives (ring, ulysses, usp) nor the vision tower's varlen call or window loop."""
-    return plan.modality_of(module_path) != "vision" and decision.strategy in ("local", "sdpa")
+    return plan.modality_of(module_path) != "vision" and decision.strategy in (LOCAL.name, SDPA.name)
+
+
+# Each strategy's ``impl(params, *, module_path, plan, mesh) -> AttentionBinding``.
+
+def _named(name: str):
+    """A name transformers already registers ("sdpa", "eager"): nothing to add to the interface."""
+    return lambda params, **_: AttentionBinding(name=name)
+
+
+def _unresolved(params, *, module_path, plan, mesh):
+    raise PlanError(f"{module_path}: attention 'auto' reached the run unresolved; a Plan from "
+                    "weft.core.recipe.rules.build_plan resolves it to the strategy that runs")
+
+
+def _vision(name: str, *, shared: bool):
+    """The vision tower's varlen function; ``shared``: large images' patches over the SP ranks."""
+
+    def impl(params, *, module_path, plan, mesh):
+        from weft.strategies.attention.hf_adapter import make_vision_attention_function
+
+        fn = (make_vision_attention_function(group=mesh.sp.get_group(), rank=mesh.sp.get_local_rank(),
+                                             world=plan.mesh.sp) if shared
+              else make_vision_attention_function(group=None, rank=0, world=1))
+        # "flash" in the name on purpose: transformers then hands the vision tower's whole
+        # patch sequence and its cu_seqlens to one call instead of looping over windows.
+        return AttentionBinding(name=f"weft_flash_{name}_{id(mesh):x}", fn=fn)
+
+    return impl
+
+
+def _weft_kernel(name: str, attend):
+    """weft's attention on the local sequence, ``attend(params, mesh)`` its per-call function
+    (strategies/attention/hf_adapter.py), chosen here once for the binding."""
+
+    def impl(params, *, module_path, plan, mesh):
+        from weft.strategies.attention.hf_adapter import make_attention_function
+
+        layout = getattr(params, "layout", "zigzag")
+        fn = make_attention_function(name=name, attend=attend(params, mesh))
+        # Never "flash" in the name: transformers would switch to its varlen calling convention.
+        kernel = params.backend.replace("flash", "fl")
+        return AttentionBinding(name=f"weft_{name}_{layout}_{kernel}_{id(mesh):x}", fn=fn)
+
+    return impl
+
+
+def _ring(params, mesh):
+    from weft.strategies.attention.hf_adapter import ring_attend
+
+    return ring_attend(layout=params.layout, backend=params.backend, ring_group=mesh["ring"].get_group())
+
+
+def _local(params, mesh):
+    from weft.strategies.attention.hf_adapter import local_attend
+
+    return local_attend(backend=params.backend)
+
+
+def _ulysses(params, mesh):
+    from weft.strategies.attention.hf_adapter import ulysses_attend
+
+    return ulysses_attend(backend=params.backend, ulysses_group=mesh["ulysses"].get_group())
+
+
+def _usp(params, mesh):
+    from weft.strategies.attention.hf_adapter import usp_attend
+
+    return usp_attend(layout=params.layout, backend=params.backend, ulysses_group=mesh["ulysses"].get_group(),
+                      ring_group=mesh["ring"].get_group())
+
+
+SDPA = Strategy(point="attention", name="sdpa", params=NoParams, impl=_named("sdpa"),
+                summary="torch SDPA on the whole local sequence (no sequence parallelism)",
+                resolve=_refuse_packed_text("sdpa"))
+EAGER = Strategy(point="attention", name="eager", params=NoParams, impl=_named("eager"),
+                 summary="transformers' eager attention (reference; slow)", resolve=_refuse_packed_text("eager"))
+RING = Strategy(point="attention", name="ring", params=RingParams, impl=_weft_kernel("ring", _ring),
+                summary="ring attention over the ring ranks, async K/V rotation, exact backward",
+                sp_dims=("ring",), check=check_backend)
+LOCAL = Strategy(point="attention", name="local", params=KernelParams, impl=_weft_kernel("local", _local),
+                 summary="a weft block kernel (flash-attn-4 where installed) on the whole local sequence; "
+                         "no sequence parallelism; vision_local on a vision tower", check=check_backend,
+                 resolve=_resolve_local)
+ULYSSES = Strategy(point="attention", name="ulysses", params=KernelParams, impl=_weft_kernel("ulysses", _ulysses),
+                   summary="head/sequence all-to-all over the Ulysses ranks; "
+                           "KV heads replicated when fewer than the degree",
+                   sp_dims=("ulysses",), head_split=("ulysses",), check=check_backend)
+USP = Strategy(point="attention", name="usp", params=RingParams, impl=_weft_kernel("usp", _usp),
+               summary="Ulysses inside, ring outside (2-D)",
+               sp_dims=("ulysses", "ring"), head_split=("ulysses",), check=check_backend)
+# Its head split and checks are those of the strategy it resolves to; sp_dims says
+# which sequence splits it can serve (the planner's list of fitting strategies).
+AUTO = Strategy(point="attention", name="auto", params=RingParams, impl=_unresolved,
+                summary="resolved when planning: sdpa, local, ring, ulysses or usp from the mesh's ulysses and "
+                        "ring degrees; on a vision tower vision_local (flash-attn-4 installed) or sdpa",
+                sp_dims=("ulysses", "ring"), resolve=_resolve_auto)
+VISION_LOCAL = Strategy(point="attention", name="vision_local", params=NoParams,
+                        impl=_vision("vision_local", shared=False),
+                        summary="vision tower: each block's windows and images as the segments of one flash-attn-4 "
+                                "varlen call where it runs, else one SDPA call per segment; images whole on a rank",
+                        resolve=_vision_only)
+VISION_ULYSSES = Strategy(point="attention", name="vision_ulysses", params=VisionUlyssesParams,
+                          impl=_vision("vision_ulysses", shared=True),
+                          summary="vision tower: large images' patches split over all SP ranks, "
+                                  "Ulysses in every block (window and full)",
+                          sp_dims=("ulysses", "ring"), head_split=("ring", "ulysses"))
+STRATEGIES = Declared(SDPA, EAGER, RING, LOCAL, ULYSSES, USP, AUTO, VISION_LOCAL, VISION_ULYSSES)
+
+
+@hookimpl
+def weft_strategies():
+    return STRATEGIES.list()
 
 
 @hookimpl
 def weft_attention(decision, module_path, plan, mesh, ctx):
     # The decision names the strategy that runs: the Plan resolved ``auto`` (and a vision
     # tower's ``local``) once, for `weft plan` and this run alike.
-    strategy, backend = decision.strategy, getattr(decision.params, "backend", "auto")
-    if strategy == "auto":
-        raise PlanError(f"{module_path}: attention 'auto' reached the run unresolved; a Plan from "
-                        "weft.core.recipe.rules.build_plan resolves it to the strategy that runs")
-    if strategy in ("sdpa", "eager"):
-        # Names transformers already registers: nothing to add to the interface.
-        return AttentionBinding(name=strategy)
-    if strategy in ("vision_ulysses", "vision_local"):
-        from weft.strategies.attention.hf_adapter import make_vision_attention_function
-
-        if strategy == "vision_local":
-            fn = make_vision_attention_function(group=None, rank=0, world=1)
-        else:
-            fn = make_vision_attention_function(group=mesh.sp.get_group(), rank=mesh.sp.get_local_rank(),
-                                                world=plan.mesh.sp)
-        # "flash" in the name on purpose: transformers then hands the vision tower's whole
-        # patch sequence and its cu_seqlens to one call instead of looping over windows.
-        return AttentionBinding(name=f"weft_flash_{strategy}_{id(mesh):x}", fn=fn)
-    if strategy not in ("ring", "ulysses", "usp", "local"):
+    strategy = STRATEGIES.of(decision)
+    if strategy is None:
         return None
-    from weft.strategies.attention.hf_adapter import make_attention_function
-
-    layout = getattr(decision.params, "layout", "zigzag")
-    fn = make_attention_function(
-        strategy=strategy, layout=layout, backend=backend,
-        ulysses_group=mesh["ulysses"].get_group(), ring_group=mesh["ring"].get_group(),
-    )
-    # Never "flash" in the name: transformers would switch to its varlen calling convention.
-    kernel = backend.replace("flash", "fl")
-    return AttentionBinding(name=f"weft_{strategy}_{layout}_{kernel}_{id(mesh):x}", fn=fn)
+    return strategy.impl(decision.params, module_path=module_path, plan=plan, mesh=mesh)

@@ -13,7 +13,7 @@ import attrs
 from weft.core.errors import WeftError
 from weft.core.hookspecs import hookimpl
 from weft.core.recipe.schema import in_range
-from weft.core.registry import Strategy
+from weft.core.registry import Declared, Strategy
 
 
 @attrs.frozen(kw_only=True)
@@ -43,18 +43,24 @@ def _describe(params, *, recipe, plan, model, adapter, positions: bool) -> dict:
     return report
 
 
+TOKEN_BUDGET = Strategy(point="batching", name="token_budget", params=TokenBudgetParams, describe=_describe,
+                        impl=lambda params, **kw: TokenBudgetSteps(params, **kw),
+                        summary="micro-batches up to train.micro_batch_tokens, steps up to train.step_tokens, "
+                                "disjoint across DP ranks")
+STRATEGIES = Declared(TOKEN_BUDGET)
+
+
 @hookimpl
 def weft_strategies():
-    return [Strategy(point="batching", name="token_budget", params=TokenBudgetParams, describe=_describe,
-                     summary="micro-batches up to train.micro_batch_tokens, steps up to train.step_tokens, "
-                             "disjoint across DP ranks")]
+    return STRATEGIES.list()
 
 
 @hookimpl
 def weft_batching(decision, recipe, plan, mesh, model, ctx):
-    if decision.strategy != "token_budget":
+    strategy = STRATEGIES.of(decision)
+    if strategy is None:
         return None
-    return TokenBudgetSteps(decision.params, recipe=recipe, plan=plan, mesh=mesh, model=model, ctx=ctx)
+    return strategy.impl(decision.params, recipe=recipe, plan=plan, mesh=mesh, model=model, ctx=ctx)
 
 
 class TokenBudgetSteps:

@@ -16,7 +16,7 @@ import attrs
 
 from weft.core.hookspecs import hookimpl
 from weft.core.recipe.schema import in_range
-from weft.core.registry import Strategy, Verdict
+from weft.core.registry import Declared, Strategy, Verdict
 
 
 @attrs.frozen(kw_only=True)
@@ -60,29 +60,20 @@ class UpdateParams:
 
 @hookimpl
 def weft_strategies():
-    return [
-        Strategy(point="guard", name="finite", params=FiniteParams,
-                 summary="skip a step whose loss or grad norm is NaN/inf; abort after N in a row"),
-        Strategy(point="guard", name="spike", params=SpikeParams,
-                 summary="a loss (or grad norm) over ratio x the recent median: skip, warn or abort"),
-        Strategy(point="guard", name="memory", params=MemoryParams,
-                 summary="warn when a rank's GPU memory passes a share of the device (allocated, reserved)"),
-        Strategy(point="guard", name="update", params=UpdateParams,
-                 summary="report the share of bf16 updates round-to-nearest loses; warn when the optimizer "
-                         "rounds to nearest and it is large"),
-    ]
+    return STRATEGIES.list()
 
 
 @hookimpl
 def weft_guard(event, state, plan, ctx):
     if event != "step_end":
         return None
-    verdicts = [_VERDICTS[d.strategy](d.params, state, ctx) for d in plan.decisions_of("guard")
-                if d.strategy in _VERDICTS]
+    # Each strategy's ``impl(params, state=, ctx=) -> Verdict``.
+    verdicts = [strategy.impl(d.params, state=state, ctx=ctx) for d in plan.decisions_of("guard")
+                if (strategy := STRATEGIES.of(d)) is not None]
     return Verdict.strongest(verdicts) if verdicts else None
 
 
-def _finite(params: FiniteParams, state, ctx) -> Verdict:
+def _finite(params: FiniteParams, *, state, ctx) -> Verdict:
     # state.loss and state.grad_norm are global values (already reduced over
     # the mesh), so every rank reaches the same verdict without a collective.
     values = {"loss": state.loss, "grad_norm": state.grad_norm}
@@ -95,7 +86,7 @@ def _finite(params: FiniteParams, state, ctx) -> Verdict:
     return Verdict(action="skip", guard="finite", reason=f"{' and '.join(bad)} not finite")
 
 
-def _spike(params: SpikeParams, state, ctx) -> Verdict:
+def _spike(params: SpikeParams, *, state, ctx) -> Verdict:
     from weft.strategies.optim.loss_spike import SpikeWindow
 
     value = getattr(state, params.metric)
@@ -118,7 +109,7 @@ def _spike(params: SpikeParams, state, ctx) -> Verdict:
     return Verdict(action="skip", guard="spike", reason=reason)
 
 
-def _memory(params: MemoryParams, state, ctx) -> Verdict:
+def _memory(params: MemoryParams, *, state, ctx) -> Verdict:
     import torch  # here, not at import: building the plugin manager imports no torch
 
     device = ctx.device
@@ -136,7 +127,7 @@ def _memory(params: MemoryParams, state, ctx) -> Verdict:
     return Verdict(action="continue", guard="memory")
 
 
-def _update(params: UpdateParams, state, ctx) -> Verdict:
+def _update(params: UpdateParams, *, state, ctx) -> Verdict:
     optimizer = ctx.optimizer
     if optimizer is None or not (state.step == 2 or state.step % params.every == 0):
         return Verdict(action="continue", guard="update")
@@ -156,4 +147,14 @@ def _update(params: UpdateParams, state, ctx) -> Verdict:
     return Verdict(action="continue", guard="update")
 
 
-_VERDICTS = {"finite": _finite, "spike": _spike, "memory": _memory, "update": _update}
+STRATEGIES = Declared(
+    Strategy(point="guard", name="finite", params=FiniteParams, impl=_finite,
+             summary="skip a step whose loss or grad norm is NaN/inf; abort after N in a row"),
+    Strategy(point="guard", name="spike", params=SpikeParams, impl=_spike,
+             summary="a loss (or grad norm) over ratio x the recent median: skip, warn or abort"),
+    Strategy(point="guard", name="memory", params=MemoryParams, impl=_memory,
+             summary="warn when a rank's GPU memory passes a share of the device (allocated, reserved)"),
+    Strategy(point="guard", name="update", params=UpdateParams, impl=_update,
+             summary="report the share of bf16 updates round-to-nearest loses; warn when the optimizer "
+                     "rounds to nearest and it is large"),
+)

@@ -12,7 +12,8 @@
   and written in place, one process (plugins/static_cache.py);
 - ``auto`` (the default rules'): ``sharded`` when the plan splits the sequence, else ``static``
   (the cache a compiled, captured decoding step reads: 6.8x plain transformers' ``generate``
-  at 128K on one H200, BENCHMARKS.md).
+  at 128K on one H200, BENCHMARKS.md); resolved when the Plan is built, so `weft plan` and
+  `weft generate` see the cache that runs.
 """
 
 from __future__ import annotations
@@ -23,23 +24,7 @@ import attrs
 
 from weft.core.hookspecs import hookimpl
 from weft.core.recipe.schema import in_range
-from weft.core.registry import NoParams, Strategy
-
-
-@hookimpl
-def weft_strategies():
-    return [
-        Strategy(point="kv_cache", name="auto", params=NoParams,
-                 summary="sharded under sequence parallelism, static otherwise"),
-        Strategy(point="kv_cache", name="dynamic", params=NoParams,
-                 summary="transformers' DynamicCache, whole sequence on each rank"),
-        Strategy(point="kv_cache", name="sharded", params=NoParams,
-                 summary="each SP rank keeps its part of the sequence; decoding merges partial attention by LSE"),
-        Strategy(point="kv_cache", name="static", params=StaticParams, check=_one_process,
-                 summary="preallocated to the prompt plus the new tokens, written in place; one process"),
-        Strategy(point="kv_cache", name="paged", params=PagedParams,
-                 summary="a vision pool and text pages per layer (split over SP ranks); merged by LSE"),
-    ]
+from weft.core.registry import Declared, NoParams, Strategy
 
 
 def _one_process(params, *, recipe, plan) -> str | None:
@@ -76,33 +61,81 @@ class PagedParams:
         "doc": "rows of one text page: a full text buffer grows by a page (one copy per page_tokens tokens)"})
 
 
-@hookimpl
-def weft_kv_cache(decision, model, plan, mesh, ctx):
-    strategy = decision.strategy
-    if strategy == "auto":
-        strategy = "sharded" if plan.mesh.sp > 1 else "static"
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if strategy == "dynamic":
-        from transformers import DynamicCache
+# Each strategy's ``impl(params, *, model, plan, mesh, ctx)`` -> the cache.
 
-        return DynamicCache(config=config)
-    if strategy == "static":
-        from weft.plugins.static_cache import StaticCache
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
-        # A core-made decision (a batch of prompts) may carry no params: the default kernel.
-        params = decision.params if isinstance(decision.params, StaticParams) else StaticParams()
-        return StaticCache(num_layers=config.num_hidden_layers, kernel=params.decode_kernel,
-                           compile_step=params.compile_step, device=ctx.device if ctx is not None else None,
-                           prefill_chunk=params.prefill_chunk_tokens)
-    if strategy not in ("sharded", "paged"):
-        return None
+
+def _auto(params, *, info, plan):
+    """Resolved when the Plan is built: the sharded cache under sequence parallelism, else the static one."""
+    return (SHARDED.name, NoParams()) if plan.mesh.sp > 1 else (STATIC.name, StaticParams())
+
+
+def _unresolved(params, **_):
+    from weft.core.errors import PlanError
+
+    raise PlanError("kv_cache 'auto' reached generate unresolved; a Plan from weft.core.recipe.rules.build_plan "
+                    "resolves it to the cache that runs")
+
+
+def _dynamic(params, *, model, plan, mesh, ctx):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=_text_config(model))
+
+
+def _static(params, *, model, plan, mesh, ctx):
+    from weft.plugins.static_cache import StaticCache
+
+    # A core-made decision (a batch of prompts) may carry no params: the default kernel.
+    params = params if isinstance(params, StaticParams) else StaticParams()
+    return StaticCache(num_layers=_text_config(model).num_hidden_layers, kernel=params.decode_kernel,
+                       compile_step=params.compile_step, device=ctx.device if ctx is not None else None,
+                       prefill_chunk=params.prefill_chunk_tokens)
+
+
+def _split(plan, mesh, model) -> dict:
+    """What the caches split over the sequence-parallel ranks take: their group, rank and degree."""
     group = mesh.sp.get_group() if plan.mesh.sp > 1 else None
-    sp = {"num_layers": config.num_hidden_layers, "group": group,
-          "rank": mesh.sp.get_local_rank() if group is not None else 0, "world": plan.mesh.sp if group else 1}
-    if strategy == "sharded":
-        from weft.plugins.sharded_cache import ShardedCache
+    return {"num_layers": _text_config(model).num_hidden_layers, "group": group,
+            "rank": mesh.sp.get_local_rank() if group is not None else 0, "world": plan.mesh.sp if group else 1}
 
-        return ShardedCache(**sp)
+
+def _sharded(params, *, model, plan, mesh, ctx):
+    from weft.plugins.sharded_cache import ShardedCache
+
+    return ShardedCache(**_split(plan, mesh, model))
+
+
+def _paged(params, *, model, plan, mesh, ctx):
     from weft.plugins.paged_cache import PagedCache
 
-    return PagedCache(**sp, page_tokens=decision.params.page_tokens)
+    return PagedCache(**_split(plan, mesh, model), page_tokens=params.page_tokens)
+
+
+AUTO = Strategy(point="kv_cache", name="auto", params=NoParams, resolve=_auto, impl=_unresolved,
+                summary="sharded under sequence parallelism, static otherwise")
+DYNAMIC = Strategy(point="kv_cache", name="dynamic", params=NoParams, impl=_dynamic,
+                   summary="transformers' DynamicCache, whole sequence on each rank")
+SHARDED = Strategy(point="kv_cache", name="sharded", params=NoParams, impl=_sharded,
+                   summary="each SP rank keeps its part of the sequence; decoding merges partial attention by LSE")
+STATIC = Strategy(point="kv_cache", name="static", params=StaticParams, check=_one_process, impl=_static,
+                  batched_prompts=True,
+                  summary="preallocated to the prompt plus the new tokens, written in place; one process")
+PAGED = Strategy(point="kv_cache", name="paged", params=PagedParams, impl=_paged,
+                 summary="a vision pool and text pages per layer (split over SP ranks); merged by LSE")
+STRATEGIES = Declared(AUTO, DYNAMIC, SHARDED, STATIC, PAGED)
+
+
+@hookimpl
+def weft_strategies():
+    return STRATEGIES.list()
+
+
+@hookimpl
+def weft_kv_cache(decision, model, plan, mesh, ctx):
+    strategy = STRATEGIES.of(decision)
+    if strategy is None:
+        return None
+    return strategy.impl(decision.params, model=model, plan=plan, mesh=mesh, ctx=ctx)

@@ -22,7 +22,7 @@ from typing import Literal
 import attrs
 
 from weft.core.hookspecs import hookimpl
-from weft.core.registry import NoParams, Strategy
+from weft.core.registry import Declared, NoParams, Strategy
 
 
 @attrs.frozen(kw_only=True)
@@ -48,26 +48,19 @@ def _needs(package: str, extra: str):
 
 @hookimpl
 def weft_strategies():
-    return [
-        Strategy(point="metrics", name="jsonl", params=NoParams,
-                 summary="metrics.jsonl in the run directory (resume and weft report read it)"),
-        Strategy(point="metrics", name="tensorboard", params=TensorBoardParams,
-                 summary="TensorBoard event files, every number of a row as a scalar",
-                 check=_needs("tensorboard", "tensorboard")),
-        Strategy(point="metrics", name="wandb", params=WandbParams,
-                 summary="a Weights & Biases run, offline by default", check=_needs("wandb", "wandb")),
-    ]
+    return STRATEGIES.list()
 
 
 @hookimpl
 def weft_metrics(event, row, plan, ctx):
+    # Each sink's ``impl(params, event=, row=, ctx=)``.
     for decision in plan.decisions_of("metrics"):
-        sink = _SINKS.get(decision.strategy)
+        sink = STRATEGIES.of(decision)
         if sink is not None and ctx.run_dir is not None:
-            sink(decision.params, event, row, ctx)
+            sink.impl(decision.params, event=event, row=row, ctx=ctx)
 
 
-def _jsonl(params, event: str, row: dict, ctx) -> None:
+def _jsonl(params, *, event: str, row: dict, ctx) -> None:
     if event == "step":
         with (pathlib.Path(ctx.run_dir) / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -78,7 +71,7 @@ def _numbers(row: dict) -> dict[str, float]:
             and k != "step"}
 
 
-def _tensorboard(params: TensorBoardParams, event: str, row: dict, ctx) -> None:
+def _tensorboard(params: TensorBoardParams, *, event: str, row: dict, ctx) -> None:
     writer = ctx.plugin_state.get("metrics:tensorboard")
     if writer is None:
         from torch.utils.tensorboard import SummaryWriter
@@ -96,7 +89,7 @@ def _tensorboard(params: TensorBoardParams, event: str, row: dict, ctx) -> None:
         ctx.plugin_state.pop("metrics:tensorboard")
 
 
-def _wandb(params: WandbParams, event: str, row: dict, ctx) -> None:
+def _wandb(params: WandbParams, *, event: str, row: dict, ctx) -> None:
     run = ctx.plugin_state.get("metrics:wandb")
     if run is None:
         import wandb
@@ -112,4 +105,12 @@ def _wandb(params: WandbParams, event: str, row: dict, ctx) -> None:
         ctx.plugin_state.pop("metrics:wandb")
 
 
-_SINKS = {"jsonl": _jsonl, "tensorboard": _tensorboard, "wandb": _wandb}
+STRATEGIES = Declared(
+    Strategy(point="metrics", name="jsonl", params=NoParams, impl=_jsonl,
+             summary="metrics.jsonl in the run directory (resume and weft report read it)"),
+    Strategy(point="metrics", name="tensorboard", params=TensorBoardParams, impl=_tensorboard,
+             summary="TensorBoard event files, every number of a row as a scalar",
+             check=_needs("tensorboard", "tensorboard")),
+    Strategy(point="metrics", name="wandb", params=WandbParams, impl=_wandb,
+             summary="a Weights & Biases run, offline by default", check=_needs("wandb", "wandb")),
+)

@@ -18,7 +18,7 @@ import attrs
 
 from weft.core.hookspecs import hookimpl
 from weft.core.recipe.schema import in_range
-from weft.core.registry import Strategy
+from weft.core.registry import Declared, Strategy
 
 
 @attrs.frozen(kw_only=True)
@@ -33,6 +33,10 @@ class GroupSettings:
     def state_bytes(self, storage: int) -> float:
         """Optimizer state per parameter stored in ``storage`` bytes (`weft plan --estimate`)."""
         return 2 * storage  # AdamW's two moments in the weights' dtype
+
+    def torch_keys(self) -> dict:
+        """What the strategy's torch optimizer reads from a parameter group besides lr and weight decay."""
+        return {}
 
 
 @attrs.frozen(kw_only=True)
@@ -49,6 +53,9 @@ class AdamWSRParams(GroupSettings):
     def state_bytes(self, storage: int) -> float:
         return 8 if self.state_dtype == "float32" else 2 * storage
 
+    def torch_keys(self) -> dict:
+        return {"state_dtype": self.state_dtype}
+
 
 @attrs.frozen(kw_only=True)
 class AdamW8bitParams(GroupSettings):
@@ -64,32 +71,30 @@ def _torchao_missing(params, *, recipe, plan) -> str | None:
     return None
 
 
+def _making(make):
+    """``impl(params, *, groups, recipe, ctx)`` of a strategy whose optimizer ``make(torch_groups, lr=,
+    betas=)`` builds; each group takes its rule's settings and its params' own keys (``torch_keys``)."""
+
+    def impl(params, *, groups, recipe, ctx):
+        train = recipe.train
+        torch_groups = [{"params": list(g.params), "lr": g.lr, "weight_decay": g.weight_decay,
+                         **g.decision.params.torch_keys()} for g in groups]
+        return make(torch_groups, lr=train.lr, betas=(train.beta1, train.beta2))
+
+    return impl
+
+
 @hookimpl
 def weft_strategies():
-    return [
-        Strategy(point="optimizer", name="adamw_sr", params=AdamWSRParams,
-                 summary="AdamW in float32 math; bf16 weights and moments rounded stochastically (no update "
-                         "lost); torch's AdamW for float32 weights"),
-        Strategy(point="optimizer", name="adamw", params=AdamWParams,
-                 summary="torch's AdamW (fused on CUDA) in the weights' dtype: bf16 updates rounded to nearest"),
-        Strategy(point="optimizer", name="adamw_8bit", params=AdamW8bitParams, check=_torchao_missing,
-                 summary="torchao's AdamW with 8-bit moments; bf16 weights rounded stochastically"),
-    ]
+    return STRATEGIES.list()
 
 
 @hookimpl
 def weft_optimizer(decision, groups, recipe, ctx):
-    make = _MAKERS.get(decision.strategy)
-    if make is None:
+    strategy = STRATEGIES.of(decision)
+    if strategy is None:
         return None
-    train = recipe.train
-    torch_groups = [{"params": list(g.params), "lr": g.lr, "weight_decay": g.weight_decay,
-                     **_extra(decision.strategy, g.decision.params)} for g in groups]
-    return make(torch_groups, lr=train.lr, betas=(train.beta1, train.beta2))
-
-
-def _extra(strategy: str, params) -> dict:
-    return {"state_dtype": params.state_dtype} if strategy == "adamw_sr" else {}
+    return strategy.impl(decision.params, groups=groups, recipe=recipe, ctx=ctx)
 
 
 def _adamw_sr(groups, *, lr, betas):
@@ -137,4 +142,13 @@ def _reproducible(base: type) -> type:
     return Reproducible
 
 
-_MAKERS = {"adamw_sr": _adamw_sr, "adamw": _adamw, "adamw_8bit": _adamw_8bit}
+STRATEGIES = Declared(
+    Strategy(point="optimizer", name="adamw_sr", params=AdamWSRParams, impl=_making(_adamw_sr),
+             summary="AdamW in float32 math; bf16 weights and moments rounded stochastically (no update "
+                     "lost); torch's AdamW for float32 weights"),
+    Strategy(point="optimizer", name="adamw", params=AdamWParams, impl=_making(_adamw),
+             summary="torch's AdamW (fused on CUDA) in the weights' dtype: bf16 updates rounded to nearest"),
+    Strategy(point="optimizer", name="adamw_8bit", params=AdamW8bitParams, check=_torchao_missing,
+             impl=_making(_adamw_8bit),
+             summary="torchao's AdamW with 8-bit moments; bf16 weights rounded stochastically"),
+)

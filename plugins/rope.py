@@ -22,7 +22,7 @@ import attrs
 
 from weft.core.hookspecs import hookimpl
 from weft.core.recipe.schema import in_range
-from weft.core.registry import NoParams, Strategy
+from weft.core.registry import Declared, NoParams, Strategy
 
 
 def _above_one(instance, attribute, value) -> None:
@@ -38,40 +38,53 @@ class ScalingParams:
         "doc": "positions the model was trained on; 0 = model.rope_original_max, else its config's"})
 
 
+# Each strategy's ``impl(params, *, recipe, plan)`` -> the recipe's [model] rotary keys it sets.
+
+def _scaled(kind: str):
+    """The context stretched by ``factor`` with transformers' ``kind`` scaling (yarn, linear, dynamic)."""
+
+    def impl(params, *, recipe, plan):
+        original = params.original_max or recipe.model.rope_original_max
+        factor = params.factor
+        if factor == "auto":
+            from weft.plugins.models.build import model_config, text_config
+            from weft.strategies.model.yarn import needed_factor, trained_positions
+
+            unscaled = attrs.evolve(recipe, model=attrs.evolve(recipe.model, rope_scaling="none", rope_factor=1.0))
+            text = text_config(model_config(unscaled)[0])
+            trained = trained_positions(text.rope_parameters or {},
+                                        max_position_embeddings=text.max_position_embeddings, original=original)
+            factor = needed_factor(plan.seq_len - 1, trained=trained)
+            if factor <= 1.0:
+                return dict(_AS_SHIPPED)  # the trained context already holds seq_len
+        return {"rope_scaling": kind, "rope_factor": float(factor), "rope_original_max": original}
+
+    return impl
+
+
+#: The recipe keys of the rotary embedding as the model ships.
+_AS_SHIPPED = {"rope_scaling": "none", "rope_factor": 1.0}
+
+STRATEGIES = Declared(
+    Strategy(point="rope", name="auto", params=NoParams, impl=lambda params, **_: {},
+             summary="the recipe's [model] rotary keys"),
+    Strategy(point="rope", name="none", params=NoParams, impl=lambda params, **_: dict(_AS_SHIPPED),
+             summary="the rotary embedding as the model ships"),
+    Strategy(point="rope", name="yarn", params=ScalingParams, impl=_scaled("yarn"),
+             summary="YaRN: low frequencies interpolated, high ones kept, attention temperature scaled"),
+    Strategy(point="rope", name="linear", params=ScalingParams, impl=_scaled("linear"),
+             summary="position interpolation: positions divided by the factor"),
+    Strategy(point="rope", name="dynamic", params=ScalingParams, impl=_scaled("dynamic"),
+             summary="dynamic NTK: the base grows with the sequence past the trained context"),
+)
+
+
 @hookimpl
 def weft_strategies():
-    return [
-        Strategy(point="rope", name="auto", params=NoParams, summary="the recipe's [model] rotary keys"),
-        Strategy(point="rope", name="none", params=NoParams, summary="the rotary embedding as the model ships"),
-        Strategy(point="rope", name="yarn", params=ScalingParams,
-                 summary="YaRN: low frequencies interpolated, high ones kept, attention temperature scaled"),
-        Strategy(point="rope", name="linear", params=ScalingParams,
-                 summary="position interpolation: positions divided by the factor"),
-        Strategy(point="rope", name="dynamic", params=ScalingParams,
-                 summary="dynamic NTK: the base grows with the sequence past the trained context"),
-    ]
+    return STRATEGIES.list()
 
 
 @hookimpl
 def weft_rope(decision, recipe, plan):
-    if decision.strategy == "auto":
-        return {}
-    if decision.strategy == "none":
-        return {"rope_scaling": "none", "rope_factor": 1.0}
-    if decision.strategy not in ("yarn", "linear", "dynamic"):
-        return None
-    params = decision.params
-    original = params.original_max or recipe.model.rope_original_max
-    factor = params.factor
-    if factor == "auto":
-        from weft.plugins.models.build import model_config, text_config
-        from weft.strategies.model.yarn import needed_factor, trained_positions
-
-        unscaled = attrs.evolve(recipe, model=attrs.evolve(recipe.model, rope_scaling="none", rope_factor=1.0))
-        text = text_config(model_config(unscaled)[0])
-        trained = trained_positions(text.rope_parameters or {}, max_position_embeddings=text.max_position_embeddings,
-                                    original=original)
-        factor = needed_factor(plan.seq_len - 1, trained=trained)
-        if factor <= 1.0:
-            return {"rope_scaling": "none", "rope_factor": 1.0}  # the trained context already holds seq_len
-    return {"rope_scaling": decision.strategy, "rope_factor": float(factor), "rope_original_max": original}
+    strategy = STRATEGIES.of(decision)
+    return strategy.impl(decision.params, recipe=recipe, plan=plan) if strategy is not None else None

@@ -28,12 +28,15 @@ def apply_whole(model, units, *, plan, mesh, ctx) -> None:
 def weft_strategies():
     return [
         Strategy(point="shard", name="fsdp2", params=Fsdp2Params,
-                 apply=apply_sharded,
-                 summary="FSDP2 fully_shard per unit over dp_shard x SP ranks", check=check_keep, describe=describe),
+                 impl=apply_sharded,
+                 summary="FSDP2 fully_shard per unit over dp_shard x SP ranks", check=check_keep, describe=describe,
+                 shard_dims=("dp_shard", "ring", "ulysses"),
+                 gathers=True),
         Strategy(point="shard", name="none", params=KeepParams,
-                 apply=apply_whole,
+                 impl=apply_whole,
                  summary="keep the module whole on every rank; grad_sync averages its gradients", check=check_keep,
-                 describe=describe),
+                 describe=describe,
+                 shard_dims=()),
     ]
 
 
@@ -43,11 +46,11 @@ def weft_shard(model, plan, mesh, ctx):
 
 
 def apply_root_strategy(strategies, *, model, plan, mesh, ctx) -> None:
-    """The root's shard strategy's ``apply``, where it is one of ``strategies`` (the calling
+    """The root's shard strategy's ``impl``, where it is one of ``strategies`` (the calling
     plugin's own, so each plugin's ``weft_shard`` applies only what it declared), over every
     module with a shard decision: the strategy of the root shapes the whole model."""
     units = plan.modules_for("shard")
     check_root(units, plan=plan)  # FSDP2 units under a root no FSDP2 strategy shards, whoever's it is
     chosen = {strategy.name: strategy for strategy in strategies}.get(plan.root().get("shard").strategy)
-    if chosen is not None and chosen.apply is not None:
-        chosen.apply(model, units, plan=plan, mesh=mesh, ctx=ctx)
+    if chosen is not None and chosen.impl is not None:
+        chosen.impl(model, units, plan=plan, mesh=mesh, ctx=ctx)

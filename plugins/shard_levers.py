@@ -5,7 +5,7 @@ Each lever has a small frozen config; it acts on the units whose params carry th
 fields under the same names (the built-in params, plugins/shard_params.py, carry all of them),
 or hold an instance of it: a third-party strategy's params class that has the same fields
 gets the same lever. Every lever takes ``(model, units, *, plan, ctx)``, ``units`` the Plan's
-shard modules (``Strategy.apply``; plugins/shard.py). The algorithms are in
+shard modules (``Strategy.impl``; plugins/shard.py). The algorithms are in
 strategies/memory/ and strategies/model/.
 
 Order: storage dtypes, float8's module swaps (before recomputation and compile see the

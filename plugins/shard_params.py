@@ -96,7 +96,7 @@ def _has_torchao() -> bool:
 def _check_quantize(params, *, plan) -> str | None:
     if not _has_torchao():
         return f"quantize = {params.quantize!r} needs the torchao package (pip install 'weft[qlora]')"
-    if params.trainable and not plan.modules_for("adapter", "lora"):
+    if params.trainable and not plan.adapted():
         return (f"quantize = {params.quantize!r} stores weights no optimizer can update: freeze the unit "
                 "(trainable = false) or add an adapter rule (adapter = { strategy = \"lora\" }), which freezes the "
                 "base")

@@ -71,7 +71,7 @@ def unsharded_loss(data: pathlib.Path) -> float:
     pad_id = pad_id_of(tokenizer, adapter.config(recipe)[0])
     batches = [collate([s], pad_id=pad_id) for s in samples]
     assert len(batches) == 7
-    return reference(recipe, adapter=adapter, batches=batches, max_norm=None, device="cpu")["fp32"]["loss"]
+    return reference(recipe, adapter=adapter, batches=batches, device="cpu")["fp32"]["loss"]
 
 
 @pytest.fixture(scope="module")

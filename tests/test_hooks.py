@@ -418,7 +418,8 @@ def test_hook_weft_kv_cache():
     pm = make_pm()
     _, plan, ctx = make_plan(pm, [], [ROOT_MODULE, TEXT_ATTN])
     chosen = plan.modules_for("kv_cache")[0].get("kv_cache")
-    assert chosen.strategy == "auto"  # the default rule: static without sequence parallelism
+    # The default rule's auto, resolved when the Plan is built: static without sequence parallelism.
+    assert chosen.resolved_from == "auto" and chosen.strategy == "static"
     from weft.plugins.static_cache import StaticCache
 
     cache = pm.call_first("weft_kv_cache", decision=chosen, model=model, plan=plan, mesh=None, ctx=ctx)

@@ -303,3 +303,95 @@ def test_ci_runs_the_readme_s_test_command():
     test_target = makefile[makefile.index("\ntest:"):]
     assert "ruff check ." in test_target and "-m pytest -q" in test_target
     assert "\ndigits:" in makefile and "--task examples/digits/data/held_out.jsonl" in makefile
+
+
+# A strategy lives in one place: its Strategy record. Behaviour is chosen through the record
+# (its impl, resolve, planner fields), never by comparing a strategy's name to a literal.
+
+#: Files still choosing by name. Temporary: removed when the shard levers land (plugins/shard.py is
+#: being rewritten to dispatch on its records); no other file may join it.
+
+
+def _names_a_strategy(node: ast.AST) -> bool:
+    """``decision.strategy``, ``strategy``, ``root_strategy``, or a strategy record's or decision's ``.name``."""
+    if isinstance(node, ast.Name):
+        return node.id.lower().endswith("strategy")
+    if isinstance(node, ast.Attribute):
+        if node.attr.lower().endswith("strategy"):
+            return True
+        return node.attr == "name" and _names_a_strategy_or_decision(node.value)
+    return False
+
+
+def _names_a_strategy_or_decision(node: ast.AST) -> bool:
+    if _names_a_strategy(node):
+        return True
+    word = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return word.lower().endswith(("decision", "record"))
+
+
+def _literal_names(node: ast.AST) -> bool:
+    """A str constant, or a tuple, list or set of them."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)
+    return False
+
+
+def name_choices(source: str) -> list[str]:
+    """Where ``source`` chooses behaviour by a strategy's name: a comparison (==, !=, in, not in)
+    of a strategy name with a str literal (or a tuple of them), a ``match`` on one, and
+    ``modules_for`` / ``decisions_of`` asked for a strategy by its name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            for left, right in zip(sides, sides[1:]):
+                if (_names_a_strategy(left) and _literal_names(right)) or (_names_a_strategy(right)
+                                                                           and _literal_names(left)):
+                    found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Match) and _names_a_strategy(node.subject):
+            found.append(f"line {node.lineno}: match {ast.unparse(node.subject)}")
+        elif isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            named = [*node.args[1:], *(k.value for k in node.keywords if k.arg == "strategy")]
+            if func in ("modules_for", "decisions_of") and any(_literal_names(a) for a in named):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.quick
+def test_the_name_choice_checker_catches_each_way():
+    bad = textwrap.dedent("""
+        if decision.strategy == "ring": pass
+        if strategy in ("sdpa", "eager"): pass
+        if "clip" != d.strategy: pass
+        if root_strategy not in ["fsdp2"]: pass
+        if record.name == "static": pass
+        match decision.strategy:
+            case "auto": pass
+        plan.modules_for("adapter", "lora")
+        plan.modules_for("shard", strategy="fsdp2")
+        plan.decisions_of("grad_sync", "clip")
+    """)
+    lines = sorted(int(f.split(":")[0].split()[1]) for f in name_choices(bad))
+    assert lines == [2, 3, 4, 5, 6, 7, 9, 10, 11], name_choices(bad)  # each line but the case inside the match
+    good = textwrap.dedent("""
+        strategy = STRATEGIES.of(decision)
+        if decision.strategy == LORA.name: pass
+        if decision.point == "attention" and params.backend != "auto": pass
+        plan.modules_for("attention")
+        if record is not None and record.inert: pass
+        error = f"strategy {decision.strategy!r}"
+    """)
+    assert name_choices(good) == [], name_choices(good)
+
+
+@pytest.mark.quick
+def test_no_hook_implementation_or_core_module_chooses_by_a_strategy_name():
+    found = {rel: bad for folder in ("core", "plugins") for p in sorted((ROOT / folder).rglob("*.py"))
+             if (bad := name_choices(p.read_text(encoding="utf-8")))
+             and (rel := str(p.relative_to(ROOT)))}
+    assert not found, ("choose through the strategy's record (core/registry.py Strategy: impl, resolve, inert, "
+                       f"shard_dims, reference, ...), not its name: {found}")

@@ -255,10 +255,10 @@ def test_emulated_ring_times_each_block_call_through_its_timer():
 def _worker_autocast(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    from weft.strategies.attention.hf_adapter import make_attention_function
+    from weft.strategies.attention.hf_adapter import make_attention_function, ring_attend
 
     group = dist.group.WORLD
-    fn = make_attention_function(strategy="ring", layout="zigzag", backend="auto", ulysses_group=None, ring_group=group)
+    fn = make_attention_function(name="ring", attend=ring_attend(layout="zigzag", backend="auto", ring_group=group))
     q, k, v = make_inputs(batch=1, heads=4, kv_heads=2, seq=32, head_dim=16, dtype=torch.float32, seed=3)[:3]
     q, k, v = (shard_sequence(t, dim=2, rank=rank, world=world, layout="zigzag") for t in (q, k, v))
 

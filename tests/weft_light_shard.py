@@ -27,7 +27,7 @@ def apply(model, units, *, plan, mesh, ctx) -> None:
     SEEN.append(model)
 
 
-STRATEGIES = [Strategy(point="shard", name="light", params=LightParams, apply=apply,
+STRATEGIES = [Strategy(point="shard", name="light", params=LightParams, impl=apply,
                        summary="the whole model on every rank: storage dtype, freezing and recomputation only")]
 
 

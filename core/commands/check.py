@@ -8,7 +8,8 @@ model on the same micro-batches; compare.
     (every data-parallel rank's), same initial weights, same device kind.
 Compared: the losses; every gradient before ``weft_grad_sync`` (clipping would hide a
 uniform scale error); the global gradient norm the grad-sync strategy measured; and,
-for the built-in ``clip``, the gradients after clipping. Worst relative difference per
+where every grad-sync strategy says what it leaves (its record's ``reference``: the built-in
+``clip``'s clipped gradients), the gradients after grad sync. Worst relative difference per
 parameter group (vision, projector, text, embedding, head). TF32 is off on both sides.
 """
 
@@ -115,11 +116,25 @@ def _one_step(recipe: Recipe, *, target: pathlib.Path, rank: int, world_size: in
         torch.save({"loss": state.loss, "grad_norm": state.grad_norm, "grads": before, "clipped": after}, target)
 
 
-def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: float | None, device: str,
+def _after_sync(sync: list) -> Any:
+    """``after(grads, norm)``: the gradients the grad-sync strategies leave, each record's
+    ``reference`` in the order of the rules (the norm measured again after each)."""
+
+    def after(grads: dict, norm: float) -> dict:
+        for record, params in sync:
+            grads = record.reference(params, grads=grads, norm=norm)
+            norm = torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt().item()
+        return grads
+
+    return after
+
+
+def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], device: str, after_sync: Any = None,
               precisions: tuple[str, ...] = ("fp32",), frozen: tuple[str, ...] = (), plan: Any = None,
               pm: Any = None) -> dict[str, dict]:
     """Loss and gradients of the unsharded model on every rank's micro-batches, in each of
     ``precisions`` (float32, bf16 autocast): one model, built once, its gradients cleared between.
+    ``after_sync(grads, norm)``: the gradients after grad sync (``clipped``); None: unchanged.
     ``frozen``: module paths whose parameters take no gradient (the plan's frozen units);
     ``plan`` and ``pm``: the ranks' adapters (``weft_adapter``), added and drawn alike, and their
     quantised units, quantised alike."""
@@ -154,10 +169,9 @@ def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], max_norm: fl
             loss += part.detach()
         grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
         norm = torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt().item()
-        scale = min(1.0, max_norm / (norm + 1e-6)) if max_norm else 1.0  # as strategies/optim/grad_norm.py clips
         groups = {name: adapter.modality_of(name.rsplit(".", 1)[0]) for name in grads}
-        results[precision] = {"loss": loss.item(), "grads": grads, "clipped": {n: g * scale for n, g in grads.items()},
-                              "grad_norm": norm, "groups": groups}
+        results[precision] = {"loss": loss.item(), "grads": grads, "grad_norm": norm, "groups": groups,
+                              "clipped": after_sync(grads, norm) if after_sync is not None else grads}
     return results
 
 
@@ -231,8 +245,10 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
     if plan.packed():
         raise WeftError("weft check compares unpacked micro-batches; set pack = false in the batching rule to check "
                         "this plan's parallelism (packed attention has its own tests)", where=f"{recipe.source} (pack)")
-    sync = plan.decisions_of("grad_sync")
-    clip = next((d.params.max_norm for d in sync if d.strategy == "clip"), None)
+    sync = [(plan.strategy(d), d.params) for d in plan.decisions_of("grad_sync")]
+    # After grad sync: known where every strategy says what it leaves of the gradients, in order.
+    known = bool(sync) and all(record is not None and record.reference is not None for record, _ in sync)
+    after_sync = _after_sync(sync) if known else None
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "sharded.pt"
         launch_ranks("check", nproc=world_size, out=out,
@@ -244,13 +260,12 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
 
     # bf16: the unsharded model's own bf16 difference from float32 is the yardstick.
     precisions = ("fp32", "bf16") if recipe.train.precision == "bf16" else ("fp32",)
-    refs = reference(recipe, adapter=pm.models.for_recipe(recipe), batches=batches, max_norm=clip,
+    refs = reference(recipe, adapter=pm.models.for_recipe(recipe), batches=batches, after_sync=after_sync,
                      device=device_type_for(recipe), precisions=precisions, frozen=tuple(plan.frozen_units()),
                      plan=plan, pm=pm)
     ref = refs["fp32"]
     floor = compare(ref, refs["bf16"]) if "bf16" in refs else None
-    # After grad sync the built-in clip's result is known; a third-party grad sync's is not.
-    ref["compare_clipped"] = bool(sync) and all(d.strategy == "clip" for d in sync)
+    ref["compare_clipped"] = known
     result = compare(ref, got, floor=floor)
     result["precision"] = recipe.train.precision
     # Lower-precision parameters in a rule make a float32 comparison meaningless for that group.

@@ -32,7 +32,26 @@ from weft.core.commands.decode import (
 from weft.core.commands.decode_graph import decode_rows_buffered
 from weft.core.commands.prefill_chunks import prefill_chunk_for, prefill_in_chunks
 from weft.core.commands.sampling import Sampling, choose_now
+from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
+
+
+def _batched_cache(plan: Any, pm: Any) -> Any:
+    """The kv_cache decision of a batch of prompts: a cache that keeps rows of different lengths,
+    each written at its own position (a strategy whose record says ``batched_prompts``: the
+    built-in ``static``), whatever the rules say: the rule's own where it is one (its kernel too),
+    else the first such strategy with its defaults."""
+    from weft.core.recipe.rules import Decision
+
+    ruled = [m.get("kv_cache") for m in plan.modules_for("kv_cache") if m.info.modality == "text"]
+    if ruled and (record := plan.strategy(ruled[0])) is not None and record.batched_prompts:
+        return ruled[0]
+    record = next((s for s in pm.registry.all() if s.point == "kv_cache" and s.batched_prompts), None)
+    if record is None:
+        raise WeftError("several prompts decode together in a cache that keeps rows of different lengths, and no "
+                        "kv_cache strategy declares one (batched_prompts); give one prompt at a time")
+    return Decision(point="kv_cache", strategy=record.name, params=record.params(),
+                    source="weft generate (several prompts)", rule="several prompts decode together in one cache")
 
 
 def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recipe: Recipe, inputs: list[dict],
@@ -50,16 +69,8 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     # The next text position after each prompt: its largest rotary position plus one.
     starts = [int(positions_of(prompt_sample(x)).max()) + 1 for x in inputs]
     stops = stop_tokens(model)
-    # The batch's cache is the kv_cache hook's ``static`` one whatever the rules say: it alone
-    # keeps rows of different lengths, each written at its own position.
-    from weft.core.recipe.rules import Decision
-    from weft.core.registry import NoParams
-
-    ruled = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
-    static = ruled[0] if ruled and ruled[0].strategy == "static" else Decision(  # the rule's own, its kernel too
-        point="kv_cache", strategy="static", params=NoParams(), source="weft generate (several prompts)",
-        rule="several prompts decode together in the static cache")
-    cache = pm.call_first("weft_kv_cache", decision=static, model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
+    cache = pm.call_first("weft_kv_cache", decision=_batched_cache(run.plan, pm), model=model, plan=run.plan,
+                          mesh=run.mesh, ctx=ctx)
     chunk = prefill_chunk_for(cache.prefill_chunk, model=model, prompt=max(lengths), device=device,
                               cached_tokens=len(inputs) * (max(lengths) + max_new_tokens),
                               precision=recipe.train.precision)

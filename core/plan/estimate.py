@@ -19,6 +19,7 @@ This module is plain arithmetic (no torch): ``estimate_inputs`` builds its input
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import attrs
 
@@ -95,7 +96,7 @@ class Unit:
     path: str
     modality: str | None
     params: int  # its own, not those of units inside it
-    strategy: str  # "fsdp2" or "none"
+    strategy: str  # its shard rule's strategy, as `weft plan` names it
     storage_bytes: int
     checkpoint: str = "off"
     offload_activations: bool = False
@@ -108,6 +109,11 @@ class Unit:
     float8: str = ""  # matmul = "float8" by rule: its float8_recipe (the scaling); "": the storage dtype's products
     compiled: bool = False  # compile = true by rule: its children through torch.compile
     source: str = ""
+    #: What its strategy's record declares (core/registry.py Strategy): the mesh dims whose ranks split
+    #: its weights, gradients and optimizer states, and whether it is gathered whole around its
+    #: forward and backward (FSDP's way). The defaults: kept whole on every rank.
+    shard_dims: tuple[str, ...] = ()
+    gathers: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -129,15 +135,37 @@ class Setup:
         """Ranks an FSDP2 unit is sharded over: dp_shard x the SP ranks."""
         return self.dp_shard * self.sp
 
+    def ranks(self, dims: tuple[str, ...]) -> int:
+        """The ranks of the mesh dims ``dims`` (a unit's ``shard_dims``): the product of their degrees."""
+        return math.prod(getattr(self, dim) for dim in dims)
 
-def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
-    """Per-rank bytes at the step's peak, by part; ``total`` their sum."""
+
+@attrs.frozen(kw_only=True)
+class Contribution:
+    """What one of the root's strategies adds to the estimate: its record's ``estimate_memory`` and
+    ``estimate_time`` with its rule's params bound, called as ``memory(units=, shape=, setup=)`` and
+    ``seconds(units=, shape=, setup=, gpu=)``, each {part: amount}."""
+
+    source: str  # the deciding rule (file:line)
+    memory: Callable[..., dict] | None = None
+    seconds: Callable[..., dict] | None = None
+
+
+def add_parts(part: dict[str, float], more: dict[str, float]) -> None:
+    """A contribution's parts into the table: its own names as rows, the core's added to theirs."""
+    for name, value in more.items():
+        part[name] = part.get(name, 0.0) + value
+
+
+def memory(units: list[Unit], shape: Shape, setup: Setup, *, extra: tuple[Contribution, ...] = ()) -> dict[str, float]:
+    """Per-rank bytes at the step's peak, by part; ``total`` their sum; ``extra``: the root's
+    strategies' own parts."""
     tokens = setup.tokens / setup.sp  # this rank's share of the sequence
     layer_in = tokens * shape.hidden * 2  # one layer's input, bf16
     part = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}
     host_static = 0.0
     for u in units:
-        shard = setup.fsdp if u.strategy == "fsdp2" else 1
+        shard = setup.ranks(u.shard_dims)
         trained = _trained(u)  # a frozen base's weights only; its adapters' gradients and states too
         if u.offload:  # FSDP2 offload: shards, gradients and states live on the CPU
             host_static += ((u.params + u.adapter_params) + 3 * trained) * u.storage_bytes / shard
@@ -147,11 +175,13 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
         part["gradients"] += trained * u.storage_bytes / shard
         per = 2 * u.storage_bytes if u.state_bytes is None else u.state_bytes
         part["optimizer"] += trained * per / shard
-    fsdp = [u for u in units if u.strategy == "fsdp2"]
+    fsdp = [u for u in units if u.gathers]
     # A gathered unit's bytes: bf16, its 4-bit weights as their codes and scalers (what FSDP2 gathers).
     largest = max((((u.params - u.quantized_params + u.adapter_params) * 2 + u.quantized_params * NF4_BYTES)
                    for u in fsdp if u.modality is not None), default=0)
-    reduced = max((_trained(u) * 4 for u in fsdp if u.modality is not None), default=0)  # float32 gradients
+    # A unit's gradients in float32 for the reduce-scatter (none over one rank).
+    reduced = max((_trained(u) * 4 for u in fsdp if u.modality is not None and setup.ranks(u.shard_dims) > 1),
+                  default=0)
     root = next((u for u in fsdp if u.modality is None), None)
     # FSDP2 gathers a unit (and prefetches the next); the root's own weights (embedding,
     # head) stay gathered from forward to backward when the fused loss reads the head.
@@ -186,6 +216,8 @@ def memory(units: list[Unit], shape: Shape, setup: Setup) -> dict[str, float]:
     # The loss runs before any layer's backward; the hidden states' gradient then flows down.
     part["loss or recomputation"] = max(loss, recompute) + layer_in
     part["communication"] = _comm_buffers(shape, setup, tokens, reduced)
+    for c in extra:
+        add_parts(part, c.memory(units=units, shape=shape, setup=setup) if c.memory is not None else {})
     part["total"] = sum(part.values())
     # The first step: AdamW makes its states in its first optimizer step, after the backward,
     # so that step's peak is the larger of the backward's (without states) and the states'.
@@ -230,8 +262,7 @@ def layer_saved(mode: str, shape: Shape, layer_in: float, tokens: float, *, tile
 def _comm_buffers(shape: Shape, setup: Setup, tokens: float, reduced: float) -> float:
     ring = 2 * tokens * 2 * shape.kv_heads * shape.head_dim * 2 if setup.ring > 1 else 0  # K/V in flight
     ulysses = 2 * tokens * (shape.hidden + 2 * shape.kv_heads * shape.head_dim) * 2 if setup.ulysses > 1 else 0
-    reduce = reduced if setup.fsdp > 1 else 0  # a unit's gradients in float32 for the reduce-scatter
-    return ring + ulysses + reduce
+    return ring + ulysses + reduced
 
 
 def _host(units: list[Unit], layer_in: float) -> float:

@@ -4,9 +4,10 @@ parameter counts and config; allocates nothing."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from weft.core.plan.estimate import Setup, Shape, Unit
+from weft.core.plan.estimate import Contribution, Setup, Shape, Unit
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -23,7 +24,7 @@ def units_of(plan: Any, model: Any) -> list[Unit]:
         trained |= {id(p) for p in module.parameters() if p.requires_grad} if module is not None else set()
     # An adapter rule: its hook (``weft_adapter``, on the planner's meta model) froze the base, and
     # what still requires a gradient there is the adapters' parameters (plugins/adapter.py).
-    adapted = model is not None and any(m.get("adapter").strategy != "none" for m in plan.modules_for("adapter"))
+    adapted = model is not None and bool(plan.adapted())
     units = []
     for m in decided:
         path = m.info.path
@@ -33,6 +34,7 @@ def units_of(plan: Any, model: Any) -> list[Unit]:
         adapters = sum(n for pid, n in own.items() if pid in trained) if adapted else 0
         decision = m.get("shard")
         params = decision.params
+        record = plan.strategy(decision)  # what the strategy declares it shards over (core/registry.py)
         units.append(Unit(
             path=path, modality=m.info.modality if m.info.kind == "unit" else None,
             params=sum(own.values()) - adapters, adapter_params=adapters,
@@ -47,8 +49,25 @@ def units_of(plan: Any, model: Any) -> list[Unit]:
             float8=getattr(params, "float8_recipe", "") if getattr(params, "matmul", "default") == "float8" else "",
             compiled=bool(getattr(params, "compile", False)),
             source=decision.source,
+            shard_dims=record.shard_dims if record is not None else (),
+            gathers=record.gathers if record is not None else False,
         ))
     return units
+
+
+def contributions_of(plan: Any) -> tuple[Contribution, ...]:
+    """What the root's strategies (grad sync, optimizer, ...) add to the estimate beyond what the core
+    counts: each record's ``estimate_memory`` and ``estimate_time``, its rule's params bound."""
+    found = []
+    for decision in plan.root().decisions:
+        record = plan.strategy(decision)
+        if record is None or (record.estimate_memory is None and record.estimate_time is None):
+            continue
+        memory, seconds = record.estimate_memory, record.estimate_time
+        found.append(Contribution(source=decision.source,
+                                  memory=functools.partial(memory, decision.params) if memory else None,
+                                  seconds=functools.partial(seconds, decision.params) if seconds else None))
+    return tuple(found)
 
 
 def _quantized(model: Any, path: str, own: dict) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 
 from weft.core.plan.estimate import GIB, longest_fit, memory
-from weft.core.plan.estimate_inputs import setup_of, shape_of, units_of
+from weft.core.plan.estimate_inputs import contributions_of, setup_of, shape_of, units_of
 from weft.core.plan.gpus import GPUS
 from weft.core.plan.memory_advice import levers
 from weft.core.plan.step_time import step_seconds
@@ -32,20 +32,20 @@ HOST_GIB_PER_GPU = 128.0
 
 def estimate(recipe: Any, plan: Any, model: Any, *, gpu: str, host_gib: float | None = None) -> dict:
     kind = GPUS[gpu]
-    units = units_of(plan, model)
+    units, extra = units_of(plan, model), contributions_of(plan)
     shape, setup = shape_of(model, units), setup_of(recipe, plan)
     per_node = min(plan.mesh.world_size, 8)  # ranks sharing one host's memory
     host_budget = (host_gib if host_gib is not None else HOST_GIB_PER_GPU * per_node) * GIB
     budget = (kind.memory_gib - HEADROOM_GIB) * GIB
-    mem = memory(units, shape, setup)
-    step = step_seconds(units, shape, setup, kind)
+    mem = memory(units, shape, setup, extra=extra)
+    step = step_seconds(units, shape, setup, kind, extra=extra)
     multiple = 1024 * setup.sp
 
     def within(m: dict) -> bool:
         return m["total"] <= budget and m["host"] * per_node <= host_budget
 
     def fits(tokens: int) -> bool:
-        return within(memory(units, shape, attrs.evolve(setup, tokens=tokens)))
+        return within(memory(units, shape, attrs.evolve(setup, tokens=tokens), extra=extra))
 
     result = {
         "gpu": kind.name, "rates_measured": kind.measured, "gpu_memory_gib": kind.memory_gib,
@@ -69,7 +69,7 @@ def estimate(recipe: Any, plan: Any, model: Any, *, gpu: str, host_gib: float | 
         "warning": near_limit(recipe, peak_gib=mem["total"] / GIB, device_gib=kind.memory_gib, gpu=kind.name)
         if within(mem) else None,
         "longest_tokens": longest_fit(fits, low=multiple, high=1 << 24, multiple=multiple),
-        "changes": [] if within(mem) else _changes(recipe, units, shape, setup, within),
+        "changes": [] if within(mem) else _changes(recipe, units, shape, setup, within, extra=extra),
     }
     return result
 
@@ -88,14 +88,14 @@ def near_limit(recipe: Any, *, peak_gib: float, device_gib: float, gpu: str) -> 
             f"{recipe.train.micro_batch_tokens})")
 
 
-def _changes(recipe: Any, units: list, shape: Any, setup: Any, within) -> list[dict]:
+def _changes(recipe: Any, units: list, shape: Any, setup: Any, within, *, extra: tuple = ()) -> list[dict]:
     """Rule changes, pulled one after another until the recipe fits; each with the rule to edit."""
     out = []
     for lever in levers(recipe, units):
         if lever.apply is None:
             continue
         units, setup = lever.apply(units, setup)
-        mem = memory(units, shape, setup)
+        mem = memory(units, shape, setup, extra=extra)
         out.append({"change": lever.change, "where": lever.where, "total_gib": round(mem["total"] / GIB, 1),
                     "host_gib": round(mem["host"] / GIB, 1), "fits": within(mem)})
         if out[-1]["fits"]:

@@ -8,14 +8,16 @@ mesh as the memory model takes them (core/plan/estimate.py). Plain arithmetic, n
 
 from __future__ import annotations
 
-from weft.core.plan.estimate import Setup, Shape, Unit, backward_reaches
+from weft.core.plan.estimate import Contribution, Setup, Shape, Unit, add_parts, backward_reaches
 from weft.core.plan.flops import sequence_flops
 from weft.core.plan.gpus import GpuKind
 
 
-def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) -> dict[str, float]:
+def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind, *,
+                 extra: tuple[Contribution, ...] = ()) -> dict[str, float]:
     """Per-rank seconds of one step, by part: matrix products (recomputation included),
-    attention forward and backward, element-wise overhead, exposed communication."""
+    attention forward and backward, element-wise overhead, exposed communication; ``extra``:
+    the root's strategies' own parts."""
     tokens = setup.tokens / setup.sp
     text = [u for u in units if u.modality == "text"]
     root = next((u for u in units if u.modality is None), None)
@@ -47,6 +49,8 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) ->
         "element-wise": gpu.overhead_s * tokens * len(text) * (1.3 if recompute else 1.0),
         "communication": _exposed_comm(units, shape, setup, gpu, tokens),
     }
+    for c in extra:
+        add_parts(part, c.seconds(units=units, shape=shape, setup=setup, gpu=gpu) if c.seconds is not None else {})
     part["total"] = sum(part.values())
     part["tokens_per_s"] = setup.tokens * setup.dp_shard * setup.dp_replicate / part["total"]
     # MFU as the reports and benchmarks count it (core/plan/flops.py), this rank's share of the sequence.
@@ -73,8 +77,7 @@ def _exposed_comm(units, shape: Shape, setup: Setup, gpu: GpuKind, tokens: float
         width = shape.hidden * 2 + 2 * shape.kv_heads * shape.head_dim  # q and out, k and v
         per = tokens * width * 2 * (setup.ulysses - 1) / setup.ulysses
         ulysses = 2 * layers * per / bw
-    fsdp = 0.0
-    if setup.fsdp > 1:
-        largest = max((u.params for u in units if u.strategy == "fsdp2" and u.modality), default=0)
-        fsdp = 3 * largest * 2 / bw  # the first gather, the last reduce-scatter: not hidden
+    # Gathered units over more than one rank: the first gather, the last reduce-scatter are not hidden.
+    largest = max((u.params for u in units if u.gathers and u.modality and setup.ranks(u.shard_dims) > 1), default=0)
+    fsdp = 3 * largest * 2 / bw
     return ulysses + fsdp

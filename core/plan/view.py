@@ -83,7 +83,7 @@ def render_trainable(plan: Any, model: Any) -> None:
     held = {id(p) for path in frozen for p in model.get_submodule(path).parameters()}
     still = sum(p.numel() for p in model.parameters() if id(p) not in held and p.requires_grad)
     line = f"trains {still:,} of {total:,} parameters"
-    adapted = sorted({d.rule for m in plan.modules_for("adapter") if (d := m.get("adapter")).strategy != "none"})
+    adapted = sorted({m.get("adapter").rule for m in plan.adapted()})
     if adapted:
         line += f"; adapters by rule, the base frozen: {', '.join(adapted)}"
     if frozen:

@@ -19,7 +19,7 @@ from weft.core.mesh_spec import MeshSpec
 from weft.core.recipe import Recipe
 from weft.core.recipe.schema import build, did_you_mean
 from weft.core.recipe.syntax import RUN_STRATEGY, Action, Rule, Selector, default_rules
-from weft.core.registry import StrategyRegistry
+from weft.core.registry import Strategy, StrategyRegistry
 
 #: Which kind of module each hook point decides for.
 POINT_KINDS: dict[str, tuple[str, ...]] = {
@@ -84,6 +84,8 @@ class Plan:
     mesh: MeshSpec
     seq_len: int
     world_size: int
+    #: The strategies the rules were validated against: the core reads a decision's record, not its name.
+    registry: StrategyRegistry | None = attrs.field(default=None, eq=False, repr=False)
 
     def root(self) -> ModulePlan:
         return next(m for m in self.modules if m.info.kind == "root")
@@ -99,6 +101,15 @@ class Plan:
 
     def decisions_of(self, point: str) -> tuple[Decision, ...]:
         return tuple(d for d in self.root().decisions if d.point == point)
+
+    def strategy(self, decision: Decision) -> Strategy | None:
+        """The record of the strategy ``decision`` names (None: not registered, or no registry)."""
+        return self.registry.get(decision.point, decision.strategy) if self.registry is not None else None
+
+    def adapted(self) -> list[ModulePlan]:
+        """The modules whose adapter decision adds something (its strategy is not inert)."""
+        return [m for m in self.modules_for("adapter")
+                if (record := self.strategy(m.get("adapter"))) is not None and not record.inert]
 
     def packed(self) -> bool:
         """Batching packs several documents into one row (its ``pack`` parameter)."""
@@ -136,25 +147,18 @@ class Plan:
         ]
 
     def to_json(self) -> dict:
-        return {
-            "world_size": self.world_size,
-            "seq_len": self.seq_len,
-            "mesh": attrs.asdict(self.mesh),
-            "modules": [
-                {
-                    "path": m.info.path,
-                    "class": m.info.class_name,
-                    "kind": m.info.kind,
-                    "modality": m.info.modality,
-                    "heads": m.info.heads,
-                    "kv_heads": m.info.kv_heads,
-                    "head_dim": m.info.head_dim,
-                    "decisions": {d.point if d.point not in MULTI_POINTS else f"{d.point}.{d.strategy}": d.to_json()
-                                  for d in m.decisions},
-                }
-                for m in self.modules
-            ],
-        }
+        def module(m: ModulePlan) -> dict:
+            shown = {key: getattr(m.info, field) for key, field in _INFO_KEYS}
+            return shown | {"decisions": {d.point if d.point not in MULTI_POINTS else f"{d.point}.{d.strategy}":
+                                          d.to_json() for d in m.decisions}}
+
+        return {"world_size": self.world_size, "seq_len": self.seq_len, "mesh": attrs.asdict(self.mesh),
+                "modules": [module(m) for m in self.modules]}
+
+
+#: What `weft plan --json` shows of each module's info: (key, ModuleInfo field).
+_INFO_KEYS = (("path", "path"), ("class", "class_name"), ("kind", "kind"), ("modality", "modality"),
+              ("heads", "heads"), ("kv_heads", "kv_heads"), ("head_dim", "head_dim"))
 
 
 class _RuleWhere:
@@ -216,13 +220,14 @@ def _one_optimizer(plans: list[ModulePlan]) -> None:
                         "weight_decay) without a strategy, or the same strategy")
 
 
-def _adapter_rules_decide(rules: list[Rule], plans: list[ModulePlan]) -> None:
+def _adapter_rules_decide(rules: list[Rule], plans: list[ModulePlan], registry: StrategyRegistry) -> None:
     """An adapter rule that decides no module would train nothing it promises: a plan error
     naming the rule (its ``when`` matches no module, or earlier rules decide them all)."""
     decided = {d.source for m in plans if (d := m.get("adapter")) is not None}
     for rule in rules:
         actions = rule.action("adapter")
-        if actions and any(a.strategy != "none" for a in actions) and rule.source not in decided:
+        adds = actions and any(not registry.get("adapter", a.strategy).inert for a in actions)
+        if adds and rule.source not in decided:
             raise PlanError(f"adapter rule {rule.name!r} decides no module: its when matches none of the model's "
                             "modules, or earlier rules decide them (`weft plan --explain` lists the modules)",
                             where=rule.source)
@@ -286,8 +291,8 @@ def build_plan(
                                 "the defaults should")
         plans.append(ModulePlan(info=info, decisions=tuple(decisions)))
     _one_optimizer(plans)
-    _adapter_rules_decide(rules, plans)
-    plan = Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size)
+    _adapter_rules_decide(rules, plans, registry)
+    plan = Plan(modules=tuple(plans), mesh=mesh, seq_len=seq_len, world_size=world_size, registry=registry)
     # Strategies that stand for others (attention 'auto') resolved once per module, here:
     # `weft plan`, the plan-time checks and the run all see the strategy that runs.
     return attrs.evolve(plan, modules=tuple(

@@ -47,9 +47,50 @@ def ulysses_inner(backend: str, *, packed: bool) -> Callable | None:
     return functools.partial(local_attention, backend=backend)
 
 
-def make_attention_function(
-    *, strategy: str, layout: str, backend: str, ulysses_group: Any, ring_group: Any
-) -> Callable:
+def ring_attend(*, layout: str, backend: str, ring_group: Any) -> Callable:
+    """The ring's per-call attention: ``attend(query, key, value, *, causal, scale, doc_ids)``."""
+
+    def attend(query, key, value, *, causal, scale, doc_ids):
+        return ring_attention(query, key, value, group=ring_group, causal=causal, scale=scale, layout=layout,
+                              backend=backend, doc_ids=doc_ids)
+
+    return attend
+
+
+def local_attend(*, backend: str) -> Callable:
+    """One kernel on the whole local sequence (no sequence parallelism, no document ids)."""
+
+    def attend(query, key, value, *, causal, scale, doc_ids):
+        return local_attention(query, key, value, causal=causal, scale=scale, backend=backend)
+
+    return attend
+
+
+def ulysses_attend(*, backend: str, ulysses_group: Any) -> Callable:
+    """Ulysses' all-to-all around the attention of its head slice (``ulysses_inner``)."""
+
+    def attend(query, key, value, *, causal, scale, doc_ids):
+        return ulysses_attention(query, key, value, group=ulysses_group, causal=causal, scale=scale, doc_ids=doc_ids,
+                                 inner=ulysses_inner(backend, packed=doc_ids is not None))
+
+    return attend
+
+
+def usp_attend(*, layout: str, backend: str, ulysses_group: Any, ring_group: Any) -> Callable:
+    """Ulysses inside, the ring outside."""
+
+    def attend(query, key, value, *, causal, scale, doc_ids):
+        return usp_attention(query, key, value, ulysses_group=ulysses_group, ring_group=ring_group, causal=causal,
+                             scale=scale, layout=layout, backend=backend, doc_ids=doc_ids)
+
+    return attend
+
+
+def make_attention_function(*, name: str, attend: Callable) -> Callable:
+    """transformers' attention signature around ``attend`` (one of the ``*_attend`` above, chosen
+    once by the caller for the binding): ``attend(query, key, value, *, causal, scale, doc_ids)``
+    on (B, H, S_local, D) tensors. ``name``: the strategy, for error messages."""
+
     def attention(
         module,
         query,
@@ -63,53 +104,22 @@ def make_attention_function(
     ):
         if dropout:
             raise ValueError(
-                f"{strategy} attention does not implement attention dropout "
+                f"{name} attention does not implement attention dropout "
                 f"(module {type(module).__name__}, dropout={dropout})"
             )
         if kwargs.get("sliding_window"):
             raise ValueError(
-                f"{strategy} attention does not implement sliding-window attention (module {type(module).__name__})"
+                f"{name} attention does not implement sliding-window attention (module {type(module).__name__})"
             )
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         # Packed documents: weft's batching passes the whole sequence's document ids as a
         # model input, which transformers hands on to every attention call.
         docs = kwargs.get("weft_doc_ids")
         query, key, value = autocast_inputs(query, key, value)
-        if strategy == "ring":
-            out = ring_attention(
-                query,
-                key,
-                value,
-                group=ring_group,
-                causal=causal,
-                scale=scaling,
-                layout=layout,
-                backend=backend,
-                doc_ids=docs,
-            )
-        elif strategy == "local":
-            out = local_attention(query, key, value, causal=causal, scale=scaling, backend=backend)
-        elif strategy == "ulysses":
-            out = ulysses_attention(query, key, value, group=ulysses_group, causal=causal, scale=scaling, doc_ids=docs,
-                                    inner=ulysses_inner(backend, packed=docs is not None))
-        else:
-            out = usp_attention(
-                query,
-                key,
-                value,
-                ulysses_group=ulysses_group,
-                ring_group=ring_group,
-                causal=causal,
-                scale=scaling,
-                layout=layout,
-                backend=backend,
-                doc_ids=docs,
-            )
+        out = attend(query, key, value, causal=causal, scale=scaling, doc_ids=docs)
         return out.transpose(1, 2).contiguous(), None  # (B, S_local, H, D)
 
     return attention
-
-
 
 
 def make_vision_attention_function(*, group: Any, rank: int, world: int) -> Callable:
