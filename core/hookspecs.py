@@ -18,8 +18,9 @@ The core calls these hooks in this order, once per run unless said otherwise:
 
 Arguments are frozen objects (Plan, Decision, Recipe, the RunContext) or the live model/mesh; a plugin
 returns what it makes instead of mutating shared arguments. Firstresult hooks are
-dispatched on a strategy name: an implementation returns ``None`` for names it does
-not own. weft's ``call_first`` raises ``HookError`` naming the hook and the
+dispatched on the decision's strategy: an implementation answers through the record it
+declared (``Declared.of(decision)``, core/registry.py) and returns ``None`` for strategies
+it does not own. weft's ``call_first`` raises ``HookError`` naming the hook and the
 registered plugins when nobody answers.
 """
 
