@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from weft.core.errors import EXIT_RUNTIME, WeftError
 from weft.core.run import dcp_read
-from weft.core.train.collectives import any_rank, collective_device
+from weft.core.run.collectives import any_rank, collective_device
 
 _STEP = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"

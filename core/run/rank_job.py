@@ -44,7 +44,7 @@ def run_on_rank(recipe: Recipe, *, out: pathlib.Path, job: Callable[..., dict | 
     """One rank: ``job(recipe, rank=, world_size=, local_rank=, device_type=, **options)`` inside
     the process group; rank 0 writes its result to ``out`` as JSON (a job that returns None
     has written its own files)."""
-    from weft.core.train.prepare import close_process_group, init_process_group
+    from weft.core.run.process_group import close_process_group, init_process_group
 
     rank, world_size, local_rank, device_type, _ = init_process_group(recipe)
     try:
