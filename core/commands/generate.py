@@ -60,7 +60,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
               run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False,
               adapter_dir: str | None = None, prompts: list[dict] | None = None, from_data: int = 1,
               cuda_graph: bool = True, profile: str | None = None) -> dict:
-    from weft.core.run.rank_job import prepare_inference
+    from weft.core.infer.prepare import prepare_inference
     from weft.core.train.step import autocast_for
 
     pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
