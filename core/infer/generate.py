@@ -20,7 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from weft.core.commands.decode import (
+from weft.core.errors import WeftError
+from weft.core.infer.decode import (
     READ_EVERY,
     cache_bytes,
     compile_step,
@@ -34,11 +35,10 @@ from weft.core.commands.decode import (
     streaming,
     text_attention,
 )
-from weft.core.commands.decode_graph import decode_buffered
-from weft.core.commands.decode_profile import decode_profile
-from weft.core.commands.prefill_chunks import prefill_chunk_for, prefill_in_chunks
-from weft.core.commands.sampling import Sampling, choose_now
-from weft.core.errors import WeftError
+from weft.core.infer.decode_graph import decode_buffered
+from weft.core.infer.decode_profile import decode_profile
+from weft.core.infer.prefill_chunks import prefill_chunk_for, prefill_in_chunks
+from weft.core.infer.sampling import Sampling, choose_now
 from weft.core.recipe import Recipe
 
 
@@ -75,7 +75,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
     profiled = functools.partial(decode_profile, pathlib.Path(profile) if profile and rank == 0 else None,
                                  steps=max_new_tokens - 1)
     if prompts is not None or from_data > 1:
-        from weft.core.commands.generate_batch import generate_batch
+        from weft.core.infer.generate_batch import generate_batch
 
         batch = ([ctx.adapter.prompt_inputs(recipe, text=p["prompt"], images=p.get("images", []),
                                             videos=p.get("videos", [])) for p in prompts] if prompts is not None
@@ -139,7 +139,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
         with torch.compiler.set_stance("force_eager"), profiled() as profiling:
             if buffered:
                 # A cache read in place from device positions: the step from device buffers,
-                # captured as a CUDA graph where it can be (core/commands/decode_graph.py),
+                # captured as a CUDA graph where it can be (core/infer/decode_graph.py),
                 # sampling (one process) on the device.
                 graph = decode_buffered(
                     model, cache=cache, tokens=tokens, logprobs=logprobs, row=length, rotary=rotary,
@@ -176,7 +176,7 @@ def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
 def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.device,
              positions_of, chunk: int) -> tuple[torch.Tensor, int]:
     """The prompt through the plan's forward into ``cache`` (in chunks of ``chunk`` tokens where
-    it is longer: core/commands/prefill_chunks.py); the last real token's logits (1, V) and the
+    it is longer: core/infer/prefill_chunks.py); the last real token's logits (1, V) and the
     forwards' count."""
     from weft.core.train.step import pad_to_multiple
 
