@@ -189,8 +189,8 @@ def _cmd_generate(args) -> int:
 
 
 def _generate(args) -> int:
+    from weft.core.commands.generate import check_options, run_generate
     from weft.core.commands.prompt_file import read_prompt_file
-    from weft.core.infer.generate import check_options, run_generate
 
     check_options(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   profile=args.profile)  # each a message naming its flag, before any rank starts
@@ -263,7 +263,7 @@ def _steady(result: dict) -> str:
 
 
 def _cmd_generate_worker(args) -> int:
-    from weft.core.infer.generate import worker
+    from weft.core.commands.generate import worker
 
     worker(_recipe(args.recipe, args.overrides), out=args.out, run_dir=args.run_dir, step=args.step,
            **json.loads(args.options))

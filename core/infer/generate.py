@@ -1,5 +1,4 @@
-"""`weft generate RECIPE --prompt TEXT [--image PATH]...`: greedy or sampled decoding under
-the recipe's plan.
+"""Greedy or sampled decoding under the recipe's plan, on each rank of `weft generate`.
 
 The prompt (the adapter's encoding of one user turn) is prefilled by the plan's own
 forward: its sharding, its sequence-parallel attention, its precision. The KV cache comes
@@ -42,24 +41,14 @@ from weft.core.infer.sampling import Sampling, choose_now
 from weft.core.recipe import Recipe
 
 
-def run_generate(*, nproc: int, args: list[str]) -> dict:
-    """Start ``nproc`` ranks of the hidden ``_generate-worker`` command; rank 0's result."""
-    from weft.core.run.rank_job import launch_job
-
-    return launch_job("generate", nproc=nproc, args=args)
-
-
-def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
-    from weft.core.run.rank_job import run_on_rank
-
-    run_on_rank(recipe, out=out, job=_generate, **options)
-
-
-def _generate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str, prompt: str | None,
-              images: list[str], videos: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
-              run_dir: pathlib.Path | None, step: int | None, stream: bool = False, warmup: bool = False,
-              adapter_dir: str | None = None, prompts: list[dict] | None = None, from_data: int = 1,
-              cuda_graph: bool = True, profile: str | None = None) -> dict:
+def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
+                     prompt: str | None, images: list[str], videos: list[str], max_new_tokens: int,
+                     temperature: float, top_p: float, seed: int, run_dir: pathlib.Path | None, step: int | None,
+                     stream: bool = False, warmup: bool = False, adapter_dir: str | None = None,
+                     prompts: list[dict] | None = None, from_data: int = 1, cuda_graph: bool = True,
+                     profile: str | None = None) -> dict:
+    """One rank's part of `weft generate` (inside its process group): the prompt (or prompts)
+    prefilled and decoded; rank 0's result is the command's."""
     from weft.core.infer.prepare import prepare_inference
     from weft.core.train.step import autocast_for
 
@@ -259,16 +248,3 @@ def _chooser(sampling: Sampling | None):
         return int(token)
 
     return choose
-
-
-def check_options(*, max_new_tokens: int, temperature: float, top_p: float,
-                  profile: pathlib.Path | None = None) -> None:
-    if profile is not None and profile.exists() and not profile.is_dir():
-        raise WeftError(f"--profile names a folder to write decode_profile.json into; {profile} is a file",
-                        where="--profile")
-    if max_new_tokens < 1:
-        raise WeftError(f"--max-new-tokens must be at least 1, got {max_new_tokens}", where="--max-new-tokens")
-    if temperature < 0:
-        raise WeftError(f"--temperature must be 0 (greedy) or above, got {temperature:g}", where="--temperature")
-    if not 0 < top_p <= 1:
-        raise WeftError(f"--top-p takes a value in (0, 1], got {top_p:g}", where="--top-p")
