@@ -1,8 +1,8 @@
-"""`weft` commands beside training: eval (a dataset's loss), generate (decoding), report (a run's curves)."""
+"""The handlers of the `weft` commands beside training: eval (a dataset's loss), generate
+(decoding), report (a run's curves); their flags are in core/commands/parser.py."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
@@ -10,82 +10,6 @@ import tempfile
 from typing import Any, Callable
 
 from weft.core.errors import EXIT_OK, WeftError
-
-
-def add_inference_commands(sub: Any, *, positive: Callable[[str], int]) -> None:
-    evaluate = sub.add_parser("eval", help="a dataset's loss and perplexity under the recipe's plan, forward only")
-    evaluate.add_argument("recipe", nargs="?", help="recipe TOML file (or --model-dir)")
-    evaluate.add_argument("--data", type=pathlib.Path, default=None,
-                          help="JSONL chat file to evaluate (default: the recipe's own data)")
-    _common(evaluate, positive)
-    evaluate.add_argument("--max-batches", type=positive, default=None, help="stop after N rounds of micro-batches")
-    evaluate.add_argument("--task", type=pathlib.Path, default=None, metavar="FILE.jsonl",
-                          help="accuracy on questions with right answers (choices by log-likelihood, else greedy "
-                               "generation and exact match; docs/inference.md) in place of the loss")
-    evaluate.add_argument("--results", type=pathlib.Path, default=None, metavar="FILE.jsonl",
-                          help="with --task: one line per question (default: TASK-STEM.results.jsonl here)")
-    evaluate.add_argument("--max-new-tokens", type=positive, default=32,
-                          help="with --task: the longest generated answer")
-    evaluate.set_defaults(func=_cmd_eval)
-
-    generate = sub.add_parser("generate", help="decode from a prompt (and images) under the recipe's plan")
-    generate.add_argument("recipe", nargs="?", help="recipe TOML file (or --model-dir)")
-    source = generate.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="the user's turn")
-    source.add_argument("--prompt-file", type=pathlib.Path, default=None, metavar="FILE.jsonl",
-                        help="several prompts decoded together (greedy, one process): one JSON object a line, "
-                             "{\"prompt\": TEXT, \"images\": [PATH...], \"videos\": [PATH...]}, paths relative to "
-                             "the file")
-    source.add_argument("--prompt-from-data", nargs="?", type=positive, const=1, default=None, metavar="N",
-                        help="the first sample of the recipe's data as the prompt (e.g. long synthetic: data.tokens); "
-                             "with N, its first N samples decoded together (greedy, one process)")
-    generate.add_argument("--image", dest="images", action="append", default=[], type=pathlib.Path,
-                          metavar="PATH", help="an image before the prompt (repeatable)")
-    generate.add_argument("--video", dest="videos", action="append", default=[], type=pathlib.Path,
-                          metavar="PATH", help="a video file after the images, sampled at data.video_fps (repeatable)")
-    generate.add_argument("--max-new-tokens", type=int, default=32)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
-    generate.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
-    generate.add_argument("--warmup", action="store_true",
-                          help="one untimed prefill first (compiled modules compile there): benchmarks")
-    generate.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
-                          help="the static cache's greedy steps eagerly, not replayed as a captured CUDA graph")
-    generate.add_argument("--profile", type=pathlib.Path, metavar="DIR", help="the decoding steps' kernels by device "
-                          "time into DIR (decode_profile.json/.txt; torch.profiler)")
-    _common(generate, positive)
-    generate.set_defaults(func=_cmd_generate)
-
-    report = sub.add_parser("report", help="a run's curves (loss, tokens/s, MFU, memory, grad norm, lr) and summary")
-    report.add_argument("run_dirs", nargs="+", type=pathlib.Path, metavar="RUN_DIR")
-    report.add_argument("--out", type=pathlib.Path, default=None,
-                        help="FILE.png or FILE.html (default: report.png in the first run directory)")
-    report.set_defaults(func=_cmd_report)
-
-    for name, func in (("_eval-worker", _cmd_eval_worker), ("_generate-worker", _cmd_generate_worker)):
-        worker = sub.add_parser(name, help=argparse.SUPPRESS)
-        worker.add_argument("recipe")
-        worker.add_argument("--out", type=pathlib.Path, required=True)
-        worker.add_argument("--set", dest="overrides", action="append", default=[])
-        worker.add_argument("--run-dir", type=pathlib.Path, default=None)
-        worker.add_argument("--step", type=int, default=None)
-        worker.add_argument("--options", default="{}", help="the command's own options, as JSON")
-        worker.set_defaults(func=func)
-
-
-def _common(parser: Any, positive: Callable[[str], int]) -> None:
-    parser.add_argument("--model-dir", type=pathlib.Path, default=None,
-                        help="a Hugging Face model directory (e.g. from `weft export`) instead of a recipe: "
-                             "one rank, float32, the default rules")
-    parser.add_argument("--nproc", type=positive, default=None, help="ranks (default: parallel.nproc)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--run-dir", type=pathlib.Path, default=None,
-                        help="weights from this weft run's newest checkpoint (default: the recipe's initial ones)")
-    parser.add_argument("--step", type=positive, default=None, help="with --run-dir: this step's checkpoint")
-    parser.add_argument("--adapter", type=pathlib.Path, default=None, metavar="DIR",
-                        help="a PEFT adapter directory (adapter_config.json, adapter_model.safetensors; `weft export` "
-                             "of a LoRA run writes one) applied over the recipe's model, instead of its adapter rules")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _recipe(path: str, overrides: list[str]) -> Any:
@@ -146,7 +70,7 @@ def _check_adapter_dir(args: Any) -> None:
                             "run)", where="--adapter")
 
 
-def _cmd_eval(args) -> int:
+def cmd_eval(args) -> int:
     with tempfile.TemporaryDirectory() as folder:
         _model_dir_recipe(args, folder)
         return _eval(args)
@@ -174,7 +98,7 @@ def _eval(args) -> int:
     return EXIT_OK
 
 
-def _cmd_eval_worker(args) -> int:
+def cmd_eval_worker(args) -> int:
     from weft.core.commands.evaluate import worker
 
     worker(_recipe(args.recipe, args.overrides), out=args.out, run_dir=args.run_dir, step=args.step,
@@ -182,7 +106,7 @@ def _cmd_eval_worker(args) -> int:
     return EXIT_OK
 
 
-def _cmd_generate(args) -> int:
+def cmd_generate(args) -> int:
     with tempfile.TemporaryDirectory() as folder:
         _model_dir_recipe(args, folder)
         return _generate(args)
@@ -262,7 +186,7 @@ def _steady(result: dict) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _cmd_generate_worker(args) -> int:
+def cmd_generate_worker(args) -> int:
     from weft.core.commands.generate import worker
 
     worker(_recipe(args.recipe, args.overrides), out=args.out, run_dir=args.run_dir, step=args.step,
@@ -270,7 +194,7 @@ def _cmd_generate_worker(args) -> int:
     return EXIT_OK
 
 
-def _cmd_report(args) -> int:
+def cmd_report(args) -> int:
     from weft.core.commands.report import plot, read_run, summary_lines
 
     out = args.out or args.run_dirs[0] / "report.png"
