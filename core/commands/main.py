@@ -10,7 +10,7 @@ import sys
 import traceback
 from typing import Sequence
 
-from weft.core.commands import infer
+from weft.core.commands import evaluate, generate, report
 from weft.core.commands.parser import build_parser
 from weft.core.commands.run import cmd_run
 from weft.core.errors import EXIT_OK, EXIT_RUNTIME, WeftError
@@ -44,8 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     return build_parser(handlers={
         "run": cmd_run, "plan": _cmd_plan, "check": _cmd_check, "_check-worker": _cmd_check_worker,
-        "eval": infer.cmd_eval, "generate": infer.cmd_generate, "report": infer.cmd_report,
-        "_eval-worker": infer.cmd_eval_worker, "_generate-worker": infer.cmd_generate_worker,
+        "eval": evaluate.cmd_eval, "generate": generate.cmd_generate, "report": report.cmd_report,
+        "_eval-worker": evaluate.cmd_eval_worker, "_generate-worker": generate.cmd_generate_worker,
         "export": _cmd_export, "plugins": _cmd_plugins})
 
 
