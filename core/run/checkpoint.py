@@ -13,8 +13,8 @@ the RNG states tensors loaded with ``weights_only=True``, DCP's index and its no
 read by core/checkpoint/dcp_read.py (an allowlist of DCP's own classes; ``weights_only``). A pickle
 planted in a checkpoint is refused, never run, even with the manifest rewritten to match it.
 
-``--resume`` takes the newest checkpoint that passes ``verify`` (every file present,
-sizes and checksums matching, checked by the ranks in parallel) and says which newer
+``--resume`` takes the newest checkpoint that passes ``verify`` (core/checkpoint/read.py: every
+file present, sizes and checksums matching, checked by the ranks in parallel) and says which newer
 ones it passed over and why. A save that fails (disk full, permission) removes its
 temporary folder, leaves the previous checkpoint as it was, and raises
 :class:`CheckpointError` naming the folder, the error and the space it needed.
