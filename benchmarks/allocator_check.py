@@ -12,7 +12,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration  # noqa: F401 - the 
 started = torch.cuda.is_initialized()
 print("torchao imported:", "torchao" in sys.modules, "cuda started by imports:", started)
 
-from weft.core.train.prepare import use_expandable_segments  # noqa: E402
+from weft.core.run.process_group import use_expandable_segments  # noqa: E402
 
 use_expandable_segments()
 x = torch.empty(2**28, device="cuda")

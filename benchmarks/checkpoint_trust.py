@@ -99,7 +99,8 @@ def main() -> None:
     table["train"] = weft("run", str(recipe), "--run-dir", str(run), cwd=args.work, timeout=300)
     save()
     step2 = run / "checkpoints" / "step-2"
-    from weft.core.run import checkpoint, dcp_read
+    from weft.core.checkpoint import dcp_read
+    from weft.core.run import checkpoint
 
     t = time.perf_counter()
     whole = checkpoint.verify(step2)

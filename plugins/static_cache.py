@@ -13,7 +13,7 @@ device position (split-KV: ``decode_kernel``'s Triton kernel on CUDA, or
 ``split_decode_attention`` in plain torch, the buffer's rows a multiple of its chunks; no
 host-side length anywhere), so a decoding step reads no host state that changes from one
 token to the next and can be compiled and captured as a CUDA graph
-(core/commands/decode_step.py). One process, whole sequence: under sequence parallelism
+(core/infer/decode_step.py). One process, whole sequence: under sequence parallelism
 the ``sharded`` and ``paged`` caches split it over the ranks.
 """
 
@@ -98,7 +98,7 @@ class StaticCache(Cache):
     attention in transformers' AttentionInterface (the core selects it after the prefill)."""
 
     #: A decoding step at a device position (``at(tensor)``) has the same shapes, kernels and
-    #: host state at every token: core/commands/decode_step.py captures it.
+    #: host state at every token: core/infer/decode_step.py captures it.
     capturable = True
 
     def __init__(self, *, num_layers: int, kernel: str = "split", compile_step: bool = False,
@@ -113,9 +113,9 @@ class StaticCache(Cache):
                             f"{where}; use decode_kernel = 'split' (any device) or 'auto'",
                             where="kv_cache.decode_kernel")
         self.kernel = kernel
-        self.compile_step = compile_step  # the decoding step through torch.compile (on CUDA: core/commands/generate.py)
+        self.compile_step = compile_step  # the decoding step through torch.compile (on CUDA: core/infer/decode.py)
         # A prompt longer than this many tokens is prefilled in chunks, "auto": where memory needs it
-        # (core/commands/prefill_chunks.py); 0: whole.
+        # (core/infer/prefill_chunks.py); 0: whole.
         self.prefill_chunk = prefill_chunk
         self.state = {"phase": "prefill", "capacity": 0, "rows": 1, "row": 0, "position": None, "length": 0,
                       "prompt": 0, "splits": 1, "plan": None, "start": 0}
@@ -171,7 +171,7 @@ class StaticCache(Cache):
         self.state.update(position=self._host_position, length=position)
 
     def _attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if self.state["phase"] == "prefill":  # a prompt's later chunk (core/commands/prefill_chunks.py)
+        if self.state["phase"] == "prefill":  # a prompt's later chunk (core/infer/prefill_chunks.py)
             return self._chunk_attend(query, key, value, scaling=scaling)
         # query (B, Hq, 1, D), key/value (B, Hkv, rows, D) -> (B, 1, Hq, D), no weights.
         # transformers' mask is not used (none is made for this attention's name): each row sees

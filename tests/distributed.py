@@ -29,7 +29,7 @@ _PRELOAD = [
     "model_helpers", "distributed",
     # A command's ranks (tests/forked_ranks.py): the command line and the rank jobs' modules.
     "weft.core.commands.main", "weft.core.commands.check", "weft.core.commands.evaluate",
-    "weft.core.commands.generate", "weft.core.commands.run", "forked_ranks",
+    "weft.core.commands.generate", "weft.core.infer.generate", "weft.core.commands.run", "forked_ranks",
 ]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 
@@ -45,7 +45,7 @@ def _entry(rank: int, world: int, store_path: str, env: dict, fn: Callable[..., 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    from weft.core.train.prepare import close_process_group
+    from weft.core.run.process_group import close_process_group
 
     try:
         fn(rank, world, *args)

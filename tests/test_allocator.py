@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from weft.core.train.prepare import use_expandable_segments
+from weft.core.run.process_group import use_expandable_segments
 
 pytestmark = pytest.mark.quick
 

@@ -1,4 +1,4 @@
-"""The decoding step's body through torch.compile (core/commands/decode_step.py), as CUDA runs
+"""The decoding step's body through torch.compile (core/infer/decode_step.py), as CUDA runs
 it before capturing it, here with Inductor's CPU code: not in the quick set (its compilation
 takes seconds)."""
 
@@ -32,7 +32,7 @@ def test_the_compiled_step_is_one_graph_compiled_once_with_the_same_tokens(tiny)
 def test_the_compiled_sampled_step_draws_what_the_eager_one_draws(tiny):  # noqa: F811 - the fixture
     """Sampling through the compiled body: the uniform draws are filled outside it, the nucleus
     chosen inside; the same seed gives the eager step's tokens (and log-probabilities)."""
-    from weft.core.commands.sampling import Sampling
+    from weft.core.infer.sampling import Sampling
 
     def sampled(compile):
         sampling = Sampling(temperature=0.9, top_p=0.8, generator=torch.Generator().manual_seed(3))

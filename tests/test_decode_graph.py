@@ -1,4 +1,4 @@
-"""The greedy step from device buffers (core/commands/decode_graph.py), as it runs where no
+"""The greedy step from device buffers (core/infer/decode_graph.py), as it runs where no
 CUDA graph is captured (the CPU): the tiny Qwen2.5-VL with an image over the static cache
 gives transformers' generate's tokens and log-probabilities, and the eager loop's
 (``decode_greedy``, host positions); it stops at a stop token inside a read-back.
@@ -20,10 +20,10 @@ import pytest
 import torch
 from PIL import Image
 
-from weft.core.commands import decode
-from weft.core.commands.decode_graph import capture_blocker, decode_buffered
-from weft.core.commands.decode_step import DecodeStep
-from weft.core.commands.sampling import nucleus_from_noise
+from weft.core.infer import decode
+from weft.core.infer.decode_graph import capture_blocker, decode_buffered
+from weft.core.infer.decode_step import DecodeStep
+from weft.core.infer.sampling import nucleus_from_noise
 
 pytestmark = pytest.mark.quick
 
@@ -164,7 +164,7 @@ def test_warm_up_then_one_capture_then_replays(tiny):
     """The order on CUDA, with the CUDA parts stood in for: WARMUP eager steps, one capture
     (which runs nothing, so that step's replay follows at once), then a replay per token;
     the tokens are the eager step's."""
-    from weft.core.commands.decode_step import WARMUP
+    from weft.core.infer.decode_step import WARMUP
 
     calls = []
 
@@ -216,7 +216,7 @@ def test_what_keeps_a_step_from_being_captured(tiny):
 def test_rows_of_a_batch_stop_on_their_own(monkeypatch):
     """Each row keeps its tokens up to its own stop (the steps after it dropped), the others
     go on; the loop ends at the read-back where the last row stops, not at max_new_tokens."""
-    from weft.core.commands import decode_graph
+    from weft.core.infer import decode_graph
 
     script = [[5, 7], [9, 7], [2, 8], [4, 2], [6, 6], [6, 6], [6, 6], [6, 6]]  # step -> (row 0, row 1)
 
@@ -302,7 +302,7 @@ def test_sampled_steps_are_the_loop_that_draws_the_same_noise(tiny):
     draws gives; the log-probabilities are the model's (before the temperature)."""
     import torch.distributed as dist
 
-    from weft.core.commands.sampling import Sampling
+    from weft.core.infer.sampling import Sampling
 
     sampling = Sampling(temperature=0.9, top_p=0.8, generator=torch.Generator().manual_seed(3))
     tokens, logprobs, _ = _buffered(tiny, sampling=sampling)

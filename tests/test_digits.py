@@ -98,7 +98,7 @@ def test_lora_teaches_the_words_with_the_base_untouched(data, exported):
     adapters only and the base's weights file is the same bytes."""
     import hashlib
 
-    from weft.core.run import dcp_read
+    from weft.core.checkpoint import dcp_read
 
     weights = exported / "model.safetensors"
     before = hashlib.sha256(weights.read_bytes()).hexdigest()

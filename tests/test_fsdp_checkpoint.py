@@ -205,8 +205,8 @@ def test_export_loads_in_transformers_with_the_same_logits(single, env):
     import transformers
 
     from model_helpers import build_model
-    from weft.core.commands.export import load_checkpoint_into, run_recipe
-    from weft.core.run.checkpoint import checkpoint_dirs
+    from weft.core.checkpoint.read import checkpoint_dirs, load_checkpoint_into
+    from weft.core.commands.export import run_recipe
 
     exported(single, env)
     out = single.parent / f"{single.name}-export"

@@ -292,7 +292,7 @@ def test_greedy_decoding_on_the_device_stops_at_the_first_stop_token_of_a_read_b
 
     import torch.distributed as dist
 
-    from weft.core.commands import decode as gen
+    from weft.core.infer import decode as gen
 
     script = [5, 6, 7, 9, 8, 8, 8, 8]  # the model's argmax after each input; 9 is a stop
 

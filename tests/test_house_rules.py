@@ -3,6 +3,11 @@
 - core/ imports no module of weft.plugins or weft.strategies: it knows hook names,
   and names the built-in plugins only as strings (core/plugin_manager.py).
 - strategies/ imports neither weft.core nor weft.plugins nor pluggy: plain torch.
+- the core's rooms stand on floors, each importing only the ones below it:
+  checkpoint/ (checkpoint reading) < run/ (ranks, process group, run control) < train/ <
+  infer/ (the model prepared for inference, the decoding engine) < commands/ (the command
+  files and the parser). A room never imports one above it; recipe/, plan/ and the contract
+  files at core/'s root lie below them all.
 - core/recipe/ (the recipe and rule language) and the contract files import no torch
   (checked statically and in a fresh interpreter), so `weft plan` validates a recipe
   before any heavy import.
@@ -11,7 +16,7 @@
   by a function-level import is still one room leaning on another that leans back).
 - every rule walks subfolders too (``rglob``): a file in core/x/ obeys core/'s rules.
 - nothing read from elsewhere can run code (docs/faults.md, "Untrusted inputs"): no module but
-  core/run/dcp_read.py calls ``dcp.load``, names ``FileSystemReader`` or imports ``pickle``;
+  core/checkpoint/dcp_read.py calls ``dcp.load``, names ``FileSystemReader`` or imports ``pickle``;
   every ``torch.load`` passes ``weights_only=True``; ``trust_remote_code`` is never true;
   ``numpy.load`` never allows pickles.
 - ruff (pyproject.toml) passes.
@@ -32,9 +37,14 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-#: (folder, module prefixes its files must never import).
+#: (folder, module prefixes its files must never import); a folder may be a sub-folder
+#: (core/run), whose files obey its parent's rule too.
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "core": ("weft.plugins", "weft.strategies"),
+    "core/checkpoint": ("weft.core.run", "weft.core.train", "weft.core.infer", "weft.core.commands"),
+    "core/run": ("weft.core.train", "weft.core.infer", "weft.core.commands"),
+    "core/train": ("weft.core.infer", "weft.core.commands"),
+    "core/infer": ("weft.core.commands",),
     "strategies": ("weft.core", "weft.plugins", "pluggy"),
 }
 #: Pure modules: no torch, at import time or inside their functions.
@@ -112,6 +122,23 @@ def test_a_forbidden_import_in_a_subfolder_is_caught(tmp_path):
     (tmp_path / "strategies" / "attention").mkdir(parents=True)
     (tmp_path / "strategies" / "attention" / "ring.py").write_text("def f():\n    import pluggy\n")
     assert folder_violations(tmp_path, "strategies") == {"strategies/attention/ring.py": ["line 2: pluggy"]}
+
+
+@pytest.mark.quick
+def test_a_floor_is_kept_by_its_own_folder_only(tmp_path):
+    """A sub-folder's rule (core/run) holds for its files, in its own sub-folders too, and not
+    for the rooms above it: train/ may import run/, run/ may not import train/."""
+    (tmp_path / "core" / "run" / "inner").mkdir(parents=True)
+    (tmp_path / "core" / "train").mkdir()
+    (tmp_path / "core" / "run" / "job.py").write_text(
+        "from weft.core.run.logging import run_logger\n"
+        "def f():\n    from weft.core.train.prepare import prepare_model\n")
+    (tmp_path / "core" / "run" / "inner" / "x.py").write_text("from weft.core import commands\n")
+    (tmp_path / "core" / "train" / "loop.py").write_text("from weft.core.run import checkpoint\n")
+    assert folder_violations(tmp_path, "core/run") == {
+        "core/run/inner/x.py": ["line 1: weft.core.commands"],
+        "core/run/job.py": ["line 3: weft.core.train.prepare", "line 3: weft.core.train.prepare.prepare_model"]}
+    assert folder_violations(tmp_path, "core/train") == {}
 
 
 #: Folder -> the package it installs as (pyproject's package-dir).
@@ -220,7 +247,7 @@ def test_ruff_is_clean():
 
 
 #: The one module that reads a torch.distributed.checkpoint folder (its own allowlisted unpickler).
-CHECKPOINT_READER = "core/run/dcp_read.py"
+CHECKPOINT_READER = "core/checkpoint/dcp_read.py"
 _PICKLERS = ("pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib")
 
 

@@ -42,8 +42,7 @@ def _trained(recipe, run_dir):
     group, as the checkpoint reader wants one)."""
     import torch.distributed as dist
 
-    from weft.core.commands.export import load_checkpoint_into
-    from weft.core.run.checkpoint import checkpoint_dirs
+    from weft.core.checkpoint.read import checkpoint_dirs, load_checkpoint_into
 
     model, base, added = _adapted(recipe)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weft.core.commands.prefill_chunks import chunk_bounds, vision_items
+from weft.core.infer.prefill_chunks import chunk_bounds, vision_items
 from weft.strategies.attention.chunk_prefill import prefix_chunk_attention
 
 pytestmark = pytest.mark.quick
@@ -62,7 +62,7 @@ def test_auto_chunks_only_where_the_whole_prefill_does_not_fit(monkeypatch):
     The 7B's shapes on an H200 with 120 GiB free: 128K whole, 1M in chunks; off the GPU, whole."""
     import types
 
-    from weft.core.commands.prefill_chunks import (
+    from weft.core.infer.prefill_chunks import (
         CHUNK_MULTIPLE,
         MARGIN_BYTES,
         PEAK_BYTES_PER_WIDTH,

@@ -1,5 +1,5 @@
 """A prefill under a rule's compile into weft's caches compiles the attention a fixed number
-of times, whatever the number of layers (core/commands/decode.py ``layer_index_dynamic``,
+of times, whatever the number of layers (core/infer/decode.py ``layer_index_dynamic``,
 the caches' ``update`` out of the trace: static, sharded, paged): before, each layer's index
 and layer object were guards, one compilation per layer until torch's recompile limit left the
 remaining layers eager. The compiled prefill's logits equal the eager model's."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weft.core.commands.decode import layer_index_dynamic
+from weft.core.infer.decode import layer_index_dynamic
 from weft.core.recipe.presets import build_config, load_preset
 from weft.plugins.static_cache import StaticCache
 from weft.strategies.memory.compile_units import compile_unit

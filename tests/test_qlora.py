@@ -147,7 +147,7 @@ def test_a_4bit_run_checkpoints_its_adapters_alone_resumes_and_exports_what_it_t
     import torch.distributed as dist
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from weft.core.commands.export import load_checkpoint_into
+    from weft.core.checkpoint.read import load_checkpoint_into
     from weft.core.plan.planner import add_adapters
 
     recipe = _write(tmp_path)

@@ -111,7 +111,7 @@ def test_a_generated_answer_is_transformers_greedy_answer(folder):
     """The reply is generated greedily (the static cache) and matched after normalisation: the
     answer transformers' own ``generate`` gives is right, one word more is wrong."""
     from model_helpers import transformers_greedy
-    from weft.core.commands.decode import stop_tokens
+    from weft.core.infer.decode import stop_tokens
     from weft.core.recipe import Recipe
 
     greedy = transformers_greedy(RECIPE, prompt="Which colour is this?", image=str(folder / "red.png"), new=4)

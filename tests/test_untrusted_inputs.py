@@ -115,7 +115,7 @@ def test_commands_refuse_a_planted_checkpoint(weft, trained, recipe, tmp_path, c
 def test_the_reader_loads_plain_values_bit_for_bit_and_refuses_others(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from weft.core.run import dcp_read
+    from weft.core.checkpoint import dcp_read
 
     weights = torch.randn(5, 3, dtype=torch.float64)
     good = tmp_path / "good"

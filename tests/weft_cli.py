@@ -64,7 +64,7 @@ class _Restored:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            from weft.core.train.prepare import close_process_group
+            from weft.core.run.process_group import close_process_group
 
             close_process_group(clean=False)
         os.chdir(self.cwd)

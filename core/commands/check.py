@@ -256,7 +256,7 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
         got = torch.load(out, weights_only=True)  # written by our own ranks; still only tensors and numbers
         batches = [mb for d in range(plan.mesh.dp)
                    for mb in torch.load(out.with_name(f"batches-dp{d}.pt"), weights_only=True)]
-    from weft.core.train.prepare import device_type_for
+    from weft.core.run.process_group import device_type_for
 
     # bf16: the unsharded model's own bf16 difference from float32 is the yardstick.
     precisions = ("fp32", "bf16") if recipe.train.precision == "bf16" else ("fp32",)

@@ -11,11 +11,14 @@ recipe's initial ones, or a weft run's checkpoint (``--run-dir``, any saving wor
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
+import tempfile
 from typing import Any
 
-from weft.core.errors import WeftError
+from weft.core.commands.rank_args import for_ranks, model_dir_recipe, recipe_from
+from weft.core.errors import EXIT_OK, WeftError
 from weft.core.recipe import Recipe
 
 
@@ -36,8 +39,8 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
               run_dir: pathlib.Path | None, step: int | None, max_batches: int = 0,
               adapter_dir: str | None = None) -> dict:
+    from weft.core.infer.prepare import prepare_inference
     from weft.core.mesh_spec import MESH_ORDER
-    from weft.core.run.rank_job import prepare_inference
     from weft.core.train.evaluation import forward_pass, held_out_recipe
     from weft.core.train.step import autocast_for
 
@@ -69,3 +72,36 @@ def render(result: dict[str, Any]) -> str:
             f"tokens ({result['micro_batches']} micro-batches, {result['tokens']:,} tokens, {skipped} samples "
             f"skipped); {result['tokens_per_s']:,.0f} tokens/s on {result['world_size']} rank(s) ({mesh}), "
             f"{result['precision']}" + (f"; weights from {result['checkpoint']}" if result["checkpoint"] else ""))
+
+
+def cmd_eval(args) -> int:
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir_recipe(args, folder)
+        return _eval(args)
+
+
+def _eval(args) -> int:
+    from weft.core.commands.task_eval import render_task, task_needs, task_options
+    from weft.core.run.model_files import data_needs
+
+    overrides = list(args.overrides)
+    if args.task is not None:  # accuracy on a task's questions, in place of the loss
+        options, needs, show = task_options(args), task_needs, render_task
+    else:
+        if args.results is not None:
+            raise WeftError("--results holds --task's answers; give --task too", where="--results")
+        if args.data is not None:
+            if not args.data.is_file():
+                raise WeftError(f"no such file: {args.data}; --data takes a JSONL chat file", where="--data")
+            overrides += ["data.source=jsonl", f"data.path={args.data.resolve()}"]
+        options, needs, show = {"max_batches": args.max_batches or 0}, data_needs, render
+    recipe, forwarded = for_ranks(args, overrides, options, needs=needs)
+    result = run_eval(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)
+    print(json.dumps(result, indent=1) if args.json else f"weft eval: {show(result)}")
+    return EXIT_OK
+
+
+def cmd_eval_worker(args) -> int:
+    worker(recipe_from(args.recipe, args.overrides), out=args.out, run_dir=args.run_dir, step=args.step,
+           **json.loads(args.options))
+    return EXIT_OK

@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from weft.core.checkpoint import dcp_read
+from weft.core.checkpoint.read import checkpoint_dirs, load_checkpoint_into, refuse_unless_sound
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
-from weft.core.run import dcp_read
-from weft.core.run.checkpoint import checkpoint_dirs, refuse_unless_sound
 
 
 def run_recipe(run_dir: pathlib.Path) -> Recipe:
@@ -28,29 +27,6 @@ def run_recipe(run_dir: pathlib.Path) -> Recipe:
         raise WeftError(f"{run_dir} is not a weft run directory (no recipe.json)", where=str(run_dir))
     data = json.loads(saved.read_text())
     return Recipe.from_dict(data["recipe"], source=data["source"])
-
-
-def load_checkpoint_into(model: torch.nn.Module, path: pathlib.Path) -> None:
-    """Fill a plain (unsharded) model with a checkpoint's weights, any saving world size, in
-    the dtypes they were saved in (a bf16 rule stays bf16 in the export)."""
-    refuse_unless_sound(path)
-    saved = dcp_read.read_metadata(path).state_dict_metadata
-    for name, param in model.named_parameters():
-        meta = saved.get(f"model.{name}")
-        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
-        if dtype is not None and dtype != param.dtype:
-            param.data = param.data.to(dtype)
-    # Frozen weights are not in a checkpoint (core/run/checkpoint.py): the model as built holds
-    # them; everything that trains must be there.
-    wanted = {k: v for k, v in get_model_state_dict(model).items() if f"model.{k}" in saved}
-    trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    missing = sorted(trained - set(wanted))
-    if missing:
-        raise WeftError(f"checkpoint {path} lacks {len(missing)} trained tensors of this model, e.g. {missing[:3]}",
-                        where=str(path))
-    state = {"model": wanted}
-    dcp_read.load(state, path)
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
 
 
 def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int | None = None,

@@ -1,16 +1,17 @@
-"""The `weft` command: run, plan, plugins. User errors print one paragraph and exit 2."""
+"""The `weft` command: its parser's commands dispatched (core/commands/parser.py), and the
+handlers of plan, check, export and plugins. User errors print one paragraph and exit 2."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import pathlib
 import sys
 import traceback
 from typing import Sequence
 
-from weft.core.commands.infer import add_inference_commands
+from weft.core.commands import evaluate, generate, report
+from weft.core.commands.parser import build_parser
 from weft.core.commands.run import cmd_run
 from weft.core.errors import EXIT_OK, EXIT_RUNTIME, WeftError
 from weft.core.plugin_manager import plugin_manager_from_env
@@ -41,85 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weft",
-                                     description="Plugin-based parallelism for long-sequence VLM training.")
-    # Given by weft's own launcher to the ranks it starts (core/run/launch.py): they die with it.
-    parser.add_argument("--launcher-pid", type=int, default=None, help=argparse.SUPPRESS)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    run = sub.add_parser("run", help="train a recipe on N local ranks (or under torchrun)")
-    run.add_argument("recipe", help="recipe TOML file")
-    run.add_argument("--nproc", type=_positive, default=None,
-                     help="local ranks to start (default: parallel.nproc of the recipe)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a recipe key, e.g. train.max_steps=10")
-    run.add_argument("--run-dir", type=pathlib.Path, default=None,
-                     help="run directory (default runs/<recipe>-<timestamp>)")
-    run.add_argument("--locked", action="store_true", help=argparse.SUPPRESS)  # set by weft's own launcher
-    run.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                     help="restart the ranks up to N times after one dies; they resume from the newest checkpoint")
-    run.add_argument("--resume", action="store_true",
-                     help="continue from the newest checkpoint of --run-dir (default: the newest run of this recipe)")
-    run.set_defaults(func=cmd_run)
-
-    plan = sub.add_parser("plan", help="show which strategy each module gets, without weights or processes")
-    plan.add_argument("recipe")
-    plan.add_argument("--world-size", type=_positive, default=None, help="ranks to plan for (default: parallel.nproc)")
-    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    plan.add_argument("--explain", action="store_true", help="add the deciding rule's file:line")
-    plan.add_argument("--json", action="store_true", help="print the Plan as JSON")
-    plan.add_argument("--estimate", action="store_true",
-                      help="per-rank GPU memory, host memory and step time predicted, the longest length that fits")
-    plan.add_argument("--gpu", choices=("h200", "h100", "a100-80g"), default="h200",
-                      help="with --estimate: the GPU kind (default h200)")
-    plan.add_argument("--host-gib", type=float, default=None,
-                      help="with --estimate: one host's memory (default 128 GiB per GPU, up to 8 GPUs)")
-    plan.add_argument("--positions", action="store_true",
-                      help="read the recipe's data: the largest position id per sample (mRoPE-aware) "
-                           "and the YaRN factor it needs")
-    plan.set_defaults(func=_cmd_plan)
-
-    check = sub.add_parser("check", help="one batch: unsharded model vs the recipe's plan on N ranks (loss, gradients)")
-    check.add_argument("recipe")
-    check.add_argument("--world-size", type=_positive, default=None,
-                       help="ranks for the plan (default: parallel.nproc)")
-    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    check.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    check.set_defaults(func=_cmd_check)
-
-    worker = sub.add_parser("_check-worker", help=argparse.SUPPRESS)
-    worker.add_argument("recipe")
-    worker.add_argument("--out", type=pathlib.Path, required=True)
-    worker.add_argument("--set", dest="overrides", action="append", default=[])
-    worker.set_defaults(func=_cmd_check_worker)
-
-    add_inference_commands(sub, positive=_positive)
-
-    export = sub.add_parser("export", help="write a run's newest checkpoint as a Hugging Face model directory")
-    export.add_argument("run_dir", type=pathlib.Path)
-    export.add_argument("out_dir", type=pathlib.Path)
-    export.add_argument("--step", type=_positive, default=None,
-                        help="export this step's checkpoint instead of the newest")
-    export.add_argument("--merge", action="store_true",
-                        help="a run with adapters: fold them into the base's weights and write a plain model "
-                             "(default: the adapters' own directory, PEFT's adapter_config.json and "
-                             "adapter_model.safetensors)")
-    export.set_defaults(func=_cmd_export)
-
-    plugins = sub.add_parser("plugins", help="hook points, plugins and their strategies")
-    plugins.add_argument("--json", action="store_true")
-    plugins.set_defaults(func=_cmd_plugins)
-    return parser
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return build_parser(handlers={
+        "run": cmd_run, "plan": _cmd_plan, "check": _cmd_check, "_check-worker": _cmd_check_worker,
+        "eval": evaluate.cmd_eval, "generate": generate.cmd_generate, "report": report.cmd_report,
+        "_eval-worker": evaluate.cmd_eval_worker, "_generate-worker": generate.cmd_generate_worker,
+        "export": _cmd_export, "plugins": _cmd_plugins})
 
 
 def _load(args) -> "object":

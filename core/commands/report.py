@@ -16,9 +16,10 @@ import io
 import json
 import pathlib
 import statistics
+import sys
 from typing import Any
 
-from weft.core.errors import WeftError
+from weft.core.errors import EXIT_OK, WeftError
 from weft.core.plan.flops import frozen_text_parameters, peak_tflops, sequence_flops, text_parameters
 
 PANELS = (("loss", "loss"), ("eval_accuracy", "held-out accuracy (eval.task; band: 95% interval)"),
@@ -184,3 +185,14 @@ def _event(line: str) -> dict:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def cmd_report(args) -> int:
+    out = args.out or args.run_dirs[0] / "report.png"
+    if out.suffix.lower() not in (".png", ".html"):
+        raise WeftError(f"--out {out}: the report is written as .png or .html", where="--out")
+    runs = [read_run(run_dir) for run_dir in args.run_dirs]
+    for line in summary_lines(runs):
+        print(line)
+    print(f"weft report: {plot(runs, out)}", file=sys.stderr)
+    return EXIT_OK

@@ -33,7 +33,7 @@ def cmd_run(args) -> int:
             f"{pathlib.Path(args.recipe).stem}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}")
         # weft's own launcher holds the lock for its ranks; under torchrun, rank 0 takes it.
         held = args.locked or os.environ.get("RANK") != "0"
-        from weft.core.run.checkpoint import checkpoint_dirs
+        from weft.core.checkpoint.read import checkpoint_dirs
         from weft.core.run.launch import restarted
 
         # After a lost rank the launcher starts every rank again: they continue from the newest checkpoint.
@@ -50,7 +50,7 @@ def cmd_run(args) -> int:
     nproc = args.nproc or recipe.parallel.nproc
     run_dir = _run_dir(args, recipe)
     if args.resume:
-        from weft.core.run.checkpoint import checkpoint_dirs
+        from weft.core.checkpoint.read import checkpoint_dirs
 
         if not checkpoint_dirs(run_dir):  # before any rank starts
             raise WeftError(f"no checkpoint under {run_dir / 'checkpoints'} to resume from (checkpoints are written "

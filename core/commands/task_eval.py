@@ -5,7 +5,7 @@ A task file's lines (core/train/task_file.py) are conversations in any data form
 sharding, sequence parallelism, kernels, precision — one sequence per micro-batch, the
 data-parallel groups taking turns: each sequence's summed label log-likelihood is the sum of
 its SP ranks' parts. Answers without choices are generated greedily, batched through the
-static cache (core/commands/generate_batch.py), on one process. Reported: accuracy with its 95%
+static cache (core/infer/generate_batch.py), on one process. Reported: accuracy with its 95%
 Wilson interval (for choices also length-normalised), and one JSON line per question
 (``--results``): its id, the prediction, right or wrong, the choices' scores.
 """
@@ -46,7 +46,7 @@ def score_task(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, d
                run_dir: pathlib.Path | None, step: int | None, task: str, results: str,
                max_new_tokens: int = 32, adapter_dir: str | None = None) -> dict:
     """One rank's part; rank 0 writes ``results`` and returns the summary."""
-    from weft.core.run.rank_job import prepare_inference
+    from weft.core.infer.prepare import prepare_inference
     from weft.core.train.step import autocast_for
 
     path = pathlib.Path(task)
@@ -69,8 +69,8 @@ def score_task(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, d
 
 def _generated(items, prompts, *, run, ctx, pm, recipe: Recipe, autocast, max_new_tokens: int) -> dict[int, str]:
     """Each generation question's greedy reply, its stop token dropped."""
-    from weft.core.commands.decode import stop_tokens
-    from weft.core.commands.generate_batch import generate_batch
+    from weft.core.infer.decode import stop_tokens
+    from weft.core.infer.generate_batch import generate_batch
 
     wanted = [i for i, item in enumerate(items) if item.choices is None]
     if not wanted:

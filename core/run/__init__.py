@@ -1,1 +1,2 @@
-"""Run control: ranks and their launcher, checkpoints, the run lock, peer and launcher watches, endings, logs."""
+"""Run control: ranks and their launcher, the process group, checkpoints written and resumed, the run lock,
+peer and launcher watches, endings, logs."""

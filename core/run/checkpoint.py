@@ -10,11 +10,11 @@ wrote). A folder without a manifest is not a checkpoint.
 
 Nothing here runs what a checkpoint holds: the step and the schedule are JSON (``meta.json``),
 the RNG states tensors loaded with ``weights_only=True``, DCP's index and its non-tensor values
-read by core/run/dcp_read.py (an allowlist of DCP's own classes; ``weights_only``). A pickle
+read by core/checkpoint/dcp_read.py (an allowlist of DCP's own classes; ``weights_only``). A pickle
 planted in a checkpoint is refused, never run, even with the manifest rewritten to match it.
 
-``--resume`` takes the newest checkpoint that passes ``verify`` (every file present,
-sizes and checksums matching, checked by the ranks in parallel) and says which newer
+``--resume`` takes the newest checkpoint that passes ``verify`` (core/checkpoint/read.py: every
+file present, sizes and checksums matching, checked by the ranks in parallel) and says which newer
 ones it passed over and why. A save that fails (disk full, permission) removes its
 temporary folder, leaves the previous checkpoint as it was, and raises
 :class:`CheckpointError` naming the folder, the error and the space it needed.
@@ -27,7 +27,6 @@ import pathlib
 import random
 import re
 import shutil
-import zlib
 
 import torch
 import torch.distributed as dist
@@ -35,12 +34,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from weft.core.checkpoint import dcp_read
+from weft.core.checkpoint.read import MANIFEST, checkpoint_dirs, describe, verify
 from weft.core.errors import EXIT_RUNTIME, WeftError
-from weft.core.run import dcp_read
-from weft.core.train.collectives import any_rank, collective_device
+from weft.core.run.collectives import any_rank, collective_device
 
-_STEP = re.compile(r"^step-(\d+)$")
-MANIFEST = "manifest.json"
 #: Names the checkpoint of the lowest held-out loss (``eval.keep_best``): the rotation keeps it.
 BEST = "best.json"
 #: What trains, not what is rebuilt: frozen parameters (a frozen unit, the base under adapters,
@@ -55,14 +53,6 @@ class CheckpointError(WeftError):
     """A checkpoint could not be written, or none could be read back."""
 
     exit_code = EXIT_RUNTIME
-
-
-def checkpoint_dirs(run_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Finished checkpoints (a manifest present), oldest first. Not yet verified: see ``verify``."""
-    root = run_dir / "checkpoints"
-    found = [(int(m.group(1)), p) for p in root.glob("step-*")
-             if (m := _STEP.match(p.name)) and (p / MANIFEST).is_file()]
-    return [p for _, p in sorted(found)]
 
 
 def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank: int, keep: int) -> pathlib.Path:
@@ -83,7 +73,7 @@ def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank:
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # raises on every rank
             torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
-            mine = {name: _describe(tmp / name) for name in _own_files(tmp, rank)}
+            mine = {name: describe(tmp / name) for name in _own_files(tmp, rank)}
         except (OSError, RuntimeError, CheckpointException) as caught:
             error = caught
     if any_rank(error is not None, device=device):
@@ -105,7 +95,7 @@ def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank:
             {"step": step, "scheduler": _plain(scheduler.state_dict()), "world_size": dist.get_world_size()}))
         files = {name: entry for part in described for name, entry in part.items()}
         for path in sorted(tmp.iterdir()):  # DCP's .metadata and meta.json: rank 0's
-            files.setdefault(path.name, _describe(path))
+            files.setdefault(path.name, describe(path))
         # The manifest last: until it exists, the folder is not a checkpoint.
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -143,49 +133,6 @@ def mark_best(run_dir: pathlib.Path, *, step: int, rank: int, keep: int, metric:
         staged.replace(run_dir / "checkpoints" / BEST)
         _rotate(run_dir, keep=keep)
     return entry
-
-
-def verify(path: pathlib.Path, *, rank: int = 0, world: int = 1, checksums: bool = True) -> str | None:
-    """None when ``path`` is whole; else why not. Sizes are checked here for every file,
-    checksums (unless ``checksums`` is False) for this rank's share (files i with i % world ==
-    rank): the caller combines the ranks' answers. What is read to decide is read as plain data."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        return f"unreadable {MANIFEST} ({error})"
-    for index, (name, want) in enumerate(sorted(files.items())):
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != want["size"]:
-            return f"{name} has {file.stat().st_size} bytes, the manifest says {want['size']}"
-        if checksums and index % world == rank and _crc32(file) != want["crc32"]:
-            return f"{name} does not match its checksum"
-    try:
-        # The manifest is no signature: what is read here must also be plain data.
-        json.loads((path / "meta.json").read_text())["step"]
-        rng = path / f"rng-rank{rank}.pt"
-        if rng.is_file():
-            torch.load(rng, weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any failure to read it plainly refuses the checkpoint
-        return f"{error.__class__.__name__} reading its metadata or rng-rank{rank}.pt (only tensors and numbers " \
-               f"are loaded, never pickled objects): {str(error).splitlines()[0][:200] if str(error) else ''}"
-    return dcp_read.plain_data(path)  # DCP's index and its non-tensor values: plain data or refused
-
-
-class CheckpointRefused(WeftError):
-    """A checkpoint a command was pointed at is not whole or not plain data (exit 2)."""
-
-
-def refuse_unless_sound(path: pathlib.Path) -> None:
-    """For the commands that read one checkpoint (export, eval, generate): every file present at
-    its size, the metadata plain data, or :class:`CheckpointRefused` saying why. The checksums
-    are left to ``--resume`` (reading every byte of a 7B run's optimizer states to export its
-    weights would cost minutes); the refusal of code does not depend on them."""
-    reason = verify(path, checksums=False)
-    if reason is not None:
-        raise CheckpointRefused(f"this checkpoint is refused: {reason}", where=str(path))
 
 
 def load(*, path: pathlib.Path, model, optimizer, scheduler, rank: int) -> int:
@@ -233,18 +180,6 @@ def newest_good(run_dir: pathlib.Path, *, rank: int, world: int, device: torch.d
 def _own_files(folder: pathlib.Path, rank: int) -> list[str]:
     # DCP names each rank's data files __<rank>_<n>.distcp.
     return [p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-rank{rank}.pt"]
-
-
-def _describe(path: pathlib.Path) -> dict:
-    return {"size": path.stat().st_size, "crc32": _crc32(path)}
-
-
-def _crc32(path: pathlib.Path) -> int:
-    crc = 0
-    with path.open("rb") as f:
-        while chunk := f.read(16 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def _state_bytes(*states, device: torch.device) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from weft.core.errors import GuardAbort
-from weft.core.train.collectives import global_max
+from weft.core.run.collectives import global_max
 
 
 @attrs.define(kw_only=True)

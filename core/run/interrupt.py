@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from weft.core.train.collectives import any_rank
+from weft.core.run.collectives import any_rank
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -44,7 +44,7 @@ def run_on_rank(recipe: Recipe, *, out: pathlib.Path, job: Callable[..., dict | 
     """One rank: ``job(recipe, rank=, world_size=, local_rank=, device_type=, **options)`` inside
     the process group; rank 0 writes its result to ``out`` as JSON (a job that returns None
     has written its own files)."""
-    from weft.core.train.prepare import close_process_group, init_process_group
+    from weft.core.run.process_group import close_process_group, init_process_group
 
     rank, world_size, local_rank, device_type, _ = init_process_group(recipe)
     try:
@@ -60,46 +60,3 @@ def run_on_rank(recipe: Recipe, *, out: pathlib.Path, job: Callable[..., dict | 
     if rank == 0 and result is not None:
         out.write_text(json.dumps(result, indent=1))
     close_process_group(clean=True)
-
-
-def prepare_inference(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
-                      run_dir: pathlib.Path | None, step: int | None, one_pass: bool = False,
-                      adapter_dir: str | None = None) -> tuple:
-    """(plugin manager, context, prepared model in eval mode, checkpoint loaded or None): the
-    recipe's plan on this rank as training prepares it, with a run's weights when given, or a
-    saved adapter directory over the base (``adapter_dir``: the adapter hook loads it)."""
-    from weft.core.context import RunContext
-    from weft.core.mesh import device_for
-    from weft.core.plugin_manager import plugin_manager_from_env
-    from weft.core.run.logging import run_logger
-    from weft.core.train.prepare import prepare_model
-
-    pm = plugin_manager_from_env()
-    log = run_logger(run_dir=None, rank=rank, console=False)  # the parent prints the result
-    ctx = RunContext(recipe=recipe, device=device_for(device_type, local_rank), rank=rank, world_size=world_size,
-                     log=log, one_pass=one_pass, inference=True,
-                     adapter_dir=pathlib.Path(adapter_dir) if adapter_dir else None)
-    run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
-    checkpoint = load_run_weights(run.model, run_dir, step) if run_dir is not None else None
-    run.model.eval()
-    return pm, run.ctx, run, checkpoint
-
-
-def load_run_weights(model: Any, run_dir: pathlib.Path, step: int | None) -> str:
-    """A weft run's checkpoint (the newest, or step ``step``) into this plan's model."""
-    from weft.core.commands.export import load_checkpoint_into
-    from weft.core.run.checkpoint import checkpoint_dirs
-
-    found = [p for p in checkpoint_dirs(run_dir) if step is None or p.name == f"step-{step}"]
-    if not found:
-        raise WeftError(f"no checkpoint{f' for step {step}' if step is not None else ''} under "
-                        f"{run_dir / 'checkpoints'}", where="--run-dir")
-    try:
-        load_checkpoint_into(model, found[-1])
-    except WeftError:  # a refused checkpoint (damaged, or not plain data) says so itself
-        raise
-    except Exception as error:  # noqa: BLE001 - DCP's errors name keys, not the user's mistake
-        raise WeftError(f"{found[-1]} does not fit this recipe's model ({error.__class__.__name__}: "
-                        f"{str(error).splitlines()[0][:200] if str(error) else ''}); evaluate with the recipe the "
-                        "run trained (its recipe.json)", where="--run-dir") from error
-    return str(found[-1])

@@ -33,11 +33,12 @@ from weft.core.run.end import Ending, trim_metrics
 from weft.core.run.interrupt import StopRequest
 from weft.core.run.logging import run_logger
 from weft.core.run.peer_watch import PeerWatch, peers_lost, watch_peers
+from weft.core.run.process_group import close_process_group, init_process_group
 from weft.core.run.progress import progress_bar
 from weft.core.train.evaluation import HeldOut
 from weft.core.train.oom import out_of_memory
 from weft.core.train.optimizer import advance_schedule, make_optimizer, state_gib
-from weft.core.train.prepare import Prepared, close_process_group, init_process_group, prepare_model
+from weft.core.train.prepare import Prepared, prepare_model
 from weft.core.train.step import autocast_for, finish_step, run_micro_batches
 from weft.core.train.timing import PhaseTimer
 

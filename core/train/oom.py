@@ -65,7 +65,7 @@ def _intact(run_dir: pathlib.Path | None) -> str:
 
 
 def _last_checkpoint(run_dir: pathlib.Path | None) -> str | None:
-    from weft.core.run.checkpoint import checkpoint_dirs
+    from weft.core.checkpoint.read import checkpoint_dirs
 
     found = checkpoint_dirs(run_dir) if run_dir is not None else []
     return found[-1].name if found else None

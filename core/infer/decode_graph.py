@@ -1,4 +1,4 @@
-"""Decoding loops over ``DecodeStep`` (core/commands/decode_step.py: the step from device
+"""Decoding loops over ``DecodeStep`` (core/infer/decode_step.py: the step from device
 buffers, compiled and captured as a CUDA graph where it can be): one prompt or B rows
 together, the tokens read back every ``read_every`` steps (the stop check), and what keeps a
 step from being captured here (``capture_blocker``). weft's eval and generate attach no
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from weft.core.commands.decode import sharded_by_fsdp
-from weft.core.commands.decode_step import DecodeStep
-from weft.core.commands.sampling import Sampling
+from weft.core.infer.decode import sharded_by_fsdp
+from weft.core.infer.decode_step import DecodeStep
+from weft.core.infer.sampling import Sampling
 
 
 def capture_blocker(model: torch.nn.Module, *, cache, device: torch.device, world: int) -> str | None:

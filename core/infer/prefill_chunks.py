@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from weft.core.commands.decode import prompt_sample, text_attention
+from weft.core.infer.decode import prompt_sample, text_attention
 
 #: A prompt token's bytes at a whole prefill's peak, per element of the MLP's width: the gate's
 #: and up projection's outputs and their product, bf16, in one layer at a time (nothing is kept

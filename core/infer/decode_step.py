@@ -51,7 +51,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from weft.core.commands.sampling import Sampling, nucleus_from_noise
+from weft.core.infer.sampling import Sampling, nucleus_from_noise
 
 #: Eager steps before the capture (on CUDA): lazy initialisation happens outside the graph.
 WARMUP = 2

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from weft.core.commands.decode import (
+from weft.core.errors import WeftError
+from weft.core.infer.decode import (
     READ_EVERY,
     cache_bytes,
     compile_step,
@@ -29,10 +30,9 @@ from weft.core.commands.decode import (
     stop_tokens,
     text_attention,
 )
-from weft.core.commands.decode_graph import decode_rows_buffered
-from weft.core.commands.prefill_chunks import prefill_chunk_for, prefill_in_chunks
-from weft.core.commands.sampling import Sampling, choose_now
-from weft.core.errors import WeftError
+from weft.core.infer.decode_graph import decode_rows_buffered
+from weft.core.infer.prefill_chunks import prefill_chunk_for, prefill_in_chunks
+from weft.core.infer.sampling import Sampling, choose_now
 from weft.core.recipe import Recipe
 
 
@@ -62,7 +62,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     ``cuda_graph``: the rows' step replayed as a CUDA graph where it can be; ``sampling``: every
     token (the prompts' first ones too) drawn on the device from its generator, else greedy;
     ``warmup``: the first prompt prefilled once untimed (compiled units compile there);
-    ``profiled``: a context the decoding steps run in (``--profile``: core/commands/decode_profile.py)."""
+    ``profiled``: a context the decoding steps run in (``--profile``: core/infer/decode_profile.py)."""
     device = ctx.device
     lengths = [int(x["input_ids"].shape[1]) for x in inputs]
     positions_of = ctx.adapter.positions(model)
@@ -112,7 +112,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
         rotary = torch.tensor(starts)[:, None]  # (B, 1): each row's next rotary position
         setup_s = time.perf_counter() - start - prefill_s  # host set-up between the prefill and the steps
         # Units a rule compiles run eagerly while decoding (see generate.py); the rows' step from
-        # device buffers, captured as a CUDA graph where it can be (core/commands/decode_graph.py).
+        # device buffers, captured as a CUDA graph where it can be (core/infer/decode_graph.py).
         with torch.compiler.set_stance("force_eager"), profiled() as profiling:
             graph = decode_rows_buffered(model, cache=cache, tokens=tokens, logprobs=logprobs, rows=lengths,
                                          rotary=rotary, max_new_tokens=max_new_tokens, stops=stops, device=device,

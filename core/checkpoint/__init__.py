@@ -1,0 +1,1 @@
+"""Checkpoint reading: a run's checkpoints found, checked whole and plain data, and read into a model."""
