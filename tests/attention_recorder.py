@@ -25,10 +25,10 @@ def weft_strategies():
 def weft_attention(decision, mesh):
     if decision.strategy != "record_ring":
         return None
-    from weft.strategies.attention.hf_adapter import make_attention_function
+    from weft.strategies.attention.hf_adapter import make_attention_function, ring_attend
 
-    ring = make_attention_function(strategy="ring", layout=decision.params.layout, backend="auto",
-                                   ulysses_group=mesh["ulysses"].get_group(), ring_group=mesh["ring"].get_group())
+    ring = make_attention_function(name="ring", attend=ring_attend(layout=decision.params.layout, backend="auto",
+                                                                   ring_group=mesh["ring"].get_group()))
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         CALLS.append({"module": type(module).__name__, "query": tuple(query.shape), "key": tuple(key.shape),
