@@ -25,7 +25,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from weft.core.infer import decode
 from weft.core.infer.decode_graph import decode_buffered
-from weft.plugins import static_cache
+from weft.plugins.kv_cache import static as static_cache
 from weft.strategies.attention.decode_split import split_decode_attention
 from weft.strategies.memory.activation_checkpoint import MODES, apply_checkpointing
 from weft.strategies.memory.compile_units import compile_unit

@@ -62,7 +62,7 @@ class Strategy:
     #: the root's shapes the whole model, ``impl(model, units, *, plan, mesh, ctx) -> None``, with
     #: ``units`` every module of the Plan with a shard decision (root included, whatever strategy
     #: its rule names), on the model as built on the meta device; it may reuse the built-in levers
-    #: (plugins/shard_levers.py), each of which acts on the units whose params carry its fields.
+    #: (plugins/shard/levers.py), each of which acts on the units whose params carry its fields.
     impl: Callable[..., Any] | None = None
     #: The strategy leaves its modules as they are (adapter ``none``): the core counts a decision
     #: naming it as none (which modules are adapted, whether an adapter rule decides a module).

@@ -150,7 +150,7 @@ def test_a_unit_scope_over_an_untraceable_attention_compiles_the_children_and_sa
     from weft.core.mesh_spec import MeshSpec
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe.rules import ModuleInfo, build_plan
-    from weft.plugins.shard_levers import compile_units
+    from weft.plugins.shard.levers import compile_units
 
     layer = torch.nn.Module()
     layer.self_attn, layer.mlp = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)

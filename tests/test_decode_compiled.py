@@ -90,7 +90,7 @@ def test_the_compiled_cache_write_touches_one_row_not_the_whole_cache(positions)
     token, more than the weights' own read. The generated code names no loop over the buffer."""
     from torch._inductor.utils import run_and_get_code
 
-    from weft.plugins.static_cache import StaticLayer
+    from weft.plugins.kv_cache.static import StaticLayer
 
     state = {"phase": "prefill", "capacity": 4096, "rows": 2, "row": 0, "position": None, "length": 0, "start": 0,
              "prompt": 0, "splits": 1, "plan": None}

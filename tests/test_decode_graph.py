@@ -48,7 +48,7 @@ def tiny(tmp_path_factory):
 
 def _prefilled(tiny):
     """A static cache holding the prompt; the first token and its log-probability."""
-    from weft.plugins.static_cache import StaticCache
+    from weft.plugins.kv_cache.static import StaticCache
 
     model, inputs = tiny["model"], tiny["inputs"]
     length = inputs["input_ids"].shape[1]
@@ -196,7 +196,7 @@ def test_warm_up_then_one_capture_then_replays(tiny):
 def test_what_keeps_a_step_from_being_captured(tiny):
     from transformers import DynamicCache
 
-    from weft.plugins.static_cache import StaticCache
+    from weft.plugins.kv_cache.static import StaticCache
 
     model, cuda = tiny["model"], torch.device("cuda")  # a device object only: nothing runs
     static = StaticCache(num_layers=1)

@@ -86,7 +86,7 @@ def test_split_rows():
 def test_the_static_cache_decodes_rows_of_different_lengths():
     """The cache's decode attention (its registered AttentionInterface function) over rows
     written at their own positions: SDPA over each row's filled rows."""
-    from weft.plugins.static_cache import StaticCache
+    from weft.plugins.kv_cache.static import StaticCache
 
     torch.manual_seed(2)
     cache = StaticCache(num_layers=1)
@@ -133,8 +133,8 @@ def test_the_decode_kernels_are_the_rules_error_where_they_cannot_run(monkeypatc
     and what runs there, not a failure inside the first decoded token. "auto" (the default)
     takes Triton on CUDA, the plain-torch split-KV elsewhere."""
     from weft.core.errors import WeftError
-    from weft.plugins import static_cache
-    from weft.plugins.static_cache import StaticCache
+    from weft.plugins.kv_cache import static as static_cache
+    from weft.plugins.kv_cache.static import StaticCache
     from weft.strategies.attention.kernels import blocks
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -169,8 +169,8 @@ def test_a_cache_is_not_kept_alive_by_its_decode_attention():
 
     from transformers import AttentionInterface
 
-    from weft.plugins.sharded_cache import ShardedCache
-    from weft.plugins.static_cache import StaticCache
+    from weft.plugins.kv_cache.sharded import ShardedCache
+    from weft.plugins.kv_cache.static import StaticCache
 
     for make in (lambda: StaticCache(num_layers=2, device=torch.device("cpu")),
                  lambda: ShardedCache(num_layers=2, rank=0, world=1, group=None)):
@@ -189,7 +189,7 @@ def test_the_static_cache_keeps_keys_in_the_values_dtype():
     the keys and queries float32 while the values are bf16: the cache holds both halves in the
     values' dtype and attends with the query cast to it (the H200's bf16 decode failed on float32
     keys beside bf16 values). The answer: SDPA over the keys rounded to bf16."""
-    from weft.plugins.static_cache import StaticCache
+    from weft.plugins.kv_cache.static import StaticCache
 
     torch.manual_seed(3)
     cache = StaticCache(num_layers=1)

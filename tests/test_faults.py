@@ -271,7 +271,7 @@ def test_stripped_vision_tokens():
 
     import structlog
 
-    from weft.plugins.sample_checks import check_vision
+    from weft.plugins.batching.sample_checks import check_vision
     from weft.strategies.data.conversation import Sample
 
     image, merge = 7, 2

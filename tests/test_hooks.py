@@ -420,7 +420,7 @@ def test_hook_weft_kv_cache():
     chosen = plan.modules_for("kv_cache")[0].get("kv_cache")
     # The default rule's auto, resolved when the Plan is built: static without sequence parallelism.
     assert chosen.resolved_from == "auto" and chosen.strategy == "static"
-    from weft.plugins.static_cache import StaticCache
+    from weft.plugins.kv_cache.static import StaticCache
 
     cache = pm.call_first("weft_kv_cache", decision=chosen, model=model, plan=plan, mesh=None, ctx=ctx)
     assert isinstance(cache, StaticCache) and cache.compile_step  # its defaults: StaticParams()

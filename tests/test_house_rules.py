@@ -335,7 +335,7 @@ def test_ci_runs_the_readme_s_test_command():
 # A strategy lives in one place: its Strategy record. Behaviour is chosen through the record
 # (its impl, resolve, planner fields), never by comparing a strategy's name to a literal.
 
-#: Files still choosing by name. Temporary: removed when the shard levers land (plugins/shard.py is
+#: Files still choosing by name. Temporary: removed when the shard levers land (plugins/shard/__init__.py is
 #: being rewritten to dispatch on its records); no other file may join it.
 
 

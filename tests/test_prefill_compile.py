@@ -11,7 +11,7 @@ import torch
 
 from weft.core.infer.decode import layer_index_dynamic
 from weft.core.recipe.presets import build_config, load_preset
-from weft.plugins.static_cache import StaticCache
+from weft.plugins.kv_cache.static import StaticCache
 from weft.strategies.memory.compile_units import compile_unit
 
 pytestmark = pytest.mark.quick
@@ -32,8 +32,8 @@ def _cache(kind: str, layers: int):
         cache.reserve(48 + 4)
         cache.begin_prefill(keep=None, prompt=48)
         return cache
-    from weft.plugins.paged_cache import PagedCache
-    from weft.plugins.sharded_cache import ShardedCache
+    from weft.plugins.kv_cache.paged import PagedCache
+    from weft.plugins.kv_cache.sharded import ShardedCache
 
     sp = {"num_layers": layers, "rank": 0, "world": 1, "group": None}
     cache = ShardedCache(**sp) if kind == "sharded" else PagedCache(**sp, page_tokens=16)

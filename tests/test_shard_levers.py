@@ -1,4 +1,4 @@
-"""The shard levers one at a time on a small model (plugins/shard_levers.py, plugins/shard_fsdp2.py),
+"""The shard levers one at a time on a small model (plugins/shard/levers.py, plugins/shard/fsdp2_steps.py),
 each by its rule and with its effect checked; and a third-party shard strategy
 (tests/weft_light_shard.py) that reuses three of them, planned by a rule and trained a step."""
 
@@ -21,8 +21,9 @@ from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
 from weft.core.recipe.rules import ModuleInfo, build_plan
-from weft.plugins import shard_fsdp2, shard_levers
-from weft.plugins.shard_levers import Recompute, Storage, config_of
+from weft.plugins.shard import fsdp2_steps as shard_fsdp2
+from weft.plugins.shard import levers as shard_levers
+from weft.plugins.shard.levers import Recompute, Storage, config_of
 
 HIDDEN = 16  # float8's layers need dimensions that are multiples of 16
 

@@ -8,8 +8,8 @@ import attrs
 from weft.core.hookspecs import hookimpl
 from weft.core.registry import Strategy
 from weft.plugins.shard import apply_root_strategy
-from weft.plugins.shard_levers import cast_storage, freeze, recompute
-from weft.plugins.shard_params import Checkpoint, Dtype
+from weft.plugins.shard.levers import cast_storage, freeze, recompute
+from weft.plugins.shard.params import Checkpoint, Dtype
 
 SEEN: list = []  # the models it applied itself to, for the test to look at
 

@@ -88,7 +88,7 @@ class FusedHead:
     one position only (``logits_to_keep=1``), so the (B, S, V) logits never exist.
 
     A forward hook on the text decoder keeps its output (post-norm, this rank's part under
-    sequence parallelism). The head's weights sit in the root FSDP unit (plugins/shard.py),
+    sequence parallelism). The head's weights sit in the root FSDP unit (plugins/shard/),
     which FSDP2 does not reshard after forward: after the model returns they are the
     gathered tensors, and their gradient reaches FSDP's reduce-scatter like any other.
     """

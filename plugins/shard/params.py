@@ -1,5 +1,5 @@
 """What a shard rule decides (its params, one class a strategy) and the plan-time checks of
-those decisions; plugins/shard_levers.py and plugins/shard_fsdp2.py apply them."""
+those decisions; plugins/shard/levers.py and plugins/shard/fsdp2_steps.py apply them."""
 
 from __future__ import annotations
 

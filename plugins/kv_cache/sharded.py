@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from weft.plugins.decode_attention import register_decode_attention
+from weft.plugins.kv_cache.decode_attention import register_decode_attention
 from weft.strategies.attention.sharded_decode import decode_owner, grown_capacity, partitioned_decode_attention
 
 #: Rows a sharded cache's buffer grows by when it fills (the paged cache's ``page_tokens``).
@@ -108,7 +108,7 @@ class ShardedCache(Cache):
 
     @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        # Outside a rule's compiled attention, as the static cache's (plugins/static_cache.py):
+        # Outside a rule's compiled attention, as the static cache's (plugins/kv_cache/static.py):
         # traced, the layer's index and its layer object would guard one compilation per layer.
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 

@@ -1,5 +1,5 @@
 """The shard rules' ``matmul = "float8"``: the units' linear layers swapped for float8 ones when
-the model is sharded (the ``float8`` lever, plugins/shard_levers.py), and what `weft plan` says
+the model is sharded (the ``float8`` lever, plugins/shard/levers.py), and what `weft plan` says
 of it (the shard strategies' ``describe``)."""
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class TokenBudgetParams:
 
 
 def _describe(params, *, recipe, plan, model, adapter, positions: bool) -> dict:
-    from weft.plugins.plan_reports import describe_positions, describe_vision_split
+    from weft.plugins.batching.plan_reports import describe_positions, describe_vision_split
 
     vision = hasattr(model.config, "vision_config")
     report = {"vision_split": describe_vision_split(recipe, plan, adapter) if vision else []}
@@ -89,8 +89,8 @@ class TokenBudgetSteps:
         ones past the budget, counted), and the collation of a micro-batch's indices."""
         if self._data is not None:
             return self._data
-        from weft.plugins.data import bad_sample_handler, pad_id_of, run_samples
-        from weft.plugins.sample_checks import truncate
+        from weft.plugins.batching.data import bad_sample_handler, pad_id_of, run_samples
+        from weft.plugins.batching.sample_checks import truncate
         from weft.strategies.data.conversation import collate
         from weft.strategies.data.shards import token_counts
         from weft.strategies.data.token_budget import as_lengths, clipped

@@ -1,7 +1,7 @@
 """The sharding steps of a strategy that shards with FSDP2: its plan checks, the 4-bit units
 quantised before ``fully_shard``, and ``fully_shard`` per unit then the root.
 
-A unit is sharded when its params carry the ``Fsdp2`` config's fields (plugins/shard_params.py's
+A unit is sharded when its params carry the ``Fsdp2`` config's fields (plugins/shard/params.py's
 Fsdp2Params does), whatever its strategy is named: the same test says whether the root is."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Literal
 
 import attrs
 
-from weft.plugins.shard_levers import Storage, config_of, configured
+from weft.plugins.shard.levers import Storage, config_of, configured
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 

@@ -189,7 +189,7 @@ def run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
     preprocessed once into shards on disk that every rank maps (strategies/data/shards.py),
     its bad lines reported from the store; any other source collected in memory; several
     ``[[data.sources]]`` mixed. Samples whose image tokens do not match their grids are
-    reported and left out (plugins/sample_checks.py)."""
+    reported and left out (plugins/batching/sample_checks.py)."""
     from weft.strategies.data import datasets
 
     try:
@@ -199,7 +199,7 @@ def run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
 
 
 def _run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
-    from weft.plugins.sample_checks import check_vision
+    from weft.plugins.batching.sample_checks import check_vision
 
     config, processor = adapter.config(recipe)
     if recipe.data.source != "jsonl":

@@ -2,15 +2,15 @@
 applied in order (``LEVERS``) by any shard strategy's ``apply``.
 
 Each lever has a small frozen config; it acts on the units whose params carry that config's
-fields under the same names (the built-in params, plugins/shard_params.py, carry all of them),
+fields under the same names (the built-in params, plugins/shard/params.py, carry all of them),
 or hold an instance of it: a third-party strategy's params class that has the same fields
 gets the same lever. Every lever takes ``(model, units, *, plan, ctx)``, ``units`` the Plan's
-shard modules (``Strategy.impl``; plugins/shard.py). The algorithms are in
+shard modules (``Strategy.impl``; plugins/shard/__init__.py). The algorithms are in
 strategies/memory/ and strategies/model/.
 
 Order: storage dtypes, float8's module swaps (before recomputation and compile see the
 layers), freezing, activation checkpointing, compile, tiled MLP, activation offload; then the
-strategy's own sharding (plugins/shard_fsdp2.py): torch's order is checkpointing, compile, FSDP.
+strategy's own sharding (plugins/shard/fsdp2_steps.py): torch's order is checkpointing, compile, FSDP.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def cast_storage(model, units, *, plan, ctx) -> None:
 
 def float8(model, units, *, plan, ctx) -> None:
     """``matmul = "float8"``: the units' eligible linear layers swapped for torchao's."""
-    from weft.plugins.float8_units import float8_units
+    from weft.plugins.shard.float8_units import float8_units
 
     converted = float8_units(model, [(u, c) for u, c in configured(units, Float8) if c.matmul == "float8"],
                              device=ctx.device)

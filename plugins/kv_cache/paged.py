@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from weft.plugins.sharded_cache import ShardedCache, ShardedLayer
+from weft.plugins.kv_cache.sharded import ShardedCache, ShardedLayer
 
 
 class PagedLayer(ShardedLayer):

@@ -1,6 +1,6 @@
 """A KV cache's decode attention under a name of its own in transformers' AttentionInterface.
 
-The core selects the name for the text model once the prefill is done (core/commands/
+The core selects the name for the text model once the prefill is done (core/infer/
 decode.py ``text_attention``). The registry is transformers' and lives as long as the
 process, so it holds the cache weakly: an entry that held the cache's bound method kept the
 whole cache alive after its ``weft generate`` returned (7 GB of GPU memory at 128K for the

@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from weft.core.errors import WeftError
-from weft.plugins.decode_attention import register_decode_attention
+from weft.plugins.kv_cache.decode_attention import register_decode_attention
 from weft.strategies.attention.chunk_prefill import prefix_chunk_attention
 from weft.strategies.attention.decode_split import split_decode_attention, split_rows
 from weft.strategies.attention.kernels.decode_triton import (

@@ -3,13 +3,13 @@
 - ``dynamic``: transformers' DynamicCache, the whole sequence on each rank;
 - ``sharded``: each sequence-parallel rank keeps the keys and values of its part of the
   prompt (as the SP prefill leaves them) and every W-th decoded token; decoding merges the
-  ranks' partial attention by log-sum-exp (plugins/sharded_cache.py);
+  ranks' partial attention by log-sum-exp (plugins/kv_cache/sharded.py);
 - ``paged``: each layer's keys and values in two partitions, a vision pool sized by the
   prompt's images and videos and text pages written in place (``page_tokens`` rows each),
   split over the sequence-parallel ranks as ``sharded`` splits them; decoding merges the
-  partitions and the ranks by log-sum-exp (plugins/paged_cache.py);
+  partitions and the ranks by log-sum-exp (plugins/kv_cache/paged.py);
 - ``static``: every layer's keys and values preallocated to the prompt plus the new tokens
-  and written in place, one process (plugins/static_cache.py);
+  and written in place, one process (plugins/kv_cache/static.py);
 - ``auto`` (the default rules'): ``sharded`` when the plan splits the sequence, else ``static``
   (the cache a compiled, captured decoding step reads: 6.8x plain transformers' ``generate``
   at 128K on one H200, BENCHMARKS.md); resolved when the Plan is built, so `weft plan` and
@@ -86,7 +86,7 @@ def _dynamic(params, *, model, plan, mesh, ctx):
 
 
 def _static(params, *, model, plan, mesh, ctx):
-    from weft.plugins.static_cache import StaticCache
+    from weft.plugins.kv_cache.static import StaticCache
 
     # A core-made decision (a batch of prompts) may carry no params: the default kernel.
     params = params if isinstance(params, StaticParams) else StaticParams()
@@ -103,13 +103,13 @@ def _split(plan, mesh, model) -> dict:
 
 
 def _sharded(params, *, model, plan, mesh, ctx):
-    from weft.plugins.sharded_cache import ShardedCache
+    from weft.plugins.kv_cache.sharded import ShardedCache
 
     return ShardedCache(**_split(plan, mesh, model))
 
 
 def _paged(params, *, model, plan, mesh, ctx):
-    from weft.plugins.paged_cache import PagedCache
+    from weft.plugins.kv_cache.paged import PagedCache
 
     return PagedCache(**_split(plan, mesh, model), page_tokens=params.page_tokens)
 

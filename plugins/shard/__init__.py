@@ -1,14 +1,14 @@
 """Shard hook: the root's shard strategy applied to the model: FSDP2 per unit with per-group
-precision, or no sharding; either runs the levers first (plugins/shard_levers.py)."""
+precision, or no sharding; either runs the levers first (plugins/shard/levers.py)."""
 
 from __future__ import annotations
 
 from weft.core.hookspecs import hookimpl
 from weft.core.registry import Strategy
-from weft.plugins.float8_units import describe
-from weft.plugins.shard_fsdp2 import check_root, check_storage, fsdp2, quantize_before_sharding
-from weft.plugins.shard_levers import apply_levers
-from weft.plugins.shard_params import Fsdp2Params, KeepParams, check_keep
+from weft.plugins.shard.float8_units import describe
+from weft.plugins.shard.fsdp2_steps import check_root, check_storage, fsdp2, quantize_before_sharding
+from weft.plugins.shard.levers import apply_levers
+from weft.plugins.shard.params import Fsdp2Params, KeepParams, check_keep
 
 
 def apply_sharded(model, units, *, plan, mesh, ctx) -> None:
