@@ -174,7 +174,7 @@ def _vision(name: str, *, shared: bool):
     """The vision tower's varlen function; ``shared``: large images' patches over the SP ranks."""
 
     def impl(params, *, module_path, plan, mesh):
-        from weft.strategies.attention.hf_adapter import make_vision_attention_function
+        from weft.strategies.attention.hf_bridge import make_vision_attention_function
 
         fn = (make_vision_attention_function(group=mesh.sp.get_group(), rank=mesh.sp.get_local_rank(),
                                              world=plan.mesh.sp) if shared
@@ -188,10 +188,10 @@ def _vision(name: str, *, shared: bool):
 
 def _weft_kernel(name: str, attend):
     """weft's attention on the local sequence, ``attend(params, mesh)`` its per-call function
-    (strategies/attention/hf_adapter.py), chosen here once for the binding."""
+    (strategies/attention/hf_bridge.py), chosen here once for the binding."""
 
     def impl(params, *, module_path, plan, mesh):
-        from weft.strategies.attention.hf_adapter import make_attention_function
+        from weft.strategies.attention.hf_bridge import make_attention_function
 
         layout = getattr(params, "layout", "zigzag")
         fn = make_attention_function(name=name, attend=attend(params, mesh))
@@ -203,25 +203,25 @@ def _weft_kernel(name: str, attend):
 
 
 def _ring(params, mesh):
-    from weft.strategies.attention.hf_adapter import ring_attend
+    from weft.strategies.attention.hf_bridge import ring_attend
 
     return ring_attend(layout=params.layout, backend=params.backend, ring_group=mesh["ring"].get_group())
 
 
 def _local(params, mesh):
-    from weft.strategies.attention.hf_adapter import local_attend
+    from weft.strategies.attention.hf_bridge import local_attend
 
     return local_attend(backend=params.backend)
 
 
 def _ulysses(params, mesh):
-    from weft.strategies.attention.hf_adapter import ulysses_attend
+    from weft.strategies.attention.hf_bridge import ulysses_attend
 
     return ulysses_attend(backend=params.backend, ulysses_group=mesh["ulysses"].get_group())
 
 
 def _usp(params, mesh):
-    from weft.strategies.attention.hf_adapter import usp_attend
+    from weft.strategies.attention.hf_bridge import usp_attend
 
     return usp_attend(layout=params.layout, backend=params.backend, ulysses_group=mesh["ulysses"].get_group(),
                       ring_group=mesh["ring"].get_group())

@@ -25,7 +25,7 @@ def weft_strategies():
 def weft_attention(decision, mesh):
     if decision.strategy != "record_ring":
         return None
-    from weft.strategies.attention.hf_adapter import make_attention_function, ring_attend
+    from weft.strategies.attention.hf_bridge import make_attention_function, ring_attend
 
     ring = make_attention_function(name="ring", attend=ring_attend(layout=decision.params.layout, backend="auto",
                                                                    ring_group=mesh["ring"].get_group()))

@@ -309,7 +309,7 @@ def test_vision_tower_through_the_varlen_binding_equals_sdpa(varlen_on_cpu):
 
     from weft.core.recipe.presets import build_config, load_preset
     from weft.core.train.attention_install import set_attention_names
-    from weft.strategies.attention.hf_adapter import make_vision_attention_function
+    from weft.strategies.attention.hf_bridge import make_vision_attention_function
 
     config = build_config(*load_preset("qwen2_5_vl_tiny")[:2])
     torch.manual_seed(0)

@@ -255,7 +255,7 @@ def test_emulated_ring_times_each_block_call_through_its_timer():
 def _worker_autocast(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    from weft.strategies.attention.hf_adapter import make_attention_function, ring_attend
+    from weft.strategies.attention.hf_bridge import make_attention_function, ring_attend
 
     group = dist.group.WORLD
     fn = make_attention_function(name="ring", attend=ring_attend(layout="zigzag", backend="auto", ring_group=group))
@@ -279,5 +279,5 @@ def _worker_autocast(rank: int, world: int) -> None:
     assert out32.dtype == torch.float32
 
 
-def test_hf_adapter_casts_like_sdpa_under_autocast():
+def test_hf_bridge_casts_like_sdpa_under_autocast():
     run_ranks(2, _worker_autocast)

@@ -8,7 +8,7 @@ from typing import Literal
 import attrs
 
 from weft.core.recipe.schema import in_range
-from weft.strategies.model.float8_scalings import Recipe as Float8Recipe
+from weft.strategies.model.float8_scalings import Scaling as Float8Scaling
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Checkpoint = Literal["off", "full", "attention", "mlp", "except_attention"]
@@ -43,7 +43,7 @@ class KeepParams:
         "doc": "float8: the unit's linear layers multiply in float8 (torchao's float8 training; GPUs with float8 "
                "units: Ada, Hopper, Blackwell), layers with a dimension not a multiple of 16 and adapters' layers "
                "excepted; default: in the storage (or autocast) dtype"})
-    float8_recipe: Float8Recipe = attrs.field(default="tensorwise", metadata={
+    float8_recipe: Float8Scaling = attrs.field(default="tensorwise", metadata={
         "doc": "with matmul = float8, the scaling: tensorwise (one scale per tensor: the fastest, 1.22x rowwise on "
                "the 7B at 32K), rowwise (a scale per row: finer) or rowwise_with_gw_hp (rowwise, the weight "
                "gradient's product in the storage dtype: no transposed casts)"})

@@ -6,5 +6,5 @@ from __future__ import annotations
 
 import typing
 
-Recipe = typing.Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"]
-RECIPES: tuple[str, ...] = typing.get_args(Recipe)
+Scaling = typing.Literal["rowwise", "rowwise_with_gw_hp", "tensorwise"]
+RECIPES: tuple[str, ...] = typing.get_args(Scaling)

@@ -1,4 +1,4 @@
-"""Adapt weft's sequence-parallel attention to transformers' attention-function signature.
+"""The bridge from weft's sequence-parallel attention to transformers' attention-function signature.
 
 transformers calls ``fn(module, query, key, value, attention_mask, dropout=, scaling=, **kw)``
 with (B, H, S, D) tensors and expects ((B, S, H, D), weights). The local
