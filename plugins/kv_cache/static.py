@@ -204,7 +204,7 @@ class StaticCache(Cache):
 def _check_flash(device: torch.device | None) -> None:
     """``decode_kernel = "flash"`` runs only where flash-attn-4's split-KV forward does: the
     rule's error otherwise. Its split-KV path is Blackwell's: on an H200 (SM 9.0) flash-attn-4
-    4.0.0b36 stops with "SplitKV not supported on SM 9.0" (BENCHMARKS.md, issue 28)."""
+    4.0.0b36 stops with "SplitKV not supported on SM 9.0" (BENCHMARKS.md)."""
     from weft.strategies.attention.kernels.blocks import fa4_importable
 
     if device is None or device.type != "cuda" or not fa4_importable():

@@ -2,7 +2,7 @@
 
 Why a kernel of our own: torchao's ``_AdamW(bf16_stochastic_round=True)`` compiles one
 step per parameter shape and materialises float32 copies of each tensor; on one H200 it
-took 3.04 s for 8.3B parameters and ran both 7B recipes out of memory (issue 25). Here
+took 3.04 s for 8.3B parameters and ran both 7B recipes out of memory (BENCHMARKS.md). Here
 each program loads a block of weights, gradients and moments, does the float32 math of
 strategies/optim/stochastic_round.py in registers and stores the rounded results: no
 temporaries, one read and one write of each byte — the step is bound by memory
