@@ -90,8 +90,7 @@ def _one_step(recipe: Recipe, *, target: pathlib.Path, rank: int, world_size: in
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     ctx, recipe = run.ctx, run.ctx.recipe
     decision = run.plan.decision("batching")
-    steps = pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
-                          model=run.model, ctx=ctx)
+    steps = pm.batching(decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh, model=run.model, ctx=ctx)
     micro_batches = next(iter(steps))
     if run.mesh.sp.get_local_rank() == 0:
         torch.save(micro_batches, target.with_name(f"batches-dp{run.mesh.dp_rank()}.pt"))

@@ -88,8 +88,8 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
     stops = stop_tokens(model)
     autocast = autocast_for(recipe.train.precision, device_type)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    new_cache = functools.partial(pm.call_first, "weft_kv_cache", decision=text_rules[0], model=model,
-                                  plan=run.plan, mesh=run.mesh, ctx=ctx)
+    new_cache = functools.partial(pm.kv_cache, decision=text_rules[0], model=model, plan=run.plan, mesh=run.mesh,
+                                  ctx=ctx)
     cache = new_cache()
     # Whole or in chunks (the rule's, or auto: where memory needs it), decided before anything is
     # allocated, so that the untimed first prefill runs as the timed one.
@@ -218,8 +218,8 @@ def _prompts_from_data(recipe: Recipe, *, run, pm, ctx, count: int) -> list[dict
                         "data-parallel groups; set parallel.dp_shard/dp_replicate so that all ranks share the "
                         "sequence (ring/ulysses)", where="--prompt-from-data")
     ctx = attrs.evolve(ctx, one_pass=True)
-    steps = pm.call_first("weft_batching", decision=run.plan.decision("batching"), recipe=recipe, plan=run.plan,
-                          mesh=run.mesh, model=run.model, ctx=ctx)
+    steps = pm.batching(decision=run.plan.decision("batching"), recipe=recipe, plan=run.plan, mesh=run.mesh,
+                        model=run.model, ctx=ctx)
     found = []
     for micro_batches in steps:
         for batch in micro_batches:

@@ -69,8 +69,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     # The next text position after each prompt: its largest rotary position plus one.
     starts = [int(positions_of(prompt_sample(x)).max()) + 1 for x in inputs]
     stops = stop_tokens(model)
-    cache = pm.call_first("weft_kv_cache", decision=_batched_cache(run.plan, pm), model=model, plan=run.plan,
-                          mesh=run.mesh, ctx=ctx)
+    cache = pm.kv_cache(decision=_batched_cache(run.plan, pm), model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
     chunk = prefill_chunk_for(cache.prefill_chunk, model=model, prompt=max(lengths), device=device,
                               cached_tokens=len(inputs) * (max(lengths) + max_new_tokens),
                               precision=recipe.train.precision)

@@ -36,7 +36,7 @@ def plan_recipe(recipe: Recipe, *, pm: Any, world_size: int, model: Any = None) 
 def add_adapters(model: Any, *, plan: Plan, pm: Any, ctx: Any) -> list:
     """``weft_adapter`` (collect-all): each plugin's :class:`weft.core.registry.Adapters`.
     ``ctx`` is None on the planner's own meta model (`weft plan`, the checks before a run)."""
-    return pm.call_all("weft_adapter", model=model, plan=plan, ctx=ctx)
+    return pm.adapter(model=model, plan=plan, ctx=ctx)
 
 
 def text_heads(infos: list[ModuleInfo]) -> int | None:

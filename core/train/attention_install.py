@@ -20,8 +20,8 @@ def install_attention(*, model: Any, plan: Any, mesh: Any, ctx: Any, pm: Any) ->
     towers: dict[str, dict[str, AttentionBinding]] = {}
     for module_plan in plan.modules_for("attention"):
         info = module_plan.info
-        binding = pm.call_first("weft_attention", decision=module_plan.get("attention"), module_path=info.path,
-                                plan=plan, mesh=mesh, ctx=ctx)
+        binding = pm.attention(decision=module_plan.get("attention"), module_path=info.path, plan=plan, mesh=mesh,
+                               ctx=ctx)
         if binding.fn is not None:
             AttentionInterface.register(binding.name, binding.fn)
         tower = "vision_config" if info.modality == "vision" else "text_config"

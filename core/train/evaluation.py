@@ -84,8 +84,8 @@ class HeldOut:
         eval_ctx = attrs.evolve(ctx, one_pass=True, counters={}, state=attrs.evolve(ctx.state, start_step=0))
         decision = run.plan.decision("batching")
         with torch.random.fork_rng(devices=self._devices()):
-            rounds = pm.call_first("weft_batching", decision=decision, recipe=held_out, plan=run.plan,
-                                   mesh=run.mesh, model=run.model, ctx=eval_ctx)
+            rounds = pm.batching(decision=decision, recipe=held_out, plan=run.plan, mesh=run.mesh, model=run.model,
+                                 ctx=eval_ctx)
             self.rounds = list(itertools.islice(rounds, MAX_ROUNDS + 1))
         if len(self.rounds) > MAX_ROUNDS:  # a strategy that ignores ctx.one_pass would never end
             raise WeftError(f"batching strategy {decision.strategy!r} gave more than {MAX_ROUNDS:,} rounds for the "

@@ -87,8 +87,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
     decision = run.plan.decision("batching")
 
     def batching():
-        return pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
-                             model=run.model, ctx=ctx)
+        return pm.batching(decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh, model=run.model, ctx=ctx)
 
     counted = None
     if recipe.train.epochs:  # the steps of the epochs, counted from the data before the schedule is made
@@ -114,8 +113,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
         ending.best = checkpoint.best(ctx.run_dir)  # the best so far, before the checkpoint resumed from
     state = StepState(step=ctx.start_step, memory=ctx.plugin_state)  # one per run; begin() at each step
     # Each metrics row goes to the run's metrics sinks (weft_metrics: metrics.jsonl by default), on rank 0.
-    metrics = functools.partial(pm.call_all, "weft_metrics", event="step", plan=run.plan, ctx=ctx) \
-        if ctx.rank == 0 else None
+    metrics = functools.partial(pm.metrics, event="step", plan=run.plan, ctx=ctx) if ctx.rank == 0 else None
     bar_on = console and ctx.rank == 0 and sys.stderr.isatty()
     with progress_bar(bar_on, total=recipe.train.max_steps, start=ctx.start_step) as bar:
         for step in range(ctx.start_step + 1, recipe.train.max_steps + 1):
@@ -156,7 +154,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
                 break
     summary = ending.record(recipe, ctx, positions=True)
     if ctx.rank == 0:
-        pm.call_all("weft_metrics", event="end", row=summary, plan=run.plan, ctx=ctx)
+        pm.metrics(event="end", row=summary, plan=run.plan, ctx=ctx)
     return summary
 
 
@@ -292,5 +290,5 @@ def _resume(ctx: RunContext, model, optimizer, scheduler) -> int:
 
 
 def _verdict(pm: Any, event: str, state: StepState, plan: Any, ctx: RunContext) -> Verdict:
-    verdicts = [v for v in pm.call_all("weft_guard", event=event, state=state, plan=plan, ctx=ctx) if v is not None]
+    verdicts = [v for v in pm.guard(event=event, state=state, plan=plan, ctx=ctx) if v is not None]
     return Verdict.strongest(verdicts)

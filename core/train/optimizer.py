@@ -53,7 +53,7 @@ def make_optimizer(recipe: Any, model: torch.nn.Module, *, plan: Any, pm: Any, c
     """The optimizer the plan's ``optimizer`` decisions name, and the schedule of ``[train]``."""
     groups = optimizer_groups(model, plan, recipe)
     decision = groups[0].decision if groups else plan.root().get("optimizer")
-    optimizer = pm.call_first("weft_optimizer", decision=decision, groups=groups, recipe=recipe, ctx=ctx)
+    optimizer = pm.optimizer(decision=decision, groups=groups, recipe=recipe, ctx=ctx)
     for torch_group, group in zip(optimizer.param_groups, groups):
         torch_group.setdefault("rule", f"{group.decision.rule} ({group.decision.source})")  # what guards name
     if ctx.log is not None:

@@ -60,7 +60,7 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(MESH_ORDER, plan.mesh.shape)),
                  model=adapter.name, params=sum(p.numel() for p in model.parameters()), device=str(ctx.device),
                  gpu=gpu)
-    pm.call_all("weft_shard", model=model, plan=plan, mesh=mesh, ctx=ctx)
+    pm.shard(model=model, plan=plan, mesh=mesh, ctx=ctx)
     # (a shard strategy may have materialised it already: 4-bit units under FSDP2)
     materialize_weights(model, adapter=adapter, recipe=recipe, plan=plan, device=ctx.device, log=ctx.log)
     for added in adapters:  # after the base's weights: the adapters are not in its checkpoint

@@ -22,7 +22,7 @@ def resolve_rope(recipe: Recipe, *, plan: Any, pm: Any) -> Recipe:
     if not decisions:
         return recipe
     decision = decisions[0]
-    keys = pm.call_first("weft_rope", decision=decision, recipe=recipe, plan=plan)
+    keys = pm.rope(decision=decision, recipe=recipe, plan=plan)
     if not keys:
         return recipe
     unknown = set(keys) - set(_KEYS)

@@ -190,7 +190,7 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
 def finish_step(*, pm: Any, model: torch.nn.Module, plan: Any, mesh: Any, ctx: RunContext, state: StepState,
                 loss_sum: torch.Tensor, totals: torch.Tensor) -> None:
     """weft_grad_sync, then the step's global loss: fills state.loss/grad_norm/tokens."""
-    grad_results = pm.call_all("weft_grad_sync", model=model, plan=plan, mesh=mesh, ctx=ctx)
+    grad_results = pm.grad_sync(model=model, plan=plan, mesh=mesh, ctx=ctx)
     grad_norm = dict(item for result in grad_results if result for item in result).get("grad_norm")
     dist.all_reduce(loss_sum)
     state.loss = float(loss_sum / totals[0].clamp(min=1))  # the step's one host sync
