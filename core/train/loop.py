@@ -26,7 +26,9 @@ import torch
 from weft.core.context import RunContext, StepState
 from weft.core.errors import GuardAbort, WeftError
 from weft.core.mesh import device_for
+from weft.core.plugin_manager import WeftPluginManager
 from weft.core.recipe import Recipe
+from weft.core.recipe.rules import Plan
 from weft.core.registry import Verdict
 from weft.core.run import checkpoint
 from weft.core.run.end import Ending, trim_metrics
@@ -43,7 +45,7 @@ from weft.core.train.step import autocast_for, finish_step, run_micro_batches
 from weft.core.train.timing import PhaseTimer
 
 
-def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, console: bool,
+def train(*, recipe: Recipe, pm: WeftPluginManager, run_dir: pathlib.Path, resume: bool, console: bool,
           launcher: Any = None) -> dict:
     """``launcher``: the LauncherWatch of a rank weft's launcher started (core/run/launcher_watch.py)."""
     rank, world_size, local_rank, device_type, store = init_process_group(recipe)
@@ -77,7 +79,7 @@ def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, conso
     return result
 
 
-def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: bool, stop: StopRequest,
+def _train(*, recipe: Recipe, pm: WeftPluginManager, ctx: RunContext, resume: bool, console: bool, stop: StopRequest,
            ending: Ending, watch: PeerWatch) -> dict:
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     ctx = run.ctx
@@ -174,8 +176,8 @@ def epoch_steps(recipe: Recipe, steps: Any, *, strategy: str, ctx: RunContext) -
     return attrs.evolve(recipe, train=attrs.evolve(recipe.train, max_steps=total))
 
 
-def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, autocast, pm, ctx: RunContext,
-              totals: dict) -> tuple[dict, Verdict]:
+def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, autocast, pm: WeftPluginManager,
+              ctx: RunContext, totals: dict) -> tuple[dict, Verdict]:
     """Guards, forward/backward, grad sync, optimizer: the step's metrics row and verdict."""
     t0 = time.perf_counter()
     timer = PhaseTimer(ctx.device)
@@ -289,6 +291,6 @@ def _resume(ctx: RunContext, model, optimizer, scheduler) -> int:
     return step
 
 
-def _verdict(pm: Any, event: str, state: StepState, plan: Any, ctx: RunContext) -> Verdict:
+def _verdict(pm: WeftPluginManager, event: str, state: StepState, plan: Plan, ctx: RunContext) -> Verdict:
     verdicts = [v for v in pm.guard(event=event, state=state, plan=plan, ctx=ctx) if v is not None]
     return Verdict.strongest(verdicts)
