@@ -12,13 +12,12 @@ import sys
 from typing import TYPE_CHECKING
 
 from weft.core.errors import EXIT_OK, WeftError
-from weft.core.plugin_manager import plugin_manager_from_env
+from weft.core.plugin_manager import WeftPluginManager, plugin_manager_from_env
 from weft.core.run.lock import join_run, run_lock
 from weft.core.run.model_files import check_processor_files, check_weight_files, data_needs
 from weft.core.run.rank_errors import clear, note, noted
 
 if TYPE_CHECKING:
-    from weft.core.plugin_manager import WeftPluginManager
     from weft.core.recipe import Recipe
 
 
