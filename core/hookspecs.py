@@ -20,7 +20,9 @@ Arguments are frozen objects (Plan, Decision, Recipe, the RunContext) or the liv
 returns what it makes instead of mutating shared arguments. Firstresult hooks are
 dispatched on the decision's strategy: an implementation answers through the record it
 declared (``Declared.of(decision)``, core/registry.py) and returns ``None`` for strategies
-it does not own. weft's ``call_first`` raises ``HookError`` naming the hook and the
+it does not own. The core calls each hook (but the two collected while the manager is built)
+through its typed call, ``pm.<point>(...)`` (core/hook_calls.py, held to these specs by
+tests/test_hook_calls.py); a firstresult one raises ``HookError`` naming the hook and the
 registered plugins when nobody answers.
 """
 

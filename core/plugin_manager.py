@@ -15,6 +15,7 @@ import structlog
 
 from weft.core import hookspecs
 from weft.core.errors import HookError, PluginError, WeftError
+from weft.core.hook_calls import HookCalls
 from weft.core.models import ModelAdapter, ModelRegistry
 from weft.core.registry import Strategy, StrategyRegistry
 
@@ -37,8 +38,9 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
 ENTRY_POINT_GROUP = "weft"
 
 
-class WeftPluginManager(pluggy.PluginManager):
-    """pluggy's manager plus the strategy registry and weft's firstresult check."""
+class WeftPluginManager(HookCalls, pluggy.PluginManager):
+    """pluggy's manager plus the strategy registry, weft's firstresult check and the typed
+    call of each hook (``pm.shard(...)``, core/hook_calls.py) the core calls them through."""
 
     def __init__(self) -> None:
         super().__init__(hookspecs.PROJECT)

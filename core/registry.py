@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 
 from weft.core.hookspecs import HOOK_POINTS
+
+if TYPE_CHECKING:
+    from weft.core.recipe.rules import Decision, ModuleInfo, Plan
 
 
 @attrs.frozen(kw_only=True)
@@ -192,7 +195,7 @@ class StrategyRegistry:
     def get(self, point: str, name: str) -> Strategy | None:
         return self._by_key.get((point, name))
 
-    def resolved(self, decision: Any, *, info: Any, plan: Any) -> Any:
+    def resolved(self, decision: Decision, *, info: ModuleInfo, plan: Plan) -> Decision:
         """``decision`` (a Plan's Decision) as its strategy's ``resolve`` names it for the module
         ``info``: the strategy that runs, ``resolved_from`` the one its rule named. Unchanged
         when the strategy declares no ``resolve`` or keeps itself."""

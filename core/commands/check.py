@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pathlib
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,10 @@ import torch.distributed as dist
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 from weft.core.run.rank_job import launch_ranks
+
+if TYPE_CHECKING:
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.recipe.rules import Plan
 
 #: Float32 acceptance: what weft's own equivalence tests require.
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -90,8 +94,7 @@ def _one_step(recipe: Recipe, *, target: pathlib.Path, rank: int, world_size: in
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     ctx, recipe = run.ctx, run.ctx.recipe
     decision = run.plan.decision("batching")
-    steps = pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
-                          model=run.model, ctx=ctx)
+    steps = pm.batching(decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh, model=run.model, ctx=ctx)
     micro_batches = next(iter(steps))
     if run.mesh.sp.get_local_rank() == 0:
         torch.save(micro_batches, target.with_name(f"batches-dp{run.mesh.dp_rank()}.pt"))
@@ -130,8 +133,8 @@ def _after_sync(sync: list) -> Any:
 
 
 def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], device: str, after_sync: Any = None,
-              precisions: tuple[str, ...] = ("fp32",), frozen: tuple[str, ...] = (), plan: Any = None,
-              pm: Any = None) -> dict[str, dict]:
+              precisions: tuple[str, ...] = ("fp32",), frozen: tuple[str, ...] = (), plan: Plan | None = None,
+              pm: WeftPluginManager | None = None) -> dict[str, dict]:
     """Loss and gradients of the unsharded model on every rank's micro-batches, in each of
     ``precisions`` (float32, bf16 autocast): one model, built once, its gradients cleared between.
     ``after_sync(grads, norm)``: the gradients after grad sync (``clipped``); None: unchanged.
@@ -234,7 +237,7 @@ def _fsdp_name(name: str, names: dict) -> str:
     return next(n for n in names if n.endswith(name) or name.endswith(n))
 
 
-def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_arg: str, pm: Any) -> dict:
+def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_arg: str, pm: WeftPluginManager) -> dict:
     from weft.core.mesh_spec import MESH_ORDER
     from weft.core.plan.planner import plan_recipe
 

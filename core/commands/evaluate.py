@@ -48,8 +48,8 @@ def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
                                                  device_type=device_type, run_dir=run_dir, step=step, one_pass=True,
                                                  adapter_dir=adapter_dir)
     decision = run.plan.decision("batching")
-    steps = pm.call_first("weft_batching", decision=decision, recipe=held_out_recipe(recipe, data=recipe.data),
-                          plan=run.plan, mesh=run.mesh, model=run.model, ctx=ctx)
+    steps = pm.batching(decision=decision, recipe=held_out_recipe(recipe, data=recipe.data), plan=run.plan,
+                        mesh=run.mesh, model=run.model, ctx=ctx)
     autocast = autocast_for(recipe.train.precision, device_type)
     done = forward_pass(run=run, rounds=steps, autocast=autocast, ctx=ctx, max_batches=max_batches)
     labels, tokens, batches, seconds = done["labels"], done["tokens"], done["micro_batches"], done["seconds"]

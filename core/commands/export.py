@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,10 @@ from weft.core.checkpoint import dcp_read
 from weft.core.checkpoint.read import checkpoint_dirs, load_checkpoint_into, refuse_unless_sound
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
+
+if TYPE_CHECKING:
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.recipe.rules import Plan
 
 
 def run_recipe(run_dir: pathlib.Path) -> Recipe:
@@ -29,7 +33,7 @@ def run_recipe(run_dir: pathlib.Path) -> Recipe:
     return Recipe.from_dict(data["recipe"], source=data["source"])
 
 
-def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: Any, step: int | None = None,
+def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: WeftPluginManager, step: int | None = None,
            merge: bool = False) -> pathlib.Path:
     """A run's checkpoint as a Hugging Face model directory; a run with adapters as the
     adapters' own directory (PEFT's: ``PeftModel.from_pretrained(base, out_dir)``), unless
@@ -98,7 +102,7 @@ def _save_adapters(meta: torch.nn.Module, adapters: list, checkpoint: pathlib.Pa
         added.save(meta, {n: state["model"][n] for n in added.names}, out_dir, base=base)
 
 
-def _rules_plan(model: torch.nn.Module, recipe: Recipe, *, pm: Any) -> Any:
+def _rules_plan(model: torch.nn.Module, recipe: Recipe, *, pm: WeftPluginManager) -> Plan:
     """The run's rules on one process: adapters, frozen and 4-bit units do not depend on the mesh,
     and the run's own mesh may not resolve where export runs."""
     from weft.core.mesh_spec import MeshSpec
@@ -108,7 +112,7 @@ def _rules_plan(model: torch.nn.Module, recipe: Recipe, *, pm: Any) -> Any:
     return build_plan(recipe=recipe, modules=modules, registry=pm.registry, mesh=MeshSpec(), world_size=1)
 
 
-def _with_adapters(model: torch.nn.Module, plan: Any, recipe: Recipe, *, pm: Any, merge: bool) -> list:
+def _with_adapters(model: torch.nn.Module, plan: Plan, recipe: Recipe, *, pm: WeftPluginManager, merge: bool) -> list:
     """The run's adapters (its rules' ``weft_adapter``) on the model, so the checkpoint's names
     fit; refused where their plugin cannot write what was asked."""
     from weft.core.plan.planner import add_adapters

@@ -9,12 +9,16 @@ import json
 import os
 import pathlib
 import sys
+from typing import TYPE_CHECKING
 
 from weft.core.errors import EXIT_OK, WeftError
-from weft.core.plugin_manager import plugin_manager_from_env
+from weft.core.plugin_manager import WeftPluginManager, plugin_manager_from_env
 from weft.core.run.lock import join_run, run_lock
 from weft.core.run.model_files import check_processor_files, check_weight_files, data_needs
 from weft.core.run.rank_errors import clear, note, noted
+
+if TYPE_CHECKING:
+    from weft.core.recipe import Recipe
 
 
 def _under_launcher() -> bool:
@@ -80,7 +84,7 @@ def cmd_run(args) -> int:
         return code
 
 
-def _check_inputs(recipe, pm) -> None:
+def _check_inputs(recipe: Recipe, pm: WeftPluginManager) -> None:
     if recipe.data.source == "jsonl":
         for key, path in recipe.data_files():
             if not path.exists():
@@ -113,7 +117,7 @@ def _run_dir(args, recipe) -> pathlib.Path:
     return pathlib.Path("runs") / f"{stem}-{stamp}"
 
 
-def _train(recipe, pm, *, run_dir: pathlib.Path, resume: bool, launcher=None) -> int:
+def _train(recipe: Recipe, pm: WeftPluginManager, *, run_dir: pathlib.Path, resume: bool, launcher=None) -> int:
     from weft.core.train.loop import train
 
     run_dir.mkdir(parents=True, exist_ok=True)

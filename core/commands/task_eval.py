@@ -15,12 +15,17 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 from weft.core.train.task_file import load_task
 from weft.core.train.task_scores import encode_task, result_row, score_choices, summarize
+
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.train.prepare import Prepared
 
 
 def task_options(args: Any) -> dict:
@@ -67,7 +72,8 @@ def score_task(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, d
             "world_size": world_size, "precision": recipe.train.precision}
 
 
-def _generated(items, prompts, *, run, ctx, pm, recipe: Recipe, autocast, max_new_tokens: int) -> dict[int, str]:
+def _generated(items, prompts, *, run: Prepared, ctx: RunContext, pm: WeftPluginManager, recipe: Recipe, autocast,
+               max_new_tokens: int) -> dict[int, str]:
     """Each generation question's greedy reply, its stop token dropped."""
     from weft.core.infer.decode import stop_tokens
     from weft.core.infer.generate_batch import generate_batch

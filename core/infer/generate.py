@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import pathlib
 import time
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -40,6 +41,11 @@ from weft.core.infer.decode_profile import decode_profile
 from weft.core.infer.prefill_chunks import prefill_chunk_for, prefill_in_chunks
 from weft.core.infer.sampling import Sampling, choose_now
 from weft.core.recipe import Recipe
+
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.train.prepare import Prepared
 
 
 def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
@@ -88,8 +94,8 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
     stops = stop_tokens(model)
     autocast = autocast_for(recipe.train.precision, device_type)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    new_cache = functools.partial(pm.call_first, "weft_kv_cache", decision=text_rules[0], model=model,
-                                  plan=run.plan, mesh=run.mesh, ctx=ctx)
+    new_cache = functools.partial(pm.kv_cache, decision=text_rules[0], model=model, plan=run.plan, mesh=run.mesh,
+                                  ctx=ctx)
     cache = new_cache()
     # Whole or in chunks (the rule's, or auto: where memory needs it), decided before anything is
     # allocated, so that the untimed first prefill runs as the timed one.
@@ -163,7 +169,7 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
             "checkpoint": checkpoint}
 
 
-def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.device,
+def _prefill(model: torch.nn.Module, *, run: Prepared, inputs: dict, cache, device: torch.device,
              positions_of, chunk: int) -> tuple[torch.Tensor, int]:
     """The prompt through the plan's forward into ``cache`` (in chunks of ``chunk`` tokens where
     it is longer: core/infer/prefill_chunks.py); the last real token's logits (1, V) and the
@@ -197,7 +203,7 @@ def _prefill(model: torch.nn.Module, *, run, inputs: dict, cache, device: torch.
     return logits, 1
 
 
-def _vision_rows(model: torch.nn.Module, ids: torch.Tensor, *, run) -> torch.Tensor:
+def _vision_rows(model: torch.nn.Module, ids: torch.Tensor, *, run: Prepared) -> torch.Tensor:
     """(S_local,) bool: this rank's rows of the (padded) prompt ``ids`` (S,) that are image or
     video tokens, for caches that keep them apart."""
     marks = [getattr(model.config, key, None) for key in ("image_token_id", "video_token_id")]
@@ -205,21 +211,23 @@ def _vision_rows(model: torch.nn.Module, ids: torch.Tensor, *, run) -> torch.Ten
     return rows if run.split is None else run.split.shard(rows[None], dim=1)[0]
 
 
-def _prompt_from_data(recipe: Recipe, *, run, pm, ctx) -> dict[str, torch.Tensor]:
+def _prompt_from_data(recipe: Recipe, *, run: Prepared, pm: WeftPluginManager,
+                      ctx: RunContext) -> dict[str, torch.Tensor]:
     """The first sample of the recipe's own data as the prompt, labels dropped: long
     synthetic prompts (data.tokens, data.images) for models without a bundled tokenizer."""
     return _prompts_from_data(recipe, run=run, pm=pm, ctx=ctx, count=1)[0]
 
 
-def _prompts_from_data(recipe: Recipe, *, run, pm, ctx, count: int) -> list[dict[str, torch.Tensor]]:
+def _prompts_from_data(recipe: Recipe, *, run: Prepared, pm: WeftPluginManager, ctx: RunContext,
+                       count: int) -> list[dict[str, torch.Tensor]]:
     """The first ``count`` samples of the recipe's own data as prompts (one a micro-batch)."""
     if run.plan.mesh.dp > 1:
         raise WeftError(f"--prompt-from-data gives every rank one prompt, but the plan has {run.plan.mesh.dp} "
                         "data-parallel groups; set parallel.dp_shard/dp_replicate so that all ranks share the "
                         "sequence (ring/ulysses)", where="--prompt-from-data")
     ctx = attrs.evolve(ctx, one_pass=True)
-    steps = pm.call_first("weft_batching", decision=run.plan.decision("batching"), recipe=recipe, plan=run.plan,
-                          mesh=run.mesh, model=run.model, ctx=ctx)
+    steps = pm.batching(decision=run.plan.decision("batching"), recipe=recipe, plan=run.plan, mesh=run.mesh,
+                        model=run.model, ctx=ctx)
     found = []
     for micro_batches in steps:
         for batch in micro_batches:

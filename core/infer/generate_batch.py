@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,8 +35,14 @@ from weft.core.infer.prefill_chunks import prefill_chunk_for, prefill_in_chunks
 from weft.core.infer.sampling import Sampling, choose_now
 from weft.core.recipe import Recipe
 
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.recipe.rules import Decision, Plan
+    from weft.core.train.prepare import Prepared
 
-def _batched_cache(plan: Any, pm: Any) -> Any:
+
+def _batched_cache(plan: Plan, pm: WeftPluginManager) -> Decision:
     """The kv_cache decision of a batch of prompts: a cache that keeps rows of different lengths,
     each written at its own position (a strategy whose record says ``batched_prompts``: the
     built-in ``static``), whatever the rules say: the rule's own where it is one (its kernel too),
@@ -54,8 +60,8 @@ def _batched_cache(plan: Any, pm: Any) -> Any:
                     source="weft generate (several prompts)", rule="several prompts decode together in one cache")
 
 
-def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recipe: Recipe, inputs: list[dict],
-                   max_new_tokens: int, autocast: Any, cuda_graph: bool = True,
+def generate_batch(model: torch.nn.Module, *, run: Prepared, ctx: RunContext, pm: WeftPluginManager, recipe: Recipe,
+                   inputs: list[dict], max_new_tokens: int, autocast: Any, cuda_graph: bool = True,
                    sampling: Sampling | None = None, warmup: bool = False,
                    profiled: Any = contextlib.nullcontext) -> dict:
     """``inputs``: each prompt's model inputs (B = 1), as ``prompt_inputs`` or the data give them;
@@ -69,8 +75,7 @@ def generate_batch(model: torch.nn.Module, *, run: Any, ctx: Any, pm: Any, recip
     # The next text position after each prompt: its largest rotary position plus one.
     starts = [int(positions_of(prompt_sample(x)).max()) + 1 for x in inputs]
     stops = stop_tokens(model)
-    cache = pm.call_first("weft_kv_cache", decision=_batched_cache(run.plan, pm), model=model, plan=run.plan,
-                          mesh=run.mesh, ctx=ctx)
+    cache = pm.kv_cache(decision=_batched_cache(run.plan, pm), model=model, plan=run.plan, mesh=run.mesh, ctx=ctx)
     chunk = prefill_chunk_for(cache.prefill_chunk, model=model, prompt=max(lengths), device=device,
                               cached_tokens=len(inputs) * (max(lengths) + max_new_tokens),
                               precision=recipe.train.precision)

@@ -5,14 +5,18 @@ parameter counts and config; allocates nothing."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weft.core.plan.estimate import Contribution, Setup, Shape, Unit
+
+if TYPE_CHECKING:
+    from weft.core.recipe import Recipe
+    from weft.core.recipe.rules import Plan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def units_of(plan: Any, model: Any) -> list[Unit]:
+def units_of(plan: Plan, model: Any) -> list[Unit]:
     """Every shard unit and the root, each with its own parameters (not nested units'); with
     ``model`` None (a run's out-of-memory advice), the rules alone and no parameter counts."""
     decided = [m for m in plan.modules_for("shard") if m.info.kind in ("unit", "root")]
@@ -55,7 +59,7 @@ def units_of(plan: Any, model: Any) -> list[Unit]:
     return units
 
 
-def contributions_of(plan: Any) -> tuple[Contribution, ...]:
+def contributions_of(plan: Plan) -> tuple[Contribution, ...]:
     """What the root's strategies (grad sync, optimizer, ...) add to the estimate beyond what the core
     counts: each record's ``estimate_memory`` and ``estimate_time``, its rule's params bound."""
     found = []
@@ -109,7 +113,7 @@ def shape_of(model: Any, units: list[Unit]) -> Shape:
     )
 
 
-def setup_of(recipe: Any, plan: Any, *, tokens: int | None = None) -> Setup:
+def setup_of(recipe: Recipe, plan: Plan, *, tokens: int | None = None) -> Setup:
     mesh = plan.mesh
     return Setup(
         tokens=tokens or recipe.train.micro_batch_tokens, patches=patches_of(recipe),

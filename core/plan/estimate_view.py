@@ -3,7 +3,7 @@ length that fits and, when the recipe does not fit, the rule changes that would 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -12,6 +12,10 @@ from weft.core.plan.estimate_inputs import contributions_of, setup_of, shape_of,
 from weft.core.plan.gpus import GPUS
 from weft.core.plan.memory_advice import levers
 from weft.core.plan.step_time import step_seconds
+
+if TYPE_CHECKING:
+    from weft.core.recipe import Recipe
+    from weft.core.recipe.rules import Plan
 
 #: Allocator slack and CUDA context beside what torch counts as allocated.
 HEADROOM_GIB = 2.0
@@ -30,7 +34,7 @@ NEAR_LIMIT = 0.03
 HOST_GIB_PER_GPU = 128.0
 
 
-def estimate(recipe: Any, plan: Any, model: Any, *, gpu: str, host_gib: float | None = None) -> dict:
+def estimate(recipe: Recipe, plan: Plan, model: Any, *, gpu: str, host_gib: float | None = None) -> dict:
     kind = GPUS[gpu]
     units, extra = units_of(plan, model), contributions_of(plan)
     shape, setup = shape_of(model, units), setup_of(recipe, plan)

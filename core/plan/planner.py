@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weft.core.errors import PlanError
 from weft.core.mesh_spec import MeshSpec, resolve_mesh
 from weft.core.recipe import Recipe
 from weft.core.recipe.rules import ModuleInfo, Plan, build_plan
 
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.registry import Adapters
 
-def plan_recipe(recipe: Recipe, *, pm: Any, world_size: int, model: Any = None) -> tuple[Plan, Any]:
+
+def plan_recipe(recipe: Recipe, *, pm: WeftPluginManager, world_size: int, model: Any = None) -> tuple[Plan, Any]:
     """The Plan for ``world_size`` ranks; ``model`` defaults to a meta-device build.
 
     ``pm``: the run's plugin manager (its strategies and model adapters). Returns
@@ -33,10 +38,10 @@ def plan_recipe(recipe: Recipe, *, pm: Any, world_size: int, model: Any = None) 
     return plan, model
 
 
-def add_adapters(model: Any, *, plan: Plan, pm: Any, ctx: Any) -> list:
+def add_adapters(model: Any, *, plan: Plan, pm: WeftPluginManager, ctx: RunContext | None) -> list[Adapters]:
     """``weft_adapter`` (collect-all): each plugin's :class:`weft.core.registry.Adapters`.
     ``ctx`` is None on the planner's own meta model (`weft plan`, the checks before a run)."""
-    return pm.call_all("weft_adapter", model=model, plan=plan, ctx=ctx)
+    return pm.adapter(model=model, plan=plan, ctx=ctx)
 
 
 def text_heads(infos: list[ModuleInfo]) -> int | None:

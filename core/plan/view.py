@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from weft.core import hookspecs
 from weft.core.hookspecs import HOOK_POINTS
 from weft.core.recipe.schema import field_docs
+
+if TYPE_CHECKING:
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.recipe import Recipe
+    from weft.core.recipe.rules import Plan
 
 
 def _console():
@@ -27,7 +32,7 @@ def _params(decision: Any, *, explain: bool = False) -> str:
     return f"{decision.resolved_from} -> {text}" if explain and decision.resolved_from else text
 
 
-def render_plan(plan: Any, *, explain: bool, recipe: Any, rope: dict | None = None) -> None:
+def render_plan(plan: Plan, *, explain: bool, recipe: Recipe, rope: dict | None = None) -> None:
     from rich.table import Table
 
     console = _console()
@@ -75,7 +80,7 @@ def render_plan(plan: Any, *, explain: bool, recipe: Any, rope: dict | None = No
     console.print(table)
 
 
-def render_trainable(plan: Any, model: Any) -> None:
+def render_trainable(plan: Plan, model: Any) -> None:
     """What trains: the parameters outside frozen units (``trainable = false``) that an adapter
     rule left trainable (with one, the adapters alone), and those units."""
     frozen = plan.frozen_units()
@@ -151,7 +156,7 @@ def _num(value: int | None) -> str:
     return "" if value is None else str(value)
 
 
-def plugins_table(pm: Any) -> dict:
+def plugins_table(pm: WeftPluginManager) -> dict:
     points = []
     for point in ("strategies", "models", *HOOK_POINTS):
         name = f"weft_{point}"

@@ -13,12 +13,16 @@ import json
 import pathlib
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 
 from weft.core.errors import GuardAbort
 from weft.core.run.collectives import global_max
+
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.recipe import Recipe
 
 
 @attrs.define(kw_only=True)
@@ -33,7 +37,8 @@ class Ending:
     totals: dict = attrs.field(factory=lambda: {"tokens": 0, "train_s": 0.0, "skipped_steps": 0})
     written: bool = False
 
-    def record(self, recipe: Any, ctx: Any, *, error: BaseException | None = None, positions: bool = False) -> dict:
+    def record(self, recipe: Recipe, ctx: RunContext, *, error: BaseException | None = None,
+               positions: bool = False) -> dict:
         """Write the summary (rank 0) and log the ending; once. ``positions``: the ranks are in
         step and may all-reduce the largest position (never on an error path)."""
         if error is not None:

@@ -37,10 +37,15 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weft.core.errors import EXIT_RUNTIME, WeftError
 from weft.core.run.lock import process_alive, process_start
+
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.recipe import Recipe
+    from weft.core.run.end import Ending
 
 #: linux/prctl.h
 PR_SET_PDEATHSIG = 1
@@ -94,7 +99,7 @@ class LauncherWatch:
             return True
         return self._parent != self.launcher_pid and not process_alive(self.launcher_pid, self._start)
 
-    def attach(self, *, recipe: Any, ctx: Any, ending: Any) -> None:
+    def attach(self, *, recipe: Recipe, ctx: RunContext, ending: Ending) -> None:
         """From now on, the run's ending is recorded (summary.json on rank 0, the log) before
         the process ends."""
         self._attached = (recipe, ctx, ending)

@@ -28,9 +28,14 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from weft.core.errors import EXIT_RUNTIME, GuardAbort, WeftError
+
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.recipe import Recipe
+    from weft.core.run.end import Ending
 
 #: Intervals without a heartbeat after which a peer counts as stopped.
 STALE_BEATS = 4
@@ -135,7 +140,7 @@ class PeerLost(WeftError):
     exit_code = EXIT_RUNTIME
 
 
-def watch_peers(*, store: Any, recipe: Any, ctx: Any, ending: Any) -> PeerWatch:
+def watch_peers(*, store: Any, recipe: Recipe, ctx: RunContext, ending: Ending) -> PeerWatch:
     """The run's watch (idle on one rank). When a step outlasts ``parallel.timeout_s``: the
     lowest rank still beating says which ranks stopped, the ending is recorded
     (summary.json on rank 0, one log event), and the process ends with exit code 1; the
@@ -168,7 +173,7 @@ def watch_peers(*, store: Any, recipe: Any, ctx: Any, ending: Any) -> PeerWatch:
     return watch.start()
 
 
-def peers_lost(error: BaseException, watch: PeerWatch, *, ctx: Any) -> PeerLost | None:
+def peers_lost(error: BaseException, watch: PeerWatch, *, ctx: RunContext) -> PeerLost | None:
     """For an error out of the step: when peers have stopped beating (the error is then most
     likely their broken connection or a collective's timeout), one that names them."""
     if watch.world == 1 or not _collective_failure(error):

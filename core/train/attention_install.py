@@ -8,20 +8,27 @@ tower. Nothing inside transformers is patched.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import AttentionInterface
 
 from weft.core.registry import AttentionBinding
 
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.mesh import WeftMesh
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.recipe.rules import Plan
 
-def install_attention(*, model: Any, plan: Any, mesh: Any, ctx: Any, pm: Any) -> dict[str, str]:
+
+def install_attention(*, model: Any, plan: Plan, mesh: WeftMesh, ctx: RunContext,
+                      pm: WeftPluginManager) -> dict[str, str]:
     """Returns {sub-config key: attention implementation name} as set on the model."""
     towers: dict[str, dict[str, AttentionBinding]] = {}
     for module_plan in plan.modules_for("attention"):
         info = module_plan.info
-        binding = pm.call_first("weft_attention", decision=module_plan.get("attention"), module_path=info.path,
-                                plan=plan, mesh=mesh, ctx=ctx)
+        binding = pm.attention(decision=module_plan.get("attention"), module_path=info.path, plan=plan, mesh=mesh,
+                               ctx=ctx)
         if binding.fn is not None:
             AttentionInterface.register(binding.name, binding.fn)
         tower = "vision_config" if info.modality == "vision" else "text_config"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import attrs
 import torch
@@ -18,6 +18,12 @@ from weft.core.errors import WeftError
 from weft.core.train.loss import IGNORE, targets
 from weft.core.train.oom import eval_out_of_memory
 from weft.core.train.step import run_micro_batches
+
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.recipe import Recipe
+    from weft.core.train.prepare import Prepared
 
 
 def held_out_recipe(recipe: Any, *, data: Any) -> Any:
@@ -30,7 +36,7 @@ def held_out_recipe(recipe: Any, *, data: Any) -> Any:
     return held_out
 
 
-def forward_pass(*, run: Any, rounds: Iterable, autocast: Any, ctx: Any, max_batches: int = 0,
+def forward_pass(*, run: Prepared, rounds: Iterable, autocast: Any, ctx: RunContext, max_batches: int = 0,
                  after_step: int | None = None) -> dict:
     """Sum of the loss over every label token, their count, and the whole-sequence tokens and
     micro-batches with labels (every rank's, each SP group counted once), with the seconds it took.
@@ -76,7 +82,8 @@ class HeldOut:
     the current weights, in eval mode, without touching the run's random streams (its steps
     draw the same with an evaluation as without)."""
 
-    def __init__(self, *, recipe: Any, run: Any, pm: Any, ctx: Any, autocast: Any) -> None:
+    def __init__(self, *, recipe: Recipe, run: Prepared, pm: WeftPluginManager, ctx: RunContext,
+                 autocast: Any) -> None:
         self.every, self.last = recipe.eval.every, recipe.train.max_steps
         self.run, self.ctx, self.autocast = run, ctx, autocast
         held_out = held_out_recipe(recipe, data=recipe.eval.data or recipe.data)
@@ -84,8 +91,8 @@ class HeldOut:
         eval_ctx = attrs.evolve(ctx, one_pass=True, counters={}, state=attrs.evolve(ctx.state, start_step=0))
         decision = run.plan.decision("batching")
         with torch.random.fork_rng(devices=self._devices()):
-            rounds = pm.call_first("weft_batching", decision=decision, recipe=held_out, plan=run.plan,
-                                   mesh=run.mesh, model=run.model, ctx=eval_ctx)
+            rounds = pm.batching(decision=decision, recipe=held_out, plan=run.plan, mesh=run.mesh, model=run.model,
+                                 ctx=eval_ctx)
             self.rounds = list(itertools.islice(rounds, MAX_ROUNDS + 1))
         if len(self.rounds) > MAX_ROUNDS:  # a strategy that ignores ctx.one_pass would never end
             raise WeftError(f"batching strategy {decision.strategy!r} gave more than {MAX_ROUNDS:,} rounds for the "
@@ -131,7 +138,7 @@ class TaskQuestions:
     the run's plan, as `weft eval --task` scores them on that step's checkpoint; each question's
     row in ``eval/task-step-N.jsonl`` (rank 0)."""
 
-    def __init__(self, *, recipe: Any, ctx: Any) -> None:
+    def __init__(self, *, recipe: Recipe, ctx: RunContext) -> None:
         from weft.core.train.task_file import load_task
         from weft.core.train.task_scores import encode_task
 
@@ -146,7 +153,7 @@ class TaskQuestions:
         self.encoded = encode_task(self.items, path=path, recipe=recipe, ctx=ctx)
         self.ctx = ctx
 
-    def __call__(self, *, run: Any, autocast: Any, step: int) -> dict[str, float]:
+    def __call__(self, *, run: Prepared, autocast: Any, step: int) -> dict[str, float]:
         from weft.core.train.task_scores import result_row, score_choices, summarize
 
         try:

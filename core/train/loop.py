@@ -26,7 +26,9 @@ import torch
 from weft.core.context import RunContext, StepState
 from weft.core.errors import GuardAbort, WeftError
 from weft.core.mesh import device_for
+from weft.core.plugin_manager import WeftPluginManager
 from weft.core.recipe import Recipe
+from weft.core.recipe.rules import Plan
 from weft.core.registry import Verdict
 from weft.core.run import checkpoint
 from weft.core.run.end import Ending, trim_metrics
@@ -43,7 +45,7 @@ from weft.core.train.step import autocast_for, finish_step, run_micro_batches
 from weft.core.train.timing import PhaseTimer
 
 
-def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, console: bool,
+def train(*, recipe: Recipe, pm: WeftPluginManager, run_dir: pathlib.Path, resume: bool, console: bool,
           launcher: Any = None) -> dict:
     """``launcher``: the LauncherWatch of a rank weft's launcher started (core/run/launcher_watch.py)."""
     rank, world_size, local_rank, device_type, store = init_process_group(recipe)
@@ -77,7 +79,7 @@ def train(*, recipe: Recipe, pm: Any, run_dir: pathlib.Path, resume: bool, conso
     return result
 
 
-def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: bool, stop: StopRequest,
+def _train(*, recipe: Recipe, pm: WeftPluginManager, ctx: RunContext, resume: bool, console: bool, stop: StopRequest,
            ending: Ending, watch: PeerWatch) -> dict:
     run = prepare_model(recipe=recipe, pm=pm, ctx=ctx)
     ctx = run.ctx
@@ -87,8 +89,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
     decision = run.plan.decision("batching")
 
     def batching():
-        return pm.call_first("weft_batching", decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh,
-                             model=run.model, ctx=ctx)
+        return pm.batching(decision=decision, recipe=recipe, plan=run.plan, mesh=run.mesh, model=run.model, ctx=ctx)
 
     counted = None
     if recipe.train.epochs:  # the steps of the epochs, counted from the data before the schedule is made
@@ -114,8 +115,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
         ending.best = checkpoint.best(ctx.run_dir)  # the best so far, before the checkpoint resumed from
     state = StepState(step=ctx.start_step, memory=ctx.plugin_state)  # one per run; begin() at each step
     # Each metrics row goes to the run's metrics sinks (weft_metrics: metrics.jsonl by default), on rank 0.
-    metrics = functools.partial(pm.call_all, "weft_metrics", event="step", plan=run.plan, ctx=ctx) \
-        if ctx.rank == 0 else None
+    metrics = functools.partial(pm.metrics, event="step", plan=run.plan, ctx=ctx) if ctx.rank == 0 else None
     bar_on = console and ctx.rank == 0 and sys.stderr.isatty()
     with progress_bar(bar_on, total=recipe.train.max_steps, start=ctx.start_step) as bar:
         for step in range(ctx.start_step + 1, recipe.train.max_steps + 1):
@@ -156,7 +156,7 @@ def _train(*, recipe: Recipe, pm: Any, ctx: RunContext, resume: bool, console: b
                 break
     summary = ending.record(recipe, ctx, positions=True)
     if ctx.rank == 0:
-        pm.call_all("weft_metrics", event="end", row=summary, plan=run.plan, ctx=ctx)
+        pm.metrics(event="end", row=summary, plan=run.plan, ctx=ctx)
     return summary
 
 
@@ -176,8 +176,8 @@ def epoch_steps(recipe: Recipe, steps: Any, *, strategy: str, ctx: RunContext) -
     return attrs.evolve(recipe, train=attrs.evolve(recipe.train, max_steps=total))
 
 
-def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, autocast, pm, ctx: RunContext,
-              totals: dict) -> tuple[dict, Verdict]:
+def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, autocast, pm: WeftPluginManager,
+              ctx: RunContext, totals: dict) -> tuple[dict, Verdict]:
     """Guards, forward/backward, grad sync, optimizer: the step's metrics row and verdict."""
     t0 = time.perf_counter()
     timer = PhaseTimer(ctx.device)
@@ -291,6 +291,6 @@ def _resume(ctx: RunContext, model, optimizer, scheduler) -> int:
     return step
 
 
-def _verdict(pm: Any, event: str, state: StepState, plan: Any, ctx: RunContext) -> Verdict:
-    verdicts = [v for v in pm.call_all("weft_guard", event=event, state=state, plan=plan, ctx=ctx) if v is not None]
+def _verdict(pm: WeftPluginManager, event: str, state: StepState, plan: Plan, ctx: RunContext) -> Verdict:
+    verdicts = [v for v in pm.guard(event=event, state=state, plan=plan, ctx=ctx) if v is not None]
     return Verdict.strongest(verdicts)

@@ -10,7 +10,7 @@ held-out pass (``[eval]``, `weft eval`) has its own levers: its micro-batches, h
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,19 +18,23 @@ from weft.core.errors import EXIT_RUNTIME, WeftError
 from weft.core.plan.estimate_inputs import units_of
 from weft.core.plan.memory_advice import advice
 
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.recipe.rules import Plan
+
 
 class OutOfMemory(WeftError):
     exit_code = EXIT_RUNTIME
 
 
-def out_of_memory(*, step: int, local_tokens: tuple[int, ...], ctx: Any, plan: Any) -> OutOfMemory:
+def out_of_memory(*, step: int, local_tokens: tuple[int, ...], ctx: RunContext, plan: Plan) -> OutOfMemory:
     recipe = ctx.recipe
     where = f"step {step}, rank {ctx.rank}, micro-batches of {', '.join(f'{n:,}' for n in local_tokens) or '?'} tokens"
     return OutOfMemory(f"out of GPU memory at {where}{_memory(ctx)}. What would help: "
                        + "; ".join(advice(recipe, units_of(plan, None))) + _intact(ctx.run_dir), where=recipe.source)
 
 
-def eval_out_of_memory(*, after_step: int | None, local_tokens: tuple[int, ...], ctx: Any) -> OutOfMemory:
+def eval_out_of_memory(*, after_step: int | None, local_tokens: tuple[int, ...], ctx: RunContext) -> OutOfMemory:
     """The held-out pass ran out: which pass, the levers of evaluation first, then the loss's."""
     recipe = ctx.recipe
     budget = recipe.eval.micro_batch_tokens or recipe.train.micro_batch_tokens
@@ -49,7 +53,7 @@ def eval_out_of_memory(*, after_step: int | None, local_tokens: tuple[int, ...],
                        + (_intact(ctx.run_dir) if after_step is not None else "."), where=f"{recipe.source} (eval)")
 
 
-def _memory(ctx: Any) -> str:
+def _memory(ctx: RunContext) -> str:
     if ctx.device.type != "cuda":
         return ""
     gib = 2**30

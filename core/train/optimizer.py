@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from weft.core.registry import OptimizerGroup
 
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.recipe import Recipe
+    from weft.core.recipe.rules import Plan
 
-def optimizer_groups(model: torch.nn.Module, plan: Any, recipe: Any) -> list[OptimizerGroup]:
+
+def optimizer_groups(model: torch.nn.Module, plan: Plan, recipe: Recipe) -> list[OptimizerGroup]:
     """The trainable parameters split by their module's optimizer decision, in module order."""
     owner: dict[int, tuple[Any, str]] = {}
     root = plan.root().get("optimizer")
@@ -49,11 +55,12 @@ def optimizer_groups(model: torch.nn.Module, plan: Any, recipe: Any) -> list[Opt
     return groups
 
 
-def make_optimizer(recipe: Any, model: torch.nn.Module, *, plan: Any, pm: Any, ctx: Any) -> tuple[Any, Any]:
+def make_optimizer(recipe: Recipe, model: torch.nn.Module, *, plan: Plan, pm: WeftPluginManager,
+                   ctx: RunContext) -> tuple[Any, Any]:
     """The optimizer the plan's ``optimizer`` decisions name, and the schedule of ``[train]``."""
     groups = optimizer_groups(model, plan, recipe)
     decision = groups[0].decision if groups else plan.root().get("optimizer")
-    optimizer = pm.call_first("weft_optimizer", decision=decision, groups=groups, recipe=recipe, ctx=ctx)
+    optimizer = pm.optimizer(decision=decision, groups=groups, recipe=recipe, ctx=ctx)
     for torch_group, group in zip(optimizer.param_groups, groups):
         torch_group.setdefault("rule", f"{group.decision.rule} ({group.decision.source})")  # what guards name
     if ctx.log is not None:

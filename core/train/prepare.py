@@ -5,7 +5,7 @@ The process group the model lives in is set up before this (core/run/process_gro
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -21,6 +21,9 @@ from weft.core.train.attention_install import install_attention
 from weft.core.train.rope import resolve_rope
 from weft.core.train.step import FusedHead
 from weft.core.train.weights import materialize_weights
+
+if TYPE_CHECKING:
+    from weft.core.plugin_manager import WeftPluginManager
 
 
 @attrs.frozen(kw_only=True)
@@ -38,7 +41,7 @@ class Prepared:
     ctx: RunContext | None = None
 
 
-def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
+def prepare_model(*, recipe: Recipe, pm: WeftPluginManager, ctx: RunContext) -> Prepared:
     adapter = pm.models.for_recipe(recipe)
     ctx = attrs.evolve(ctx, adapter=adapter)
     # Built on the meta device, sharded, then each rank materialises only its shards: read
@@ -60,7 +63,7 @@ def prepare_model(*, recipe: Recipe, pm: Any, ctx: RunContext) -> Prepared:
     ctx.log.info("run.start", world_size=ctx.world_size, mesh=dict(zip(MESH_ORDER, plan.mesh.shape)),
                  model=adapter.name, params=sum(p.numel() for p in model.parameters()), device=str(ctx.device),
                  gpu=gpu)
-    pm.call_all("weft_shard", model=model, plan=plan, mesh=mesh, ctx=ctx)
+    pm.shard(model=model, plan=plan, mesh=mesh, ctx=ctx)
     # (a shard strategy may have materialised it already: 4-bit units under FSDP2)
     materialize_weights(model, adapter=adapter, recipe=recipe, plan=plan, device=ctx.device, log=ctx.log)
     for added in adapters:  # after the base's weights: the adapters are not in its checkpoint

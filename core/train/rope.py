@@ -6,23 +6,27 @@ them, and the model built from that recipe, so a rule and the keys are one mecha
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 
 from weft.core.errors import PlanError
 from weft.core.recipe import Recipe
 
+if TYPE_CHECKING:
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.recipe.rules import Plan
+
 _KEYS = ("rope_scaling", "rope_factor", "rope_original_max")
 
 
-def resolve_rope(recipe: Recipe, *, plan: Any, pm: Any) -> Recipe:
+def resolve_rope(recipe: Recipe, *, plan: Plan, pm: WeftPluginManager) -> Recipe:
     """``recipe`` with the rotary keys its text decoder's ``rope`` decision chooses."""
     decisions = [m.get("rope") for m in plan.modules_for("rope") if m.info.modality == "text"]
     if not decisions:
         return recipe
     decision = decisions[0]
-    keys = pm.call_first("weft_rope", decision=decision, recipe=recipe, plan=plan)
+    keys = pm.rope(decision=decision, recipe=recipe, plan=plan)
     if not keys:
         return recipe
     unknown = set(keys) - set(_KEYS)

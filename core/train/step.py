@@ -24,7 +24,10 @@ from weft.core.train.timing import PhaseTimer
 
 if TYPE_CHECKING:
     from weft.core.context import RunContext, StepState
+    from weft.core.mesh import WeftMesh
     from weft.core.models import SequenceSplit
+    from weft.core.plugin_manager import WeftPluginManager
+    from weft.core.recipe.rules import Plan
 
 #: Fill values for the sequence-long keys the core pads; other sequence-long keys are
 #: the batching's to pad (an error names them). Pads sit at the right end, where
@@ -187,10 +190,10 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
     return loss_sum, totals[:2]
 
 
-def finish_step(*, pm: Any, model: torch.nn.Module, plan: Any, mesh: Any, ctx: RunContext, state: StepState,
-                loss_sum: torch.Tensor, totals: torch.Tensor) -> None:
+def finish_step(*, pm: WeftPluginManager, model: torch.nn.Module, plan: Plan, mesh: WeftMesh, ctx: RunContext,
+                state: StepState, loss_sum: torch.Tensor, totals: torch.Tensor) -> None:
     """weft_grad_sync, then the step's global loss: fills state.loss/grad_norm/tokens."""
-    grad_results = pm.call_all("weft_grad_sync", model=model, plan=plan, mesh=mesh, ctx=ctx)
+    grad_results = pm.grad_sync(model=model, plan=plan, mesh=mesh, ctx=ctx)
     grad_norm = dict(item for result in grad_results if result for item in result).get("grad_norm")
     dist.all_reduce(loss_sum)
     state.loss = float(loss_sum / totals[0].clamp(min=1))  # the step's one host sync

@@ -5,7 +5,7 @@ score the sum of its sequence-parallel ranks' parts), each question's row, the a
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -13,8 +13,13 @@ import torch.distributed as dist
 from weft.core.errors import WeftError
 from weft.core.train.task_file import normalize, wilson
 
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.recipe import Recipe
+    from weft.core.train.prepare import Prepared
 
-def encode_task(items: list, *, path: pathlib.Path, recipe: Any, ctx: Any) -> list[tuple[dict, list[dict]]]:
+
+def encode_task(items: list, *, path: pathlib.Path, recipe: Recipe, ctx: RunContext) -> list[tuple[dict, list[dict]]]:
     """Each question's (prompt inputs, one micro-batch per choice), through the model family's
     adapter; a question that cannot be read is a message naming its line."""
     encoded = []
@@ -27,7 +32,8 @@ def encode_task(items: list, *, path: pathlib.Path, recipe: Any, ctx: Any) -> li
     return encoded
 
 
-def score_choices(encoded: list[tuple[dict, list[dict]]], *, run: Any, ctx: Any, autocast: Any) -> dict[int, list]:
+def score_choices(encoded: list[tuple[dict, list[dict]]], *, run: Prepared, ctx: RunContext,
+                  autocast: Any) -> dict[int, list]:
     """Each choice question's summed log-likelihood per choice, by question index."""
     owners = [i for i, (_, batches) in enumerate(encoded) for _ in batches]
     values = sequence_log_likelihoods([b for _, batches in encoded for b in batches], run=run, ctx=ctx,
@@ -38,7 +44,7 @@ def score_choices(encoded: list[tuple[dict, list[dict]]], *, run: Any, ctx: Any,
     return scores
 
 
-def sequence_log_likelihoods(batches: list[dict], *, run, ctx, autocast) -> list[float]:
+def sequence_log_likelihoods(batches: list[dict], *, run: Prepared, ctx: RunContext, autocast: Any) -> list[float]:
     """Each micro-batch's (one sequence each) summed log-likelihood of its label tokens under the
     plan: data-parallel group ``d`` takes batches d, d + dp, ...; every rank runs the same number
     of rounds (the last padded with a label-less copy); each SP rank adds its part."""

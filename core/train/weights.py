@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from weft.core.recipe import Recipe
+    from weft.core.recipe.rules import Plan
 
 
 def on_meta(model: torch.nn.Module) -> bool:
@@ -13,7 +17,7 @@ def on_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def materialize_weights(model: torch.nn.Module, *, adapter: Any, recipe: Any, plan: Any, device: torch.device,
+def materialize_weights(model: torch.nn.Module, *, adapter: Any, recipe: Recipe, plan: Plan, device: torch.device,
                         log: Any) -> bool:
     """Give a meta-device model (sharded or not) its storage on ``device`` and its weights, the
     units whose shard rule asks for 4 bits quantised one at a time as they materialise (the
