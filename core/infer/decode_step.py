@@ -5,7 +5,7 @@ the same step run eagerly.
 A decoding step of the 7B launches some 1,400 kernels from Python (~50 a layer); once the
 cache is read in place (the static cache, split-KV attention from a device position) the
 host's launches, not the GPU, set the pace: 32.8 ms a token at 128K eagerly, 20.5 replayed
-(BENCHMARKS.md, issue 28). A CUDA graph launches them all at once; ``torch.compile`` first
+(BENCHMARKS.md). A CUDA graph launches them all at once; ``torch.compile`` first
 fuses the small ones (norms, rotary, casts, softmax) into a few hundred, since a replayed
 graph still pays each kernel's own start (``compile``: one trace of the whole step, no graph
 break, compiled in the first, eager step). A graph replays exactly what was recorded, so the

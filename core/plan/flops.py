@@ -6,7 +6,7 @@ the embedding's weight, counted once as the head), the second term causal attent
 score and value products (forward and backward). A frozen weight (``trainable = false``, an
 adapter run's base) counts the FLOPs it runs: 4 per token (forward, the input's gradient),
 not 6 (no weight gradient); adapters are trained weights (6). The vision tower is left out: it sees
-only the image patches, not every token (BENCHMARKS.md counts so since issue 11). MFU
+only the image patches, not every token (as BENCHMARKS.md counts). MFU
 divides by the GPU's dense bf16 peak.
 """
 
