@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--skip-weft", action="store_true", help="plain transformers only (e.g. while another call "
                         "of the same lease runs weft; --replot joins the two)")
     parser.add_argument("--recipe", help="weft's recipe (name or path) instead of the bundled one, e.g. a lever "
-                        "variant from benchmarks/variants/")
+                        "variant from benchmarks/step/variants/")
     parser.add_argument("--hf-child", help=argparse.SUPPRESS)
     parser.add_argument("--replot", help="train.json files of earlier runs (comma-separated): one table and plot "
                         "from all their rows, nothing run")
