@@ -1,4 +1,4 @@
-"""What benchmarks/profile_step.py and memory_peak.py share: a recipe's command line, and the
+"""What benchmarks/step/profile_step.py and memory_peak.py share: a recipe's command line, and the
 recipe run through weft's own loop up to the step watched and one more, with an in-process
 plugin (a guard that starts its watch at that step's ``step_start`` and ends it at the next's)."""
 

@@ -1,6 +1,6 @@
 """What a long lease has done so far, in a few lines: the stages' progress, the runs' exit
 codes, and every JSON result's figures (tokens and texts left out), for the device call that
-watches ``benchmarks/lease_rows.sh`` (DEVELOPERS.md, "Work longer than one device call"):
+watches ``benchmarks/run_rows.sh lease`` (DEVELOPERS.md, "Work longer than one device call"):
 
     python3 benchmarks/lease_status.py /tmp/res
 """

@@ -1,6 +1,6 @@
 """The weft CLI from a plain checkout (the GPU machine has no weft installed).
 
-    python3 benchmarks/weft_cli.py run benchmarks/ring_model.toml --run-dir /tmp/ring
+    python3 benchmarks/weft_cli.py run benchmarks/attention/ring_model.toml --run-dir /tmp/ring
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ query over 4 KV heads, rows of different lengths in one batch (1, mid-block, the
 N not a multiple of the block, one split or many, strided views of the cache, the LSE equal to
 torch.logsumexp of the scaled scores, and torch.compile tracing through the operator. The rest
 (the split count, the import without Triton, the operator's fake implementation) runs in this
-process. Its speed on the GPU: benchmarks/decode_attention.py.
+process. Its speed on the GPU: benchmarks/attention/decode_attention.py.
 """
 
 from __future__ import annotations

@@ -249,8 +249,10 @@ def test_host_memory_bounds_offloaded_activations(weft, tmp_path):
 
 
 # The bundled recipes, and the benchmarks' real-size recipes that GPU runs take as they stand.
-REAL_SIZE = sorted([*(ROOT / "recipes").glob("qwen2.5-*.toml"), *(ROOT / "benchmarks").glob("frontier-*.toml"),
-                    *(ROOT / "benchmarks").glob("slice-*.toml"), *(ROOT / "benchmarks").glob("video-*.toml")])
+REAL_SIZE = sorted([*(ROOT / "recipes").glob("qwen2.5-*.toml"),
+                    *(ROOT / "benchmarks" / "frontier").glob("frontier-*.toml"),
+                    *(ROOT / "benchmarks" / "frontier").glob("slice-*.toml"),
+                    *(ROOT / "benchmarks" / "frontier").glob("video-*.toml")])
 
 
 @pytest.mark.quick

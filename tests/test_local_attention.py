@@ -4,7 +4,7 @@ flash-attn-4 runs only on Hopper/Blackwell GPUs; here a stand-in module with the
 package's signatures (``flash_attn.cute.interface._flash_attn_fwd/_flash_attn_bwd``,
 (B, S, H, D) tensors, native GQA, LSE (B, H, S)) computes exact attention in float64, so
 the wrapper's layout, argument order and GQA handling are proven on the CPU; the GPU
-check (benchmarks/kernels_check.py) covers the real kernel's numbers.
+check (benchmarks/attention/kernels_check.py) covers the real kernel's numbers.
 """
 
 from __future__ import annotations

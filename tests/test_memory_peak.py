@@ -1,4 +1,4 @@
-"""benchmarks/memory_peak.py's reading of the allocator's trace (the GPU row's arithmetic, on a
+"""benchmarks/memory/memory_peak.py's reading of the allocator's trace (the GPU row's arithmetic, on a
 trace made by hand): the peak replayed from the bytes allocated before the step, what is live at
 it, grouped by the innermost frame of the packages that made it."""
 
@@ -16,7 +16,7 @@ GIB = 2**30
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("memory_peak", ROOT / "benchmarks" / "memory_peak.py")
+    spec = importlib.util.spec_from_file_location("memory_peak", ROOT / "benchmarks" / "memory" / "memory_peak.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -207,7 +207,7 @@ def test_emulated_ring_equals_full_attention(layout, causal):
 
 @pytest.mark.quick
 def test_emulated_ring_times_each_block_call_through_its_timer():
-    """``timer`` (what benchmarks/attention.py records CUDA events in) is entered once per
+    """``timer`` (what benchmarks/attention/ring_emulated.py records CUDA events in) is entered once per
     (phase, rank, step) in schedule order, a step without a block too, with exactly that
     step's kernel calls inside it; the results are the untimed run's, bit for bit."""
     import contextlib

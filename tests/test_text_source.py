@@ -57,7 +57,7 @@ def test_a_corpus_trains_its_own_tokenizer_once(tmp_path):
 
 def test_a_tiny_model_learns_real_text(weft, tmp_path):
     """The training loss falls, and so does the loss on samples it never trained on
-    (``data.skip_samples``: what benchmarks/loss_curves.py compares precisions by)."""
+    (``data.skip_samples``: what benchmarks/learning/loss_curves.py compares precisions by)."""
     (tmp_path / "t.toml").write_text(TEXT.replace("checkpoint_every = -1", "checkpoint_every = 0"))
     done = weft("run", "t.toml", "--run-dir", "run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

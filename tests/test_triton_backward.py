@@ -3,8 +3,8 @@
 Its kernels run here under Triton's CPU interpreter in float32 (indexing, masks,
 GQA head groups, padded head_dim, strided operands, in-place accumulation, and
 the ring schedule with it against full attention); their bf16 numerics and speed
-on the GPU are in benchmarks/kernels_check.py, benchmarks/attention.py and
-BENCHMARKS.md. The interpreter cannot run bf16 on CPU.
+on the GPU are in benchmarks/attention/kernels_check.py,
+benchmarks/attention/ring_emulated.py and BENCHMARKS.md. The interpreter cannot run bf16 on CPU.
 """
 
 from __future__ import annotations

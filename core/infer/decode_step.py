@@ -100,7 +100,7 @@ class DecodeStep:
         # its intermediates in float32 and its tokens part from the eager step's within a few
         # tokens (the 7B's widths, 4 layers, on the CPU with torch 2.13: 3e-2 apart in the first
         # token's log-probability, parted at the second token; emulated, 1e-14 and the same tokens:
-        # benchmarks/step_trace_check.py, docs/inference.md).
+        # benchmarks/decode/step_trace_check.py, docs/inference.md).
         self._body = (torch.compile(self._forward, dynamic=False, options={"emulate_precision_casts": True})
                       if compile else self._forward)
         self._traced_before = _traced() if compile else None

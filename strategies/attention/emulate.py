@@ -3,7 +3,7 @@
 A test and benchmark helper, not a run path. It calls the real ring's block functions
 (``block_for``, ``attend_block``, ``attend_block_backward``: the same blocks, kernels, GQA
 expansion and merges), so one device can check the schedule's numerics against full
-attention and time its compute per (rank, step): benchmarks/attention.py does so with
+attention and time its compute per (rank, step): benchmarks/attention/ring_emulated.py does so with
 ``timer``. The P2P transfers, which the real ring overlaps with compute, are not emulated.
 """
 

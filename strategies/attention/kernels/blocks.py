@@ -159,7 +159,7 @@ def fa4_importable() -> bool:
 
 
 #: Head dims flash-attn-4 (4.0.0b36) computes correctly, forward and backward, as checked on
-#: Hopper by benchmarks/kernels_check.py. At 80 (Qwen2.5-VL's vision tower) its backward
+#: Hopper by benchmarks/attention/kernels_check.py. At 80 (Qwen2.5-VL's vision tower) its backward
 #: returns wrong gradients (dq errs by ~2 where bf16 errs by ~6e-3): other sizes up to 128
 #: are zero-padded to the next one here, which changes no score (q.k over the added zeros
 #: is 0; the scale stays the true head_dim's) and no output (v's added columns are 0).

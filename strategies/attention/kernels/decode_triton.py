@@ -37,7 +37,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 #: Rows of one block of the sweep, warps and pipeline stages of the split kernel, and the
 #: programs per SM the split count aims for (more than one, so the last wave is no long tail):
-#: measured on one H200 (benchmarks/decode_attention.py --sweep). Read at every call, so the
+#: measured on one H200 (benchmarks/attention/decode_attention.py --sweep). Read at every call, so the
 #: benchmark's sweep can set them.
 CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "waves": 2}
 #: The SM count assumed off the GPU (the interpreter's tests): an H200's, so the CPU runs the

@@ -1,0 +1,308 @@
+#!/usr/bin/env bash
+# The GPU rows that need more than one script, in the order a lease should get them: one named
+# set per sequence, each a few device calls of under 10 minutes (or, for `lease`, one process
+# watched by calls: DEVELOPERS.md, "Work longer than one device call"). The scripts each set runs
+# live in the rooms beside this file (benchmarks/README.md); BENCHMARKS.md records every figure
+# with the command that made it.
+#
+#   bash benchmarks/run_rows.sh SET [ARGS...]
+#   bash benchmarks/run_rows.sh help              # this list
+#
+# weft importable (DEVELOPERS.md: installed into a folder on PYTHONPATH; torchao and flash-attn-4
+# beside it where a recipe uses them) unless the set says otherwise.
+#
+# finetune STAGE   one H200, from the checkout's root; runs under /tmp/i25, files to $OUT
+#                  (/tmp/i25-out), <stage>.tgz after each part; nvidia-smi samples the device's
+#                  memory in use (reserved memory and the CUDA context included) beside each run.
+#                  BENCHMARKS.md, "A real fine-tune: the rounding-safe optimizer, ...":
+#   a  learning/finetune_flow.py (the 3B Hugging Face directory flow); step/optimizer_step.py (8.3B)
+#   b  weft run qwen2.5-vl-7b-128k-1gpu as shipped, 10 steps; a 32K run
+#   c  two more 32K runs; step/train.py --skip-weft (plain transformers at 32K), same lease
+#   d  step/optimizer_step.py --optimizers adamw_8bit,adamw_sr (torchao's 8-bit states; carry torchao)
+#   e  three 32K runs of 6 steps, one after another
+#   f  plain transformers at 32K (after e, same lease)
+#
+# one-gpu          one H200 (~8 minutes), weft installed, from anywhere; runs under /tmp/rows,
+#                  each stage packed into $OUT/rows.tgz (/tmp/rows-out) as it ends.
+#                  BENCHMARKS.md, "512K tokens on one H200, after the fix" and "A frozen vision tower":
+#   1. qwen2.5-vl-7b-32k-1gpu, 10 steps: the run `weft report` draws for the README, and the state
+#      memory (summary.json state_gib) with every parameter trained;
+#   2. memory/variants/7b-32k-frozen-vision.toml (the vision blocks frozen by rule), 3 steps;
+#   3. frontier/frontier.py at 128K, 2 steps: peak GPU and host memory beside the planner;
+#   4. weft generate: 128K-token prompt, 100 tokens, one GPU.
+#
+# float8 STAGE     one H200, from the checkout's root (weft, torchao and flash-attn-4 on PYTHONPATH);
+#                  runs under /tmp/f8, files to $OUT (/tmp/f8-out). BENCHMARKS.md's float8 rows
+#                  ("float8 at 32K", "float8 ... at 128K", "Loss curves on real text"):
+#   a  7B 32K: float8 as bundled (tensorwise), plain transformers (step/train.py), bf16 as bundled
+#   b  7B 32K float8 rowwise, rowwise_with_gw_hp (the bundled recipe with its scaling key changed)
+#   e  7B 128K float8 as bundled (3 steps)
+#   c  learning/loss_curves.py: 0.5B on the standard library's text, bf16 (two seeds), float8
+#      tensorwise; held-out loss
+#   d  into c's folder: float8 rowwise, float32 masters, round-to-nearest bf16 (bf16 if c left it)
+#
+# learning OUT     one call on one H200, from the checkout's root: models trained by weft from random
+#                  weights on real data, then scored on held-out questions. BENCHMARKS.md, "It learns
+#                  on the GPU":
+#   1. examples/text_choice on the device's own standard library: more steps than the CPU can give;
+#      multiple choice by log-likelihood.
+#   2. examples/digits/digits_grid.toml: rows of 3-8 digits at 56 px a digit, a 33.7M-parameter
+#      Qwen2.5-VL; exact match of the whole digit string by greedy generation.
+#   Carry .whl (structlog) and examples/digits/data_grid (make_grids.py's output: scikit-learn is
+#   not on the device). Each row's files go to OUT/rows.tgz as the row ends. TEXT_STEPS, GRID_STEPS,
+#   GRID_TOKENS (tokens a step), GRID_LRS and the *_LIMIT seconds override the defaults; PY the
+#   interpreter (unset: weft and structlog installed into a fresh folder); ROWS="grid" (or "text")
+#   runs one row only, keeping the other's runs (a second call on a warm machine).
+#
+# lease FOLDER     the decoding and float8 rows in the order a 30-minute lease should get them, into
+#                  FOLDER: longer than one device call, so started detached and watched:
+#                    bash benchmarks/detached.sh start /tmp/res bash benchmarks/run_rows.sh lease /tmp/res
+#                  float8 c, memory/memory_peak.py (the LoRA 128K step and the same without adapters),
+#                  float8 d, a 7B run's held-out evaluation, decode/generate_long.sh 28l and 28x,
+#                  float8 b, attention/decode_attention.py --sweep, decode/generate_long.sh 28.
+#                  BENCHMARKS.md's leases of decoding and float8 rows; benchmarks/lease_status.py reads
+#                  FOLDER.
+#
+# qlora-72b STEPS SECONDS [--resume] [--set k=v ...]
+#                  the 72B QLoRA recipe on one H200, sampled: nvidia-smi's memory in use and the host's
+#                  used memory every second beside the run's own metrics; runs under /tmp/q72, files to
+#                  $OUT (/tmp/q72-out). BENCHMARKS.md, "Qwen2.5-VL-72B with a 4-bit base".
+#
+# Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
+# GPUs of one host for every mesh) and decode/generate_long.sh ROWS (`weft generate` at 128K and
+# beyond, plain transformers beside).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+
+set_finetune() {
+  dest=${OUT:-/tmp/i25-out}
+  work=/tmp/i25
+  out=$work/o  # packed into $dest/<stage>.tgz after each part (a part cut by the limit keeps the earlier ones)
+  mkdir -p "$dest" "$work" "$out"
+  pack() { tar czf "$dest/$stage.tgz" -C "$out" . ; echo "packed after $1 at ${SECONDS}s"; }
+  stage=${1:?stage a, b, c, d, e or f}
+  smi() { nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits -lms 500 > "$out/$1.smi" & }
+  run32() {  # $1: name, $2: steps
+    smi "$1"; local pid=$!
+    (cd "$work" && timeout "$3" python3 -m weft run qwen2.5-vl-7b-32k-1gpu --run-dir "$work/$1" \
+      --set "train.max_steps=$2" > "$out/$1.log" 2>&1); echo "$1 rc=$?" | tee -a "$out/status.txt"
+    kill "$pid"; cp "$work/$1/metrics.jsonl" "$out/$1.metrics.jsonl" 2>/dev/null
+    tail -n 2 "$out/$1.metrics.jsonl" 2>/dev/null; tail -c 600 "$out/$1.log"; pack "$1"
+  }
+  case "$stage" in
+    a)
+      timeout 400 python3 "$here/learning/finetune_flow.py" --out "$out" --work "$work/flow" > "$out/flow.log" 2>&1
+      echo "flow rc=$?" | tee -a "$out/status.txt"; rm -rf "$work/flow"; tail -c 2500 "$out/flow.log"; pack flow
+      timeout 150 python3 "$here/step/optimizer_step.py" --out "$out" > "$out/optimizer.log" 2>&1
+      echo "optimizer rc=$?" | tee -a "$out/status.txt"; tail -n 8 "$out/optimizer.log"; pack optimizer ;;
+    b)
+      smi r128k; pid=$!
+      (cd "$work" && timeout 450 python3 -m weft run qwen2.5-vl-7b-128k-1gpu --run-dir "$work/r128k" \
+        > "$out/r128k.log" 2>&1); echo "r128k rc=$?" | tee -a "$out/status.txt"
+      kill "$pid"; cp "$work/r128k/metrics.jsonl" "$out/r128k.metrics.jsonl" 2>/dev/null
+      tail -n 2 "$out/r128k.metrics.jsonl"; tail -c 600 "$out/r128k.log"; pack r128k
+      run32 r32k-1 10 $((585 - SECONDS)) ;;
+    c)
+      run32 r32k-2 6 150
+      run32 r32k-3 6 150
+      timeout $((580 - SECONDS)) python3 "$here/step/train.py" --out "$out/hf" --only 7b:32768 --steps 5 --skip-weft \
+        > "$out/hf.log" 2>&1; echo "hf rc=$?" | tee -a "$out/status.txt"
+      tail -n 12 "$out/hf.log"; pack hf ;;
+    d)
+      timeout 400 python3 "$here/step/optimizer_step.py" --out "$out" --optimizers adamw_8bit,adamw_sr \
+        > "$out/optimizer8.log" 2>&1; echo "optimizer8 rc=$?" | tee -a "$out/status.txt"
+      grep -v Warning "$out/optimizer8.log" | tail -n 8; pack optimizer8 ;;
+    e)
+      run32 r32k-1 6 175
+      run32 r32k-2 6 175
+      run32 r32k-3 6 $((590 - SECONDS)) ;;
+    f)
+      timeout 400 python3 "$here/step/train.py" --out "$out/hf" --only 7b:32768 --steps 5 --skip-weft \
+        > "$out/hf.log" 2>&1; echo "hf rc=$?" | tee -a "$out/status.txt"
+      tail -n 12 "$out/hf.log"; pack hf ;;
+    *) echo "run_rows.sh finetune: stage a, b, c, d, e or f, not $stage" >&2; return 2 ;;
+  esac
+}
+
+set_one_gpu() {
+  out=${OUT:-/tmp/rows-out}
+  work=/tmp/rows
+  mkdir -p "$out" "$work"
+  cd "$work" || return 1
+  pack() { tar czf "$out/rows.tgz" -C "$work" . ; echo "packed after $1 at ${SECONDS}s"; }
+  timeout 170 python3 -m weft run qwen2.5-vl-7b-32k-1gpu --run-dir "$work/r32k" > "$work/r32k.log" 2>&1
+  pack 32k
+  timeout 110 python3 -m weft run "$here/memory/variants/7b-32k-frozen-vision.toml" --run-dir "$work/r32k-frozen" \
+    --set train.max_steps=3 > "$work/r32k-frozen.log" 2>&1
+  pack frozen
+  timeout 210 python3 "$here/frontier/frontier.py" --out "$work/fr128" --recipe qwen2.5-vl-7b-512k-1gpu \
+    --lengths 131072 --steps 2 --timeout 195 > "$work/fr128.log" 2>&1
+  pack frontier
+  timeout $((590 - SECONDS)) python3 -m weft generate qwen2.5-vl-7b-128k-1gpu --prompt-from-data --max-new-tokens 100 \
+    --warmup --json --nproc 1 > "$work/gen-one.json" 2> "$work/gen-one.err"
+  pack generate
+}
+
+set_float8() {
+  dest=${OUT:-/tmp/f8-out}; work=/tmp/f8; mkdir -p "$dest" "$work"
+  run() {  # $1 name, $2 recipe, $3 steps, $4 seconds
+    (cd "$work" && timeout "$4" python3 -m weft run "$2" --run-dir "$work/$1" --set "train.max_steps=$3" \
+      > "$dest/$1.log" 2>&1); echo "$1 rc=$?" | tee -a "$dest/status.txt"
+    cp "$work/$1/metrics.jsonl" "$dest/$1.metrics.jsonl" 2>/dev/null
+    grep -E "step.end" "$dest/$1.log" | tail -n 2 | cut -c1-300
+  }
+  bundled() { python3 -c "import sys, weft.core.recipe.syntax as s; print(s.bundled_path(sys.argv[1]))" "$1"; }
+  case "${1:?stage a, b, c, d or e}" in
+    a)
+      run f8-32k qwen2.5-vl-7b-32k-float8-1gpu 6 200
+      timeout 200 python3 "$here/step/train.py" --out "$dest/hf" --only 7b:32768 --steps 5 --skip-weft \
+        > "$dest/hf.log" 2>&1
+      echo "hf rc=$?" | tee -a "$dest/status.txt"; tail -n 3 "$dest/hf.log"
+      run bf16-32k qwen2.5-vl-7b-32k-1gpu 6 $((590 - SECONDS)) ;;
+    b)
+      # The other scalings: the bundled float8 recipe (tensorwise) with its recipe key changed
+      # (one layout, not two).
+      for scaling in rowwise rowwise_with_gw_hp; do
+        sed "s/float8_recipe = \"tensorwise\"/float8_recipe = \"$scaling\"/" \
+          "$(bundled qwen2.5-vl-7b-32k-float8-1gpu.toml)" > "$work/7b-32k-float8-$scaling.toml"
+        grep -q "float8_recipe = \"$scaling\"" "$work/7b-32k-float8-$scaling.toml" \
+          || echo "run_rows.sh float8: the $scaling variant's rules were not rewritten" >&2
+        run "f8$scaling-32k" "$work/7b-32k-float8-$scaling.toml" 6 $(((590 - SECONDS) / 2))
+      done ;;
+    e)
+      run f8-128k qwen2.5-vl-7b-128k-float8-1gpu 3 500 ;;
+    c)
+      timeout 580 python3 "$here/learning/loss_curves.py" --out "$dest/curves" --steps 300 --compile \
+        --only bf16,float8-tensorwise,bf16-seed1 > "$dest/curves.log" 2>&1
+      echo "curves rc=$?" | tee -a "$dest/status.txt"; tail -n 8 "$dest/curves.log" ;;
+    d)  # into c's folder: its loss_curves.json keeps c's variants, the table compares all against c's bf16
+      timeout 580 python3 "$here/learning/loss_curves.py" --out "$dest/curves" --steps 300 --compile \
+        --only bf16,float8-rowwise,float32-master,bf16-round-to-nearest > "$dest/curves-d.log" 2>&1
+      echo "curves d rc=$?" | tee -a "$dest/status.txt"; tail -n 8 "$dest/curves-d.log" ;;
+    *) echo "run_rows.sh float8: stage a, b, c, d or e, not $1" >&2; return 2 ;;
+  esac
+}
+
+set_learning() {
+  archive=${1:?output folder}
+  out=/tmp/learning_out
+  mkdir -p "$archive" "$out"
+  root=$PWD
+  py=${PY:-python3}
+  if [ -z "${PY:-}" ]; then  # the device: weft and structlog into a folder, run from outside the checkout
+    # A fresh folder each call: pip --target skips folders that exist, so a second install into
+    # the same one would keep the first call's weft.
+    site=/tmp/site-$$
+    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+    "$py" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" .
+    export PYTHONPATH=$site
+  fi
+  nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
+  "$py" -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)" \
+    > "$out/versions.txt" 2>&1
+  runs=/tmp/learning_runs
+  rows=${ROWS:-text grid}
+  mkdir -p "$runs"
+  cd /tmp || return 1
+
+  keep() {  # a run's figures (never its checkpoints), then everything so far into OUT/rows.tgz
+    mkdir -p "$out/$1"
+    cp "$runs/$1/metrics.jsonl" "$runs/$1/summary.json" "$out/$1/" 2>/dev/null
+    tar czf "$archive/rows.tgz" -C "$out" .
+  }
+
+  # 1. Text multiple choice: the held-out passages from the device's own standard library.
+  if [[ $rows == *text* ]]; then
+    rm -rf "$runs/text"
+    "$py" "$root/examples/text_choice/make_passages.py" "$runs/text_held_out.jsonl" > "$out/text_make.log" 2>&1
+    /usr/bin/time -f "%e s" -o "$out/text_run.time" timeout "${TEXT_LIMIT:-200}" \
+      "$py" -m weft run "$root/examples/text_choice/text_choice.toml" --run-dir "$runs/text" \
+      --set train.max_steps="${TEXT_STEPS:-3000}" --set train.micro_batch_tokens=16384 --set data.num_samples=9000 \
+      --set train.checkpoint_every=1000 > "$out/text_run.log" 2>&1
+    keep text
+    for step in 1000 2000 3000; do
+      [ -d "$runs/text/checkpoints/step-$step" ] || continue
+      "$py" -m weft eval "$root/examples/text_choice/text_choice.toml" --run-dir "$runs/text" --step "$step" \
+        --task "$runs/text_held_out.jsonl" --results "$out/text.step-$step.results.jsonl" --json \
+        > "$out/text_eval.step-$step.json" 2> "$out/text_eval.step-$step.err"
+    done
+    keep text
+  fi
+
+  # 2. Rows of digits: train, then the held-out rows by greedy generation (the static cache). One
+  # run for each learning rate of GRID_LRS, side by side on the one GPU (a 33.7M-parameter model
+  # leaves most of it idle), named grid-LR.
+  grid_row() {
+    local name=grid-$1
+    rm -rf "$runs/$name"
+    /usr/bin/time -f "%e s" -o "$out/$name.run.time" timeout "${GRID_LIMIT:-480}" \
+      "$py" -m weft run "$root/examples/digits/digits_grid.toml" --run-dir "$runs/$name" \
+      --set train.max_steps="${GRID_STEPS:-1000}" --set train.micro_batch_tokens="${GRID_TOKENS:-8192}" \
+      --set train.lr="$1" --set train.checkpoint_every=250 > "$out/$name.run.log" 2>&1
+    timeout "${EVAL_LIMIT:-90}" "$py" -m weft eval "$root/examples/digits/digits_grid.toml" --run-dir "$runs/$name" \
+      --task "$root/examples/digits/data_grid/held_out.jsonl" --max-new-tokens 12 \
+      --results "$out/$name.results.jsonl" --json > "$out/$name.eval.json" 2> "$out/$name.eval.err"
+  }
+  if [[ $rows == *grid* ]]; then
+    for lr in ${GRID_LRS:-3e-4}; do grid_row "$lr" & done
+    wait
+    for lr in ${GRID_LRS:-3e-4}; do keep "grid-$lr"; done
+  fi
+  tail -n 3 "$out"/*eval*.json "$out"/*.time 2>/dev/null
+}
+
+set_lease() {
+  dest=${1:?folder}
+  mkdir -p "$dest/gen" "$dest/f8"
+  stage() { echo "$(date +%T) $1" >> "$dest/progress"; }
+  # The order: the held-out loss curves first (float8 c), the peak's allocations of the LoRA 128K
+  # step and of the same step without adapters (docs/estimate.md: the ~30 GiB the CPU does not
+  # show), float8 d into c's folder (rowwise, the optimizer's variants), then the rows never
+  # measured (512K, chunked prefill, the parts of the decoding step), then the rest.
+  stage "float8 c"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/run_rows.sh" float8 c > "$dest/f8-c.txt" 2>&1)
+  stage "memory peaks"; for recipe in qwen2.5-vl-7b-lora-128k-1gpu qwen2.5-vl-7b-128k-1gpu; do  # the LoRA surplus
+    (cd "$(mktemp -d)" && timeout 420 python3 "$here/memory/memory_peak.py" --out "$dest/peak-$recipe" "$recipe" \
+      --step 2 > "$dest/peak-$recipe.txt" 2>&1; rm -rf "$dest/peak-$recipe/run/checkpoints"); done
+  stage "float8 d"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/run_rows.sh" float8 d > "$dest/f8-d.txt" 2>&1)
+  stage "held-out evaluation in a 7B run"; (cd "$(mktemp -d)" && timeout 400 python3 -m weft run \
+    qwen2.5-vl-7b-32k-1gpu --run-dir "$dest/eval-32k" --set train.max_steps=4 --set eval.every=2 \
+    > "$dest/eval-32k.txt" 2>&1)  # [eval] on the GPU
+  stage "decoding, longer prompts (28l)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/decode/generate_long.sh" \
+    28l > "$dest/gen-28l.txt" 2>&1)
+  stage "decoding (28x)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/decode/generate_long.sh" 28x \
+    > "$dest/gen-28x.txt" 2>&1)
+  stage "float8 b"; (cd "$(mktemp -d)" && OUT="$dest/f8" bash "$here/run_rows.sh" float8 b > "$dest/f8-b.txt" 2>&1)
+  stage "decode attention sweep"; (cd "$(mktemp -d)" && timeout 400 python3 "$here/attention/decode_attention.py" \
+    --sweep --out "$dest/attn-sweep" > "$dest/attn-sweep.txt" 2>&1)
+  stage "decoding (28)"; (cd "$(mktemp -d)" && OUT="$dest/gen" bash "$here/decode/generate_long.sh" 28 \
+    > "$dest/gen-28.txt" 2>&1)
+  stage done
+}
+
+set_qlora_72b() {
+  steps=${1:?steps}; limit=${2:?seconds}; shift 2
+  dest=${OUT:-/tmp/q72-out}; work=/tmp/q72; mkdir -p "$dest" "$work"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 1000 > "$dest/gpu.smi" & gpu=$!
+  (while sleep 1; do free -m | awk '/Mem:/ {print $3}'; done) > "$dest/host.mem" & host=$!
+  (cd "$work" && timeout "$limit" python3 -m weft run qwen2.5-vl-72b-qlora-128k-1gpu --run-dir "$work/run" \
+    --set "train.max_steps=$steps" "$@" > "$dest/run.log" 2>&1); echo "run rc=$?" | tee "$dest/status.txt"
+  kill "$gpu" "$host"
+  cp "$work/run/metrics.jsonl" "$work/run/summary.json" "$dest/" 2>/dev/null
+  echo "gpu max MiB $(sort -n "$dest/gpu.smi" | tail -1), host max MiB $(sort -n "$dest/host.mem" | tail -1)"
+  grep -E "weights\.|step.end|run.end|rror|Killed" "$dest/run.log" | cut -c1-400 | tail -n 12
+}
+
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+what=${1:-help}
+[ $# -gt 0 ] && shift
+case "$what" in
+  finetune) set_finetune "$@" ;;
+  one-gpu) set_one_gpu "$@" ;;
+  float8) set_float8 "$@" ;;
+  learning) set_learning "$@" ;;
+  lease) set_lease "$@" ;;
+  qlora-72b) set_qlora_72b "$@" ;;
+  help|-h|--help) usage ;;
+  *) echo "run_rows.sh: no set $what (finetune, one-gpu, float8, learning, lease, qlora-72b; help lists them)" >&2
+     exit 2 ;;
+esac
