@@ -51,7 +51,7 @@ class Strategy:
     #: resolved again. May raise PlanError for a choice this module cannot run.
     resolve: Callable[..., tuple[str, Any] | None] | None = None
     #: Batching strategies: what `weft plan` shows of the data the strategy will feed,
-    #: ``describe(params, *, recipe, plan, model, adapter, positions) -> dict`` with the
+    #: ``describe(params, *, recipe, plan, model, family, positions) -> dict`` with the
     #: optional keys ``vision_split`` (the first step's images per SP rank) and, when
     #: ``positions`` is true, ``positions`` (largest position ids; `weft plan --positions`).
     #: The root's shard strategy: ``lines``, what `weft plan` prints under the plan of what its

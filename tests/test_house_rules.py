@@ -94,7 +94,7 @@ def test_the_checker_catches_a_forbidden_import():
                                                   "line 3: weft.plugins.models.build.build_model",
                                                   "line 4: weft.strategies.attention.ring"]
     typed = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-             "    from weft.plugins.models.base import TransformersAdapter\n")
+             "    from weft.plugins.models.base import TransformersFamily\n")
     assert violations(typed, FORBIDDEN["core"]) == []
     assert violations("from weft import strategies\n", ("weft.strategies",)) == ["line 1: weft.strategies"]
     assert violations("import torch.nn as nn\n", ("torch",)) == ["line 1: torch.nn"]
@@ -213,7 +213,7 @@ def test_core_names_builtin_plugins_only_in_the_plugin_manager():
         if path.name == "plugin_manager.py":
             continue
         text = path.read_text(encoding="utf-8")
-        assert "weft.plugins." not in text.replace("weft.plugins.models.base.TransformersAdapter", ""), path
+        assert "weft.plugins." not in text.replace("weft.plugins.models.base.TransformersFamily", ""), path
 
 
 def test_rule_engine_and_recipes_import_no_torch():

@@ -96,7 +96,7 @@ def _generated(items, prompts, *, run: Prepared, ctx: RunContext, pm: WeftPlugin
         ids = list(answer["tokens"])
         while ids and ids[-1] in stops:
             ids.pop()
-        texts[i] = ctx.adapter.decode_tokens(recipe, ids)
+        texts[i] = ctx.family.decode_tokens(recipe, ids)
     return texts
 
 

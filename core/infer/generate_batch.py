@@ -71,7 +71,7 @@ def generate_batch(model: torch.nn.Module, *, run: Prepared, ctx: RunContext, pm
     ``profiled``: a context the decoding steps run in (``--profile``: core/infer/decode_profile.py)."""
     device = ctx.device
     lengths = [int(x["input_ids"].shape[1]) for x in inputs]
-    positions_of = ctx.adapter.positions(model)
+    positions_of = ctx.family.positions(model)
     # The next text position after each prompt: its largest rotary position plus one.
     starts = [int(positions_of(prompt_sample(x)).max()) + 1 for x in inputs]
     stops = stop_tokens(model)
@@ -90,7 +90,7 @@ def generate_batch(model: torch.nn.Module, *, run: Prepared, ctx: RunContext, pm
         with layer_index_dynamic():
             if chunk and lengths[row] > chunk:
                 logits, chunks[row] = prefill_in_chunks(model, inputs=inputs[row], cache=cache, device=device, row=row,
-                                                        chunk=chunk, positions_of=ctx.adapter.positions(model))
+                                                        chunk=chunk, positions_of=ctx.family.positions(model))
                 return logits.double()
             cache.begin_prefill(keep=None, prompt=lengths[row], row=row)
             output = model(**{k: v.to(device) for k, v in inputs[row].items()}, past_key_values=cache,
@@ -132,7 +132,7 @@ def generate_batch(model: torch.nn.Module, *, run: Prepared, ctx: RunContext, pm
     if counted < graph["decode_steps"]:  # the first step set apart: its tokens (one a decoded row) with it
         new -= sum(len(t) > 1 for t in tokens)
     return {
-        "answers": [{"tokens": t, "logprobs": lp, "text": ctx.adapter.decode_tokens(recipe, t)}
+        "answers": [{"tokens": t, "logprobs": lp, "text": ctx.family.decode_tokens(recipe, t)}
                     for t, lp in zip(tokens, logprobs)],
         "prompt_tokens": lengths, "prefill_s": prefill_s, "prefill_tokens_per_s": sum(lengths) / max(prefill_s, 1e-9),
         "prefill_chunks": chunks,

@@ -41,7 +41,7 @@ _OPS = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "ge": operator.
 
 @attrs.frozen(kw_only=True)
 class ModuleInfo:
-    """What the rules can see of one module; made by a model adapter."""
+    """What the rules can see of one module; made by a model family."""
 
     path: str  # "" is the root
     class_name: str

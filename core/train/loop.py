@@ -1,6 +1,6 @@
 """The training loop: one process's part of a run. Calls the hooks in the documented order.
 
-Order: process group -> prepare (adapter, model, Plan, mesh, weft_shard, weights,
+Order: process group -> prepare (family, model, Plan, mesh, weft_shard, weights,
 weft_attention, sequence split) -> optimizer -> resume -> weft_batching -> for each
 step: guard(step_start), micro-batches (forward, loss / global label count, backward),
 weft_grad_sync, guard(step_end), optimizer step, the held-out loss when due ([eval]), metrics,

@@ -1,4 +1,4 @@
-"""``TransformersAdapter``: the model-family contract for models that follow transformers'
+"""``TransformersFamily``: the model-family contract for models that follow transformers'
 shared layout (``visual.blocks.N``, ``visual.merger``, ``language_model.layers.N``,
 ``embed_tokens``, ``lm_head``). Built-in families are instances or small subclasses;
 a third-party family subclasses it and overrides what differs (docs/architecture.md).
@@ -18,8 +18,8 @@ from weft.plugins.models import build, inventory
 
 
 @attrs.frozen(kw_only=True)
-class TransformersAdapter:
-    """One model family; see :class:`weft.core.models.ModelAdapter` for the contract."""
+class TransformersFamily:
+    """One model family; see :class:`weft.core.models.ModelFamily` for the contract."""
 
     name: str
     model_types: tuple[str, ...]
