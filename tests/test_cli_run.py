@@ -117,7 +117,7 @@ def test_plan_json_is_parseable(weft, tmp_path):
     assert {m["decisions"]["attention"]["strategy"] for m in vision} <= {"sdpa", "vision_local"}
 
 
-def test_unknown_model_type_is_a_user_error_listing_the_adapters(weft, tmp_path):
+def test_unknown_model_type_is_a_user_error_listing_the_families(weft, tmp_path):
     """A local model directory whose config.json names a model_type no installed family
     handles: exit 2 before any process starts, naming the file's model_type, the key and
     every family installed; no traceback."""
