@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # the contract's types, as pytest's hookspec.py does: no impo
     from weft.core.mesh import WeftMesh
     from weft.core.models import ModelFamily
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import Decision, Plan
+    from weft.core.recipe.rule_engine import Decision, Plan
     from weft.core.registry import Adapters, AttentionBinding, OptimizerGroup, Strategy, Verdict
 
 PROJECT = "weft"

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the contract's types; importing them at run time would pull
 
     from weft.core.mesh import WeftMesh
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import ModuleInfo, Plan
+    from weft.core.recipe.rule_engine import ModuleInfo, Plan
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ _PRELOAD = [
     "model_helpers", "distributed",
     # A command's ranks (tests/forked_ranks.py): the command line and the rank jobs' modules.
     "weft.core.commands.main", "weft.core.commands.check", "weft.core.commands.evaluate",
-    "weft.core.commands.generate", "weft.core.infer.generate", "weft.core.commands.run", "forked_ranks",
+    "weft.core.commands.generate", "weft.core.infer.generate_one", "weft.core.commands.run", "forked_ranks",
 ]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 

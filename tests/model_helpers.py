@@ -19,7 +19,7 @@ def optimizer_for(recipe, model, *, world_size=1):
 
     from weft.core.context import RunContext
     from weft.core.plan.planner import plan_recipe
-    from weft.core.train.optimizer import make_optimizer
+    from weft.core.train.optimizer_setup import make_optimizer
 
     pm = build_plugin_manager(entry_points=False)
     plan, _ = plan_recipe(recipe, pm=pm, world_size=world_size, model=model)

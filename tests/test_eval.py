@@ -60,7 +60,7 @@ def unsharded_loss(data: pathlib.Path) -> float:
     from weft.core.context import RunContext
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe
-    from weft.plugins.batching.data import bad_sample_handler, collect_samples, pad_id_of, sample_source
+    from weft.plugins.batching.samples import bad_sample_handler, collect_samples, pad_id_of, sample_source
     from weft.strategies.data.conversation import collate
 
     recipe = Recipe.from_toml(RECIPE, overrides=("data.source=jsonl", f"data.path={data}", "data.cache=false"))

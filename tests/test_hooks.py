@@ -31,7 +31,7 @@ from weft.core.hookspecs import hookimpl
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import Decision, ModuleInfo, build_plan
+from weft.core.recipe.rule_engine import Decision, ModuleInfo, build_plan
 from weft.core.registry import AttentionBinding, NoParams, Strategy, Verdict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -587,7 +587,7 @@ def test_hook_weft_optimizer():
     """A third-party optimizer by rule: the core resolves each group's peak lr (rule lr or
     train.lr, times lr_scale) and weight decay, wraps it in the schedule; nobody answering is
     a HookError naming the strategy."""
-    from weft.core.train.optimizer import make_optimizer
+    from weft.core.train.optimizer_setup import make_optimizer
 
     pm = make_pm(("sgd-plugin", SgdPlugin()))
     rule = {"optimizer": {"strategy": "test_sgd", "momentum": 0.5, "lr_scale": 2.0, "weight_decay": 0.1}}

@@ -19,6 +19,7 @@
   core/checkpoint/dcp_read.py calls ``dcp.load``, names ``FileSystemReader`` or imports ``pickle``;
   every ``torch.load`` passes ``weights_only=True``; ``trust_remote_code`` is never true;
   ``numpy.load`` never allows pickles.
+- no two files of core/ and plugins/ share a name (``__init__.py`` aside).
 - ruff (pyproject.toml) passes.
 - the README's two set-up commands are the Makefile's targets, and CI (.ci/run) runs the
   second: what a user types to test is what CI ran.
@@ -236,6 +237,23 @@ def test_core_and_plugins_files_stay_small():
             for p in sorted((ROOT / folder).rglob("*.py"))
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines (split them by what they do): {long}"
+
+
+#: Names files may share: every room's door. (core/rules.py and core/schema.py, the import
+#: paths plugin authors use, forward to core/recipe/rule_engine.py and convert.py: no pair.)
+SHARED_STEMS = {"__init__"}
+
+
+@pytest.mark.quick
+def test_no_two_files_of_core_and_plugins_share_a_name():
+    """A file's name says what it does: two files of one name (``data.py`` here and there)
+    leave a reader to ask which one a path or a traceback means."""
+    seen: dict[str, list[str]] = {}
+    for folder in ("core", "plugins"):
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            seen.setdefault(p.stem, []).append(str(p.relative_to(ROOT)))
+    shared = {stem: paths for stem, paths in seen.items() if len(paths) > 1 and stem not in SHARED_STEMS}
+    assert not shared, f"files sharing a name (name each for what it does): {shared}"
 
 
 def test_ruff_is_clean():

@@ -14,7 +14,7 @@ from weft.core.errors import PlanError
 from weft.core.plan.planner import plan_recipe
 from weft.core.plugin_manager import plugin_manager_from_env
 from weft.core.recipe import Recipe
-from weft.core.train.rope import resolve_rope
+from weft.core.train.rope_resolve import resolve_rope
 
 PM = plugin_manager_from_env()
 BASE = {"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"micro_batch_tokens": 1024}}

@@ -20,7 +20,7 @@ from weft.core.errors import PlanError
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import ModuleInfo, build_plan
+from weft.core.recipe.rule_engine import ModuleInfo, build_plan
 from weft.plugins.shard import fsdp2_steps as shard_fsdp2
 from weft.plugins.shard import levers as shard_levers
 from weft.plugins.shard.levers import Recompute, Storage, config_of

@@ -153,7 +153,7 @@ def test_plan_positions_reads_the_data_like_the_model(capsys):
     """`weft plan --positions`: the largest position id over the recipe's samples equals
     what the model's own forward computes for them, one sample at a time."""
     from weft.core.commands.main import main
-    from weft.plugins.batching.data import sample_source
+    from weft.plugins.batching.samples import sample_source
     from weft.plugins.models.positions import PositionWatch
     from weft.strategies.data.conversation import collate
 

@@ -28,7 +28,7 @@ from weft.core.run.rank_job import launch_ranks
 
 if TYPE_CHECKING:
     from weft.core.plugin_manager import WeftPluginManager
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 #: Float32 acceptance: what weft's own equivalence tests require.
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -242,7 +242,7 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
     from weft.core.plan.planner import plan_recipe
 
     plan, _ = plan_recipe(recipe, pm=pm, world_size=world_size)
-    from weft.core.train.rope import resolve_rope
+    from weft.core.train.rope_resolve import resolve_rope
 
     recipe = resolve_rope(recipe, plan=plan, pm=pm)  # the reference gets the ranks' rotary scaling
     if plan.packed():

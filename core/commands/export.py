@@ -22,7 +22,7 @@ from weft.core.recipe import Recipe
 
 if TYPE_CHECKING:
     from weft.core.plugin_manager import WeftPluginManager
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 
 def run_recipe(run_dir: pathlib.Path) -> Recipe:
@@ -106,7 +106,7 @@ def _rules_plan(model: torch.nn.Module, recipe: Recipe, *, pm: WeftPluginManager
     """The run's rules on one process: adapters, frozen and 4-bit units do not depend on the mesh,
     and the run's own mesh may not resolve where export runs."""
     from weft.core.mesh_spec import MeshSpec
-    from weft.core.recipe.rules import build_plan
+    from weft.core.recipe.rule_engine import build_plan
 
     modules = pm.models.for_recipe(recipe).describe(model)
     return build_plan(recipe=recipe, modules=modules, registry=pm.registry, mesh=MeshSpec(), world_size=1)

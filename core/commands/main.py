@@ -67,7 +67,7 @@ def _cmd_plan(args) -> int:
     pm = plugin_manager_from_env()
     world_size = args.world_size or recipe.parallel.nproc
     plan, model = plan_recipe(recipe, pm=pm, world_size=world_size)
-    from weft.core.train.rope import resolve_rope
+    from weft.core.train.rope_resolve import resolve_rope
 
     resolved = resolve_rope(recipe, plan=plan, pm=pm)
     if args.estimate:

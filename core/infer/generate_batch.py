@@ -38,7 +38,7 @@ from weft.core.recipe import Recipe
 if TYPE_CHECKING:
     from weft.core.context import RunContext
     from weft.core.plugin_manager import WeftPluginManager
-    from weft.core.recipe.rules import Decision, Plan
+    from weft.core.recipe.rule_engine import Decision, Plan
     from weft.core.train.prepare import Prepared
 
 
@@ -47,7 +47,7 @@ def _batched_cache(plan: Plan, pm: WeftPluginManager) -> Decision:
     each written at its own position (a strategy whose record says ``batched_prompts``: the
     built-in ``static``), whatever the rules say: the rule's own where it is one (its kernel too),
     else the first such strategy with its defaults."""
-    from weft.core.recipe.rules import Decision
+    from weft.core.recipe.rule_engine import Decision
 
     ruled = [m.get("kv_cache") for m in plan.modules_for("kv_cache") if m.info.modality == "text"]
     if ruled and (record := plan.strategy(ruled[0])) is not None and record.batched_prompts:
@@ -116,7 +116,7 @@ def generate_batch(model: torch.nn.Module, *, run: Prepared, ctx: RunContext, pm
         text_attention(model, cache.decode_attention)
         rotary = torch.tensor(starts)[:, None]  # (B, 1): each row's next rotary position
         setup_s = time.perf_counter() - start - prefill_s  # host set-up between the prefill and the steps
-        # Units a rule compiles run eagerly while decoding (see generate.py); the rows' step from
+        # Units a rule compiles run eagerly while decoding (see generate_one.py); the rows' step from
         # device buffers, captured as a CUDA graph where it can be (core/infer/decode_graph.py).
         with torch.compiler.set_stance("force_eager"), profiled() as profiling:
             graph = decode_rows_buffered(model, cache=cache, tokens=tokens, logprobs=logprobs, rows=lengths,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from weft.core.errors import PlanError
 from weft.core.mesh_spec import MeshSpec, resolve_mesh
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import ModuleInfo, Plan, build_plan
+from weft.core.recipe.rule_engine import ModuleInfo, Plan, build_plan
 
 if TYPE_CHECKING:
     from weft.core.context import RunContext

@@ -28,7 +28,7 @@ from weft.core.errors import GuardAbort, WeftError
 from weft.core.mesh import device_for
 from weft.core.plugin_manager import WeftPluginManager
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import Plan
+from weft.core.recipe.rule_engine import Plan
 from weft.core.registry import Verdict
 from weft.core.run import checkpoint
 from weft.core.run.end import Ending, trim_metrics
@@ -39,7 +39,7 @@ from weft.core.run.process_group import close_process_group, init_process_group
 from weft.core.run.progress import progress_bar
 from weft.core.train.evaluation import HeldOut
 from weft.core.train.oom import out_of_memory
-from weft.core.train.optimizer import advance_schedule, make_optimizer, state_gib
+from weft.core.train.optimizer_setup import advance_schedule, make_optimizer, state_gib
 from weft.core.train.prepare import Prepared, prepare_model
 from weft.core.train.step import autocast_for, finish_step, run_micro_batches
 from weft.core.train.timing import PhaseTimer

@@ -16,9 +16,9 @@ from weft.core.mesh_spec import MESH_ORDER
 from weft.core.models import SequenceSplit
 from weft.core.plan.planner import add_adapters, plan_recipe
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import Plan
+from weft.core.recipe.rule_engine import Plan
 from weft.core.train.attention_install import install_attention
-from weft.core.train.rope import resolve_rope
+from weft.core.train.rope_resolve import resolve_rope
 from weft.core.train.step import FusedHead
 from weft.core.train.weights import materialize_weights
 

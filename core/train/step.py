@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from weft.core.mesh import WeftMesh
     from weft.core.models import SequenceSplit
     from weft.core.plugin_manager import WeftPluginManager
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 #: Fill values for the sequence-long keys the core pads; other sequence-long keys are
 #: the batching's to pad (an error names them). Pads sit at the right end, where

@@ -8,7 +8,7 @@ import torch
 
 if TYPE_CHECKING:
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 
 def on_meta(model: torch.nn.Module) -> bool:

@@ -12,7 +12,7 @@ import attrs
 
 from weft.core.errors import WeftError
 from weft.core.hookspecs import hookimpl
-from weft.core.recipe.schema import in_range
+from weft.core.recipe.convert import in_range
 from weft.core.registry import Declared, Strategy
 
 
@@ -89,8 +89,8 @@ class TokenBudgetSteps:
         ones past the budget, counted), and the collation of a micro-batch's indices."""
         if self._data is not None:
             return self._data
-        from weft.plugins.batching.data import bad_sample_handler, pad_id_of, run_samples
         from weft.plugins.batching.sample_checks import truncate
+        from weft.plugins.batching.samples import bad_sample_handler, pad_id_of, run_samples
         from weft.strategies.data.conversation import collate
         from weft.strategies.data.shards import token_counts
         from weft.strategies.data.token_budget import as_lengths, clipped

@@ -10,7 +10,7 @@ def describe_positions(recipe, plan, model, family) -> dict:
     through the model's own rope index (3-D mRoPE for vision-language models; packed
     documents restart at 0, so a sample's own ids are what the decoder sees).
     ``model`` may be on the meta device."""
-    from weft.plugins.batching.data import sample_source
+    from weft.plugins.batching.samples import sample_source
     from weft.plugins.models.build import trained_context
     from weft.strategies.data.conversation import truncate_sample
     from weft.strategies.data.datasets import BadSample
@@ -52,7 +52,7 @@ def describe_positions(recipe, plan, model, family) -> dict:
 def describe_vision_split(recipe, plan, family) -> list[dict]:
     """Which SP rank runs which images of the data's first samples (two per
     data-parallel rank), and how: the assignment the vision hooks make at run time."""
-    from weft.plugins.batching.data import sample_source
+    from weft.plugins.batching.samples import sample_source
     from weft.strategies.data.datasets import BadSample
     from weft.strategies.sequence.model_split import assign_images
 

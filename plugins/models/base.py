@@ -13,7 +13,7 @@ import attrs
 import torch
 
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import ModuleInfo
+from weft.core.recipe.rule_engine import ModuleInfo
 from weft.plugins.models import build, inventory
 
 
@@ -64,7 +64,7 @@ class TransformersFamily:
 
     def prompt_inputs(self, recipe: Recipe, *, text: str, images: Sequence[str],
                       videos: Sequence[str] = ()) -> dict[str, torch.Tensor]:
-        from weft.plugins.batching.data import video_limits
+        from weft.plugins.batching.samples import video_limits
         from weft.plugins.models.prompt import prompt_inputs
 
         processor = self.config(recipe)[1]
@@ -74,7 +74,7 @@ class TransformersFamily:
 
     def task_inputs(self, recipe: Recipe, *, record: dict, base: pathlib.Path,
                     choices: Sequence[str] | None) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-        from weft.plugins.batching.data import pad_id_of, video_limits
+        from weft.plugins.batching.samples import pad_id_of, video_limits
         from weft.plugins.models.prompt import task_inputs
         from weft.strategies.data.conversation import load_processor
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from weft.core.recipe.rules import ModuleInfo
+from weft.core.recipe.rule_engine import ModuleInfo
 
 #: (glob on the module path, modality); first match wins.
 MODALITY_PATTERNS: tuple[tuple[str, str], ...] = (

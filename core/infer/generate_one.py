@@ -56,7 +56,7 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
                      profile: str | None = None) -> dict:
     """One rank's part of `weft generate` (inside its process group): the prompt (or prompts)
     prefilled and decoded; rank 0's result is the command's."""
-    from weft.core.infer.prepare import prepare_inference
+    from weft.core.infer.prepare_inference import prepare_inference
     from weft.core.train.step import autocast_for
 
     pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
