@@ -11,7 +11,7 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-    from weft.core.models import ModelAdapter, PositionWatch
+    from weft.core.models import ModelFamily, PositionWatch
     from weft.core.recipe import Recipe
 
 
@@ -48,7 +48,7 @@ class RunContext:
     #: activation offload (they serve a backward only, and their hooks break a compiled step).
     inference: bool = False
     plugin_state: dict = attrs.field(factory=dict)  # what a plugin keeps between calls in this run, by its own keys
-    adapter: ModelAdapter | None = None  # the model family's adapter (weft_models)
+    family: ModelFamily | None = None  # the model family (weft_models)
     adapter_dir: pathlib.Path | None = None  # weft eval/generate --adapter: a saved adapter the adapter hook loads
     state: RunState = attrs.field(factory=RunState)  # the core's: read it through the properties below
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # annotations only: building a plugin manager imports no torc
     from weft.core.context import RunContext, StepState
     from weft.core.mesh import WeftMesh
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import Decision, Plan
+    from weft.core.recipe.rule_engine import Decision, Plan
     from weft.core.registry import Adapters, AttentionBinding, OptimizerGroup, Verdict
 
 #: Hooks the plugin manager collects itself while it is built (``pm.registry``, ``pm.models``),

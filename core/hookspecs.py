@@ -3,7 +3,7 @@
 The core calls these hooks in this order, once per run unless said otherwise:
 
 1. ``weft_strategies``   when the plugin manager is built: collect named strategies;
-   ``weft_models``       likewise: collect model-family adapters.
+   ``weft_models``       likewise: collect model families.
 2. ``weft_rope``         once, after the Plan: the text decoder's rotary keys (the model is
                          built again from them if they changed);
    ``weft_adapter``      once, on the model as built (meta device), before sharding: adapters (LoRA);
@@ -38,9 +38,9 @@ if TYPE_CHECKING:  # the contract's types, as pytest's hookspec.py does: no impo
 
     from weft.core.context import RunContext, StepState
     from weft.core.mesh import WeftMesh
-    from weft.core.models import ModelAdapter
+    from weft.core.models import ModelFamily
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import Decision, Plan
+    from weft.core.recipe.rule_engine import Decision, Plan
     from weft.core.registry import Adapters, AttentionBinding, OptimizerGroup, Strategy, Verdict
 
 PROJECT = "weft"
@@ -75,17 +75,17 @@ def weft_strategies() -> list[Strategy]:
 
 
 @hookspec
-def weft_models() -> list[ModelAdapter]:
+def weft_models() -> list[ModelFamily]:
     """Declare the model families this plugin adapts.
 
     When: once, while the plugin manager is built.
-    Kind: collect-all; every plugin returns a list of adapters, objects that meet
-    :class:`weft.core.models.ModelAdapter` (most subclass
-    ``weft.plugins.models.base.TransformersAdapter``). Each names the
+    Kind: collect-all; every plugin returns a list of model families, objects that meet
+    :class:`weft.core.models.ModelFamily` (most subclass
+    ``weft.plugins.models.base.TransformersFamily``). Each names the
     ``config.model_type`` values it handles; two plugins claiming one type is an error.
-    The core picks the adapter from the recipe's model and asks it to build the
+    The core picks the family from the recipe's model and asks it to build the
     model, describe its modules for the rules, and cut its inputs for sequence
-    parallelism; an unknown ``model_type`` is an exit-2 message listing the adapters.
+    parallelism; an unknown ``model_type`` is an exit-2 message listing the families.
     Collectives: none.
     """
 
@@ -122,7 +122,7 @@ def weft_shard(model: torch.nn.Module, plan: Plan, mesh: WeftMesh, ctx: RunConte
     and returns ``None``. It may wrap modules in place (``fully_shard``,
     checkpoint wrappers); it must not replace the root module object. The model
     arrives on the meta device; an implementation whose sharding needs the real
-    weights may materialise it first (``ctx.adapter.materialize``: 4-bit units under
+    weights may materialise it first (``ctx.family.materialize``: 4-bit units under
     FSDP2 are quantised before ``fully_shard``); the core materialises whatever is
     still on the meta device after this hook.
     Collectives: FSDP2 broadcasts nothing at wrap time; sharding is local.
@@ -206,7 +206,7 @@ def weft_batching(
     (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) when it has
     images. Batching never sees sequence parallelism: the core pads each
     micro-batch to the split's multiple, shifts the labels on the whole
-    sequence and cuts them like the model's inputs; the model adapter's hooks
+    sequence and cuts them like the model's inputs; the model family's hooks
     cut the rest after the vision merge. Data-parallel ranks (``mesh.dp_rank()``
     of ``plan.mesh.dp``) take disjoint data; the ranks of one sequence-parallel
     group must yield the same micro-batches. Every rank must yield the same

@@ -1,14 +1,14 @@
 """The model-family contract: what the core asks of a model, and how it finds who answers.
 
-A model family (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Qwen2/Llama text...) is an *adapter*
+A model family (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Qwen2/Llama text...) is an object
 that a plugin declares through the ``weft_models`` hook. The core never names a
 family: it reads the ``model_type`` the recipe's model has (a preset's, or the
-``config.json`` of ``model.path``) and asks the plugin manager for the adapter that
-handles it. An unknown ``model_type`` is a user error listing the adapters installed.
+``config.json`` of ``model.path``) and asks the plugin manager for the family that
+handles it. An unknown ``model_type`` is a user error listing the families installed.
 
-``ModelAdapter`` below is the whole contract, as a Protocol: any object with these
-attributes and methods will do. weft's built-in adapters share one base class,
-``weft.plugins.models.base.TransformersAdapter``, that a third-party family can
+``ModelFamily`` below is the whole contract, as a Protocol: any object with these
+attributes and methods will do. weft's built-in families share one base class,
+``weft.plugins.models.base.TransformersFamily``, that a third-party family can
 subclass too (docs/architecture.md, "Adding a model family").
 """
 
@@ -26,12 +26,12 @@ if TYPE_CHECKING:  # the contract's types; importing them at run time would pull
 
     from weft.core.mesh import WeftMesh
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import ModuleInfo, Plan
+    from weft.core.recipe.rule_engine import ModuleInfo, Plan
 
 
 @runtime_checkable
 class SequenceSplit(Protocol):
-    """What ``ModelAdapter.sequence_parallel`` returns: hooks installed on the model that
+    """What ``ModelFamily.sequence_parallel`` returns: hooks installed on the model that
     cut its sequence (after the vision merge) to this rank's part, and the same cut
     for the tensors the core shards itself (the shifted labels)."""
 
@@ -47,7 +47,7 @@ class SequenceSplit(Protocol):
 
 @runtime_checkable
 class PositionWatch(Protocol):
-    """What ``ModelAdapter.watch_positions`` returns: the largest position id the text
+    """What ``ModelFamily.watch_positions`` returns: the largest position id the text
     decoder was fed (without host syncs in the step), against its rotary context."""
 
     context: int
@@ -60,12 +60,12 @@ class PositionWatch(Protocol):
 
 
 @runtime_checkable
-class ModelAdapter(Protocol):
+class ModelFamily(Protocol):
     """One model family. Every method takes keyword arguments after the first."""
 
     #: Short name shown by `weft plugins` and in errors ("qwen2_5_vl").
     name: str
-    #: The ``config.model_type`` values this adapter handles.
+    #: The ``config.model_type`` values this family handles.
     model_types: tuple[str, ...]
     #: One line for `weft plugins`.
     summary: str
@@ -140,7 +140,7 @@ class ModelAdapter(Protocol):
 
 
 #: Key the core adds to a micro-batch without images when another data-parallel rank
-#: has some: the adapter's ``keep_vision_alive`` hooks run the tower on a blank image.
+#: has some: the family's ``keep_vision_alive`` hooks run the tower on a blank image.
 VISION_FLAG = "weft_needs_vision"
 
 
@@ -176,42 +176,42 @@ def model_type_of(recipe: Recipe) -> str:
 
 
 class ModelRegistry:
-    """Every adapter the loaded plugins declared, by ``model_type``. Read-only after build."""
+    """Every family the loaded plugins declared, by ``model_type``. Read-only after build."""
 
-    def __init__(self, adapters: list[tuple[str, ModelAdapter]]) -> None:
-        self._by_type: dict[str, tuple[str, ModelAdapter]] = {}
-        for plugin, adapter in adapters:
-            for model_type in adapter.model_types:
+    def __init__(self, families: list[tuple[str, ModelFamily]]) -> None:
+        self._by_type: dict[str, tuple[str, ModelFamily]] = {}
+        for plugin, family in families:
+            for model_type in family.model_types:
                 if model_type in self._by_type:
                     other = self._by_type[model_type][0]
                     raise RecipeError(
                         f"model_type {model_type!r} is handled twice: by plugin {other!r} and by plugin {plugin!r}; "
                         "disable one with WEFT_DISABLE_PLUGINS"
                     )
-                self._by_type[model_type] = (plugin, adapter)
+                self._by_type[model_type] = (plugin, family)
 
-    def get(self, model_type: str) -> ModelAdapter | None:
+    def get(self, model_type: str) -> ModelFamily | None:
         found = self._by_type.get(model_type)
         return found[1] if found else None
 
-    def all(self) -> list[tuple[str, ModelAdapter]]:
-        """(plugin, adapter) pairs, one per adapter, in name order."""
+    def all(self) -> list[tuple[str, ModelFamily]]:
+        """(plugin, family) pairs, one per family, in name order."""
         unique = {id(a): (p, a) for p, a in self._by_type.values()}
         return sorted(unique.values(), key=lambda pa: pa[1].name)
 
     def installed(self) -> str:
         return "; ".join(f"{a.name} ({', '.join(a.model_types)})" for _, a in self.all()) or "(none)"
 
-    def for_recipe(self, recipe: Recipe) -> ModelAdapter:
-        """The adapter of the recipe's model; a RecipeError listing the installed ones if none."""
+    def for_recipe(self, recipe: Recipe) -> ModelFamily:
+        """The family of the recipe's model; a RecipeError listing the installed ones if none."""
         model_type = model_type_of(recipe)
-        adapter = self.get(model_type)
-        if adapter is None:
+        family = self.get(model_type)
+        if family is None:
             key = "model.preset" if recipe.model.preset is not None else "model.path"
             raise RecipeError(
-                f"no installed model adapter handles model_type {model_type!r}; "
-                f"adapters installed: {self.installed()}. "
+                f"no installed model family handles model_type {model_type!r}; "
+                f"families installed: {self.installed()}. "
                 "A plugin adds one through the weft_models hook (docs/architecture.md)",
                 where=f"{recipe.source} ({key})",
             )
-        return adapter
+        return family

@@ -16,7 +16,7 @@ import structlog
 from weft.core import hookspecs
 from weft.core.errors import HookError, PluginError, WeftError
 from weft.core.hook_calls import HookCalls
-from weft.core.models import ModelAdapter, ModelRegistry
+from weft.core.models import ModelFamily, ModelRegistry
 from weft.core.registry import Strategy, StrategyRegistry
 
 #: Built-in plugins, one module per hook point plus the model families; registered
@@ -58,11 +58,11 @@ class WeftPluginManager(HookCalls, pluggy.PluginManager):
 
     @property
     def models(self) -> ModelRegistry:
-        """Model-family adapters by model_type, from every plugin's ``weft_models``."""
+        """Model families by model_type, from every plugin's ``weft_models``."""
         if self._models is None:
-            declared: list[tuple[str, ModelAdapter]] = []
+            declared: list[tuple[str, ModelFamily]] = []
             for impl in self.hook.weft_models.get_hookimpls():
-                declared.extend((impl.plugin_name, adapter) for adapter in impl.function() or [])
+                declared.extend((impl.plugin_name, family) for family in impl.function() or [])
             self._models = ModelRegistry(declared)
         return self._models
 

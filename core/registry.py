@@ -9,7 +9,7 @@ import attrs
 from weft.core.hookspecs import HOOK_POINTS
 
 if TYPE_CHECKING:
-    from weft.core.recipe.rules import Decision, ModuleInfo, Plan
+    from weft.core.recipe.rule_engine import Decision, ModuleInfo, Plan
 
 
 @attrs.frozen(kw_only=True)
@@ -51,7 +51,7 @@ class Strategy:
     #: resolved again. May raise PlanError for a choice this module cannot run.
     resolve: Callable[..., tuple[str, Any] | None] | None = None
     #: Batching strategies: what `weft plan` shows of the data the strategy will feed,
-    #: ``describe(params, *, recipe, plan, model, adapter, positions) -> dict`` with the
+    #: ``describe(params, *, recipe, plan, model, family, positions) -> dict`` with the
     #: optional keys ``vision_split`` (the first step's images per SP rank) and, when
     #: ``positions`` is true, ``positions`` (largest position ids; `weft plan --positions`).
     #: The root's shard strategy: ``lines``, what `weft plan` prints under the plan of what its
@@ -129,7 +129,7 @@ class OptimizerGroup:
     """What ``weft_optimizer`` receives per parameter group: the trainable parameters whose
     module one ``optimizer`` decision covers, and that group's resolved peak settings."""
 
-    decision: Any  # weft.core.recipe.rules.Decision of the ``optimizer`` point
+    decision: Any  # weft.core.recipe.rule_engine.Decision of the ``optimizer`` point
     params: tuple[Any, ...]  # the torch parameters (DTensors under FSDP2)
     lr: float  # the rule's lr, else train.lr; times the rule's lr_scale
     weight_decay: float  # the rule's weight_decay, else train.weight_decay

@@ -70,7 +70,7 @@ def _escape(text: str) -> str:
 
 def params_table(cls: type) -> str:
     """Markdown table of an attrs class: key, accepted, default, meaning."""
-    from weft.core.recipe.schema import field_docs
+    from weft.core.recipe.convert import field_docs
 
     fields = {f.alias or f.name: f for f in attrs.fields(cls)}
     rows = ["| key | accepts | default | meaning |", "| --- | --- | --- | --- |"]
@@ -129,7 +129,7 @@ def selectors_table() -> str:
 
 def points_table() -> str:
     from weft.core.hookspecs import HOOK_POINTS
-    from weft.core.recipe.rules import MULTI_POINTS, POINT_KINDS
+    from weft.core.recipe.rule_engine import MULTI_POINTS, POINT_KINDS
 
     kinds = {"unit": "each shard unit", "root": "the root", "attention": "each attention module",
              "params": "each module outside the units holding parameters"}

@@ -14,7 +14,7 @@ from typing import Literal
 import attrs
 
 from weft.core.hookspecs import hookimpl
-from weft.core.recipe.schema import in_range
+from weft.core.recipe.convert import in_range
 from weft.core.registry import Adapters, NoParams, Strategy
 
 ALL_LINEAR = "all-linear"

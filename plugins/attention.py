@@ -167,7 +167,7 @@ def _named(name: str):
 
 def _unresolved(params, *, module_path, plan, mesh):
     raise PlanError(f"{module_path}: attention 'auto' reached the run unresolved; a Plan from "
-                    "weft.core.recipe.rules.build_plan resolves it to the strategy that runs")
+                    "weft.core.recipe.rule_engine.build_plan resolves it to the strategy that runs")
 
 
 def _vision(name: str, *, shared: bool):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from weft.core.hookspecs import hookimpl
-from weft.core.recipe.schema import in_range
+from weft.core.recipe.convert import in_range
 from weft.core.registry import Declared, Strategy
 
 

@@ -6,7 +6,7 @@ float32 weights (strategies/optim/adamw_sr.py). ``adamw``: torch's fused AdamW i
 dtype, which rounds bf16 updates to nearest (explicit choice only). ``adamw_8bit``:
 torchao's AdamW with 8-bit moments (seed 001's "8-bit AdamW"), stochastic rounding of bf16
 weights. Every strategy takes the per-module settings ``lr`` / ``lr_scale`` /
-``weight_decay``; the core resolves them into each group (core/train/optimizer.py).
+``weight_decay``; the core resolves them into each group (core/train/optimizer_setup.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Literal
 import attrs
 
 from weft.core.hookspecs import hookimpl
-from weft.core.recipe.schema import in_range
+from weft.core.recipe.convert import in_range
 from weft.core.registry import Declared, Strategy
 
 

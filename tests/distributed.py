@@ -29,7 +29,7 @@ _PRELOAD = [
     "model_helpers", "distributed",
     # A command's ranks (tests/forked_ranks.py): the command line and the rank jobs' modules.
     "weft.core.commands.main", "weft.core.commands.check", "weft.core.commands.evaluate",
-    "weft.core.commands.generate", "weft.core.infer.generate", "weft.core.commands.run", "forked_ranks",
+    "weft.core.commands.generate", "weft.core.infer.generate_one", "weft.core.commands.run", "forked_ranks",
 ]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 
@@ -84,14 +84,14 @@ def sp_model(recipe_data: dict, *, rank: int, world: int, plugins: tuple[str, ..
 
     recipe = Recipe.from_dict(recipe_data)
     pm = build_plugin_manager(extra=[(name, importlib.import_module(name)) for name in plugins], entry_points=False)
-    adapter = pm.models.for_recipe(recipe)
-    model = adapter.build(recipe, device="cpu", seed=0)
+    family = pm.models.for_recipe(recipe)
+    model = family.build(recipe, device="cpu", seed=0)
     reference = copy.deepcopy(model)
     plan, _ = plan_recipe(recipe, pm=pm, world_size=world, model=model)
     mesh = build_device_mesh(plan.mesh, device_type="cpu")
     ctx = RunContext(recipe=recipe, device=torch.device("cpu"), rank=rank, world_size=world, log=structlog.get_logger())
     install_attention(model=model, plan=plan, mesh=mesh, ctx=ctx, pm=pm)
-    split = adapter.sequence_parallel(model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
+    split = family.sequence_parallel(model, plan=plan, mesh=mesh) if plan.mesh.sp > 1 else None
     return model, reference, plan, mesh, split
 
 

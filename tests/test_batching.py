@@ -32,7 +32,7 @@ def steps(*, seed: int, start: int, count: int, dp_rank: int = 0, world: int = 1
     pm = build_plugin_manager(entry_points=False)
     plan, _ = plan_recipe(recipe, pm=pm, world_size=world)
     ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger(),
-                     state=RunState(start_step=start), adapter=pm.models.for_recipe(recipe))
+                     state=RunState(start_step=start), family=pm.models.for_recipe(recipe))
     iterator = iter(pm.call_first("weft_batching", decision=plan.decision("batching"), recipe=recipe, plan=plan,
                                   mesh=FakeMesh(dp_rank), model=None, ctx=ctx))
     return [[mb["input_ids"] for mb in next(iterator)] for _ in range(count)]

@@ -117,10 +117,10 @@ def test_plan_json_is_parseable(weft, tmp_path):
     assert {m["decisions"]["attention"]["strategy"] for m in vision} <= {"sdpa", "vision_local"}
 
 
-def test_unknown_model_type_is_a_user_error_listing_the_adapters(weft, tmp_path):
-    """A local model directory whose config.json names a model_type no installed adapter
+def test_unknown_model_type_is_a_user_error_listing_the_families(weft, tmp_path):
+    """A local model directory whose config.json names a model_type no installed family
     handles: exit 2 before any process starts, naming the file's model_type, the key and
-    every adapter installed; no traceback."""
+    every family installed; no traceback."""
     model_dir = tmp_path / "mystery-model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": "mystery_vl", "hidden_size": 8}))
@@ -132,8 +132,8 @@ def test_unknown_model_type_is_a_user_error_listing_the_adapters(weft, tmp_path)
         assert "Traceback" not in done.stderr
         message = done.stderr
         assert f"{recipe} (model.path)" in message and "model_type 'mystery_vl'" in message, message
-        for adapter in ("qwen2_5_vl (qwen2_5_vl)", "qwen2_vl (qwen2_vl)", "qwen3_vl (qwen3_vl)", "causal_lm (qwen2"):
-            assert adapter in message, message
+        for family in ("qwen2_5_vl (qwen2_5_vl)", "qwen2_vl (qwen2_vl)", "qwen3_vl (qwen3_vl)", "causal_lm (qwen2"):
+            assert family in message, message
 
 
 def test_a_preset_without_processor_reading_jsonl_is_a_user_error(weft, tmp_path):

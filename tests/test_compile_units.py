@@ -119,7 +119,7 @@ def test_attention_compiles_only_without_collectives():
     from weft.core.mesh_spec import MeshSpec
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import ModuleInfo, build_plan
+    from weft.core.recipe.rule_engine import ModuleInfo, build_plan
     from weft.plugins.attention import traceable
 
     root = ModuleInfo(path="", class_name="Toy", kind="root")
@@ -149,7 +149,7 @@ def test_a_unit_scope_over_an_untraceable_attention_compiles_the_children_and_sa
     names the layer (logged as ``shard.compile_scope_children``)."""
     from weft.core.mesh_spec import MeshSpec
     from weft.core.plugin_manager import build_plugin_manager
-    from weft.core.recipe.rules import ModuleInfo, build_plan
+    from weft.core.recipe.rule_engine import ModuleInfo, build_plan
     from weft.plugins.shard.levers import compile_units
 
     layer = torch.nn.Module()

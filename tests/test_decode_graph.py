@@ -66,7 +66,7 @@ def _prefilled(tiny):
 
 def _buffered(tiny, *, stops=frozenset(), read_every=decode.READ_EVERY, sampling=None, compile=False):
     cache, tokens, logprobs = _prefilled(tiny)
-    rotary = decode.next_rotary(tiny["inputs"], positions_of=tiny["adapter"].positions(tiny["model"]))
+    rotary = decode.next_rotary(tiny["inputs"], positions_of=tiny["family"].positions(tiny["model"]))
     with torch.no_grad():
         report = decode_buffered(tiny["model"], cache=cache, tokens=tokens, logprobs=logprobs,
                                  row=tiny["inputs"]["input_ids"].shape[1], rotary=rotary,
@@ -113,7 +113,7 @@ def _step_on(tiny, device: str) -> DecodeStep:
         model = copy.deepcopy(model).to("meta")  # its own config too: the decode attention set as it was
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys.to("meta"), layer.values.to("meta")
-    rotary = decode.next_rotary(tiny["inputs"], positions_of=tiny["adapter"].positions(tiny["model"]))
+    rotary = decode.next_rotary(tiny["inputs"], positions_of=tiny["family"].positions(tiny["model"]))
     length = tiny["inputs"]["input_ids"].shape[1]
     return DecodeStep(model, cache=cache, token=torch.tensor([[tokens[0]]], device=device),
                       rotary=rotary.to(device), row=torch.tensor([length], device=device), capture=False)

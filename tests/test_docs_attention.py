@@ -158,7 +158,7 @@ def test_the_example_strategy_equals_sdpa_where_the_window_covers_the_sequence(t
 def test_the_example_strategy_refuses_a_vision_tower(tmp_path):
     from weft.core.errors import PlanError
     from weft.core.mesh_spec import MeshSpec
-    from weft.core.recipe.rules import ModuleInfo, build_plan
+    from weft.core.recipe.rule_engine import ModuleInfo, build_plan
 
     example = load_example()
     pm = build_plugin_manager(extra=[("sliding_window", example)], entry_points=False)

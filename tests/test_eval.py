@@ -60,18 +60,18 @@ def unsharded_loss(data: pathlib.Path) -> float:
     from weft.core.context import RunContext
     from weft.core.plugin_manager import plugin_manager_from_env
     from weft.core.recipe import Recipe
-    from weft.plugins.batching.data import bad_sample_handler, collect_samples, pad_id_of, sample_source
+    from weft.plugins.batching.samples import bad_sample_handler, collect_samples, pad_id_of, sample_source
     from weft.strategies.data.conversation import collate
 
     recipe = Recipe.from_toml(RECIPE, overrides=("data.source=jsonl", f"data.path={data}", "data.cache=false"))
-    adapter = plugin_manager_from_env().models.for_recipe(recipe)
+    family = plugin_manager_from_env().models.for_recipe(recipe)
     ctx = RunContext(recipe=recipe, device=torch.device("cpu"), log=structlog.get_logger())
-    tokenizer, source = sample_source(recipe, adapter)
+    tokenizer, source = sample_source(recipe, family)
     samples = collect_samples(recipe, source, on_bad=bad_sample_handler(recipe, ctx))
-    pad_id = pad_id_of(tokenizer, adapter.config(recipe)[0])
+    pad_id = pad_id_of(tokenizer, family.config(recipe)[0])
     batches = [collate([s], pad_id=pad_id) for s in samples]
     assert len(batches) == 7
-    return reference(recipe, adapter=adapter, batches=batches, device="cpu")["fp32"]["loss"]
+    return reference(recipe, family=family, batches=batches, device="cpu")["fp32"]["loss"]
 
 
 @pytest.fixture(scope="module")

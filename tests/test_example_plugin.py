@@ -21,7 +21,7 @@ from weft.core.hookspecs import hookimpl
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import ModuleInfo, build_plan
+from weft.core.recipe.rule_engine import ModuleInfo, build_plan
 from weft.core.registry import Verdict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -53,14 +53,14 @@ def test_frozen_weights_stay_and_get_no_optimizer_state(weft, tmp_path):
 
     trained = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf").state_dict()  # transformers' names
     recipe = Recipe.from_toml(str(tmp_path / "frozen.toml"))
-    adapter = plugin_manager_from_env().models.for_recipe(recipe)
-    initial = adapter.build(recipe, device="cpu", seed=recipe.train.seed).state_dict()
+    family = plugin_manager_from_env().models.for_recipe(recipe)
+    initial = family.build(recipe, device="cpu", seed=recipe.train.seed).state_dict()
     blocks = [k for k in trained if ".visual.blocks." in k]
     assert blocks and all(torch.equal(trained[k], initial[k]) for k in blocks)
     assert not torch.equal(trained["model.visual.merger.mlp.0.weight"], initial["model.visual.merger.mlp.0.weight"])
     layers = [k for k in trained if "language_model.layers.0.mlp" in k]
     assert any(not torch.equal(trained[k], initial[k]) for k in layers)
-    model = adapter.build(recipe, device="cpu", seed=0)
+    model = family.build(recipe, device="cpu", seed=0)
     for block in model.model.visual.blocks:
         block.requires_grad_(False)
     optimizer, _ = optimizer_for(recipe, model)

@@ -164,9 +164,9 @@ def test_a_video_prompt_over_ring2_equals_transformers_generate(tmp_path):
 
     clip = write_mp4(tmp_path / "clip.mp4", frames=8, fps=4)
     recipe = Recipe.from_toml(RECIPE)
-    adapter = plugin_manager_from_env().models.for_recipe(recipe)
-    model = adapter.build(recipe, device="cpu", seed=recipe.train.seed).eval()
-    inputs = adapter.prompt_inputs(recipe, text=VIDEO_PROMPT, images=[], videos=[str(clip)])
+    family = plugin_manager_from_env().models.for_recipe(recipe)
+    model = family.build(recipe, device="cpu", seed=recipe.train.seed).eval()
+    inputs = family.prompt_inputs(recipe, text=VIDEO_PROMPT, images=[], videos=[str(clip)])
     assert inputs["video_grid_thw"].tolist() == [[2, 4, 4]] and inputs["second_per_grid_ts"].tolist() == [1.0]
     video_at = (inputs["input_ids"][0] == model.config.video_token_id).nonzero().flatten()
     quarter = inputs["input_ids"].shape[1] / 4
@@ -200,8 +200,8 @@ def test_a_hugging_face_directory_without_a_recipe(image, expected, tmp_path):
     from weft.core.recipe import Recipe
 
     recipe = Recipe.from_toml(RECIPE)
-    adapter = plugin_manager_from_env().models.for_recipe(recipe)
-    adapter.export(adapter.build(recipe, device="cpu", seed=recipe.train.seed), recipe, tmp_path / "hf")
+    family = plugin_manager_from_env().models.for_recipe(recipe)
+    family.export(family.build(recipe, device="cpu", seed=recipe.train.seed), recipe, tmp_path / "hf")
     done = weft("generate", "--model-dir", str(tmp_path / "hf"), "--prompt", PROMPT, "--image", str(image),
                 "--max-new-tokens", str(NEW), "--json")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -14,7 +14,7 @@ import torch
 from weft.core.context import StepState
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import Decision
+from weft.core.recipe.rule_engine import Decision
 from weft.plugins.guard import MemoryParams, SpikeParams, weft_guard
 from weft.strategies.optim.loss_spike import SpikeWindow
 

@@ -31,7 +31,7 @@ from weft.core.hookspecs import hookimpl
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import Decision, ModuleInfo, build_plan
+from weft.core.recipe.rule_engine import Decision, ModuleInfo, build_plan
 from weft.core.registry import AttentionBinding, NoParams, Strategy, Verdict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -142,45 +142,45 @@ class ToyFamily:
     """A third-party model family: the built-in base with its own model_type."""
 
     def __init__(self) -> None:
-        from weft.plugins.models.base import TransformersAdapter
+        from weft.plugins.models.base import TransformersFamily
 
-        self.adapter = TransformersAdapter(name="toy_lm", model_types=("toy_lm",), summary="a toy family")
+        self.family = TransformersFamily(name="toy_lm", model_types=("toy_lm",), summary="a toy family")
 
     @hookimpl
     def weft_models(self):
-        return [self.adapter]
+        return [self.family]
 
 
 @pytest.mark.quick
 def test_hook_weft_models(tmp_path):
-    from weft.core.models import ModelAdapter
+    from weft.core.models import ModelFamily
 
-    family = ToyFamily()
-    pm = make_pm(("toy", family))
+    toy = ToyFamily()
+    pm = make_pm(("toy", toy))
     # Collect-all: one list per implementing plugin (the built-in families and the toy).
     lists = pm.hook.weft_models()
     assert len(lists) == len(pm.hook.weft_models.get_hookimpls()) == 2
-    assert all(isinstance(a, ModelAdapter) for items in lists for a in items)
-    assert pm.models.get("toy_lm") is family.adapter
+    assert all(isinstance(a, ModelFamily) for items in lists for a in items)
+    assert pm.models.get("toy_lm") is toy.family
     assert pm.models.get("qwen2_5_vl").name == "qwen2_5_vl" and pm.models.get("qwen2").name == "causal_lm"
-    assert ("toy", family.adapter) in pm.models.all()
-    # The core picks the adapter from the model directory's config.json.
+    assert ("toy", toy.family) in pm.models.all()
+    # The core picks the family from the model directory's config.json.
     (tmp_path / "config.json").write_text('{"model_type": "toy_lm"}')
     recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
-    assert pm.models.for_recipe(recipe) is family.adapter
-    # Without the plugin: a user error naming the model_type and the adapters installed.
-    with pytest.raises(RecipeError, match=r"no installed model adapter handles model_type 'toy_lm'; "
-                                          r"adapters installed: causal_lm \(qwen2, .*qwen2_5_vl \(qwen2_5_vl\)"):
+    assert pm.models.for_recipe(recipe) is toy.family
+    # Without the plugin: a user error naming the model_type and the families installed.
+    with pytest.raises(RecipeError, match=r"no installed model family handles model_type 'toy_lm'; "
+                                          r"families installed: causal_lm \(qwen2, .*qwen2_5_vl \(qwen2_5_vl\)"):
         make_pm().models.for_recipe(recipe)
     # Two plugins claiming one model_type: an error naming both.
     with pytest.raises(RecipeError,
                        match=r"model_type 'toy_lm' is handled twice: by plugin 'toy' and by plugin 'again'"):
-        make_pm(("toy", family), ("again", ToyFamily())).models
+        make_pm(("toy", toy), ("again", ToyFamily())).models
 
 
 @pytest.mark.quick
 def test_a_family_that_cannot_share_its_tower_refuses_vision_ulysses():
-    """An adapter with shares_vision = False (a tower whose blocks do more than pass the patch
+    """A family with shares_vision = False (a tower whose blocks do more than pass the patch
     sequence along): the planner refuses a vision rule that shares one image over the SP
     ranks, naming the module, the rule and the family, before any process starts."""
     from weft.core.plan.planner import plan_recipe
@@ -587,7 +587,7 @@ def test_hook_weft_optimizer():
     """A third-party optimizer by rule: the core resolves each group's peak lr (rule lr or
     train.lr, times lr_scale) and weight decay, wraps it in the schedule; nobody answering is
     a HookError naming the strategy."""
-    from weft.core.train.optimizer import make_optimizer
+    from weft.core.train.optimizer_setup import make_optimizer
 
     pm = make_pm(("sgd-plugin", SgdPlugin()))
     rule = {"optimizer": {"strategy": "test_sgd", "momentum": 0.5, "lr_scale": 2.0, "weight_decay": 0.1}}

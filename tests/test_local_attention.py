@@ -239,7 +239,7 @@ def test_auto_strategy_without_the_package_stays_sdpa(no_fa4):
 def test_local_binding_keeps_flash_out_of_its_name(fake_fa4):
     """transformers switches to its varlen calling convention for any name holding "flash"."""
     from weft.core.plugin_manager import build_plugin_manager
-    from weft.core.recipe.rules import Decision, ModuleInfo
+    from weft.core.recipe.rule_engine import Decision, ModuleInfo
     from weft.plugins.attention import RingParams, weft_attention
 
     class _Mesh(dict):

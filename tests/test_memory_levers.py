@@ -62,7 +62,7 @@ def test_storage_dtype_reaches_the_optimizer_states(strategy):
     from weft.core.context import RunContext
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe import Recipe
-    from weft.core.train.optimizer import make_optimizer
+    from weft.core.train.optimizer_setup import make_optimizer
     from weft.core.train.prepare import prepare_model
 
     recipe = Recipe.from_dict({

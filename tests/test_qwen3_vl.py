@@ -168,9 +168,9 @@ def test_describe_and_positions():
     from weft.strategies.data.synthetic_vl import synthetic_conversations
 
     recipe = Recipe.from_dict({"model": {"preset": "qwen3_vl_tiny"}})
-    adapter = build_plugin_manager(entry_points=False).models.for_recipe(recipe)
-    model = adapter.build(recipe, device="cpu", seed=0)
-    infos = {i.path: i for i in adapter.describe(model)}
+    family = build_plugin_manager(entry_points=False).models.for_recipe(recipe)
+    model = family.build(recipe, device="cpu", seed=0)
+    infos = {i.path: i for i in family.describe(model)}
     units = {p: i.modality for p, i in infos.items() if i.kind == "unit"}
     assert units["model.visual.merger"] == "projector"
     assert units["model.visual.deepstack_merger_list.0"] == units["model.visual.deepstack_merger_list.1"] == "projector"
@@ -183,7 +183,7 @@ def test_describe_and_positions():
     tokenizer, image_processor = load_processor("tiny_vl")
     conversation = synthetic_conversations(seed=5, num_samples=1, min_side=28, max_side=112)[0]
     sample = encode_conversation(conversation.messages, tokenizer=tokenizer, image_processor=image_processor)
-    positions = adapter.positions(model)(sample)  # (3, 1, L)
+    positions = family.positions(model)(sample)  # (3, 1, L)
     expected, _ = model.model.get_rope_index(sample.input_ids[None], sample.mm_token_type_ids[None],
                                              image_grid_thw=sample.image_grid_thw)
     assert torch.equal(positions, expected)
@@ -200,15 +200,15 @@ def test_keep_vision_alive_runs_deepstack_mergers():
     from weft.core.recipe import Recipe
 
     recipe = Recipe.from_dict({"model": {"preset": "qwen3_vl_tiny"}})
-    adapter = build_plugin_manager(entry_points=False).models.for_recipe(recipe)
-    model = adapter.build(recipe, device="cpu", seed=0)
+    family = build_plugin_manager(entry_points=False).models.for_recipe(recipe)
+    model = family.build(recipe, device="cpu", seed=0)
     ids = torch.tensor([[306, 10, 11, 12, 13, 308]])  # text only
     plain = model(input_ids=ids).logits
-    adapter.keep_vision_alive(model)
+    family.keep_vision_alive(model)
     logits = model(input_ids=ids, **{VISION_FLAG: True}).logits
     assert torch.equal(logits, plain)
     logits.sum().backward()
-    visual = adapter.vision_tower(model)
+    visual = family.vision_tower(model)
     for name in ("merger", "deepstack_merger_list.0", "deepstack_merger_list.1", "blocks.2"):
         grads = [p.grad for p in visual.get_submodule(name).parameters()]
         assert all(g is not None for g in grads), f"visual.{name} is not in the graph"

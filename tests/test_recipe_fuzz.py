@@ -17,7 +17,7 @@ from weft.core.hookspecs import HOOK_POINTS
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import DataSection, ModelSection, ParallelSection, Recipe, TrainSection, apply_override
-from weft.core.recipe.rules import ModuleInfo, build_plan
+from weft.core.recipe.rule_engine import ModuleInfo, build_plan
 from weft.core.recipe.syntax import COMPARISONS, MODALITIES, SELECTOR_KEYS
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "parallel": ParallelSection}

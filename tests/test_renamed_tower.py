@@ -118,8 +118,8 @@ def _sp_rank(rank: int, world: int, preset: str) -> None:
             assert installed_strategy(implementation) == decision.strategy, module.info.path
             assert decision.strategy == text if tower == "text" else decision.strategy in ("sdpa", "vision_local")
         # The SP hooks find the tower by its modality: images are spread over the ranks.
-        adapter = weft_renamed_tower.RENAMED_TOWER
-        assert adapter.vision_tower(model) is model.model.image_encoder
+        family = weft_renamed_tower.RENAMED_TOWER
+        assert family.vision_tower(model) is model.model.image_encoder
         _check(rank, world, preset=preset, ulysses=ulysses, ring=ring, strategy="auto", layout="zigzag",
                plugins=(PLUGIN,))
 

@@ -14,7 +14,7 @@ from weft.core.errors import PlanError
 from weft.core.plan.planner import plan_recipe
 from weft.core.plugin_manager import plugin_manager_from_env
 from weft.core.recipe import Recipe
-from weft.core.train.rope import resolve_rope
+from weft.core.train.rope_resolve import resolve_rope
 
 PM = plugin_manager_from_env()
 BASE = {"model": {"preset": "qwen2_5_vl_tiny"}, "train": {"micro_batch_tokens": 1024}}
@@ -35,8 +35,8 @@ def _resolved(recipe: Recipe) -> Recipe:
 def _tables(recipe: Recipe):
     """The text decoder's rotary embedding as built for ``recipe``: inv_freq, attention scaling,
     and cos/sin at a few positions (3-D mRoPE ids)."""
-    adapter = PM.models.for_recipe(recipe)
-    model = adapter.build(recipe, device="cpu", seed=0)
+    family = PM.models.for_recipe(recipe)
+    model = family.build(recipe, device="cpu", seed=0)
     rotary = model.model.language_model.rotary_emb
     x = torch.zeros(1, 5, 1)
     positions = torch.tensor([0, 1, 1000, 9000, 30000]).view(1, 1, -1).expand(3, 1, -1)

@@ -22,8 +22,8 @@ import pytest
 from weft.core.errors import PlanError, RecipeError, WeftError
 from weft.core.mesh_spec import MeshSpec
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import ModuleInfo, Plan, build_plan, matches, validate_rules
-from weft.core.recipe.schema import in_range
+from weft.core.recipe.convert import in_range
+from weft.core.recipe.rule_engine import ModuleInfo, Plan, build_plan, matches, validate_rules
 from weft.core.recipe.syntax import bundled_path, default_rules
 from weft.core.registry import NoParams, Strategy, StrategyRegistry
 
@@ -863,7 +863,7 @@ def test_plan_to_json_round_trip_shape(tmp_path):
 def test_core_modules_import_without_torch():
     code = (
         "import sys\n"
-        "import weft.core.recipe.rules, weft.core.recipe, weft.core.recipe.schema, weft.core.mesh_spec\n"
+        "import weft.core.recipe.rule_engine, weft.core.recipe, weft.core.recipe.convert, weft.core.mesh_spec\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
         "from weft.core.recipe import Recipe\n"
         "Recipe.from_dict({'model': {'preset': 'qwen2_5_vl_tiny'}, 'include': ['rules/modality-groups.toml']})\n"

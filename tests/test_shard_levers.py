@@ -20,7 +20,7 @@ from weft.core.errors import PlanError
 from weft.core.mesh_spec import MeshSpec
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import ModuleInfo, build_plan
+from weft.core.recipe.rule_engine import ModuleInfo, build_plan
 from weft.plugins.shard import fsdp2_steps as shard_fsdp2
 from weft.plugins.shard import levers as shard_levers
 from weft.plugins.shard.levers import Recompute, Storage, config_of
@@ -272,13 +272,13 @@ def test_four_bit_units_are_materialised_once_before_sharding():
 
     plan, ctx, units = planned({"strategy": "fsdp2", "trainable": False, "quantize": "nf4"},
                                root={"strategy": "fsdp2"})
-    ctx = attrs.evolve(ctx, adapter=Family())
+    ctx = attrs.evolve(ctx, family=Family())
     with torch.device("meta"):
         model = Toy()
     mesh = type("M", (), {"fsdp_mesh": lambda self: type("D", (), {"size": lambda self: 1})()})()
     shard_fsdp2.quantize_before_sharding(model, units, plan=plan, mesh=mesh, ctx=ctx)
     assert calls == [{"layers.0": "nf4"}] and ("shard.quantized_before_fsdp2", {"units": 1}) in ctx.log.events
-    assert not materialize_weights(model, adapter=ctx.adapter, recipe=ctx.recipe, plan=plan, device=ctx.device,
+    assert not materialize_weights(model, family=ctx.family, recipe=ctx.recipe, plan=plan, device=ctx.device,
                                    log=ctx.log)
     assert len(calls) == 1
 

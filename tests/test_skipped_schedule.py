@@ -13,7 +13,7 @@ from weft.core.hookspecs import hookimpl
 from weft.core.plugin_manager import build_plugin_manager
 from weft.core.recipe import Recipe
 from weft.core.registry import Verdict
-from weft.core.train.optimizer import lr_lambda
+from weft.core.train.optimizer_setup import lr_lambda
 
 
 class SkipSteps:
@@ -56,7 +56,7 @@ def test_an_unskipped_step_keeps_torchs_warning():
     its optimizer ever stepped, without a skip, still hears about it."""
     import torch
 
-    from weft.core.train.optimizer import advance_schedule
+    from weft.core.train.optimizer_setup import advance_schedule
 
     weight = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([weight], lr=0.1)

@@ -265,7 +265,7 @@ def _worker_autocast(rank: int, world: int) -> None:
     class Module:
         is_causal = True
 
-    # Rotary embeddings leave q/k in float32 inside a bf16 autocast region; the adapter must
+    # Rotary embeddings leave q/k in float32 inside a bf16 autocast region; the bridge must
     # cast like SDPA would, so the ring runs bf16 kernels (and Ulysses sends bf16).
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = fn(Module(), q, k, v, None, scaling=0.25)

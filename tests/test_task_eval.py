@@ -51,13 +51,13 @@ def evaluate(folder: pathlib.Path, task: str, *extra: str) -> tuple[dict, list[d
 def hand_scores(messages: list[dict], choices: list[str]) -> list[float]:
     """Each choice's summed log-likelihood from transformers' forward over the chat template's
     rendering: the choice's tokens after the generation prompt, before the closing <|im_end|>."""
-    from model_helpers import adapter_of
+    from model_helpers import family_of
     from weft.core.recipe import Recipe
     from weft.strategies.data.conversation import load_processor
 
     recipe = Recipe.from_toml(RECIPE)
-    model = adapter_of(recipe).build(recipe, device="cpu", seed=recipe.train.seed).eval()
-    tokenizer = load_processor(adapter_of(recipe).config(recipe)[1])[0]
+    model = family_of(recipe).build(recipe, device="cpu", seed=recipe.train.seed).eval()
+    tokenizer = load_processor(family_of(recipe).config(recipe)[1])[0]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     found = []
     for choice in choices:
@@ -118,7 +118,7 @@ def test_a_generated_answer_is_transformers_greedy_answer(folder):
     tokens = list(greedy["tokens"])
     while tokens and tokens[-1] in set(stop_tokens(greedy["model"])):
         tokens.pop()
-    text = greedy["adapter"].decode_tokens(Recipe.from_toml(RECIPE), tokens)
+    text = greedy["family"].decode_tokens(Recipe.from_toml(RECIPE), tokens)
     question = {"messages": [{"role": "user", "content": "<image>Which colour is this?"}], "images": ["red.png"]}
     lines = [dict(question, id="same", answer=f"  {text.upper()} "), dict(question, id="more", answer=text + " more")]
     (folder / "generated.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))

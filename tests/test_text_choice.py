@@ -46,14 +46,14 @@ def scored(tmp_path_factory) -> tuple[pathlib.Path, dict, list[dict]]:
 
 
 def model_and_tokenizer(recipe_path: pathlib.Path):
-    from model_helpers import adapter_of
+    from model_helpers import family_of
     from weft.core.recipe import Recipe
     from weft.strategies.data.conversation import load_processor
 
     recipe = Recipe.from_toml(recipe_path)
-    adapter = adapter_of(recipe)
-    model = adapter.build(recipe, device="cpu", seed=recipe.train.seed).eval()
-    return model, load_processor(adapter.config(recipe)[1])[0]
+    family = family_of(recipe)
+    model = family.build(recipe, device="cpu", seed=recipe.train.seed).eval()
+    return model, load_processor(family.config(recipe)[1])[0]
 
 
 def test_a_choice_is_scored_as_the_contexts_continuation(scored):

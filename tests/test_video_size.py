@@ -83,7 +83,7 @@ def test_frames_take_the_video_processors_bounds(tmp_path):
 
 
 def test_the_folders_frame_rate_unless_the_recipe_sets_one(tmp_path):
-    from weft.plugins.batching.data import video_limits
+    from weft.plugins.batching.samples import video_limits
 
     folder = str(_folder(tmp_path, VIDEO_CONFIG))
     unset = Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}})

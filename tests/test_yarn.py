@@ -15,7 +15,7 @@ import pathlib
 import pytest
 import torch
 
-from model_helpers import adapter_of, build_model
+from model_helpers import build_model, family_of
 from weft.core.recipe import Recipe
 from weft.plugins.models.build import model_config, rope_summary, trained_context
 from weft.strategies.model.yarn import needed_factor, yarn_parameters
@@ -117,7 +117,7 @@ def test_the_watch_reads_mrope_positions_and_names_the_factor():
 
     log = ListLog()
     context = largest  # one short: the batch reaches position `largest`, the context holds 0..largest-1
-    watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=context,
+    watch = PositionWatch(decoder=family_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=context,
                           original=context // 2, scaling="none", log=log)
     with torch.no_grad():
         model(**inputs, use_cache=False)
@@ -131,7 +131,7 @@ def test_the_watch_reads_mrope_positions_and_names_the_factor():
     assert warned[0]["needed_factor"] == needed_factor(watch.largest, trained=context // 2) > 2.0
 
     quiet = ListLog()
-    quiet_watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model),
+    quiet_watch = PositionWatch(decoder=family_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model),
                                 context=watch.largest + 1, original=watch.largest + 1, scaling="none", log=quiet)
     with torch.no_grad():
         model(**inputs, use_cache=False)
@@ -153,7 +153,7 @@ def test_plan_positions_reads_the_data_like_the_model(capsys):
     """`weft plan --positions`: the largest position id over the recipe's samples equals
     what the model's own forward computes for them, one sample at a time."""
     from weft.core.commands.main import main
-    from weft.plugins.batching.data import sample_source
+    from weft.plugins.batching.samples import sample_source
     from weft.plugins.models.positions import PositionWatch
     from weft.strategies.data.conversation import collate
 
@@ -163,9 +163,9 @@ def test_plan_positions_reads_the_data_like_the_model(capsys):
     found = json.loads(capsys.readouterr().out)["positions"]
 
     recipe = Recipe.from_toml(tiny, overrides=tuple(s for s in sets if s != "--set"))
-    tokenizer, source = sample_source(recipe, adapter_of(recipe))
+    tokenizer, source = sample_source(recipe, family_of(recipe))
     model = build_model(recipe, device="cpu", seed=0)
-    watch = PositionWatch(decoder=adapter_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=48, original=48,
+    watch = PositionWatch(decoder=family_of(_recipe("qwen2_5_vl_tiny")).text_decoder(model), context=48, original=48,
                           scaling="none", log=ListLog())
     tokens = []
     with torch.no_grad():

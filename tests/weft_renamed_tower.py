@@ -3,7 +3,7 @@ tower at ``model.image_encoder``. Loaded in process (``pm.register``) or into `w
 commands through a real entry point (tests/plugin_site.py).
 
 transformers' Qwen2.5-VL code reads ``self.visual``; here that is a property of a subclass
-that returns ``image_encoder``, so the module tree (what the adapter describes and the
+that returns ``image_encoder``, so the module tree (what the family describes and the
 rules match) has no ``visual`` anywhere. Nothing of transformers is patched: the family's
 own classes subclass it. Its modality table names the tower by its own path, so whatever
 weft still recognised by the name ``visual`` would treat the tower as text.
@@ -18,7 +18,7 @@ import torch
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen
 
 from weft.core.hookspecs import hookimpl
-from weft.plugins.models.base import TransformersAdapter
+from weft.plugins.models.base import TransformersFamily
 
 MODEL_TYPE = "renamed_tower_vl"
 TOWER = "image_encoder"
@@ -44,7 +44,7 @@ class RenamedTowerForConditionalGeneration(qwen.Qwen2_5_VLForConditionalGenerati
 
 
 @attrs.frozen(kw_only=True)
-class RenamedTowerAdapter(TransformersAdapter):
+class RenamedTowerFamily(TransformersFamily):
     """Qwen2.5-VL's building blocks under this family's model_type, built from its own classes."""
 
     def config(self, recipe):
@@ -63,7 +63,7 @@ class RenamedTowerAdapter(TransformersAdapter):
         return model
 
 
-RENAMED_TOWER = RenamedTowerAdapter(
+RENAMED_TOWER = RenamedTowerFamily(
     name=MODEL_TYPE, model_types=(MODEL_TYPE,), auto_class="AutoModelForImageTextToText",
     summary="test: tiny Qwen2.5-VL whose vision tower is model.image_encoder",
     modality_patterns=((f"*{TOWER}.merger*", "projector"), (f"*{TOWER}*", "vision"),

@@ -62,7 +62,7 @@ def weft_batching(decision, recipe, plan, mesh, model, ctx):
     from weft.strategies.data.synthetic_vl import synthetic_conversations
 
     # Whole sequences only: under sequence parallelism the core pads and cuts them.
-    tokenizer, image_processor = load_processor(ctx.adapter.config(recipe)[1])
+    tokenizer, image_processor = load_processor(ctx.family.config(recipe)[1])
     # At least one part per data-parallel rank: the same samples, grouped differently.
     k, dp, me = decision.params.samples_per_step, plan.mesh.dp, mesh.dp_rank()
     parts = max(decision.params.parts, dp)

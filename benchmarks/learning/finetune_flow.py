@@ -118,7 +118,7 @@ def transformers_loss(recipe_path: pathlib.Path, export: pathlib.Path, device: s
     from weft.core.context import RunContext
     from weft.core.plugin_manager import build_plugin_manager
     from weft.core.recipe import Recipe
-    from weft.plugins.batching.data import bad_sample_handler, collect_samples, pad_id_of, sample_source
+    from weft.plugins.batching.samples import bad_sample_handler, collect_samples, pad_id_of, sample_source
     from weft.strategies.data.conversation import collate
 
     recipe = Recipe.from_toml(recipe_path, overrides=(f"model.path={export}",))

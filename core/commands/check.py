@@ -28,7 +28,7 @@ from weft.core.run.rank_job import launch_ranks
 
 if TYPE_CHECKING:
     from weft.core.plugin_manager import WeftPluginManager
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 #: Float32 acceptance: what weft's own equivalence tests require.
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -132,7 +132,7 @@ def _after_sync(sync: list) -> Any:
     return after
 
 
-def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], device: str, after_sync: Any = None,
+def reference(recipe: Recipe, *, family: Any, batches: list[dict], device: str, after_sync: Any = None,
               precisions: tuple[str, ...] = ("fp32",), frozen: tuple[str, ...] = (), plan: Plan | None = None,
               pm: WeftPluginManager | None = None) -> dict[str, dict]:
     """Loss and gradients of the unsharded model on every rank's micro-batches, in each of
@@ -146,7 +146,7 @@ def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], device: str,
 
     _exact_matmuls()
     quantize = plan.quantized_units() if plan is not None else {}  # the ranks' 4-bit units, the same codes
-    model = adapter.build(recipe, device=device, seed=recipe.train.seed, **({"quantize": quantize} if quantize else {}))
+    model = family.build(recipe, device=device, seed=recipe.train.seed, **({"quantize": quantize} if quantize else {}))
     if plan is not None and pm is not None:
         from weft.core.context import RunContext
         from weft.core.plan.planner import add_adapters
@@ -172,7 +172,7 @@ def reference(recipe: Recipe, *, adapter: Any, batches: list[dict], device: str,
             loss += part.detach()
         grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
         norm = torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt().item()
-        groups = {name: adapter.modality_of(name.rsplit(".", 1)[0]) for name in grads}
+        groups = {name: family.modality_of(name.rsplit(".", 1)[0]) for name in grads}
         results[precision] = {"loss": loss.item(), "grads": grads, "grad_norm": norm, "groups": groups,
                               "clipped": after_sync(grads, norm) if after_sync is not None else grads}
     return results
@@ -242,7 +242,7 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
     from weft.core.plan.planner import plan_recipe
 
     plan, _ = plan_recipe(recipe, pm=pm, world_size=world_size)
-    from weft.core.train.rope import resolve_rope
+    from weft.core.train.rope_resolve import resolve_rope
 
     recipe = resolve_rope(recipe, plan=plan, pm=pm)  # the reference gets the ranks' rotary scaling
     if plan.packed():
@@ -263,7 +263,7 @@ def run_check(recipe: Recipe, *, world_size: int, overrides: list[str], recipe_a
 
     # bf16: the unsharded model's own bf16 difference from float32 is the yardstick.
     precisions = ("fp32", "bf16") if recipe.train.precision == "bf16" else ("fp32",)
-    refs = reference(recipe, adapter=pm.models.for_recipe(recipe), batches=batches, after_sync=after_sync,
+    refs = reference(recipe, family=pm.models.for_recipe(recipe), batches=batches, after_sync=after_sync,
                      device=device_type_for(recipe), precisions=precisions, frozen=tuple(plan.frozen_units()),
                      plan=plan, pm=pm)
     ref = refs["fp32"]

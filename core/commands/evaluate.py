@@ -39,7 +39,7 @@ def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
 def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
               run_dir: pathlib.Path | None, step: int | None, max_batches: int = 0,
               adapter_dir: str | None = None) -> dict:
-    from weft.core.infer.prepare import prepare_inference
+    from weft.core.infer.prepare_inference import prepare_inference
     from weft.core.mesh_spec import MESH_ORDER
     from weft.core.train.evaluation import forward_pass, held_out_recipe
     from weft.core.train.step import autocast_for

@@ -22,7 +22,7 @@ from weft.core.recipe import Recipe
 
 if TYPE_CHECKING:
     from weft.core.plugin_manager import WeftPluginManager
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 
 def run_recipe(run_dir: pathlib.Path) -> Recipe:
@@ -39,7 +39,7 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: WeftPluginManage
     adapters' own directory (PEFT's: ``PeftModel.from_pretrained(base, out_dir)``), unless
     ``merge``: then a plain model with the adapters folded into the base's weights."""
     recipe = run_recipe(run_dir)
-    adapter = pm.models.for_recipe(recipe)
+    family = pm.models.for_recipe(recipe)
     found = checkpoint_dirs(run_dir)
     if step is not None:
         found = [p for p in found if p.name == f"step-{step}"]
@@ -52,7 +52,7 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: WeftPluginManage
         # DCP's loader wants a process group; one rank is enough to reshard any save.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        meta = adapter.build(recipe, device="meta", seed=recipe.train.seed)
+        meta = family.build(recipe, device="meta", seed=recipe.train.seed)
         plan = _rules_plan(meta, recipe, pm=pm)
         adapters = _with_adapters(meta, plan, recipe, pm=pm, merge=merge)
         if adapters and not merge:  # the adapters alone: the base is never built
@@ -62,7 +62,7 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: WeftPluginManage
             # 4-bit units quantised as the run quantised them: merging an adapter into their
             # (dequantised) weights, not into the original ones, gives the model that was trained.
             quantize = plan.quantized_units()
-            model = adapter.build(recipe, device="cpu", seed=recipe.train.seed,
+            model = family.build(recipe, device="cpu", seed=recipe.train.seed,
                                   **({"quantize": quantize} if quantize else {}))
             adapters = _with_adapters(model, plan, recipe, pm=pm, merge=merge)
             for path in plan.frozen_units():  # not in the checkpoint: the model as built holds them
@@ -76,7 +76,7 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: WeftPluginManage
             dist.destroy_process_group()
     if kind != "adapter directory":
         out_dir.mkdir(parents=True, exist_ok=True)
-        adapter.export(model, recipe, out_dir)
+        family.export(model, recipe, out_dir)
     (out_dir / "weft_export.json").write_text(json.dumps(
         {"run_dir": str(run_dir), "checkpoint": checkpoint.name, "adapters": kind}, indent=1))
     return checkpoint
@@ -106,7 +106,7 @@ def _rules_plan(model: torch.nn.Module, recipe: Recipe, *, pm: WeftPluginManager
     """The run's rules on one process: adapters, frozen and 4-bit units do not depend on the mesh,
     and the run's own mesh may not resolve where export runs."""
     from weft.core.mesh_spec import MeshSpec
-    from weft.core.recipe.rules import build_plan
+    from weft.core.recipe.rule_engine import build_plan
 
     modules = pm.models.for_recipe(recipe).describe(model)
     return build_plan(recipe=recipe, modules=modules, registry=pm.registry, mesh=MeshSpec(), world_size=1)

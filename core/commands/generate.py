@@ -1,6 +1,6 @@
 """`weft generate RECIPE --prompt TEXT [--image PATH]...`: greedy or sampled decoding under
 the recipe's plan. The options are checked here, before any rank starts; the ranks run the
-decoding engine (core/infer/generate.py)."""
+decoding engine (core/infer/generate_one.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def run_generate(*, nproc: int, args: list[str]) -> dict:
 
 
 def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
-    from weft.core.infer.generate import generate_on_rank
+    from weft.core.infer.generate_one import generate_on_rank
     from weft.core.run.rank_job import run_on_rank
 
     run_on_rank(recipe, out=out, job=generate_on_rank, **options)

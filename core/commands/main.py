@@ -67,7 +67,7 @@ def _cmd_plan(args) -> int:
     pm = plugin_manager_from_env()
     world_size = args.world_size or recipe.parallel.nproc
     plan, model = plan_recipe(recipe, pm=pm, world_size=world_size)
-    from weft.core.train.rope import resolve_rope
+    from weft.core.train.rope_resolve import resolve_rope
 
     resolved = resolve_rope(recipe, plan=plan, pm=pm)
     if args.estimate:
@@ -79,14 +79,14 @@ def _cmd_plan(args) -> int:
         else:
             render_estimate(result)
         return EXIT_OK
-    adapter = pm.models.for_recipe(recipe)
-    config = model.config if resolved is recipe else adapter.config(resolved)[0]
-    rope = adapter.rope_summary(config, recipe=resolved)
+    family = pm.models.for_recipe(recipe)
+    config = model.config if resolved is recipe else family.config(resolved)[0]
+    rope = family.rope_summary(config, recipe=resolved)
     # What the batching strategy can tell of its data: the first step's images per SP
     # rank, and with --positions the largest position id of every sample.
     decision = plan.decision("batching")
     describe = pm.registry.get("batching", decision.strategy).describe
-    report = describe(decision.params, recipe=recipe, plan=plan, model=model, adapter=adapter,
+    report = describe(decision.params, recipe=recipe, plan=plan, model=model, family=family,
                       positions=args.positions) if describe else {}
     images, positions = report.get("vision_split", []), report.get("positions")
     if args.positions and positions is None:
@@ -94,7 +94,7 @@ def _cmd_plan(args) -> int:
                         where="--positions")
     if args.json:
         extra = {"positions": positions} if positions else {}
-        print(json.dumps(dict(plan.to_json(), model=adapter.name, vision_split=images, rope=rope, **extra), indent=1))
+        print(json.dumps(dict(plan.to_json(), model=family.name, vision_split=images, rope=rope, **extra), indent=1))
         return EXIT_OK
     from weft.core.plan.view import render_plan, render_positions, render_trainable, render_vision_split
 
@@ -102,7 +102,7 @@ def _cmd_plan(args) -> int:
     render_trainable(plan, model)
     root = plan.root().get("shard")
     inside = pm.registry.get("shard", root.strategy).describe if root is not None else None
-    for line in (inside(root.params, recipe=recipe, plan=plan, model=model, adapter=adapter,
+    for line in (inside(root.params, recipe=recipe, plan=plan, model=model, family=family,
                         positions=False) if inside else {}).get("lines", []):
         print(line)
     if positions is not None:

@@ -51,7 +51,7 @@ def score_task(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, d
                run_dir: pathlib.Path | None, step: int | None, task: str, results: str,
                max_new_tokens: int = 32, adapter_dir: str | None = None) -> dict:
     """One rank's part; rank 0 writes ``results`` and returns the summary."""
-    from weft.core.infer.prepare import prepare_inference
+    from weft.core.infer.prepare_inference import prepare_inference
     from weft.core.train.step import autocast_for
 
     path = pathlib.Path(task)
@@ -96,7 +96,7 @@ def _generated(items, prompts, *, run: Prepared, ctx: RunContext, pm: WeftPlugin
         ids = list(answer["tokens"])
         while ids and ids[-1] in stops:
             ids.pop()
-        texts[i] = ctx.adapter.decode_tokens(recipe, ids)
+        texts[i] = ctx.family.decode_tokens(recipe, ids)
     return texts
 
 

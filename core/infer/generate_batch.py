@@ -38,7 +38,7 @@ from weft.core.recipe import Recipe
 if TYPE_CHECKING:
     from weft.core.context import RunContext
     from weft.core.plugin_manager import WeftPluginManager
-    from weft.core.recipe.rules import Decision, Plan
+    from weft.core.recipe.rule_engine import Decision, Plan
     from weft.core.train.prepare import Prepared
 
 
@@ -47,7 +47,7 @@ def _batched_cache(plan: Plan, pm: WeftPluginManager) -> Decision:
     each written at its own position (a strategy whose record says ``batched_prompts``: the
     built-in ``static``), whatever the rules say: the rule's own where it is one (its kernel too),
     else the first such strategy with its defaults."""
-    from weft.core.recipe.rules import Decision
+    from weft.core.recipe.rule_engine import Decision
 
     ruled = [m.get("kv_cache") for m in plan.modules_for("kv_cache") if m.info.modality == "text"]
     if ruled and (record := plan.strategy(ruled[0])) is not None and record.batched_prompts:
@@ -71,7 +71,7 @@ def generate_batch(model: torch.nn.Module, *, run: Prepared, ctx: RunContext, pm
     ``profiled``: a context the decoding steps run in (``--profile``: core/infer/decode_profile.py)."""
     device = ctx.device
     lengths = [int(x["input_ids"].shape[1]) for x in inputs]
-    positions_of = ctx.adapter.positions(model)
+    positions_of = ctx.family.positions(model)
     # The next text position after each prompt: its largest rotary position plus one.
     starts = [int(positions_of(prompt_sample(x)).max()) + 1 for x in inputs]
     stops = stop_tokens(model)
@@ -90,7 +90,7 @@ def generate_batch(model: torch.nn.Module, *, run: Prepared, ctx: RunContext, pm
         with layer_index_dynamic():
             if chunk and lengths[row] > chunk:
                 logits, chunks[row] = prefill_in_chunks(model, inputs=inputs[row], cache=cache, device=device, row=row,
-                                                        chunk=chunk, positions_of=ctx.adapter.positions(model))
+                                                        chunk=chunk, positions_of=ctx.family.positions(model))
                 return logits.double()
             cache.begin_prefill(keep=None, prompt=lengths[row], row=row)
             output = model(**{k: v.to(device) for k, v in inputs[row].items()}, past_key_values=cache,
@@ -116,7 +116,7 @@ def generate_batch(model: torch.nn.Module, *, run: Prepared, ctx: RunContext, pm
         text_attention(model, cache.decode_attention)
         rotary = torch.tensor(starts)[:, None]  # (B, 1): each row's next rotary position
         setup_s = time.perf_counter() - start - prefill_s  # host set-up between the prefill and the steps
-        # Units a rule compiles run eagerly while decoding (see generate.py); the rows' step from
+        # Units a rule compiles run eagerly while decoding (see generate_one.py); the rows' step from
         # device buffers, captured as a CUDA graph where it can be (core/infer/decode_graph.py).
         with torch.compiler.set_stance("force_eager"), profiled() as profiling:
             graph = decode_rows_buffered(model, cache=cache, tokens=tokens, logprobs=logprobs, rows=lengths,
@@ -132,7 +132,7 @@ def generate_batch(model: torch.nn.Module, *, run: Prepared, ctx: RunContext, pm
     if counted < graph["decode_steps"]:  # the first step set apart: its tokens (one a decoded row) with it
         new -= sum(len(t) > 1 for t in tokens)
     return {
-        "answers": [{"tokens": t, "logprobs": lp, "text": ctx.adapter.decode_tokens(recipe, t)}
+        "answers": [{"tokens": t, "logprobs": lp, "text": ctx.family.decode_tokens(recipe, t)}
                     for t, lp in zip(tokens, logprobs)],
         "prompt_tokens": lengths, "prefill_s": prefill_s, "prefill_tokens_per_s": sum(lengths) / max(prefill_s, 1e-9),
         "prefill_chunks": chunks,

@@ -11,7 +11,7 @@ from weft.core.plan.estimate import Contribution, Setup, Shape, Unit
 
 if TYPE_CHECKING:
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

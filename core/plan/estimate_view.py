@@ -15,7 +15,7 @@ from weft.core.plan.step_time import step_seconds
 
 if TYPE_CHECKING:
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 #: Allocator slack and CUDA context beside what torch counts as allocated.
 HEADROOM_GIB = 2.0

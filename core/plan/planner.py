@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from weft.core.errors import PlanError
 from weft.core.mesh_spec import MeshSpec, resolve_mesh
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import ModuleInfo, Plan, build_plan
+from weft.core.recipe.rule_engine import ModuleInfo, Plan, build_plan
 
 if TYPE_CHECKING:
     from weft.core.context import RunContext
@@ -18,20 +18,20 @@ if TYPE_CHECKING:
 def plan_recipe(recipe: Recipe, *, pm: WeftPluginManager, world_size: int, model: Any = None) -> tuple[Plan, Any]:
     """The Plan for ``world_size`` ranks; ``model`` defaults to a meta-device build.
 
-    ``pm``: the run's plugin manager (its strategies and model adapters). Returns
+    ``pm``: the run's plugin manager (its strategies and model families). Returns
     (plan, model). Raises RecipeError/PlanError before any process group exists.
     """
-    adapter = pm.models.for_recipe(recipe)
+    family = pm.models.for_recipe(recipe)
     built = model is None
     if built:
-        model = adapter.build(recipe, device="meta", seed=recipe.train.seed)
-    modules = adapter.describe(model)
+        model = family.build(recipe, device="meta", seed=recipe.train.seed)
+    modules = family.describe(model)
     where = f"{recipe.source} [parallel]"
     mesh = resolve_mesh(recipe.parallel, world_size=world_size, heads=text_heads(modules), where=where)
     check_heads(modules, mesh, where=where)
     plan = build_plan(recipe=recipe, modules=modules, registry=pm.registry, mesh=mesh, world_size=world_size)
     check_sequence_parallel(plan, pm.registry, where=where)
-    check_vision_sharing(plan, adapter, where=recipe.source)
+    check_vision_sharing(plan, family, where=recipe.source)
     check_strategy_params(plan, pm.registry, recipe)
     if built:  # its own meta model: the adapters' errors before any process starts, and what trains
         add_adapters(model, plan=plan, pm=pm, ctx=None)
@@ -49,16 +49,16 @@ def text_heads(infos: list[ModuleInfo]) -> int | None:
     return next((i.heads for i in infos if i.kind == "attention" and i.modality == "text"), None)
 
 
-def check_vision_sharing(plan: Plan, adapter: Any, *, where: str) -> None:
+def check_vision_sharing(plan: Plan, family: Any, *, where: str) -> None:
     """A vision strategy that shares one image over the SP ranks needs a tower that allows it."""
     threshold = plan.vision_share_threshold()
-    if threshold is None or plan.mesh.sp == 1 or getattr(adapter, "shares_vision", True):
+    if threshold is None or plan.mesh.sp == 1 or getattr(family, "shares_vision", True):
         return
     module = next(m for m in plan.modules_for("attention") if m.info.modality == "vision")
     decision = module.get("attention")
     raise PlanError(
         f"{module.info.path}: attention strategy {decision.strategy!r} (rule at {decision.source}) shares one image's "
-        f"patches over the SP ranks, which model family {adapter.name!r} does not support; images are still spread "
+        f"patches over the SP ranks, which model family {family.name!r} does not support; images are still spread "
         "over the ranks with the default vision rule (strategy 'auto')",
         where=where,
     )

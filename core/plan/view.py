@@ -9,12 +9,12 @@ import attrs
 
 from weft.core import hookspecs
 from weft.core.hookspecs import HOOK_POINTS
-from weft.core.recipe.schema import field_docs
+from weft.core.recipe.convert import field_docs
 
 if TYPE_CHECKING:
     from weft.core.plugin_manager import WeftPluginManager
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 
 def _console():

@@ -7,7 +7,7 @@ from typing import Literal
 
 import attrs
 
-from weft.core.recipe.schema import in_range
+from weft.core.recipe.convert import in_range
 
 
 def _doc(text: str) -> dict[str, str]:

@@ -14,9 +14,9 @@ from typing import Any, Literal
 import attrs
 
 from weft.core.errors import RecipeError
+from weft.core.recipe.convert import Where, build, did_you_mean, in_range
 from weft.core.recipe.data import DataSection, EvalSection, _doc
 from weft.core.recipe.presets import is_preset_path, preset_names
-from weft.core.recipe.schema import Where, build, did_you_mean, in_range
 from weft.core.recipe.syntax import Rule, bundled_path, load_includes, parse_rules, parse_toml, read_toml_text
 from weft.core.recipe.train import TrainSection
 

@@ -1,7 +1,7 @@
 """The rule language: ``[[rules]]`` tables parsed into frozen Rule objects with their
 file:line, included rule files, and weft's bundled defaults.
 
-Pure: imports no torch. The engine that applies rules to modules is core/recipe/rules.py.
+Pure: imports no torch. The engine that applies rules to modules is core/recipe/rule_engine.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import attrs
 
 from weft.core.errors import RecipeError
 from weft.core.hookspecs import HOOK_POINTS, MULTI_POINTS
-from weft.core.recipe.schema import Where, did_you_mean
+from weft.core.recipe.convert import Where, did_you_mean
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -7,8 +7,8 @@ from typing import Literal
 
 import attrs
 
+from weft.core.recipe.convert import in_range
 from weft.core.recipe.data import _doc
-from weft.core.recipe.schema import in_range
 
 
 @attrs.frozen(kw_only=True)

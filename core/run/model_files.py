@@ -10,7 +10,7 @@ A directory that lacks one the data or the prompt needs would otherwise fail ins
 rank with transformers' OSError and a traceback; here it is one message naming the file,
 the key that points at the folder, and what needs it (exit 2).
 
-What needs what mirrors how the data is read (plugins/batching/data.py, the prompt of `weft
+What needs what mirrors how the data is read (plugins/batching/samples.py, the prompt of `weft
 generate`): chat conversations (``data.source = "jsonl"``, or synthetic without
 ``data.tokens``) go through the tokenizer and the image processor; long synthetic samples
 (``data.tokens``) read the tokenizer of a folder that has one, and for ``data.images`` /

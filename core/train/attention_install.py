@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from weft.core.context import RunContext
     from weft.core.mesh import WeftMesh
     from weft.core.plugin_manager import WeftPluginManager
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 
 def install_attention(*, model: Any, plan: Plan, mesh: WeftMesh, ctx: RunContext,

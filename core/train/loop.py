@@ -1,6 +1,6 @@
 """The training loop: one process's part of a run. Calls the hooks in the documented order.
 
-Order: process group -> prepare (adapter, model, Plan, mesh, weft_shard, weights,
+Order: process group -> prepare (family, model, Plan, mesh, weft_shard, weights,
 weft_attention, sequence split) -> optimizer -> resume -> weft_batching -> for each
 step: guard(step_start), micro-batches (forward, loss / global label count, backward),
 weft_grad_sync, guard(step_end), optimizer step, the held-out loss when due ([eval]), metrics,
@@ -28,7 +28,7 @@ from weft.core.errors import GuardAbort, WeftError
 from weft.core.mesh import device_for
 from weft.core.plugin_manager import WeftPluginManager
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import Plan
+from weft.core.recipe.rule_engine import Plan
 from weft.core.registry import Verdict
 from weft.core.run import checkpoint
 from weft.core.run.end import Ending, trim_metrics
@@ -39,7 +39,7 @@ from weft.core.run.process_group import close_process_group, init_process_group
 from weft.core.run.progress import progress_bar
 from weft.core.train.evaluation import HeldOut
 from weft.core.train.oom import out_of_memory
-from weft.core.train.optimizer import advance_schedule, make_optimizer, state_gib
+from weft.core.train.optimizer_setup import advance_schedule, make_optimizer, state_gib
 from weft.core.train.prepare import Prepared, prepare_model
 from weft.core.train.step import autocast_for, finish_step, run_micro_batches
 from weft.core.train.timing import PhaseTimer

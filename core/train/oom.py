@@ -20,7 +20,7 @@ from weft.core.plan.memory_advice import advice
 
 if TYPE_CHECKING:
     from weft.core.context import RunContext
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 
 class OutOfMemory(WeftError):

@@ -2,7 +2,7 @@
 
 Batching yields whole-sequence micro-batches. Here each one is padded to the sequence
 split's multiple, its labels are shifted on the whole sequence and cut like the
-model's inputs (the adapter's hooks cut those after the vision merge), and a rank
+model's inputs (the family's hooks cut those after the vision merge), and a rank
 without images is told to run the vision tower anyway when another rank has some.
 """
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from weft.core.mesh import WeftMesh
     from weft.core.models import SequenceSplit
     from weft.core.plugin_manager import WeftPluginManager
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 #: Fill values for the sequence-long keys the core pads; other sequence-long keys are
 #: the batching's to pad (an error names them). Pads sit at the right end, where
@@ -75,7 +75,7 @@ def pad_to_multiple(batch: dict[str, torch.Tensor], *, multiple: int) -> dict[st
 
 def shard_micro_batch(batch: dict[str, torch.Tensor], split: SequenceSplit | None) -> dict[str, torch.Tensor]:
     """Pad to the split's multiple, shift the labels on the whole sequence, keep this
-    rank's part of them. The model's own inputs stay whole: the adapter's hooks cut them
+    rank's part of them. The model's own inputs stay whole: the family's hooks cut them
     after the vision merge (the images and the 3-D position ids need the whole sequence)."""
     if split is None:
         return batch

@@ -21,11 +21,11 @@ if TYPE_CHECKING:
 
 def encode_task(items: list, *, path: pathlib.Path, recipe: Recipe, ctx: RunContext) -> list[tuple[dict, list[dict]]]:
     """Each question's (prompt inputs, one micro-batch per choice), through the model family's
-    adapter; a question that cannot be read is a message naming its line."""
+    family; a question that cannot be read is a message naming its line."""
     encoded = []
     for item in items:
         try:
-            encoded.append(ctx.adapter.task_inputs(recipe, record=item.record, base=path.parent,
+            encoded.append(ctx.family.task_inputs(recipe, record=item.record, base=path.parent,
                                                    choices=item.choices))
         except (OSError, ValueError) as error:
             raise WeftError(f"cannot read this question: {error}", where=f"{path}:{item.line}") from None

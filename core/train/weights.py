@@ -8,7 +8,7 @@ import torch
 
 if TYPE_CHECKING:
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 
 def on_meta(model: torch.nn.Module) -> bool:
@@ -17,7 +17,7 @@ def on_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def materialize_weights(model: torch.nn.Module, *, adapter: Any, recipe: Recipe, plan: Plan, device: torch.device,
+def materialize_weights(model: torch.nn.Module, *, family: Any, recipe: Recipe, plan: Plan, device: torch.device,
                         log: Any) -> bool:
     """Give a meta-device model (sharded or not) its storage on ``device`` and its weights, the
     units whose shard rule asks for 4 bits quantised one at a time as they materialise (the
@@ -28,6 +28,6 @@ def materialize_weights(model: torch.nn.Module, *, adapter: Any, recipe: Recipe,
     if not on_meta(model):
         return False
     quantize = plan.quantized_units()  # passed only when asked: a family's own materialize may not take it
-    adapter.materialize(model, recipe, device=device, seed=recipe.train.seed, log=log,
+    family.materialize(model, recipe, device=device, seed=recipe.train.seed, log=log,
                         **({"quantize": quantize} if quantize else {}))
     return True

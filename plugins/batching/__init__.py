@@ -12,7 +12,7 @@ import attrs
 
 from weft.core.errors import WeftError
 from weft.core.hookspecs import hookimpl
-from weft.core.recipe.schema import in_range
+from weft.core.recipe.convert import in_range
 from weft.core.registry import Declared, Strategy
 
 
@@ -33,13 +33,13 @@ class TokenBudgetParams:
                "that counts for nothing), so the losses and gradients do not change with dp"})
 
 
-def _describe(params, *, recipe, plan, model, adapter, positions: bool) -> dict:
+def _describe(params, *, recipe, plan, model, family, positions: bool) -> dict:
     from weft.plugins.batching.plan_reports import describe_positions, describe_vision_split
 
     vision = hasattr(model.config, "vision_config")
-    report = {"vision_split": describe_vision_split(recipe, plan, adapter) if vision else []}
+    report = {"vision_split": describe_vision_split(recipe, plan, family) if vision else []}
     if positions:
-        report["positions"] = describe_positions(recipe, plan, model, adapter)
+        report["positions"] = describe_positions(recipe, plan, model, family)
     return report
 
 
@@ -89,15 +89,15 @@ class TokenBudgetSteps:
         ones past the budget, counted), and the collation of a micro-batch's indices."""
         if self._data is not None:
             return self._data
-        from weft.plugins.batching.data import bad_sample_handler, pad_id_of, run_samples
         from weft.plugins.batching.sample_checks import truncate
+        from weft.plugins.batching.samples import bad_sample_handler, pad_id_of, run_samples
         from weft.strategies.data.conversation import collate
         from weft.strategies.data.shards import token_counts
         from weft.strategies.data.token_budget import as_lengths, clipped
 
         recipe, ctx, params = self.recipe, self.ctx, self.params
         on_bad = bad_sample_handler(recipe, ctx)
-        tokenizer, samples = run_samples(recipe, ctx.adapter, ctx=ctx, on_bad=on_bad)
+        tokenizer, samples = run_samples(recipe, ctx.family, ctx=ctx, on_bad=on_bad)
         budget = recipe.train.micro_batch_tokens
         limit = min(budget, recipe.train.seq_len)
         if params.over_long == "truncate":
@@ -109,11 +109,11 @@ class TokenBudgetSteps:
             ctx.count("skipped_samples", too_long)
             ctx.log.warning("data.too_long", samples=too_long, micro_batch_tokens=budget,
                             max_seq_len=recipe.train.seq_len)
-        pad_id = pad_id_of(tokenizer, ctx.adapter.config(recipe)[0])
+        pad_id = pad_id_of(tokenizer, ctx.family.config(recipe)[0])
         if params.pack:
             from weft.strategies.data.packing import collate_packed
 
-            positions = ctx.adapter.positions(self.model)
+            positions = ctx.family.positions(self.model)
 
             def make(indices):
                 return collate_packed([samples[i] for i in indices], pad_id=pad_id, positions=positions)

@@ -4,13 +4,13 @@ sequence-parallel rank, and (``--positions``) the largest position id of every s
 from __future__ import annotations
 
 
-def describe_positions(recipe, plan, model, adapter) -> dict:
+def describe_positions(recipe, plan, model, family) -> dict:
     """Every sample of the recipe's data as a run would feed it (over-long ones truncated
     or left out, as the batching rule says), and the largest position id each reaches
     through the model's own rope index (3-D mRoPE for vision-language models; packed
     documents restart at 0, so a sample's own ids are what the decoder sees).
     ``model`` may be on the meta device."""
-    from weft.plugins.batching.data import sample_source
+    from weft.plugins.batching.samples import sample_source
     from weft.plugins.models.build import trained_context
     from weft.strategies.data.conversation import truncate_sample
     from weft.strategies.data.datasets import BadSample
@@ -18,8 +18,8 @@ def describe_positions(recipe, plan, model, adapter) -> dict:
 
     params = plan.decision("batching").params
     limit = min(recipe.train.micro_batch_tokens, recipe.train.seq_len)
-    tokenizer, source = sample_source(recipe, adapter)
-    positions = adapter.positions(model)
+    tokenizer, source = sample_source(recipe, family)
+    positions = family.positions(model)
     tokens, largest = [], []
     bad = dropped = 0
     for sample in source:
@@ -49,16 +49,16 @@ def describe_positions(recipe, plan, model, adapter) -> dict:
     }
 
 
-def describe_vision_split(recipe, plan, adapter) -> list[dict]:
+def describe_vision_split(recipe, plan, family) -> list[dict]:
     """Which SP rank runs which images of the data's first samples (two per
     data-parallel rank), and how: the assignment the vision hooks make at run time."""
-    from weft.plugins.batching.data import sample_source
+    from weft.plugins.batching.samples import sample_source
     from weft.strategies.data.datasets import BadSample
     from weft.strategies.sequence.model_split import assign_images
 
     if plan.mesh.sp == 1:
         return []
-    _, source = sample_source(recipe, adapter)
+    _, source = sample_source(recipe, family)
     samples = []
     for sample in source:
         if not isinstance(sample, BadSample):

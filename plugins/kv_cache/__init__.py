@@ -23,7 +23,7 @@ from typing import Literal
 import attrs
 
 from weft.core.hookspecs import hookimpl
-from weft.core.recipe.schema import in_range
+from weft.core.recipe.convert import in_range
 from weft.core.registry import Declared, NoParams, Strategy
 
 
@@ -75,7 +75,7 @@ def _auto(params, *, info, plan):
 def _unresolved(params, **_):
     from weft.core.errors import PlanError
 
-    raise PlanError("kv_cache 'auto' reached generate unresolved; a Plan from weft.core.recipe.rules.build_plan "
+    raise PlanError("kv_cache 'auto' reached generate unresolved; a Plan from weft.core.recipe.rule_engine.build_plan "
                     "resolves it to the cache that runs")
 
 

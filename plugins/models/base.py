@@ -1,4 +1,4 @@
-"""``TransformersAdapter``: the model-family contract for models that follow transformers'
+"""``TransformersFamily``: the model-family contract for models that follow transformers'
 shared layout (``visual.blocks.N``, ``visual.merger``, ``language_model.layers.N``,
 ``embed_tokens``, ``lm_head``). Built-in families are instances or small subclasses;
 a third-party family subclasses it and overrides what differs (docs/architecture.md).
@@ -13,13 +13,13 @@ import attrs
 import torch
 
 from weft.core.recipe import Recipe
-from weft.core.recipe.rules import ModuleInfo
+from weft.core.recipe.rule_engine import ModuleInfo
 from weft.plugins.models import build, inventory
 
 
 @attrs.frozen(kw_only=True)
-class TransformersAdapter:
-    """One model family; see :class:`weft.core.models.ModelAdapter` for the contract."""
+class TransformersFamily:
+    """One model family; see :class:`weft.core.models.ModelFamily` for the contract."""
 
     name: str
     model_types: tuple[str, ...]
@@ -64,7 +64,7 @@ class TransformersAdapter:
 
     def prompt_inputs(self, recipe: Recipe, *, text: str, images: Sequence[str],
                       videos: Sequence[str] = ()) -> dict[str, torch.Tensor]:
-        from weft.plugins.batching.data import video_limits
+        from weft.plugins.batching.samples import video_limits
         from weft.plugins.models.prompt import prompt_inputs
 
         processor = self.config(recipe)[1]
@@ -74,7 +74,7 @@ class TransformersAdapter:
 
     def task_inputs(self, recipe: Recipe, *, record: dict, base: pathlib.Path,
                     choices: Sequence[str] | None) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-        from weft.plugins.batching.data import pad_id_of, video_limits
+        from weft.plugins.batching.samples import pad_id_of, video_limits
         from weft.plugins.models.prompt import task_inputs
         from weft.strategies.data.conversation import load_processor
 

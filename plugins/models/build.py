@@ -1,5 +1,5 @@
 """Build the recipe's model (a named preset at random, or a local HF directory), load and
-export its weights: the shared part of every built-in model adapter."""
+export its weights: the shared part of every built-in model family."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The default tables cover Qwen2.5-VL, Qwen2-VL and text-only Qwen2/Llama: their module
 names follow transformers' shared layout (``visual.blocks.N``, ``visual.merger``,
-``language_model.layers.N``, ``embed_tokens``, ``lm_head``). An adapter passes its own.
+``language_model.layers.N``, ``embed_tokens``, ``lm_head``). A family passes its own.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from weft.core.recipe.rules import ModuleInfo
+from weft.core.recipe.rule_engine import ModuleInfo
 
 #: (glob on the module path, modality); first match wins.
 MODALITY_PATTERNS: tuple[tuple[str, str], ...] = (

@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from weft.plugins.models import build
-from weft.plugins.models.base import TransformersAdapter
+from weft.plugins.models.base import TransformersFamily
 from weft.plugins.models.sp_hooks import SequenceParallelHooks
 from weft.plugins.models.vision_sync import VisionKeepAlive
 from weft.strategies.sequence.deepstack import local_rows, select_rows
@@ -133,7 +133,7 @@ class DeepStackKeepAlive(VisionKeepAlive):
 
 
 @attrs.frozen(kw_only=True)
-class Qwen3VLAdapter(TransformersAdapter):
+class Qwen3VLFamily(TransformersFamily):
     """Qwen3-VL (``Qwen3VLForConditionalGeneration``); see the module docstring."""
 
     name: str = "qwen3_vl"
@@ -154,4 +154,4 @@ class Qwen3VLAdapter(TransformersAdapter):
                                   model=model)
 
 
-QWEN3_VL = Qwen3VLAdapter()
+QWEN3_VL = Qwen3VLFamily()

@@ -5,7 +5,7 @@ of it (the shard strategies' ``describe``)."""
 from __future__ import annotations
 
 
-def describe(params, *, recipe, plan, model, adapter, positions) -> dict:
+def describe(params, *, recipe, plan, model, family, positions) -> dict:
     """What `weft plan` prints of the shard rules' effect inside the units: the linear layers
     that multiply in float8, by rule, and those the rule leaves in their dtype."""
     import torch

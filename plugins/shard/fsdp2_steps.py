@@ -81,7 +81,7 @@ def quantize_before_sharding(model, units, *, plan, mesh, ctx) -> None:
     four_bit = [u for u, config in configured(units, Quantize) if config.quantize != "none" and sharded(u)]
     if not four_bit:
         return
-    materialize_weights(model, adapter=ctx.adapter, recipe=ctx.recipe, plan=plan, device=ctx.device, log=ctx.log)
+    materialize_weights(model, family=ctx.family, recipe=ctx.recipe, plan=plan, device=ctx.device, log=ctx.log)
     ctx.log.info("shard.quantized_before_fsdp2", units=len(four_bit))
     _check_splits(model, units=four_bit, ranks=mesh.fsdp_mesh().size())
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 import attrs
 
-from weft.core.recipe.schema import in_range
+from weft.core.recipe.convert import in_range
 from weft.strategies.model.float8_scalings import Scaling as Float8Scaling
 
 Dtype = Literal["float32", "bfloat16", "float16"]

@@ -8,12 +8,12 @@ from typing import Any
 from weft.core.errors import WeftError
 
 
-def sample_source(recipe, adapter) -> tuple[Any, Any]:
+def sample_source(recipe, family) -> tuple[Any, Any]:
     """(tokenizer, iterator of Sample | BadSample) for the recipe's data, as a run reads it."""
     from weft.strategies.data import datasets
     from weft.strategies.data.conversation import load_processor, load_video_sizing
 
-    config, processor = adapter.config(recipe)
+    config, processor = family.config(recipe)
     if recipe.data.source == "synthetic" and recipe.data.tokens:
         return long_synthetic(recipe, config=config, processor=processor)
     if recipe.data.source == "text":
@@ -184,7 +184,7 @@ def bad_sample_handler(recipe, ctx):
     return on_bad
 
 
-def run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
+def run_samples(recipe, family, *, ctx, on_bad) -> tuple[Any, Any]:
     """(tokenizer, the good samples) as a run batches them: a JSONL file with ``data.cache``
     preprocessed once into shards on disk that every rank maps (strategies/data/shards.py),
     its bad lines reported from the store; any other source collected in memory; several
@@ -193,17 +193,17 @@ def run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
     from weft.strategies.data import datasets
 
     try:
-        return _run_samples(recipe, adapter, ctx=ctx, on_bad=on_bad)
+        return _run_samples(recipe, family, ctx=ctx, on_bad=on_bad)
     except datasets.DataFileError as error:
         raise WeftError(str(error), where=f"{recipe.source} (data.path)") from None
 
 
-def _run_samples(recipe, adapter, *, ctx, on_bad) -> tuple[Any, Any]:
+def _run_samples(recipe, family, *, ctx, on_bad) -> tuple[Any, Any]:
     from weft.plugins.batching.sample_checks import check_vision
 
-    config, processor = adapter.config(recipe)
+    config, processor = family.config(recipe)
     if recipe.data.source != "jsonl":
-        tokenizer, source = sample_source(recipe, adapter)
+        tokenizer, source = sample_source(recipe, family)
         return tokenizer, check_vision(collect_samples(recipe, source, on_bad=on_bad), config=config, ctx=ctx,
                                        on_bad=on_bad)
     from weft.strategies.data.conversation import load_processor

@@ -15,7 +15,7 @@ from weft.core.recipe import Recipe
 
 if TYPE_CHECKING:
     from weft.core.plugin_manager import WeftPluginManager
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 _KEYS = ("rope_scaling", "rope_factor", "rope_original_max")
 

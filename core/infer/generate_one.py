@@ -1,6 +1,6 @@
 """Greedy or sampled decoding under the recipe's plan, on each rank of `weft generate`.
 
-The prompt (the adapter's encoding of one user turn) is prefilled by the plan's own
+The prompt (the family's encoding of one user turn) is prefilled by the plan's own
 forward: its sharding, its sequence-parallel attention, its precision. The KV cache comes
 from ``weft_kv_cache`` (the text decoder's ``kv_cache`` rule): under sequence parallelism
 the default is the ``sharded`` cache, where each rank keeps its part of the prompt's keys
@@ -56,7 +56,7 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
                      profile: str | None = None) -> dict:
     """One rank's part of `weft generate` (inside its process group): the prompt (or prompts)
     prefilled and decoded; rank 0's result is the command's."""
-    from weft.core.infer.prepare import prepare_inference
+    from weft.core.infer.prepare_inference import prepare_inference
     from weft.core.train.step import autocast_for
 
     pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
@@ -73,7 +73,7 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
     if prompts is not None or from_data > 1:
         from weft.core.infer.generate_batch import generate_batch
 
-        batch = ([ctx.adapter.prompt_inputs(recipe, text=p["prompt"], images=p.get("images", []),
+        batch = ([ctx.family.prompt_inputs(recipe, text=p["prompt"], images=p.get("images", []),
                                             videos=p.get("videos", [])) for p in prompts] if prompts is not None
                  else _prompts_from_data(recipe, run=run, pm=pm, ctx=ctx, count=from_data))
         return dict(generate_batch(model, run=run, ctx=ctx, pm=pm, recipe=recipe, inputs=batch,
@@ -81,13 +81,13 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
                                    warmup=warmup, profiled=profiled,
                                    autocast=autocast_for(recipe.train.precision, device_type)),
                     checkpoint=checkpoint)
-    inputs = (ctx.adapter.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None
+    inputs = (ctx.family.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None
               else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))
     length = inputs["input_ids"].shape[1]
-    positions_of = ctx.adapter.positions(model)  # the prompt's rotary positions (mRoPE: the model's rope index)
+    positions_of = ctx.family.positions(model)  # the prompt's rotary positions (mRoPE: the model's rope index)
     text_rules = [m.get("kv_cache") for m in run.plan.modules_for("kv_cache") if m.info.modality == "text"]
     choose = _chooser(sampling)
-    show = (printer(decode=lambda ids: ctx.adapter.decode_tokens(recipe, ids)) if stream and rank == 0
+    show = (printer(decode=lambda ids: ctx.family.decode_tokens(recipe, ids)) if stream and rank == 0
             else None)  # rank 0's stdout is the terminal's: the text as it comes
     if show is not None:
         choose = streaming(choose, show=show)
@@ -158,7 +158,7 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
     gathered = [None] * world_size
     dist.all_gather_object(gathered, (cache_bytes(cache), getattr(cache, "partition_bytes", lambda: None)()))
     local_bytes, partitions = [g[0] for g in gathered], [g[1] for g in gathered]
-    return {"tokens": tokens, "logprobs": logprobs, "text": ctx.adapter.decode_tokens(recipe, tokens),
+    return {"tokens": tokens, "logprobs": logprobs, "text": ctx.family.decode_tokens(recipe, tokens),
             "prompt_tokens": length,
             "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9), "prefill_chunks": chunks,
             "decode_ms_per_token": 1e3 * decode_s / max(counted, 1), "decode_setup_s": setup_s,

@@ -17,7 +17,7 @@ from weft.core.errors import PlanError, RecipeError
 from weft.core.hookspecs import HOOK_POINTS, MULTI_POINTS
 from weft.core.mesh_spec import MeshSpec
 from weft.core.recipe import Recipe
-from weft.core.recipe.schema import build, did_you_mean
+from weft.core.recipe.convert import build, did_you_mean
 from weft.core.recipe.syntax import RUN_STRATEGY, Action, Rule, Selector, default_rules
 from weft.core.registry import Strategy, StrategyRegistry
 
@@ -41,7 +41,7 @@ _OPS = {"eq": operator.eq, "ne": operator.ne, "gt": operator.gt, "ge": operator.
 
 @attrs.frozen(kw_only=True)
 class ModuleInfo:
-    """What the rules can see of one module; made by a model adapter."""
+    """What the rules can see of one module; made by a model family."""
 
     path: str  # "" is the root
     class_name: str

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from weft.core.context import RunContext
     from weft.core.plugin_manager import WeftPluginManager
     from weft.core.recipe import Recipe
-    from weft.core.recipe.rules import Plan
+    from weft.core.recipe.rule_engine import Plan
 
 
 def optimizer_groups(model: torch.nn.Module, plan: Plan, recipe: Recipe) -> list[OptimizerGroup]:
