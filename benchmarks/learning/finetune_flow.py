@@ -122,9 +122,9 @@ def transformers_loss(recipe_path: pathlib.Path, export: pathlib.Path, device: s
     from weft.strategies.data.conversation import collate
 
     recipe = Recipe.from_toml(recipe_path, overrides=(f"model.path={export}",))
-    adapter = build_plugin_manager(entry_points=False).models.for_recipe(recipe)
+    family = build_plugin_manager(entry_points=False).models.for_recipe(recipe)
     ctx = RunContext(recipe=recipe, device=torch.device(device), log=structlog.get_logger())
-    tokenizer, source = sample_source(recipe, adapter)
+    tokenizer, source = sample_source(recipe, family)
     samples = collect_samples(recipe, source, on_bad=bad_sample_handler(recipe, ctx))
     model = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.to(device).eval()
