@@ -113,6 +113,12 @@ class Declared:
     def get(self, point: str, name: str) -> Strategy | None:
         return self._by_key.get((point, name))
 
+    def answer(self, decision: Any, **arguments: Any) -> Any:
+        """A firstresult hook's answer: ``impl(decision.params, **arguments)`` of the decision's
+        strategy where it is one of these, else None (another plugin's strategy)."""
+        strategy = self.of(decision)
+        return None if strategy is None else strategy.impl(decision.params, **arguments)
+
 
 @attrs.frozen(kw_only=True)
 class AttentionBinding:

@@ -274,7 +274,4 @@ def weft_strategies():
 def weft_attention(decision, module_path, plan, mesh, ctx):
     # The decision names the strategy that runs: the Plan resolved ``auto`` (and a vision
     # tower's ``local``) once, for `weft plan` and this run alike.
-    strategy = STRATEGIES.of(decision)
-    if strategy is None:
-        return None
-    return strategy.impl(decision.params, module_path=module_path, plan=plan, mesh=mesh)
+    return STRATEGIES.answer(decision, module_path=module_path, plan=plan, mesh=mesh)

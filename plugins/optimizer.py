@@ -91,10 +91,7 @@ def weft_strategies():
 
 @hookimpl
 def weft_optimizer(decision, groups, recipe, ctx):
-    strategy = STRATEGIES.of(decision)
-    if strategy is None:
-        return None
-    return strategy.impl(decision.params, groups=groups, recipe=recipe, ctx=ctx)
+    return STRATEGIES.answer(decision, groups=groups, recipe=recipe, ctx=ctx)
 
 
 def _adamw_sr(groups, *, lr, betas):

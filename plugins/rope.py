@@ -86,5 +86,4 @@ def weft_strategies():
 
 @hookimpl
 def weft_rope(decision, recipe, plan):
-    strategy = STRATEGIES.of(decision)
-    return strategy.impl(decision.params, recipe=recipe, plan=plan) if strategy is not None else None
+    return STRATEGIES.answer(decision, recipe=recipe, plan=plan)

@@ -57,10 +57,7 @@ def weft_strategies():
 
 @hookimpl
 def weft_batching(decision, recipe, plan, mesh, model, ctx):
-    strategy = STRATEGIES.of(decision)
-    if strategy is None:
-        return None
-    return strategy.impl(decision.params, recipe=recipe, plan=plan, mesh=mesh, model=model, ctx=ctx)
+    return STRATEGIES.answer(decision, recipe=recipe, plan=plan, mesh=mesh, model=model, ctx=ctx)
 
 
 class TokenBudgetSteps:

@@ -135,7 +135,4 @@ def weft_strategies():
 
 @hookimpl
 def weft_kv_cache(decision, model, plan, mesh, ctx):
-    strategy = STRATEGIES.of(decision)
-    if strategy is None:
-        return None
-    return strategy.impl(decision.params, model=model, plan=plan, mesh=mesh, ctx=ctx)
+    return STRATEGIES.answer(decision, model=model, plan=plan, mesh=mesh, ctx=ctx)
