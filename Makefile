@@ -42,5 +42,6 @@ digits: $(VENV)/.installed-digits
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	# Two workers, a test file each (module fixtures made once): ~8.5 min on 2 cores where one
-	# worker took ~12, much of it waiting on process starts and the fault tests' timeouts.
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	# worker took ~12, much of it waiting on process starts and the fault tests' timeouts. The
+	# longest files first (tests/conftest.py LONGEST_FIRST), in the order collected.
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder

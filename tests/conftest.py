@@ -11,6 +11,22 @@ import pytest
 from fault_runs import train_fast
 from weft_cli import run_weft
 
+#: The test files that take longest on 2 cores (the durations CI prints), longest first. They
+#: are collected first, and `make test` keeps that order (`--no-loadscope-reorder`; xdist would
+#: otherwise start the files with the most tests first), so the two workers of `-n 2 --dist
+#: loadfile` take the long files first and end together, instead of one worker idling while the
+#: other runs a long file it took last.
+LONGEST_FIRST: tuple[str, ...] = (
+    "test_digits.py", "test_faults.py", "test_fsdp_checkpoint.py", "test_check.py", "test_decode_compiled.py",
+    "test_lora.py", "test_cli_run.py", "test_optimizer.py", "test_data_mix.py", "test_generate.py", "test_qlora.py",
+    "test_eval_during_run.py", "test_sp_vl.py", "test_qwen3_vl.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
+
 
 @pytest.fixture
 def weft():
