@@ -46,3 +46,15 @@ def transformers_greedy(recipe_path: str, *, prompt: str, image: str, new: int) 
     tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
     logprobs = [float(torch.log_softmax(s.double(), dim=-1)[0, t]) for s, t in zip(out.scores, tokens)]
     return {"model": model, "family": family, "inputs": inputs, "tokens": tokens, "logprobs": logprobs}
+
+
+class ListLog:
+    """A structlog-shaped logger that keeps (event, fields) pairs."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def info(self, event: str, **fields) -> None:
+        self.events.append((event, fields))
+
+    warning = error = debug = info

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from structlog.testing import capture_logs
 
+from model_helpers import ListLog
 from weft.core import hookspecs
 from weft.core.context import RunContext, StepState
 from weft.core.errors import HookError, PlanError, RecipeError
@@ -39,18 +40,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROOT_MODULE = ModuleInfo(path="", class_name="Toy", kind="root")
 TEXT_ATTN = ModuleInfo(path="layers.0.self_attn", class_name="Qwen2Attention", kind="attention", modality="text",
                        heads=4, kv_heads=2, head_dim=16)
-
-
-class ListLog:
-    """A structlog-shaped logger that keeps (event, fields) pairs."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict]] = []
-
-    def info(self, event: str, **fields) -> None:
-        self.events.append((event, fields))
-
-    warning = error = debug = info
 
 
 def make_pm(*plugins: tuple[str, object]):

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from model_helpers import ListLog
 from weft.core.context import RunContext
 from weft.core.errors import PlanError
 from weft.core.mesh_spec import MeshSpec
@@ -62,16 +63,6 @@ class Toy(torch.nn.Module):
 INFOS = [ModuleInfo(path="", class_name="Toy", kind="root"),
          ModuleInfo(path="layers.0", class_name="Block", kind="unit", modality="text"),
          ModuleInfo(path="layers.1", class_name="Block", kind="unit", modality="text")]
-
-
-class ListLog:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict]] = []
-
-    def info(self, event: str, **fields) -> None:
-        self.events.append((event, fields))
-
-    warning = error = debug = info
 
 
 def planned(first: dict, *, root: dict | None = None, inference: bool = False, entry_points: bool = False):
@@ -353,12 +344,12 @@ def test_a_third_party_shard_strategy_reuses_three_levers(light_installed, tmp_p
 
 def test_the_built_in_hook_leaves_a_third_party_root_to_its_plugin(light_installed):
     """Each plugin's weft_shard applies only the strategies it declared."""
-    from weft.plugins.shard import apply_root_strategy, weft_strategies
+    from weft.plugins.shard import STRATEGIES, apply_root_strategy
 
     plan, ctx, units = planned({"strategy": "none", "trainable": False}, root={"strategy": "light"},
                                 entry_points=True)
     model = Toy()
-    apply_root_strategy(weft_strategies(), model=model, plan=plan, mesh=None, ctx=ctx)
+    apply_root_strategy(STRATEGIES, model=model, plan=plan, mesh=None, ctx=ctx)
     assert all(p.requires_grad for p in model.parameters()) and not light_installed.SEEN
     apply_root_strategy(light_installed.STRATEGIES, model=model, plan=plan, mesh=None, ctx=ctx)
     assert not any(p.requires_grad for p in model.layers[0].parameters()) and light_installed.SEEN == [model]

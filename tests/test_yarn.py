@@ -15,20 +15,12 @@ import pathlib
 import pytest
 import torch
 
-from model_helpers import build_model, family_of
+from model_helpers import ListLog, build_model, family_of
 from weft.core.recipe import Recipe
 from weft.plugins.models.build import model_config, rope_summary, trained_context
 from weft.strategies.model.yarn import needed_factor, yarn_parameters
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-class ListLog:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict]] = []
-
-    def warning(self, event: str, **fields) -> None:
-        self.events.append((event, fields))
 
 
 def _text_rotary(model: torch.nn.Module) -> torch.nn.Module:

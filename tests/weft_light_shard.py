@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 
 from weft.core.hookspecs import hookimpl
-from weft.core.registry import Strategy
+from weft.core.registry import Declared, Strategy
 from weft.plugins.shard import apply_root_strategy
 from weft.plugins.shard.levers import cast_storage, freeze, recompute
 from weft.plugins.shard.params import Checkpoint, Dtype
@@ -27,13 +27,13 @@ def apply(model, units, *, plan, mesh, ctx) -> None:
     SEEN.append(model)
 
 
-STRATEGIES = [Strategy(point="shard", name="light", params=LightParams, impl=apply,
-                       summary="the whole model on every rank: storage dtype, freezing and recomputation only")]
+STRATEGIES = Declared(Strategy(point="shard", name="light", params=LightParams, impl=apply,
+                               summary="the whole model on every rank: storage dtype, freezing and recomputation only"))
 
 
 @hookimpl
 def weft_strategies():
-    return STRATEGIES
+    return STRATEGIES.list()
 
 
 @hookimpl

@@ -4,7 +4,7 @@ precision, or no sharding; either runs the levers first (plugins/shard/levers.py
 from __future__ import annotations
 
 from weft.core.hookspecs import hookimpl
-from weft.core.registry import Strategy
+from weft.core.registry import Declared, Strategy
 from weft.plugins.shard.float8_units import describe
 from weft.plugins.shard.fsdp2_steps import check_root, check_storage, fsdp2, quantize_before_sharding
 from weft.plugins.shard.levers import apply_levers
@@ -24,33 +24,36 @@ def apply_whole(model, units, *, plan, mesh, ctx) -> None:
     apply_levers(model, units, plan=plan, ctx=ctx)
 
 
+STRATEGIES = Declared(
+    Strategy(point="shard", name="fsdp2", params=Fsdp2Params,
+             impl=apply_sharded,
+             summary="FSDP2 fully_shard per unit over dp_shard x SP ranks", check=check_keep, describe=describe,
+             shard_dims=("dp_shard", "ring", "ulysses"),
+             gathers=True),
+    Strategy(point="shard", name="none", params=KeepParams,
+             impl=apply_whole,
+             summary="keep the module whole on every rank; grad_sync averages its gradients", check=check_keep,
+             describe=describe,
+             shard_dims=()),
+)
+
+
 @hookimpl
 def weft_strategies():
-    return [
-        Strategy(point="shard", name="fsdp2", params=Fsdp2Params,
-                 impl=apply_sharded,
-                 summary="FSDP2 fully_shard per unit over dp_shard x SP ranks", check=check_keep, describe=describe,
-                 shard_dims=("dp_shard", "ring", "ulysses"),
-                 gathers=True),
-        Strategy(point="shard", name="none", params=KeepParams,
-                 impl=apply_whole,
-                 summary="keep the module whole on every rank; grad_sync averages its gradients", check=check_keep,
-                 describe=describe,
-                 shard_dims=()),
-    ]
+    return STRATEGIES.list()
 
 
 @hookimpl
 def weft_shard(model, plan, mesh, ctx):
-    apply_root_strategy(weft_strategies(), model=model, plan=plan, mesh=mesh, ctx=ctx)
+    apply_root_strategy(STRATEGIES, model=model, plan=plan, mesh=mesh, ctx=ctx)
 
 
-def apply_root_strategy(strategies, *, model, plan, mesh, ctx) -> None:
-    """The root's shard strategy's ``impl``, where it is one of ``strategies`` (the calling
-    plugin's own, so each plugin's ``weft_shard`` applies only what it declared), over every
-    module with a shard decision: the strategy of the root shapes the whole model."""
+def apply_root_strategy(declared: Declared, *, model, plan, mesh, ctx) -> None:
+    """The root's shard strategy's ``impl``, where ``declared`` holds it (the calling plugin's
+    own, so each plugin's ``weft_shard`` applies only what it declared), over every module with
+    a shard decision: the strategy of the root shapes the whole model."""
     units = plan.modules_for("shard")
     check_root(units, plan=plan)  # FSDP2 units under a root no FSDP2 strategy shards, whoever's it is
-    chosen = {strategy.name: strategy for strategy in strategies}.get(plan.root().get("shard").strategy)
+    chosen = declared.of(plan.root().get("shard"))
     if chosen is not None and chosen.impl is not None:
         chosen.impl(model, units, plan=plan, mesh=mesh, ctx=ctx)
