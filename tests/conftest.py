@@ -3,10 +3,12 @@ trained run to break (``trained_once``, ``trained``: tests/fault_runs.py)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 
 import pytest
+import torch
 
 from fault_runs import train_fast
 from weft_cli import run_weft
@@ -21,6 +23,18 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_lora.py", "test_cli_run.py", "test_optimizer.py", "test_data_mix.py", "test_generate.py", "test_qlora.py",
     "test_eval_during_run.py", "test_sp_vl.py", "test_qwen3_vl.py",
 )
+
+
+def pytest_configure(config):
+    """Under `-n N` the workers share the cores: each gets its share of intra-op threads, as weft's
+    launcher gives its ranks (core/run/launch.py). torch's default (every core in every worker)
+    left the two workers' OpenMP threads waiting on each other: the digits example's 250 steps
+    took 96 s beside another file where they take ~20 s alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(items):
