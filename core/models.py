@@ -127,13 +127,14 @@ class ModelFamily(Protocol):
         followed by the assistant's header, encoded as the training data encodes chats
         (videos sampled by ``data.video_fps`` / ``data.max_frames``): `weft generate`'s prompt."""
 
-    def task_inputs(self, recipe: Recipe, *, record: dict, base: pathlib.Path,
-                    choices: Sequence[str] | None) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    def task_inputs(self, recipe: Recipe, *, record: dict, base: pathlib.Path, choices: Sequence[str] | None,
+                    reply_end: bool = False) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
         """`weft eval --task`'s question (a conversation record in any data format, its paths
         relative to ``base``): its prompt inputs (B = 1) ending with the assistant's header, as
         ``prompt_inputs``; and for each of ``choices`` one micro-batch, the question with the
-        choice as the reply, labelled on the choice's own tokens only (not the reply's header nor
-        its closing token). ValueError or OSError when the record cannot be read."""
+        choice as the reply, labelled on the choice's own tokens only (not the reply's header nor,
+        unless ``reply_end``, its closing token). ValueError or OSError when the record cannot be
+        read."""
 
     def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
         """Token ids as text, with the model's tokenizer ("" when the model has none)."""

@@ -88,8 +88,10 @@ def _eval(args) -> int:
     if args.task is not None:  # accuracy on a task's questions, in place of the loss
         options, needs, show = task_options(args), task_needs, render_task
     else:
-        if args.results is not None:
-            raise WeftError("--results holds --task's answers; give --task too", where="--results")
+        if args.results is not None or args.forced:
+            flag = "--results" if args.results is not None else "--forced"
+            raise WeftError(f"{flag} goes with --task (the answers of a task's questions); give --task too",
+                            where=flag)
         if args.data is not None:
             if not args.data.is_file():
                 raise WeftError(f"no such file: {args.data}; --data takes a JSONL chat file", where="--data")

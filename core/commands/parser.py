@@ -100,6 +100,10 @@ def _inference_commands(sub: Any, *, handlers: Mapping[str, Handler]) -> None:
                           help="with --task: one line per question (default: TASK-STEM.results.jsonl here)")
     evaluate.add_argument("--max-new-tokens", type=_positive, default=32,
                           help="with --task: the longest generated answer")
+    evaluate.add_argument("--forced", action="store_true",
+                          help="with --task: score each generation question in one teacher-forced pass under the "
+                               "plan (right exactly when greedy decoding's reply is the answer; always so on 2+ "
+                               "ranks)")
     evaluate.set_defaults(func=handlers["eval"])
 
     generate = sub.add_parser("generate", help="decode from a prompt (and images) under the recipe's plan")
@@ -131,9 +135,13 @@ def _inference_commands(sub: Any, *, handlers: Mapping[str, Handler]) -> None:
     generate.set_defaults(func=handlers["generate"])
 
     report = sub.add_parser("report", help="a run's curves (loss, tokens/s, MFU, memory, grad norm, lr) and summary")
-    report.add_argument("run_dirs", nargs="+", type=pathlib.Path, metavar="RUN_DIR")
+    report.add_argument("run_dirs", nargs="*", type=pathlib.Path, metavar="RUN_DIR")
+    report.add_argument("--heatmap", type=pathlib.Path, action="append", default=[], metavar="RESULTS.jsonl",
+                        help="in place of run directories: accuracy by the questions' meta.depth x meta.length "
+                             "from `weft eval --task --results` files, a panel each")
     report.add_argument("--out", type=pathlib.Path, default=None,
-                        help="FILE.png or FILE.html (default: report.png in the first run directory)")
+                        help="FILE.png or FILE.html (default: report.png in the first run directory; with "
+                             "--heatmap: the first results file's name as .png)")
     report.set_defaults(func=handlers["report"])
 
     for name in ("_eval-worker", "_generate-worker"):

@@ -6,6 +6,7 @@ the meta device), peak memory, gradient norm and learning rate against step; ski
 steps and checkpoints marked; several runs overlaid under their folder names. A step
 that a restart ran again (resume from an earlier checkpoint) counts once, its last run.
 Made with matplotlib (the ecosystem's default; `pip install 'weft[report]'`), headless.
+``--heatmap RESULTS.jsonl``: a task's accuracy by depth x length instead (core/commands/heatmap.py).
 """
 
 from __future__ import annotations
@@ -188,6 +189,10 @@ def _event(line: str) -> dict:
 
 
 def cmd_report(args) -> int:
+    if args.heatmap:
+        return _heatmap(args)
+    if not args.run_dirs:
+        raise WeftError("weft report takes run directories (or --heatmap RESULTS.jsonl)", where="weft report")
     out = args.out or args.run_dirs[0] / "report.png"
     if out.suffix.lower() not in (".png", ".html"):
         raise WeftError(f"--out {out}: the report is written as .png or .html", where="--out")
@@ -195,4 +200,20 @@ def cmd_report(args) -> int:
     for line in summary_lines(runs):
         print(line)
     print(f"weft report: {plot(runs, out)}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _heatmap(args) -> int:
+    """`--heatmap FILE [...]`: a task's accuracy by depth x length (core/commands/heatmap.py)."""
+    from weft.core.commands.heatmap import draw_heatmaps, heatmap_lines
+
+    if args.run_dirs:
+        raise WeftError("weft report draws run directories or --heatmap results files, not both in one figure",
+                        where="--heatmap")
+    out = args.out or args.heatmap[0].with_suffix(".png")
+    if out.suffix.lower() != ".png":
+        raise WeftError(f"--out {out}: the heat map is written as .png", where="--out")
+    for line in heatmap_lines(args.heatmap):
+        print(line)
+    print(f"weft report: {draw_heatmaps(args.heatmap, out)}", file=sys.stderr)
     return EXIT_OK

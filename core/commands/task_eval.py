@@ -5,14 +5,18 @@ A task file's lines (core/train/task_file.py) are conversations in any data form
 sharding, sequence parallelism, kernels, precision — one sequence per micro-batch, the
 data-parallel groups taking turns: each sequence's summed label log-likelihood is the sum of
 its SP ranks' parts. Answers without choices are generated greedily, batched through the
-static cache (core/infer/generate_batch.py), on one process. Reported: accuracy with its 95%
-Wilson interval (for choices also length-normalised), and one JSON line per question
-(``--results``): its id, the prediction, right or wrong, the choices' scores.
+static cache (core/infer/generate_batch.py), on one process; with ``--forced``, and always on
+2+ ranks, in one teacher-forced pass each under the plan (core/train/task_forced.py: the same
+right or wrong as greedy decoding, the prediction the greedy reply up to its first wrong token).
+Reported: accuracy with its 95% Wilson interval (for choices also length-normalised), and one
+JSON line per question (``--results``): its id, the prediction, right or wrong, the choices'
+scores, the line's ``meta``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import pathlib
 from typing import TYPE_CHECKING, Any
@@ -38,7 +42,8 @@ def task_options(args: Any) -> dict:
     results = (args.results or pathlib.Path(f"{args.task.stem}.results.jsonl")).resolve()
     if not results.parent.is_dir():
         raise WeftError(f"no folder {results.parent} to write the results into", where="--results")
-    return {"task": str(args.task.resolve()), "results": str(results), "max_new_tokens": args.max_new_tokens}
+    return {"task": str(args.task.resolve()), "results": str(results), "max_new_tokens": args.max_new_tokens,
+            "forced": args.forced}
 
 
 def task_needs(recipe: Recipe) -> dict[str, str]:
@@ -49,8 +54,9 @@ def task_needs(recipe: Recipe) -> dict[str, str]:
 
 def score_task(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
                run_dir: pathlib.Path | None, step: int | None, task: str, results: str,
-               max_new_tokens: int = 32, adapter_dir: str | None = None) -> dict:
-    """One rank's part; rank 0 writes ``results`` and returns the summary."""
+               max_new_tokens: int = 32, adapter_dir: str | None = None, forced: bool = False) -> dict:
+    """One rank's part; rank 0 writes ``results`` and returns the summary. Generation questions
+    are teacher-forced with ``forced`` and on 2+ ranks (greedy decoding runs on one process)."""
     from weft.core.infer.prepare_inference import prepare_inference
     from weft.core.train.step import autocast_for
 
@@ -59,17 +65,32 @@ def score_task(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, d
     pm, ctx, run, checkpoint = prepare_inference(recipe, rank=rank, world_size=world_size, local_rank=local_rank,
                                                  device_type=device_type, run_dir=run_dir, step=step, one_pass=True,
                                                  adapter_dir=adapter_dir)
-    encoded = encode_task(items, path=path, recipe=recipe, ctx=ctx)
+    forced = forced or world_size > 1
+    encoded = encode_task(items, path=path, recipe=recipe, ctx=ctx, forced=forced)
     autocast = autocast_for(recipe.train.precision, device_type)
-    scores = score_choices(encoded, run=run, ctx=ctx, autocast=autocast)
-    generated = _generated(items, [prompt for prompt, _ in encoded], run=run, ctx=ctx, pm=pm, recipe=recipe,
-                           autocast=autocast, max_new_tokens=max_new_tokens)
-    rows = [result_row(item, scores.get(i), generated.get(i)) for i, item in enumerate(items)]
+    choices = [(prompt, batches if item.choices is not None else []) for item, (prompt, batches) in zip(items, encoded)]
+    scores = score_choices(choices, run=run, ctx=ctx, autocast=autocast)
+    replies = _forced(items, encoded, run=run, ctx=ctx, recipe=recipe, autocast=autocast) if forced else {}
+    generated = {} if forced else _generated(items, [prompt for prompt, _ in encoded], run=run, ctx=ctx, pm=pm,
+                                             recipe=recipe, autocast=autocast, max_new_tokens=max_new_tokens)
+    rows = [result_row(item, scores.get(i), generated.get(i), replies.get(i)) for i, item in enumerate(items)]
     if rank == 0:
         with open(results, "w", encoding="utf-8") as out:
             out.writelines(json.dumps(row) + "\n" for row in rows)
     return {**summarize(rows), "task": str(path), "results": results, "checkpoint": checkpoint,
             "world_size": world_size, "precision": recipe.train.precision}
+
+
+def _forced(items, encoded, *, run: Prepared, ctx: RunContext, recipe: Recipe, autocast) -> dict[int, dict]:
+    """Each generation question's teacher-forced reply (its results row's fields), by index."""
+    from weft.core.train.task_forced import forced_replies, forced_row_fields
+
+    wanted = [i for i, item in enumerate(items) if item.choices is None]
+    if not wanted:
+        return {}
+    pairs = forced_replies([encoded[i][1][0] for i in wanted], run=run, ctx=ctx, autocast=autocast)
+    decode = functools.partial(ctx.family.decode_tokens, recipe)
+    return {i: forced_row_fields(chosen, answer, decode=decode) for i, (chosen, answer) in zip(wanted, pairs)}
 
 
 def _generated(items, prompts, *, run: Prepared, ctx: RunContext, pm: WeftPluginManager, recipe: Recipe, autocast,
@@ -81,10 +102,6 @@ def _generated(items, prompts, *, run: Prepared, ctx: RunContext, pm: WeftPlugin
     wanted = [i for i, item in enumerate(items) if item.choices is None]
     if not wanted:
         return {}
-    if ctx.world_size > 1:
-        raise WeftError(f"{len(wanted)} question(s) are answered by generation, which runs on one process; run "
-                        "this task with --nproc 1, or give its lines 'choices' (scored by log-likelihood under any "
-                        "plan)", where="--task")
     if run.fused is not None:  # no loss while decoding: its hook would hold the prefill's hidden states
         run.fused.handle.remove()
     out = generate_batch(run.model, run=run, ctx=ctx, pm=pm, recipe=recipe, inputs=[prompts[i] for i in wanted],

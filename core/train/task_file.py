@@ -12,7 +12,9 @@ training reads them) plus what makes it a question with a right answer:
 
 A conversation that ends with an assistant turn has it removed from the prompt: it is the
 reference reply, and the answer when the line gives none. So a training file's held-out lines
-are a task as they are. ``"id"`` names the line in the results (default ``line-N``).
+are a task as they are. ``"id"`` names the line in the results (default ``line-N``); ``"meta"``
+(a JSON object: a long-context question's depth and length, say) is copied into its results row,
+for `weft report --heatmap` to group by.
 
 For the text-only families, ``"context": "..."`` takes the conversation's place: plain text, no
 chat template, as ``data.source = "text"`` trains on it; each choice (or the generated reply) is
@@ -43,6 +45,7 @@ class TaskItem:
     record: dict  # the line's conversation keys (its reference reply removed), for formats.record_to_messages
     choices: tuple[str, ...] | None  # None: the reply is generated
     answer: str  # the right choice's text, or the reference answer
+    meta: dict | None = None  # the line's "meta", copied into its results row
 
     @property
     def right(self) -> int | None:
@@ -111,11 +114,15 @@ def task_item(entry: Any, *, line: int) -> TaskItem:
         raise ValueError(f"'answer' must be a non-empty string (with 'choices': the right choice's text or index), "
                          f"got {json.dumps(answer)[:80]}; a line without 'answer' needs the reference reply as "
                          "its last (assistant) turn")
-    record = {k: v for k, v in entry.items() if k not in ("answer", "choices", "id")}
+    meta = entry.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise ValueError(f"'meta' must be a JSON object (copied into the question's results row), got "
+                         f"{json.dumps(meta)[:80]}")
+    record = {k: v for k, v in entry.items() if k not in ("answer", "choices", "id", "meta")}
     if turns is not None:
         record[key] = turns
     ident = entry.get("id", f"line-{line}")
-    return TaskItem(id=str(ident), line=line, record=record, answer=answer,
+    return TaskItem(id=str(ident), line=line, record=record, answer=answer, meta=meta,
                     choices=tuple(choices) if choices is not None else None)
 
 

@@ -19,14 +19,18 @@ if TYPE_CHECKING:
     from weft.core.train.prepare import Prepared
 
 
-def encode_task(items: list, *, path: pathlib.Path, recipe: Recipe, ctx: RunContext) -> list[tuple[dict, list[dict]]]:
-    """Each question's (prompt inputs, one micro-batch per choice), through the model family's
-    family; a question that cannot be read is a message naming its line."""
+def encode_task(items: list, *, path: pathlib.Path, recipe: Recipe, ctx: RunContext,
+                forced: bool = False) -> list[tuple[dict, list[dict]]]:
+    """Each question's (prompt inputs, one micro-batch per choice), through the model family;
+    with ``forced``, a generation question's one micro-batch is the question with its answer as
+    the reply, labelled on the answer and its closing token (core/train/task_forced.py). A
+    question that cannot be read is a message naming its line."""
     encoded = []
     for item in items:
+        scored = item.choices if item.choices is not None or not forced else (item.answer,)
         try:
-            encoded.append(ctx.family.task_inputs(recipe, record=item.record, base=path.parent,
-                                                   choices=item.choices))
+            encoded.append(ctx.family.task_inputs(recipe, record=item.record, base=path.parent, choices=scored,
+                                                   reply_end=item.choices is None))
         except (OSError, ValueError) as error:
             raise WeftError(f"cannot read this question: {error}", where=f"{path}:{item.line}") from None
     return encoded
@@ -67,8 +71,18 @@ def sequence_log_likelihoods(batches: list[dict], *, run: Prepared, ctx: RunCont
     return (-total).tolist()
 
 
-def result_row(item, scores: list[float] | None, text: str | None) -> dict:
+def result_row(item, scores: list[float] | None, text: str | None, forced: dict | None = None) -> dict:
+    """One question's results line: choices' scores, a generated reply (``text``) or a
+    teacher-forced one (``forced``: core/train/task_forced.py's fields); its ``meta`` copied."""
+    row = _row(item, scores, text, forced)
+    if item.meta is not None:
+        row["meta"] = item.meta
+    return row
 
+
+def _row(item, scores: list[float] | None, text: str | None, forced: dict | None) -> dict:
+    if forced is not None:
+        return {"id": item.id, "line": item.line, "scoring": "forced", "answer": item.answer, **forced}
     if scores is not None:
         best = max(range(len(scores)), key=lambda j: scores[j])
         per_byte = [s / max(1, len(c.encode("utf-8"))) for s, c in zip(scores, item.choices)]
@@ -88,6 +102,9 @@ def summarize(rows: list[dict]) -> dict:
     summary = {"questions": len(rows), "right": right, "accuracy": right / len(rows),
                "interval_95": [round(low, 4), round(high, 4)],
                "by_scoring": {k: sum(r["scoring"] == k for r in rows) for k in ("choices", "generation")}}
+    forced = sum(r["scoring"] == "forced" for r in rows)
+    if forced:  # generation questions scored in one teacher-forced pass (core/train/task_forced.py)
+        summary["by_scoring"]["forced"] = forced
     chosen = [r for r in rows if r["scoring"] == "choices"]
     if chosen:
         right_norm = sum(bool(r["right_norm"]) for r in chosen)

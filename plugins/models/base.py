@@ -72,8 +72,8 @@ class TransformersFamily:
                              video_limits=video_limits(recipe, processor), system=recipe.data.system,
                              pixels=recipe.data.pixels)
 
-    def task_inputs(self, recipe: Recipe, *, record: dict, base: pathlib.Path,
-                    choices: Sequence[str] | None) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    def task_inputs(self, recipe: Recipe, *, record: dict, base: pathlib.Path, choices: Sequence[str] | None,
+                    reply_end: bool = False) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
         from weft.plugins.batching.samples import pad_id_of, video_limits
         from weft.plugins.models.prompt import task_inputs
         from weft.strategies.data.conversation import load_processor
@@ -82,7 +82,7 @@ class TransformersFamily:
         pad_id = pad_id_of(load_processor(processor)[0], config) if processor is not None else 0
         return task_inputs(processor=processor, record=record, base=base, choices=choices, pad_id=pad_id,
                            video_limits=video_limits(recipe, processor), system=recipe.data.system,
-                           skip_pixels=recipe.data.skip_pixels, pixels=recipe.data.pixels)
+                           skip_pixels=recipe.data.skip_pixels, pixels=recipe.data.pixels, reply_end=reply_end)
 
     def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
         from weft.plugins.models.prompt import decode_tokens

@@ -26,10 +26,11 @@ def question(record: dict, *, base: pathlib.Path, tokenizer: Any, image_processo
 
 
 def choice_samples(choices: Sequence[str], messages: list[dict], prompt: Sample, *, tokenizer: Any,
-                   image_processor: Any, system: str | None = None) -> list[Sample]:
+                   image_processor: Any, system: str | None = None, reply_end: bool = False) -> list[Sample]:
     """One sample per choice: the question, then the choice as the reply, labels on the choice's
-    tokens only. ValueError when the template renders the question differently once a reply
-    follows (its prompt is then no prefix of the scored sequence)."""
+    tokens only (``reply_end``: and the token that closes the reply, for a teacher-forced greedy
+    reply that must stop there). ValueError when the template renders the question differently
+    once a reply follows (its prompt is then no prefix of the scored sequence)."""
     found = []
     prefix = prompt.num_tokens
     for choice in choices:
@@ -43,7 +44,8 @@ def choice_samples(choices: Sequence[str], messages: list[dict], prompt: Sample,
         scored = (labels != IGNORE_INDEX).nonzero().flatten()
         if scored.numel() < 2:
             raise ValueError(f"the choice {choice!r} gives no token of its own before the end of the turn")
-        labels[scored[-1]] = IGNORE_INDEX  # the closing token: "c, then stop" would favour short choices
+        if not reply_end:
+            labels[scored[-1]] = IGNORE_INDEX  # the closing token: "c, then stop" would favour short choices
         found.append(attrs.evolve(full, labels=labels))
     return found
 

@@ -1,0 +1,141 @@
+"""The haystack of examples/long: real text from the standard library, cut to an exact length in
+the model's tokens, a needle put at a chosen depth.
+
+Text: the ``.py`` files of the running Python's standard library (every machine has ~30 MB of
+them; installed packages left out), split by file into a training part and a held-out part by a
+hash of the file's name, so a question's haystack never comes from a file the model was trained
+on (:func:`split_files`). Lengths are counted by weft's own encoding of the conversation (the
+recipe's tokenizer and chat template, images widened to their vision tokens): what the model
+reads is exactly ``length`` tokens (:func:`fit`).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import zlib
+from collections.abc import Callable, Sequence
+
+from weft.strategies.data.conversation import encode_conversation, encode_prompt, load_processor
+from weft.strategies.data.formats import record_to_messages
+from weft.strategies.data.text_corpus import corpus_files
+
+CORPUS = "<stdlib>/**/*.py"
+#: One file in HELD_OUT_EVERY is held out (by the CRC-32 of its path below the library's folder).
+HELD_OUT_EVERY = 10
+#: Text the tokenizer or the data reader would take for markup, never left in a haystack.
+_MARKUP = ("<|", "|>", "<image>", "<video>")
+
+
+def split_files(part: str, *, pattern: str = CORPUS) -> list[pathlib.Path]:
+    """The corpus files of one part, ``"train"`` or ``"held_out"``, sorted; the two are disjoint
+    and together every file."""
+    if part not in ("train", "held_out"):
+        raise ValueError(f"part must be 'train' or 'held_out', got {part!r}")
+    files = corpus_files(pattern, base=pathlib.Path.cwd())
+    if not files:
+        raise ValueError(f"no file matches {pattern!r}")
+    common = corpus_root(files)
+
+    def held(path: pathlib.Path) -> bool:  # by the name below the corpus's folder: the same on every machine
+        return zlib.crc32(str(path.relative_to(common)).encode()) % HELD_OUT_EVERY == 0
+
+    return [f for f in files if held(f) == (part == "held_out")]
+
+
+def corpus_root(files: Sequence[pathlib.Path]) -> pathlib.Path:
+    """The folder every corpus file lies under (the standard library's)."""
+    return pathlib.Path(os.path.commonpath([str(f.parent) for f in files]))
+
+
+class Corpus:
+    """One part's text, read once; :meth:`slice` draws a stretch of it from a seeded Random."""
+
+    @classmethod
+    def of(cls, part: str) -> Corpus:
+        """The training or the held-out part of the standard library's text."""
+        return cls(split_files(part), root=corpus_root(split_files("train") + split_files("held_out")))
+
+    def __init__(self, files: Sequence[pathlib.Path], *, root: pathlib.Path) -> None:
+        texts = []
+        for f in files:
+            text = f.read_text(encoding="utf-8", errors="replace")
+            for mark in _MARKUP:
+                text = text.replace(mark, " ")
+            texts.append(text)
+        self.names = [str(f.relative_to(root)) for f in files]
+        self.text = "\n".join(texts)
+        self.starts = [0]
+        for t in texts[:-1]:
+            self.starts.append(self.starts[-1] + len(t) + 1)
+
+    def slice(self, chars: int, *, rng: random.Random) -> tuple[str, list[str]]:
+        """(``chars`` characters from a random line start, the files they come from, below the root)."""
+        if chars >= len(self.text):
+            raise ValueError(f"the corpus holds {len(self.text)} characters, {chars} asked")
+        start = self.text.rfind("\n", 0, rng.randrange(len(self.text) - chars)) + 1
+        end = start + chars
+        names = [self.names[i] for i, s in enumerate(self.starts)
+                 if s < end and (i + 1 == len(self.starts) or self.starts[i + 1] > start)]
+        return self.text[start:end], names
+
+
+def insert_at(haystack: str, needle: str, *, depth: float) -> tuple[str, int]:
+    """``haystack`` with ``needle`` put at the line boundary nearest ``depth`` (0: first, 1: last) of
+    its characters; (the text, where the needle starts)."""
+    at = round(depth * len(haystack))
+    before = haystack.rfind("\n", 0, at) + 1 if at < len(haystack) else len(haystack)
+    after = haystack.find("\n", at)
+    after = len(haystack) if after < 0 else after + 1
+    cut = before if at - before <= after - at else after
+    return haystack[:cut] + needle + haystack[cut:], cut
+
+
+class Encoder:
+    """Token counts of records as weft reads them (one processor folder, images relative to ``base``)."""
+
+    def __init__(self, processor: str, *, base: pathlib.Path) -> None:
+        self.tokenizer, self.image_processor = load_processor(processor)
+        self.base = base
+
+    def ids(self, record: dict, *, prompt: bool) -> list[int]:
+        """The record's token ids: the question with the generation prompt (``prompt``: as a task
+        question is read) or the whole conversation (as a training sample is read)."""
+        messages = record_to_messages(record, base=self.base)
+        if prompt:
+            messages = [m for m in messages if m["role"] != "assistant"]
+            sample = encode_prompt(messages, tokenizer=self.tokenizer, image_processor=self.image_processor)
+        else:
+            sample = encode_conversation(messages, tokenizer=self.tokenizer, image_processor=self.image_processor)
+        return sample.input_ids.tolist()
+
+
+def fit(build: Callable[[int], dict], *, count: Callable[[dict], int], length: int, start: int, limit: int) -> dict:
+    """The record ``build(n)`` of exactly ``length`` tokens by ``count``, ``n`` the haystack's
+    characters: bisection on n (the count grows with n, by a token or none a character, now and
+    then by two where a merge breaks), then the n's around the boundary. ValueError when no n
+    gives exactly ``length`` (the caller draws another haystack), or when ``limit`` characters
+    are too few."""
+    low, high = 0, max(1, min(start, limit))
+    while count(build(high)) < length:
+        if high >= limit:
+            raise ValueError(f"{limit} characters give fewer than {length} tokens")
+        low, high = high, min(limit, high * 2)
+    while high - low > 1:
+        mid = (low + high) // 2
+        if count(build(mid)) < length:
+            low = mid
+        else:
+            high = mid
+    for n in range(max(0, high - 3), high + 4):
+        record = build(n)
+        if count(record) == length:
+            return record
+    raise ValueError(f"no haystack of exactly {length} tokens near {high} characters")
+
+
+def digits_tokens(ids: Sequence[int], key_ids: Sequence[int]) -> list[int]:
+    """Every index where ``key_ids`` starts in ``ids``."""
+    k = len(key_ids)
+    return [i for i in range(len(ids) - k + 1) if list(ids[i : i + k]) == list(key_ids)]

@@ -1,0 +1,131 @@
+"""A multimodal needle: one image of a handwritten digit (scikit-learn's, as examples/digits draws
+them) at a chosen depth of a long standard-library text, among distractor digits, each image after
+a name; the question asks for the digit in the image after one name.
+
+    python examples/long/make_needle.py OUT_DIR [--processor tiny_vl] [--train-length 2048]
+        [--train-samples 2000] [--lengths 2048,8192] [--depths 0,0.25,0.5,0.75,1]
+        [--per-depth 8] [--distractors 2] [--seed 0]
+
+writes OUT_DIR/images/NNNN.png (every digit of ``load_digits``), OUT_DIR/train.jsonl (conversations
+of exactly ``--train-length`` tokens, their images from the digits' training split and their text
+from the corpus's training files) and OUT_DIR/needle-N.jsonl for each N of ``--lengths``: questions
+whose prompt is exactly N tokens (the images' vision tokens counted), the needle at each of
+``--depths``, the distractors at random depths, images from the held-out digits, text from the
+held-out files. A question's line:
+
+    {"messages": [{"role": "user", "content": "... Image of Quill: <image> ... Which digit is in the
+     image of Quill?"}], "images": ["images/0412.png", "images/0007.png", "images/1290.png"],
+     "answer": "4", "meta": {"task": "needle", "length": 8192, "depth": 0.5, "name": "Quill", ...}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import sys
+from collections.abc import Sequence
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "digits"))
+from haystack import Corpus, Encoder, fit, insert_at  # noqa: E402
+from make_digits import digit_image, stratified_split  # noqa: E402
+
+INTRO = ("Some images of handwritten digits are hidden inside a lot of irrelevant text, each after a name. "
+         "I will ask you about one of them.\n")
+NAMES = ("Quill", "Marlow", "Tansy", "Brio", "Oskar", "Wren", "Juniper", "Cato", "Fennel", "Ines", "Yarrow", "Bede")
+
+
+def marker(name: str) -> str:
+    return f"Image of {name}: <image>\n"
+
+
+def question(name: str) -> str:
+    return f"\nWhich digit is in the image of {name}?"
+
+
+def needle_record(haystack: str, *, needles: list[tuple[float, str, str]], asked: str, answer: str | None) -> dict:
+    """``needles``: (depth, name, image path); the first is the one asked about. Distractors go in
+    first, the needle last, so the needle's depth is where its line says in the final text."""
+    text = haystack
+    for depth, name, _ in needles[1:]:
+        text, _ = insert_at(text, marker(name), depth=depth)
+    text, _ = insert_at(text, marker(needles[0][1]), depth=needles[0][0])
+    order = sorted(needles, key=lambda n: text.index(marker(n[1])))
+    record = {"messages": [{"role": "user", "content": INTRO + text + question(asked)}],
+              "images": [path for _, _, path in order]}
+    if answer is not None:
+        record["messages"].append({"role": "assistant", "content": answer})
+    return record
+
+
+def needle_line(corpus: Corpus, encoder: Encoder, *, length: int, depth: float, pool: list[int], labels: list[int],
+                distractors: int, rng: random.Random, answer: bool) -> dict:
+    names = rng.sample(NAMES, distractors + 1)
+    chosen = [rng.choice(pool) for _ in names]
+    needles = [(depth, names[0], f"images/{chosen[0]:04d}.png")]
+    needles += [(rng.random(), n, f"images/{c:04d}.png") for n, c in zip(names[1:], chosen[1:])]
+    digit = str(labels[chosen[0]])
+    for _ in range(20):
+        text, files = corpus.slice(4 * length + 4096, rng=rng)
+        try:
+            record = fit(lambda n: needle_record(text[:n], needles=needles, asked=names[0],
+                                                 answer=digit if answer else None),
+                         count=lambda r: len(encoder.ids(r, prompt=not answer)), length=length, start=length,
+                         limit=len(text))
+        except ValueError:
+            continue
+        return dict(record, answer=digit, meta={"task": "needle", "length": length, "depth": depth,
+                                                 "name": names[0], "image": chosen[0], "files": files,
+                                                 "distractors": [c for c in chosen[1:]]})
+    raise RuntimeError(f"could not build a needle line of {length} tokens at depth {depth}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=pathlib.Path)
+    parser.add_argument("--processor", default="tiny_vl")
+    parser.add_argument("--train-length", type=int, default=2048)
+    parser.add_argument("--train-samples", type=int, default=2000)
+    parser.add_argument("--lengths", default="2048,8192")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    parser.add_argument("--per-depth", type=int, default=8)
+    parser.add_argument("--distractors", type=int, default=2)
+    parser.add_argument("--side", type=int, default=56)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from sklearn.datasets import load_digits  # the digits extra: pip install 'weft[digits]'
+
+    digits = load_digits()
+    labels = [int(x) for x in digits.target]
+    (args.out / "images").mkdir(parents=True, exist_ok=True)
+    for index, pixels in enumerate(digits.images):
+        digit_image(pixels=pixels.tolist(), side=args.side).save(args.out / "images" / f"{index:04d}.png")
+    train_digits, held_digits = stratified_split(labels=labels, held_out=0.2, seed=args.seed)
+    encoder = Encoder(args.processor, base=args.out)
+    rng = random.Random(args.seed)
+    if args.train_samples:
+        corpus = Corpus.of("train")
+        with open(args.out / "train.jsonl", "w", encoding="utf-8") as out:
+            for i in range(args.train_samples):
+                line = needle_line(corpus, encoder, length=args.train_length, depth=rng.random(), pool=train_digits,
+                                   labels=labels, distractors=args.distractors, rng=rng, answer=True)
+                line.pop("answer")
+                out.write(json.dumps(dict(line, id=f"train-{i}")) + "\n")
+    held = Corpus.of("held_out")
+    depths = [float(d) for d in args.depths.split(",")]
+    for length in (int(n) for n in args.lengths.split(",") if n):
+        with open(args.out / f"needle-{length}.jsonl", "w", encoding="utf-8") as out:
+            for depth in depths:
+                for j in range(args.per_depth):
+                    line = needle_line(held, encoder, length=length, depth=depth, pool=held_digits, labels=labels,
+                                       distractors=args.distractors, rng=rng, answer=False)
+                    out.write(json.dumps(dict(line, id=f"needle-{length}-d{depth:.2f}-{j}")) + "\n")
+    print(json.dumps({"out": str(args.out), "train_samples": args.train_samples, "lengths": args.lengths}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""Passkey retrieval in real text: a 5-digit key at a chosen depth of a standard-library haystack,
+the question at the end (the YaRN paper's test, after Mohtashami and Jaggi's landmark attention).
+
+    python examples/long/make_passkey.py OUT_DIR [--processor tiny_vl] [--train-length 512]
+        [--train-samples 3000] [--text-fraction 0.25] [--lengths 512,1024,2048,4096]
+        [--depths 0,0.25,0.5,0.75,1] [--per-depth 8] [--seed 0]
+
+writes OUT_DIR/train.jsonl (``--train-samples`` conversations of exactly ``--train-length``
+tokens: passkey questions at random depths answered with the key, and a ``--text-fraction`` of
+plain text to continue, from the corpus's training files) and OUT_DIR/passkey-N.jsonl for each
+N of ``--lengths``: ``weft eval --task`` questions whose prompt is exactly N tokens, ``--per-depth``
+at each depth of ``--depths``, their haystacks from the held-out files only. A question's line:
+
+    {"messages": [{"role": "user", "content": "There is a pass key hidden ... What is the pass key?"}],
+     "answer": "71432", "id": "passkey-2048-d0.50-3",
+     "meta": {"task": "passkey", "length": 2048, "depth": 0.5, "needle_token": 1031, "files": [...]}}
+
+``meta.needle_token`` is the index of the key's first token in the prompt; the key occurs in the
+prompt twice (the needle says it twice) and nowhere else, and no other line of the file has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import sys
+from collections.abc import Sequence
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from haystack import Corpus, Encoder, digits_tokens, fit, insert_at  # noqa: E402
+
+INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the pass key.\n")
+QUESTION = "\nWhat is the pass key?"
+TEXT_PROMPT = "Continue the text."
+
+
+def needle(key: str) -> str:
+    return f"The pass key is {key}. Remember it. {key} is the pass key.\n"
+
+
+def passkey_record(haystack: str, *, key: str, depth: float, answer: bool) -> dict:
+    """The question with the needle at ``depth`` of ``haystack`` (and the key as the reply: ``answer``)."""
+    text, _ = insert_at(haystack, needle(key), depth=depth)
+    messages = [{"role": "user", "content": INTRO + text + QUESTION}]
+    if answer:
+        messages.append({"role": "assistant", "content": key})
+    return {"messages": messages}
+
+
+def draw_key(rng: random.Random, *, avoid: str) -> str:
+    """A 5-digit key (no leading zero) that ``avoid`` does not contain."""
+    while True:
+        key = str(rng.randrange(10_000, 100_000))
+        if key not in avoid:
+            return key
+
+
+def passkey_line(corpus: Corpus, encoder: Encoder, *, length: int, depth: float, rng: random.Random,
+                 answer: bool, used: set[str]) -> dict:
+    """One passkey line of exactly ``length`` tokens (the prompt's, or with ``answer`` the whole
+    conversation's), its key new to ``used``."""
+    for _ in range(20):
+        pool, files = corpus.slice(4 * length + 4096, rng=rng)  # more characters than any fit takes
+        key = draw_key(rng, avoid=pool)
+        if key in used:
+            continue
+        try:
+            record = fit(lambda n: passkey_record(pool[:n], key=key, depth=depth, answer=answer),
+                         count=lambda r: len(encoder.ids(r, prompt=not answer)), length=length, start=length,
+                         limit=len(pool))
+        except ValueError:
+            continue
+        ids = encoder.ids(record, prompt=True)
+        key_ids = encoder.tokenizer(key, add_special_tokens=False)["input_ids"]
+        found = digits_tokens(ids, key_ids)
+        if len(found) != 2:  # the haystack's edge merged with the key: draw again
+            continue
+        used.add(key)
+        line = dict(record, answer=key)
+        line["meta"] = {"task": "passkey", "length": length, "depth": depth, "needle_token": found[0],
+                        "files": files}
+        return line
+    raise RuntimeError(f"could not build a passkey line of {length} tokens at depth {depth}")
+
+
+def text_line(corpus: Corpus, encoder: Encoder, *, length: int, rng: random.Random) -> dict:
+    """Plain text to continue, the whole conversation exactly ``length`` tokens."""
+    pool, files = corpus.slice(4 * length + 4096, rng=rng)
+    record = fit(lambda n: {"messages": [{"role": "user", "content": TEXT_PROMPT},
+                                         {"role": "assistant", "content": pool[:n]}]},
+                 count=lambda r: len(encoder.ids(r, prompt=False)), length=length, start=length,
+                 limit=len(pool))
+    return dict(record, meta={"task": "text", "length": length, "files": files})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=pathlib.Path)
+    parser.add_argument("--processor", default="tiny_vl", help="the recipe's processor folder (or bundled name)")
+    parser.add_argument("--train-length", type=int, default=512)
+    parser.add_argument("--train-samples", type=int, default=3000)
+    parser.add_argument("--text-fraction", type=float, default=0.25)
+    parser.add_argument("--lengths", default="512,1024,2048,4096")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    parser.add_argument("--per-depth", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    encoder = Encoder(args.processor, base=args.out)
+    rng = random.Random(args.seed)
+    used: set[str] = set()
+    if args.train_samples:
+        train = Corpus.of("train")
+        with open(args.out / "train.jsonl", "w", encoding="utf-8") as out:
+            for i in range(args.train_samples):
+                if rng.random() < args.text_fraction:
+                    line = text_line(train, encoder, length=args.train_length, rng=rng)
+                else:
+                    line = passkey_line(train, encoder, length=args.train_length, depth=rng.random(), rng=rng,
+                                        answer=True, used=used)
+                line.pop("answer", None)  # a training line: the reply is the answer
+                out.write(json.dumps(dict(line, id=f"train-{i}")) + "\n")
+    held = Corpus.of("held_out")
+    depths = [float(d) for d in args.depths.split(",")]
+    for length in (int(n) for n in args.lengths.split(",") if n):
+        with open(args.out / f"passkey-{length}.jsonl", "w", encoding="utf-8") as out:
+            for depth in depths:
+                for j in range(args.per_depth):
+                    line = passkey_line(held, encoder, length=length, depth=depth, rng=rng, answer=False, used=used)
+                    out.write(json.dumps(dict(line, id=f"passkey-{length}-d{depth:.2f}-{j}")) + "\n")
+    print(json.dumps({"out": str(args.out), "train_samples": args.train_samples, "lengths": args.lengths,
+                      "depths": depths, "per_depth": args.per_depth}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
