@@ -152,3 +152,31 @@ def test_the_first_steps_are_the_one_rank_steps_under_every_layout(data, one_ran
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
     fillers = json.loads((tmp_path / "two" / "summary.json").read_text())["filler_micro_batches"]
     assert (fillers > 0) == (recipe != "digits.toml"), fillers  # dp 2's odd steps only; SP has one dp group
+
+
+def forced_eval(data: pathlib.Path, run: pathlib.Path, results: pathlib.Path, *args: str) -> dict:
+    done = run_weft("eval", str(data.parent / "digits.toml"), "--run-dir", str(run), "--task",
+                    str(data / "held_out.jsonl"), "--results", str(results), "--json", *args, cwd=data.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_forced_answers_are_greedy_decodings_and_the_same_under_ring_and_ulysses(data, short_run):
+    """`--forced`: each question in one teacher-forced pass; right exactly where greedy generation
+    was, the prediction the start of the generated reply. On 2 ranks (ring 2, Ulysses 2) every
+    question's answer tokens are one rank's."""
+    run, generated, generated_rows = short_run
+    one = forced_eval(data, run, data.parent / "forced.jsonl", "--nproc", "1", "--forced")
+    assert one["by_scoring"] == {"choices": 0, "generation": 0, "forced": 359}
+    assert one["right"] == generated["right"] and one["accuracy"] == generated["accuracy"]
+    rows = [json.loads(x) for x in (data.parent / "forced.jsonl").read_text().splitlines()]
+    greedy = {r["id"]: r for r in (json.loads(x) for x in generated_rows.read_text().splitlines())}
+    assert 0 < sum(not r["right"] for r in rows)  # wrong answers too: the prefix check below bites
+    for r in rows:
+        assert r["right"] == greedy[r["id"]]["right"], (r, greedy[r["id"]])
+        assert greedy[r["id"]]["prediction"].startswith(r["prediction"]), (r, greedy[r["id"]])
+    for layout in ("parallel.ring=2", "parallel.ulysses=2"):
+        two = forced_eval(data, run, data.parent / "forced2.jsonl", "--nproc", "2", "--set", layout)
+        assert two["by_scoring"]["forced"] == 359 and two["world_size"] == 2
+        split = [json.loads(x) for x in (data.parent / "forced2.jsonl").read_text().splitlines()]
+        assert [r["prediction_tokens"] for r in split] == [r["prediction_tokens"] for r in rows], layout

@@ -49,8 +49,8 @@ def test_the_key_is_where_the_line_says_and_nowhere_else(passkeys):
         for line in lines(passkeys / f"passkey-{n}.jsonl"):
             ids = encoder.ids(line, prompt=True)
             assert len(ids) == n == line["meta"]["length"]  # the prompt, generation header included
-            key = line["answer"]
-            assert len(key) == 5 and key.isdigit()
+            key = line["meta"]["key"]
+            assert len(key) == 5 and key.isdigit() and line["answer"] == f"The pass key is {key}."
             key_ids = encoder.tokenizer(key, add_special_tokens=False)["input_ids"]
             found = haystack.digits_tokens(ids, key_ids)
             assert len(found) == 2 and found[0] == line["meta"]["needle_token"], (found, line["meta"])
@@ -77,9 +77,12 @@ def test_training_lines_are_exact_and_haystacks_of_questions_held_out(passkeys):
     train = lines(passkeys / "train.jsonl")
     assert len(train) == 12 and all(len(encoder.ids(t, prompt=False)) == 384 for t in train)
     assert all(t["messages"][-1]["role"] == "assistant" for t in train)
-    for t in train:
-        if t["meta"]["task"] == "passkey":
-            assert t["messages"][-1]["content"] in t["messages"][0]["content"]
+    for t in train:  # the reply says the key its question hid; a text line holds a needle and its reply
+        said = t["messages"][-1]["content"]
+        key = said.rsplit("The pass key is ", 1)[1].rstrip(".")
+        assert len(key) == 5 and key.isdigit()
+        hidden = t["messages"][0]["content"] if t["meta"]["task"] == "passkey" else said[: -len(key) - 2]
+        assert hidden.count(key) == 2, t["meta"]
     train_files, held_files = haystack.split_files("train"), haystack.split_files("held_out")
     root = haystack.corpus_root(train_files + held_files)
     held = {str(f.relative_to(root)) for f in held_files}

@@ -73,4 +73,6 @@ def forced_row_fields(chosen: list[int], wanted: list[int], *, decode) -> dict:
     whether it is right (every token the answer's)."""
     wrong = next((i for i, (a, b) in enumerate(zip(chosen, wanted)) if a != b), None)
     shown = chosen if wrong is None else chosen[: wrong + 1]
-    return {"prediction": decode(shown), "right": wrong is None, "prediction_tokens": shown}
+    # Right: the reply as generation reports it, its closing token dropped.
+    text = decode(shown[:-1] if wrong is None else shown)
+    return {"prediction": text, "right": wrong is None, "prediction_tokens": shown}

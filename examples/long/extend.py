@@ -94,6 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         weft("run", args.recipe, "--run-dir", base, *sets([*common, f"data.path={data / 'train.jsonl'}",
                                                            f"train.max_steps={args.steps}"]))
         weft("export", base, out / "base-hf")
+    # The fine-tunes start from the trained model's export: the recipe with its model there.
+    text = args.recipe.read_text()
+    preset = next(line for line in text.splitlines() if line.startswith("preset"))
+    tune_recipe = out / "finetune.toml"
+    tune_recipe.write_text(text.replace(preset, 'path = "base-hf"  # the trained model, exported'))
     results = out / "results"
     results.mkdir(exist_ok=True)
     table: dict[str, dict[str, dict[int, float]]] = {}
@@ -103,30 +108,27 @@ def main(argv: Sequence[str] | None = None) -> int:
              *sets(rope(scaling, factor=factor, length=length)))
         tuned = out / f"finetune-{scaling}"
         if not (tuned / "summary.json").is_file():
-            weft("run", args.recipe, "--run-dir", tuned,
-                 *sets([*common, f"model.path={out / 'base-hf'}", f"data.path={data / 'long' / 'train.jsonl'}",
+            weft("run", tune_recipe, "--run-dir", tuned,
+                 *sets([*common, f"data.path={data / 'long' / 'train.jsonl'}",
                         f"train.max_steps={args.finetune}", "train.warmup_steps=0",
                         *rope(scaling, factor=factor, length=length)]))
         after = results / f"finetune-{scaling}.jsonl"
-        weft("eval", args.recipe, "--run-dir", tuned, "--set", f"model.path={out / 'base-hf'}", "--task",
+        weft("eval", tune_recipe, "--run-dir", tuned, "--task",
              data / "tasks.jsonl", "--forced", "--results", after, *sets(rope(scaling, factor=factor, length=length)))
         table[scaling] = {"before": accuracy_by_length(before), "after": accuracy_by_length(after)}
     agree = {}
     if "yarn" in scalings:
-        one = results / "finetune-yarn.jsonl"
         task = data / f"passkey-{length * factor}.jsonl"
         single = results / "sp-one-rank.jsonl"
-        weft("eval", args.recipe, "--run-dir", out / "finetune-yarn", "--set", f"model.path={out / 'base-hf'}",
-             "--task", task, "--forced", "--results", single, *sets(rope("yarn", factor=factor, length=length)))
+        weft("eval", tune_recipe, "--run-dir", out / "finetune-yarn", "--task", task, "--forced", "--results", single,
+             *sets(rope("yarn", factor=factor, length=length)))
         for layout in ("ring", "ulysses"):
             sp = results / f"sp-{layout}2.jsonl"
-            weft("eval", args.recipe, "--run-dir", out / "finetune-yarn", "--set", f"model.path={out / 'base-hf'}",
-                 "--nproc", "2", "--task", task, "--results", sp,
-                 *sets([*rope("yarn", factor=factor, length=length), f"parallel.{layout}=2"]))
+            weft("eval", tune_recipe, "--run-dir", out / "finetune-yarn", "--nproc", "2", "--task", task,
+                 "--results", sp, *sets([*rope("yarn", factor=factor, length=length), f"parallel.{layout}=2"]))
             a = [json.loads(x)["prediction_tokens"] for x in single.read_text().splitlines()]
             b = [json.loads(x)["prediction_tokens"] for x in sp.read_text().splitlines()]
             agree[f"{layout}2"] = {"questions": len(a), "same_answers": sum(x == y for x, y in zip(a, b))}
-        del one
     weft("report", *[a for s in scalings for a in ("--heatmap", results / f"finetune-{s}.jsonl")],
          "--out", out / "heatmaps.png")
     write_table(out / "table.md", table, lengths=lengths, args=args)

@@ -2,7 +2,7 @@
 the model's tokens, a needle put at a chosen depth.
 
 Text: the ``.py`` files of the running Python's standard library (every machine has ~30 MB of
-them; installed packages left out), split by file into a training part and a held-out part by a
+them; installed packages left out), their digits left out, split by file into a training part and a held-out part by a
 hash of the file's name, so a question's haystack never comes from a file the model was trained
 on (:func:`split_files`). Lengths are counted by weft's own encoding of the conversation (the
 recipe's tokenizer and chat template, images widened to their vision tokens): what the model
@@ -24,6 +24,7 @@ from weft.strategies.data.text_corpus import corpus_files
 CORPUS = "<stdlib>/**/*.py"
 #: One file in HELD_OUT_EVERY is held out (by the CRC-32 of its path below the library's folder).
 HELD_OUT_EVERY = 10
+_NO_DIGITS = str.maketrans("", "", "0123456789")
 #: Text the tokenizer or the data reader would take for markup, never left in a haystack.
 _MARKUP = ("<|", "|>", "<image>", "<video>")
 
@@ -63,6 +64,10 @@ class Corpus:
             text = f.read_text(encoding="utf-8", errors="replace")
             for mark in _MARKUP:
                 text = text.replace(mark, " ")
+            # No digit: the key is the only number in a question, as in the original test, whose
+            # haystack ("The grass is green. The sky is blue. ...") has none, and a key can never
+            # occur in the haystack by chance.
+            text = text.translate(_NO_DIGITS)
             texts.append(text)
         self.names = [str(f.relative_to(root)) for f in files]
         self.text = "\n".join(texts)
@@ -118,17 +123,20 @@ def fit(build: Callable[[int], dict], *, count: Callable[[dict], int], length: i
     gives exactly ``length`` (the caller draws another haystack), or when ``limit`` characters
     are too few."""
     low, high = 0, max(1, min(start, limit))
-    while count(build(high)) < length:
+    while (got := count(build(high))) < length:
         if high >= limit:
             raise ValueError(f"{limit} characters give fewer than {length} tokens")
-        low, high = high, min(limit, high * 2)
+        # A secant step from the tokens this many characters gave (a character a token or fewer).
+        low, high = high, min(limit, max(high + 1, high * length // max(got, 1) + 8))
     while high - low > 1:
         mid = (low + high) // 2
         if count(build(mid)) < length:
             low = mid
         else:
             high = mid
-    for n in range(max(0, high - 3), high + 4):
+    for n in (high, high - 1, high + 1, high - 2, high + 2, high + 3):  # the first with the count is here
+        if n < 0:
+            continue
         record = build(n)
         if count(record) == length:
             return record

@@ -22,7 +22,10 @@ prompt twice (the needle says it twice) and nowhere else, and no other line of t
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
+import multiprocessing
 import pathlib
 import random
 import sys
@@ -41,12 +44,20 @@ def needle(key: str) -> str:
     return f"The pass key is {key}. Remember it. {key} is the pass key.\n"
 
 
+def reply(key: str) -> str:
+    """The answer: the key in a sentence, as a chat model says it. Its opening words are the
+    needle's, so the key follows the same words as in the needle: a small model from random
+    initialisation finds it by looking back for them (an induction head) within a thousand
+    steps, where a bare key after the reply's header stayed at chance."""
+    return f"The pass key is {key}."
+
+
 def passkey_record(haystack: str, *, key: str, depth: float, answer: bool) -> dict:
     """The question with the needle at ``depth`` of ``haystack`` (and the key as the reply: ``answer``)."""
     text, _ = insert_at(haystack, needle(key), depth=depth)
     messages = [{"role": "user", "content": INTRO + text + QUESTION}]
     if answer:
-        messages.append({"role": "assistant", "content": key})
+        messages.append({"role": "assistant", "content": reply(key)})
     return {"messages": messages}
 
 
@@ -79,21 +90,54 @@ def passkey_line(corpus: Corpus, encoder: Encoder, *, length: int, depth: float,
         if len(found) != 2:  # the haystack's edge merged with the key: draw again
             continue
         used.add(key)
-        line = dict(record, answer=key)
-        line["meta"] = {"task": "passkey", "length": length, "depth": depth, "needle_token": found[0],
+        line = dict(record, answer=reply(key))
+        line["meta"] = {"task": "passkey", "key": key, "length": length, "depth": depth, "needle_token": found[0],
                         "files": files}
         return line
     raise RuntimeError(f"could not build a passkey line of {length} tokens at depth {depth}")
 
 
 def text_line(corpus: Corpus, encoder: Encoder, *, length: int, rng: random.Random) -> dict:
-    """Plain text to continue, the whole conversation exactly ``length`` tokens."""
-    pool, files = corpus.slice(4 * length + 4096, rng=rng)
-    record = fit(lambda n: {"messages": [{"role": "user", "content": TEXT_PROMPT},
-                                         {"role": "assistant", "content": pool[:n]}]},
-                 count=lambda r: len(encoder.ids(r, prompt=False)), length=length, start=length,
-                 limit=len(pool))
-    return dict(record, meta={"task": "text", "length": length, "files": files})
+    """Plain text to continue, a needle in it and the question and reply at its end, the loss on
+    all of it (the whole conversation exactly ``length`` tokens): dense practice at finding what
+    followed the same words earlier."""
+    for _ in range(20):
+        pool, files = corpus.slice(4 * length + 4096, rng=rng)
+        key, depth = draw_key(rng, avoid=pool), rng.random()
+
+        def text(n: int, pool=pool, key=key, depth=depth) -> str:
+            return insert_at(pool[:n], needle(key), depth=depth)[0] + QUESTION + "\n" + reply(key)
+
+        try:
+            record = fit(lambda n: {"messages": [{"role": "user", "content": TEXT_PROMPT},
+                                                 {"role": "assistant", "content": text(n)}]},
+                         count=lambda r: len(encoder.ids(r, prompt=False)), length=length, start=length,
+                         limit=len(pool))
+        except ValueError:
+            continue  # no haystack of exactly the length from this stretch: another one
+        return dict(record, meta={"task": "text", "key": key, "length": length, "files": files})
+    raise RuntimeError(f"could not build a text line of {length} tokens")
+
+
+#: Each process's encoder and corpora (a pool's initializer fills it): read once, not per line.
+_STATE: dict = {}
+
+
+def _start(processor: str, base: str) -> None:
+    _STATE.update(encoder=Encoder(processor, base=pathlib.Path(base)), train=None, held_out=None)
+
+
+def make_line(job: tuple) -> dict:
+    """One line from its own seed (so any number of processes writes the same files): ``job`` is
+    (part, kind, length, depth or None, seed text, keys to avoid)."""
+    part, kind, length, depth, seed, avoid = job
+    if _STATE[part] is None:
+        _STATE[part] = Corpus.of(part)
+    rng = random.Random(seed)
+    if kind == "text":
+        return text_line(_STATE[part], _STATE["encoder"], length=length, rng=rng)
+    return passkey_line(_STATE[part], _STATE["encoder"], length=length, depth=rng.random() if depth is None else depth,
+                        rng=rng, answer=part == "train", used=set(avoid))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,31 +151,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--per-depth", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1, help="processes writing lines (the files do not depend on it)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    encoder = Encoder(args.processor, base=args.out)
-    rng = random.Random(args.seed)
-    used: set[str] = set()
-    if args.train_samples:
-        train = Corpus.of("train")
-        with open(args.out / "train.jsonl", "w", encoding="utf-8") as out:
-            for i in range(args.train_samples):
-                if rng.random() < args.text_fraction:
-                    line = text_line(train, encoder, length=args.train_length, rng=rng)
-                else:
-                    line = passkey_line(train, encoder, length=args.train_length, depth=rng.random(), rng=rng,
-                                        answer=True, used=used)
-                line.pop("answer", None)  # a training line: the reply is the answer
-                out.write(json.dumps(dict(line, id=f"train-{i}")) + "\n")
-    held = Corpus.of("held_out")
+    pick = random.Random(f"{args.seed}:kinds")
+    train_jobs = [("train", "text" if pick.random() < args.text_fraction else "passkey", args.train_length, None,
+                   f"{args.seed}:train:{i}", ()) for i in range(args.train_samples)]
     depths = [float(d) for d in args.depths.split(",")]
-    for length in (int(n) for n in args.lengths.split(",") if n):
-        with open(args.out / f"passkey-{length}.jsonl", "w", encoding="utf-8") as out:
-            for depth in depths:
-                for j in range(args.per_depth):
-                    line = passkey_line(held, encoder, length=length, depth=depth, rng=rng, answer=False, used=used)
-                    out.write(json.dumps(dict(line, id=f"passkey-{length}-d{depth:.2f}-{j}")) + "\n")
-    print(json.dumps({"out": str(args.out), "train_samples": args.train_samples, "lengths": args.lengths,
+    lengths = [int(n) for n in args.lengths.split(",") if n]
+    task_jobs = {n: [("held_out", "passkey", n, d, f"{args.seed}:task:{n}:{d}:{j}", ()) for d in depths
+                     for j in range(args.per_depth)] for n in lengths}
+    _start(args.processor, str(args.out))  # this process's own, for --jobs 1 and the lines made again
+    with contextlib.ExitStack() as stack:
+        pool = (stack.enter_context(multiprocessing.get_context("spawn").Pool(
+            args.jobs, initializer=_start, initargs=(args.processor, str(args.out)))) if args.jobs > 1 else None)
+        each = functools.partial(pool.imap, chunksize=8) if pool else map
+        if train_jobs:
+            with open(args.out / "train.jsonl", "w", encoding="utf-8") as out:
+                for i, line in enumerate(each(make_line, train_jobs)):
+                    line.pop("answer", None)  # a training line: the reply is the answer
+                    out.write(json.dumps(dict(line, id=f"train-{i}")) + "\n")
+        used: set[str] = set()
+        for n in lengths:
+            found = list(each(make_line, task_jobs[n]))
+            for index, line in enumerate(found):
+                while line["meta"]["key"] in used:  # no key twice among the questions: that line again
+                    part, kind, length, depth, seed, _ = task_jobs[n][index]
+                    line = make_line((part, kind, length, depth, seed + "'", tuple(used)))
+                used.add(line["meta"]["key"])
+                found[index] = line
+            with open(args.out / f"passkey-{n}.jsonl", "w", encoding="utf-8") as out:
+                for (_, _, _, depth, _, _), line, j in zip(task_jobs[n], found,
+                                                          [j for _ in depths for j in range(args.per_depth)]):
+                    out.write(json.dumps(dict(line, id=f"passkey-{n}-d{depth:.2f}-{j}")) + "\n")
+    print(json.dumps({"out": str(args.out), "train_samples": args.train_samples, "lengths": lengths,
                       "depths": depths, "per_depth": args.per_depth}))
     return 0
 
