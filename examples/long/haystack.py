@@ -11,11 +11,14 @@ reads is exactly ``length`` tokens (:func:`fit`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import multiprocessing
 import os
 import pathlib
 import random
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from weft.strategies.data.conversation import encode_conversation, encode_prompt, load_processor
 from weft.strategies.data.formats import record_to_messages
@@ -147,3 +150,15 @@ def digits_tokens(ids: Sequence[int], key_ids: Sequence[int]) -> list[int]:
     """Every index where ``key_ids`` starts in ``ids``."""
     k = len(key_ids)
     return [i for i in range(len(ids) - k + 1) if list(ids[i : i + k]) == list(key_ids)]
+
+
+@contextlib.contextmanager
+def line_makers(processes: int, *, initializer: Callable, initargs: tuple) -> Iterator[Callable]:
+    """``map`` over jobs in ``processes`` processes (each set up by ``initializer``), in order; this
+    process is set up too (one process: it makes every line)."""
+    initializer(*initargs)
+    if processes <= 1:
+        yield map
+        return
+    with multiprocessing.get_context("spawn").Pool(processes, initializer=initializer, initargs=initargs) as pool:
+        yield functools.partial(pool.imap, chunksize=8)

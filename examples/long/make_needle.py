@@ -6,7 +6,8 @@ a name; the question asks for the digit in the image after one name.
         [--train-samples 2000] [--lengths 2048,8192] [--depths 0,0.25,0.5,0.75,1]
         [--per-depth 8] [--distractors 2] [--seed 0]
 
-writes OUT_DIR/images/NNNN.png (every digit of ``load_digits``), OUT_DIR/train.jsonl (conversations
+writes OUT_DIR/images (the digits example's images: ``--digits DIR``, else made into OUT_DIR/digits by
+examples/digits/make_digits.py), OUT_DIR/train.jsonl (conversations
 of exactly ``--train-length`` tokens, their images from the digits' training split and their text
 from the corpus's training files) and OUT_DIR/needle-N.jsonl for each N of ``--lengths``: questions
 whose prompt is exactly N tokens (the images' vision tokens counted), the needle at each of
@@ -30,8 +31,7 @@ from collections.abc import Sequence
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "digits"))
-from haystack import Corpus, Encoder, fit, insert_at  # noqa: E402
-from make_digits import digit_image, stratified_split  # noqa: E402
+from haystack import Corpus, Encoder, fit, insert_at, line_makers  # noqa: E402
 
 INTRO = ("Some images of handwritten digits are hidden inside a lot of irrelevant text, each after a name. "
          "I will ask you about one of them.\n")
@@ -61,7 +61,7 @@ def needle_record(haystack: str, *, needles: list[tuple[float, str, str]], asked
     return record
 
 
-def needle_line(corpus: Corpus, encoder: Encoder, *, length: int, depth: float, pool: list[int], labels: list[int],
+def needle_line(corpus: Corpus, encoder: Encoder, *, length: int, depth: float, pool: list[int], labels: dict,
                 distractors: int, rng: random.Random, answer: bool) -> dict:
     names = rng.sample(NAMES, distractors + 1)
     chosen = [rng.choice(pool) for _ in names]
@@ -83,6 +83,27 @@ def needle_line(corpus: Corpus, encoder: Encoder, *, length: int, depth: float, 
     raise RuntimeError(f"could not build a needle line of {length} tokens at depth {depth}")
 
 
+#: Each process's encoder, corpora and digits (the pool's initializer fills it).
+_STATE: dict = {}
+
+
+def _start(processor: str, base: str, labels: dict, split: dict, distractors: int) -> None:
+    _STATE.update(encoder=Encoder(processor, base=pathlib.Path(base)), train=None, held_out=None, labels=labels,
+                  split=split, distractors=distractors)
+
+
+def make_line(job: tuple) -> dict:
+    """One line from its own seed: ``job`` is (part, length, depth or None, seed text); the needle's
+    image from that part of the digits, the text from that part of the corpus."""
+    part, length, depth, seed = job
+    if _STATE[part] is None:
+        _STATE[part] = Corpus.of(part)
+    rng = random.Random(seed)
+    return needle_line(_STATE[part], _STATE["encoder"], length=length, depth=rng.random() if depth is None else depth,
+                       pool=_STATE["split"][part], labels=_STATE["labels"], distractors=_STATE["distractors"],
+                       rng=rng, answer=part == "train")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=pathlib.Path)
@@ -93,36 +114,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--per-depth", type=int, default=8)
     parser.add_argument("--distractors", type=int, default=2)
-    parser.add_argument("--side", type=int, default=56)
+    parser.add_argument("--side", type=int, default=56, help="the digits' side in pixels when they are made here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1, help="processes writing lines (the files do not depend on it)")
+    parser.add_argument("--digits", type=pathlib.Path, default=None,
+                        help="examples/digits/make_digits.py's folder (images/, train.jsonl, held_out.jsonl) to take "
+                             "the digits and their split from (default: made into OUT_DIR/digits, scikit-learn "
+                             "needed)")
     args = parser.parse_args(argv)
-    from sklearn.datasets import load_digits  # the digits extra: pip install 'weft[digits]'
+    args.out.mkdir(parents=True, exist_ok=True)
+    digits = args.digits or args.out / "digits"
+    if args.digits is None and not (digits / "held_out.jsonl").is_file():
+        import make_digits  # scikit-learn's digits (pip install 'weft[digits]'), drawn as the digits example draws them
 
-    digits = load_digits()
-    labels = [int(x) for x in digits.target]
-    (args.out / "images").mkdir(parents=True, exist_ok=True)
-    for index, pixels in enumerate(digits.images):
-        digit_image(pixels=pixels.tolist(), side=args.side).save(args.out / "images" / f"{index:04d}.png")
-    train_digits, held_digits = stratified_split(labels=labels, held_out=0.2, seed=args.seed)
-    encoder = Encoder(args.processor, base=args.out)
-    rng = random.Random(args.seed)
-    if args.train_samples:
-        corpus = Corpus.of("train")
-        with open(args.out / "train.jsonl", "w", encoding="utf-8") as out:
-            for i in range(args.train_samples):
-                line = needle_line(corpus, encoder, length=args.train_length, depth=rng.random(), pool=train_digits,
-                                   labels=labels, distractors=args.distractors, rng=rng, answer=True)
-                line.pop("answer")
-                out.write(json.dumps(dict(line, id=f"train-{i}")) + "\n")
-    held = Corpus.of("held_out")
+        make_digits.main([str(digits), "--side", str(args.side), "--seed", str(args.seed)])
+    labels, split = {}, {}
+    for part in ("train", "held_out"):
+        rows = [json.loads(x) for x in (digits / f"{part}.jsonl").read_text().splitlines()]
+        split[part] = [int(r["id"].rsplit("-", 1)[1]) for r in rows]
+        labels.update({int(r["id"].rsplit("-", 1)[1]): int(r["answer"]) for r in rows})
+    images = args.out / "images"  # the needles' paths are relative to the JSONL files: OUT_DIR/images
+    if not images.exists():
+        images.symlink_to((digits / "images").resolve(), target_is_directory=True)
     depths = [float(d) for d in args.depths.split(",")]
-    for length in (int(n) for n in args.lengths.split(",") if n):
-        with open(args.out / f"needle-{length}.jsonl", "w", encoding="utf-8") as out:
-            for depth in depths:
-                for j in range(args.per_depth):
-                    line = needle_line(held, encoder, length=length, depth=depth, pool=held_digits, labels=labels,
-                                       distractors=args.distractors, rng=rng, answer=False)
-                    out.write(json.dumps(dict(line, id=f"needle-{length}-d{depth:.2f}-{j}")) + "\n")
+    jobs = [("train", args.train_length, None, f"{args.seed}:train:{i}") for i in range(args.train_samples)]
+    tasks = {int(n): [("held_out", int(n), d, f"{args.seed}:task:{n}:{d}:{j}") for d in depths
+                      for j in range(args.per_depth)] for n in args.lengths.split(",") if n}
+    setup = (args.processor, str(args.out), labels, split, args.distractors)
+    with line_makers(args.jobs, initializer=_start, initargs=setup) as each:
+        if jobs:
+            with open(args.out / "train.jsonl", "w", encoding="utf-8") as out:
+                for i, line in enumerate(each(make_line, jobs)):
+                    line.pop("answer")  # a training line: the reply is the answer
+                    out.write(json.dumps(dict(line, id=f"train-{i}")) + "\n")
+        for length, found in tasks.items():
+            with open(args.out / f"needle-{length}.jsonl", "w", encoding="utf-8") as out:
+                for (_, _, depth, seed), line in zip(found, each(make_line, found)):
+                    out.write(json.dumps(dict(line, id=f"needle-{length}-d{depth:.2f}-{seed.rsplit(':', 1)[1]}"))
+                              + "\n")
     print(json.dumps({"out": str(args.out), "train_samples": args.train_samples, "lengths": args.lengths}))
     return 0
 

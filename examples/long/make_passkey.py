@@ -22,20 +22,16 @@ prompt twice (the needle says it twice) and nowhere else, and no other line of t
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
-import multiprocessing
 import pathlib
 import random
 import sys
 from collections.abc import Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from haystack import Corpus, Encoder, digits_tokens, fit, insert_at  # noqa: E402
+from haystack import Corpus, Encoder, digits_tokens, fit, insert_at, line_makers  # noqa: E402
 
-INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
-         "I will quiz you about the pass key.\n")
+INTRO = "Find the pass key hidden in this text.\n"  # the landmark prompt, short: a small model reads it in every line
 QUESTION = "\nWhat is the pass key?"
 TEXT_PROMPT = "Continue the text."
 
@@ -146,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--processor", default="tiny_vl", help="the recipe's processor folder (or bundled name)")
     parser.add_argument("--train-length", type=int, default=512)
     parser.add_argument("--train-samples", type=int, default=3000)
+    parser.add_argument("--train-min-length", type=int, default=0,
+                        help="passkey training lines of a random length from this to --train-length (0: all of "
+                             "--train-length): short haystacks first teach where to look")
     parser.add_argument("--text-fraction", type=float, default=0.25)
     parser.add_argument("--lengths", default="512,1024,2048,4096")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
@@ -155,17 +154,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     pick = random.Random(f"{args.seed}:kinds")
-    train_jobs = [("train", "text" if pick.random() < args.text_fraction else "passkey", args.train_length, None,
-                   f"{args.seed}:train:{i}", ()) for i in range(args.train_samples)]
+    low = args.train_min_length or args.train_length
+    train_jobs = []
+    for i in range(args.train_samples):
+        kind = "text" if pick.random() < args.text_fraction else "passkey"
+        length = args.train_length if kind == "text" else pick.randint(low, args.train_length)
+        train_jobs.append(("train", kind, length, None, f"{args.seed}:train:{i}", ()))
     depths = [float(d) for d in args.depths.split(",")]
     lengths = [int(n) for n in args.lengths.split(",") if n]
     task_jobs = {n: [("held_out", "passkey", n, d, f"{args.seed}:task:{n}:{d}:{j}", ()) for d in depths
                      for j in range(args.per_depth)] for n in lengths}
-    _start(args.processor, str(args.out))  # this process's own, for --jobs 1 and the lines made again
-    with contextlib.ExitStack() as stack:
-        pool = (stack.enter_context(multiprocessing.get_context("spawn").Pool(
-            args.jobs, initializer=_start, initargs=(args.processor, str(args.out)))) if args.jobs > 1 else None)
-        each = functools.partial(pool.imap, chunksize=8) if pool else map
+    with line_makers(args.jobs, initializer=_start, initargs=(args.processor, str(args.out))) as each:
         if train_jobs:
             with open(args.out / "train.jsonl", "w", encoding="utf-8") as out:
                 for i, line in enumerate(each(make_line, train_jobs)):
