@@ -77,12 +77,15 @@ def test_training_lines_are_exact_and_haystacks_of_questions_held_out(passkeys):
     train = lines(passkeys / "train.jsonl")
     assert len(train) == 12 and all(len(encoder.ids(t, prompt=False)) == 384 for t in train)
     assert all(t["messages"][-1]["role"] == "assistant" for t in train)
-    for t in train:  # the reply says the key its question hid; a text line holds a needle and its reply
+    for t in train:  # a question's reply says the key it hid; a text line hides named keys and says each again
         said = t["messages"][-1]["content"]
-        key = said.rsplit("The pass key is ", 1)[1].rstrip(".")
-        assert len(key) == 5 and key.isdigit()
-        hidden = t["messages"][0]["content"] if t["meta"]["task"] == "passkey" else said[: -len(key) - 2]
-        assert hidden.count(key) == 2, t["meta"]
+        if t["meta"]["task"] == "passkey":
+            key = said.rsplit("The pass key is ", 1)[1].rstrip(".")
+            assert len(key) == 5 and key.isdigit() and t["messages"][0]["content"].count(key) == 2, t["meta"]
+        else:
+            assert len(t["meta"]["keys"]) == 3  # six in 580 tokens and more, fewer in shorter lines
+            for name, key in t["meta"]["keys"].items():
+                assert said.count(f"{name}'s pass key is {key}.") == 2, (name, key)
     train_files, held_files = haystack.split_files("train"), haystack.split_files("held_out")
     root = haystack.corpus_root(train_files + held_files)
     held = {str(f.relative_to(root)) for f in held_files}

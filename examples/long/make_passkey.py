@@ -93,16 +93,29 @@ def passkey_line(corpus: Corpus, encoder: Encoder, *, length: int, depth: float,
     raise RuntimeError(f"could not build a passkey line of {length} tokens at depth {depth}")
 
 
+#: The names of a text line's keys (a question's single key has none).
+NAMES = ("Quill", "Marlow", "Tansy", "Brio", "Oskar", "Wren", "Juniper", "Cato", "Fennel", "Ines", "Yarrow", "Bede")
+
+
 def text_line(corpus: Corpus, encoder: Encoder, *, length: int, rng: random.Random) -> dict:
-    """Plain text to continue, a needle in it and the question and reply at its end, the loss on
-    all of it (the whole conversation exactly ``length`` tokens): dense practice at finding what
-    followed the same words earlier."""
+    """Plain text to continue with ``keys`` named keys hidden in it ("Wren's pass key is 40213.")
+    and each said again at its end, in another order, the loss on all of it (the whole
+    conversation exactly ``length`` tokens): a recall at every key, where a question has one
+    at its reply; what is learnt there (what followed the same words before) answers the
+    question. Up to six keys, fewer in short lines (each takes ~60 tokens with its recall)."""
+    keys = max(1, min(6, (length - 100) // 80))
     for _ in range(20):
         pool, files = corpus.slice(4 * length + 4096, rng=rng)
-        key, depth = draw_key(rng, avoid=pool), rng.random()
+        names = rng.sample(NAMES, keys)
+        said = {name: draw_key(rng, avoid=pool) for name in names}
+        depths = sorted(rng.random() for _ in names)
+        recalled = rng.sample(names, keys)
 
-        def text(n: int, pool=pool, key=key, depth=depth) -> str:
-            return insert_at(pool[:n], needle(key), depth=depth)[0] + QUESTION + "\n" + reply(key)
+        def text(n: int, pool=pool, said=said, depths=depths, recalled=recalled) -> str:
+            body = pool[:n]
+            for name, depth in zip(reversed(list(said)), reversed(depths)):
+                body = insert_at(body, f"{name}'s pass key is {said[name]}.\n", depth=depth)[0]
+            return body + "".join(f"\n{name}'s pass key is {said[name]}." for name in recalled)
 
         try:
             record = fit(lambda n: {"messages": [{"role": "user", "content": TEXT_PROMPT},
@@ -111,7 +124,7 @@ def text_line(corpus: Corpus, encoder: Encoder, *, length: int, rng: random.Rand
                          limit=len(pool))
         except ValueError:
             continue  # no haystack of exactly the length from this stretch: another one
-        return dict(record, meta={"task": "text", "key": key, "length": length, "files": files})
+        return dict(record, meta={"task": "text", "keys": said, "length": length, "files": files})
     raise RuntimeError(f"could not build a text line of {length} tokens")
 
 
