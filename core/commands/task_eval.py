@@ -90,7 +90,9 @@ def _forced(items, encoded, *, run: Prepared, ctx: RunContext, recipe: Recipe, a
         return {}
     pairs = forced_replies([encoded[i][1][0] for i in wanted], run=run, ctx=ctx, autocast=autocast)
     decode = functools.partial(ctx.family.decode_tokens, recipe)
-    return {i: forced_row_fields(chosen, answer, decode=decode) for i, (chosen, answer) in zip(wanted, pairs)}
+    return {i: forced_row_fields(chosen, answer, decode=decode,
+                                 closing="messages" in items[i].record or "conversations" in items[i].record)
+            for i, (chosen, answer) in zip(wanted, pairs)}
 
 
 def _generated(items, prompts, *, run: Prepared, ctx: RunContext, pm: WeftPluginManager, recipe: Recipe, autocast,

@@ -68,11 +68,12 @@ def forced_replies(batches: list[dict], *, run: Prepared, ctx: RunContext, autoc
     return [found[i] for i in range(len(batches))]
 
 
-def forced_row_fields(chosen: list[int], wanted: list[int], *, decode) -> dict:
+def forced_row_fields(chosen: list[int], wanted: list[int], *, decode, closing: bool = True) -> dict:
     """The results row's prediction (the greedy reply's start: through its first wrong token) and
-    whether it is right (every token the answer's)."""
+    whether it is right (every token the answer's). ``closing``: the last token is the reply's
+    closing one (a conversation's; a plain-text continuation has none)."""
     wrong = next((i for i, (a, b) in enumerate(zip(chosen, wanted)) if a != b), None)
     shown = chosen if wrong is None else chosen[: wrong + 1]
     # Right: the reply as generation reports it, its closing token dropped.
-    text = decode(shown[:-1] if wrong is None else shown)
+    text = decode(shown[:-1] if wrong is None and closing else shown)
     return {"prediction": text, "right": wrong is None, "prediction_tokens": shown}
