@@ -52,7 +52,7 @@ def test_the_key_is_where_the_line_says_and_nowhere_else(passkeys):
             key = line["meta"]["key"]
             assert len(key) == 5 and key.isdigit() and line["answer"] == f"The pass key is {key}."
             key_ids = encoder.tokenizer(key, add_special_tokens=False)["input_ids"]
-            found = haystack.digits_tokens(ids, key_ids)
+            found = haystack.subsequence_starts(ids, key_ids)
             assert len(found) == 2 and found[0] == line["meta"]["needle_token"], (found, line["meta"])
             text = line["messages"][0]["content"]
             assert text.count(key) == 2  # the needle's two mentions, no other in the haystack
@@ -61,7 +61,7 @@ def test_the_key_is_where_the_line_says_and_nowhere_else(passkeys):
             # code: the needle goes between lines.
             bare = make_passkey.passkey_record("", key=key, depth=0.0, answer=False)
             bare_ids = encoder.ids(bare, prompt=True)
-            head = haystack.digits_tokens(bare_ids, key_ids)[0]  # the tokens before the haystack
+            head = haystack.subsequence_starts(bare_ids, key_ids)[0]  # the tokens before the haystack
             depth = (found[0] - head) / (n - len(bare_ids))
             if line["meta"]["depth"] in (0.0, 1.0):
                 assert depth == line["meta"]["depth"], (depth, line["meta"])
@@ -86,10 +86,9 @@ def test_training_lines_are_exact_and_haystacks_of_questions_held_out(passkeys):
             assert len(t["meta"]["keys"]) == 3  # six in 580 tokens and more, fewer in shorter lines
             for name, key in t["meta"]["keys"].items():
                 assert said.count(f"{name}'s pass key is {key}.") == 2, (name, key)
-    train_files, held_files = haystack.split_files("train"), haystack.split_files("held_out")
-    root = haystack.corpus_root(train_files + held_files)
-    held = {str(f.relative_to(root)) for f in held_files}
-    trained = {str(f.relative_to(root)) for f in train_files}
+    root, parts = haystack.corpus_parts()
+    held = {str(f.relative_to(root)) for f in parts["held_out"]}
+    trained = {str(f.relative_to(root)) for f in parts["train"]}
     assert held and trained and not held & trained
     for n in (256, 1000):
         for line in lines(passkeys / f"passkey-{n}.jsonl"):

@@ -4,7 +4,7 @@ the model's tokens, a needle put at a chosen depth.
 Text: the ``.py`` files of the running Python's standard library (every machine has ~30 MB of
 them; installed packages left out), their digits left out, split by file into a training part and a held-out part by a
 hash of the file's name, so a question's haystack never comes from a file the model was trained
-on (:func:`split_files`). Lengths are counted by weft's own encoding of the conversation (the
+on (:func:`corpus_parts`). Lengths are counted by weft's own encoding of the conversation (the
 recipe's tokenizer and chat template, images widened to their vision tokens): what the model
 reads is exactly ``length`` tokens (:func:`fit`).
 """
@@ -32,25 +32,18 @@ _NO_DIGITS = str.maketrans("", "", "0123456789")
 _MARKUP = ("<|", "|>", "<image>", "<video>")
 
 
-def split_files(part: str, *, pattern: str = CORPUS) -> list[pathlib.Path]:
-    """The corpus files of one part, ``"train"`` or ``"held_out"``, sorted; the two are disjoint
-    and together every file."""
-    if part not in ("train", "held_out"):
-        raise ValueError(f"part must be 'train' or 'held_out', got {part!r}")
+def corpus_parts(pattern: str = CORPUS) -> tuple[pathlib.Path, dict[str, list[pathlib.Path]]]:
+    """(the folder every corpus file lies under, its files by part: ``"train"`` and ``"held_out"``,
+    sorted, disjoint, together every file), from one walk of the corpus."""
     files = corpus_files(pattern, base=pathlib.Path.cwd())
     if not files:
         raise ValueError(f"no file matches {pattern!r}")
-    common = corpus_root(files)
+    root = pathlib.Path(os.path.commonpath([str(f.parent) for f in files]))
 
     def held(path: pathlib.Path) -> bool:  # by the name below the corpus's folder: the same on every machine
-        return zlib.crc32(str(path.relative_to(common)).encode()) % HELD_OUT_EVERY == 0
+        return zlib.crc32(str(path.relative_to(root)).encode()) % HELD_OUT_EVERY == 0
 
-    return [f for f in files if held(f) == (part == "held_out")]
-
-
-def corpus_root(files: Sequence[pathlib.Path]) -> pathlib.Path:
-    """The folder every corpus file lies under (the standard library's)."""
-    return pathlib.Path(os.path.commonpath([str(f.parent) for f in files]))
+    return root, {"train": [f for f in files if not held(f)], "held_out": [f for f in files if held(f)]}
 
 
 class Corpus:
@@ -58,8 +51,9 @@ class Corpus:
 
     @classmethod
     def of(cls, part: str) -> Corpus:
-        """The training or the held-out part of the standard library's text."""
-        return cls(split_files(part), root=corpus_root(split_files("train") + split_files("held_out")))
+        """The training (``"train"``) or the held-out (``"held_out"``) part of the standard library's text."""
+        root, parts = corpus_parts()
+        return cls(parts[part], root=root)
 
     def __init__(self, files: Sequence[pathlib.Path], *, root: pathlib.Path) -> None:
         texts = []
@@ -146,7 +140,7 @@ def fit(build: Callable[[int], dict], *, count: Callable[[dict], int], length: i
     raise ValueError(f"no haystack of exactly {length} tokens near {high} characters")
 
 
-def digits_tokens(ids: Sequence[int], key_ids: Sequence[int]) -> list[int]:
+def subsequence_starts(ids: Sequence[int], key_ids: Sequence[int]) -> list[int]:
     """Every index where ``key_ids`` starts in ``ids``."""
     k = len(key_ids)
     return [i for i in range(len(ids) - k + 1) if list(ids[i : i + k]) == list(key_ids)]

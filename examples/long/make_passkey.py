@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from haystack import Corpus, Encoder, digits_tokens, fit, insert_at, line_makers  # noqa: E402
+from haystack import Corpus, Encoder, fit, insert_at, line_makers, subsequence_starts  # noqa: E402
 
 INTRO = "Find the pass key hidden in this text.\n"  # the landmark prompt, short: a small model reads it in every line
 QUESTION = "\nWhat is the pass key?"
@@ -82,7 +82,7 @@ def passkey_line(corpus: Corpus, encoder: Encoder, *, length: int, depth: float,
             continue
         ids = encoder.ids(record, prompt=True)
         key_ids = encoder.tokenizer(key, add_special_tokens=False)["input_ids"]
-        found = digits_tokens(ids, key_ids)
+        found = subsequence_starts(ids, key_ids)
         if len(found) != 2:  # the haystack's edge merged with the key: draw again
             continue
         used.add(key)
