@@ -153,3 +153,8 @@ def test_heatmap_draws_accuracy_by_depth_and_length(tmp_path):
     bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"id": "x", "right": True}) + "\n")
     done = run_weft("report", "--heatmap", str(bad))
     assert done.returncode == 2 and f"{bad}:2" in done.stderr and "meta.depth" in done.stderr, done.stderr
+
+
+def test_forced_without_a_task_is_a_message():
+    done = run_weft("eval", str(ROOT / "recipes" / "tiny-vl.toml"), "--forced")
+    assert done.returncode == 2 and "--forced goes with --task" in done.stderr, done.stderr
