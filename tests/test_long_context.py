@@ -105,7 +105,8 @@ def test_the_same_seed_gives_the_same_files(passkeys, tmp_path):
 
 
 def test_the_needle_image_is_after_its_name_and_lengths_count_its_vision_tokens(tmp_path):
-    example("make_needle").main([str(tmp_path), "--train-samples", "2", "--train-length", "600", "--lengths", "900",
+    example("make_needle").main([str(tmp_path), "--train-samples", "3", "--train-length", "600",
+                                 "--train-min-length", "400", "--log-lengths", "--lengths", "900",
                                  "--depths", "0,0.5,1", "--per-depth", "1", "--distractors", "2", "--seed", "1"])
     haystack = example("haystack")
     encoder = haystack.Encoder("tiny_vl", base=tmp_path)
@@ -119,14 +120,16 @@ def test_the_needle_image_is_after_its_name_and_lengths_count_its_vision_tokens(
         # The asked-about name's image is the one its marker introduces, and its digit is the answer.
         names = [text[:i].rsplit("Image of ", 1)[1].split(":")[0] for i in _indices(text, "<image>")]
         asked = line["images"][names.index(meta["name"])]
-        assert asked == f"images/{meta['image']:04d}.png" and line["answer"] == str(labels[meta["image"]])
+        assert asked == f"images/{meta['image']:04d}.png" and meta["digit"] == labels[meta["image"]]
+        assert line["answer"] == f"The image of {meta['name']} shows {meta['digit']}."
         assert text.endswith(f"Which digit is in the image of {meta['name']}?")
         make_needle = example("make_needle")
         body = text[len(make_needle.INTRO): -len(make_needle.question(meta["name"]))]
         # The depth is of the text the needle went into: the distractors' markers were in it already.
         at = body.index(make_needle.marker(meta["name"]))
         assert abs(at / (len(body) - len(make_needle.marker(meta["name"]))) - meta["depth"]) < 0.1, (at, meta)
-    assert all(len(encoder.ids(t, prompt=False)) == 600 for t in lines(tmp_path / "train.jsonl"))
+    for t in lines(tmp_path / "train.jsonl"):  # each exactly the length it drew from 400-600 tokens
+        assert len(encoder.ids(t, prompt=False)) == t["meta"]["length"] and 400 <= t["meta"]["length"] <= 600
 
 
 def _indices(text: str, part: str) -> list[int]:

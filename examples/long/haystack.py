@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import multiprocessing
 import os
 import pathlib
@@ -138,6 +139,18 @@ def fit(build: Callable[[int], dict], *, count: Callable[[dict], int], length: i
         if count(record) == length:
             return record
     raise ValueError(f"no haystack of exactly {length} tokens near {high} characters")
+
+
+def draw_length(rng: random.Random, *, low: int, high: int, log: bool) -> int:
+    """A training line's length from ``low`` to ``high`` tokens: uniform, or (``log``) uniform in
+    its logarithm, so that a curriculum reaching thousands of tokens still holds as many lines
+    of hundreds as of thousands (the short ones are where a model from random initialisation
+    first learns where to look)."""
+    if low >= high:
+        return high
+    if not log:
+        return rng.randint(low, high)
+    return min(high, max(low, round(math.exp(rng.uniform(math.log(low), math.log(high))))))
 
 
 def subsequence_starts(ids: Sequence[int], key_ids: Sequence[int]) -> list[int]:

@@ -16,7 +16,8 @@ held-out files. A question's line:
 
     {"messages": [{"role": "user", "content": "... Image of Quill: <image> ... Which digit is in the
      image of Quill?"}], "images": ["images/0412.png", "images/0007.png", "images/1290.png"],
-     "answer": "4", "meta": {"task": "needle", "length": 8192, "depth": 0.5, "name": "Quill", ...}}
+     "answer": "The image of Quill shows 4.", "meta": {"task": "needle", "length": 8192, "depth": 0.5,
+     "name": "Quill", "digit": 4, ...}}
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "digits"))
-from haystack import Corpus, Encoder, fit, insert_at, line_makers  # noqa: E402
+from haystack import Corpus, Encoder, draw_length, fit, insert_at, line_makers  # noqa: E402
 
 INTRO = ("Some images of handwritten digits are hidden inside a lot of irrelevant text, each after a name. "
          "I will ask you about one of them.\n")
@@ -44,6 +45,12 @@ def marker(name: str) -> str:
 
 def question(name: str) -> str:
     return f"\nWhich digit is in the image of {name}?"
+
+
+def reply(name: str, digit: str) -> str:
+    """The answer: the digit in a sentence that names the image first, so that the name asked
+    about is a few tokens before the digit the model writes (the passkey's reply is built so too)."""
+    return f"The image of {name} shows {digit}."
 
 
 def needle_record(haystack: str, *, needles: list[tuple[float, str, str]], asked: str, answer: str | None) -> dict:
@@ -67,7 +74,7 @@ def needle_line(corpus: Corpus, encoder: Encoder, *, length: int, depth: float, 
     chosen = [rng.choice(pool) for _ in names]
     needles = [(depth, names[0], f"images/{chosen[0]:04d}.png")]
     needles += [(rng.random(), n, f"images/{c:04d}.png") for n, c in zip(names[1:], chosen[1:])]
-    digit = str(labels[chosen[0]])
+    digit = reply(names[0], str(labels[chosen[0]]))
     for _ in range(20):
         text, files = corpus.slice(4 * length + 4096, rng=rng)
         try:
@@ -78,7 +85,8 @@ def needle_line(corpus: Corpus, encoder: Encoder, *, length: int, depth: float, 
         except ValueError:
             continue
         return dict(record, answer=digit, meta={"task": "needle", "length": length, "depth": depth,
-                                                 "name": names[0], "image": chosen[0], "files": files,
+                                                 "name": names[0], "image": chosen[0],
+                                                 "digit": labels[chosen[0]], "files": files,
                                                  "distractors": [c for c in chosen[1:]]})
     raise RuntimeError(f"could not build a needle line of {length} tokens at depth {depth}")
 
@@ -110,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--processor", default="tiny_vl")
     parser.add_argument("--train-length", type=int, default=2048)
     parser.add_argument("--train-samples", type=int, default=2000)
+    parser.add_argument("--train-min-length", type=int, default=0,
+                        help="training lines of a random length from this to --train-length (0: all of it)")
+    parser.add_argument("--log-lengths", action="store_true",
+                        help="draw those lengths uniformly in their logarithm (as many of hundreds as of thousands)")
     parser.add_argument("--lengths", default="2048,8192")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--per-depth", type=int, default=8)
@@ -137,7 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not images.exists():
         images.symlink_to((digits / "images").resolve(), target_is_directory=True)
     depths = [float(d) for d in args.depths.split(",")]
-    jobs = [("train", args.train_length, None, f"{args.seed}:train:{i}") for i in range(args.train_samples)]
+    pick = random.Random(f"{args.seed}:lengths")
+    low = args.train_min_length or args.train_length
+    jobs = [("train", draw_length(pick, low=low, high=args.train_length, log=args.log_lengths), None,
+             f"{args.seed}:train:{i}") for i in range(args.train_samples)]
     tasks = {int(n): [("held_out", int(n), d, f"{args.seed}:task:{n}:{d}:{j}") for d in depths
                       for j in range(args.per_depth)] for n in args.lengths.split(",") if n}
     setup = (args.processor, str(args.out), labels, split, args.distractors)

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from haystack import Corpus, Encoder, fit, insert_at, line_makers, subsequence_starts  # noqa: E402
+from haystack import Corpus, Encoder, draw_length, fit, insert_at, line_makers, subsequence_starts  # noqa: E402
 
 INTRO = "Find the pass key hidden in this text.\n"  # the landmark prompt, short: a small model reads it in every line
 QUESTION = "\nWhat is the pass key?"
@@ -158,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--train-min-length", type=int, default=0,
                         help="passkey training lines of a random length from this to --train-length (0: all of "
                              "--train-length): short haystacks first teach where to look")
+    parser.add_argument("--log-lengths", action="store_true",
+                        help="draw those lengths uniformly in their logarithm (as many of hundreds as of thousands)")
     parser.add_argument("--text-fraction", type=float, default=0.25)
     parser.add_argument("--lengths", default="512,1024,2048,4096")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
@@ -171,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_jobs = []
     for i in range(args.train_samples):
         kind = "text" if pick.random() < args.text_fraction else "passkey"
-        length = args.train_length if kind == "text" else pick.randint(low, args.train_length)
+        length = (args.train_length if kind == "text" else
+                  draw_length(pick, low=low, high=args.train_length, log=args.log_lengths))
         train_jobs.append(("train", kind, length, None, f"{args.seed}:train:{i}", ()))
     depths = [float(d) for d in args.depths.split(",")]
     lengths = [int(n) for n in args.lengths.split(",") if n]
