@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import shutil
 import sys
@@ -80,14 +81,18 @@ def make_data(data: pathlib.Path, args) -> None:
     lengths = ",".join(map(str, args.eval_lengths))
     common = ["--jobs", str(args.jobs), "--seed", str(args.seed)]
     if not (data / "passkey" / f"passkey-{args.eval_lengths[-1]}.jsonl").is_file():
-        make_passkey.main([str(data / "passkey"), "--train-length", str(args.length), "--train-min-length", str(min(180, args.length)),
-                           "--log-lengths", "--train-samples", str(args.train_samples), "--text-fraction", "0.1",
+        make_passkey.main([str(data / "passkey"), "--train-length", str(args.length),
+                           "--train-min-length", str(min(180, args.length)), "--log-lengths",
+                           "--train-samples", str(args.train_samples), "--text-fraction", "0.1",
                            "--lengths", lengths, "--per-depth", str(args.per_depth), *common])
     if not (data / "needle" / f"needle-{args.eval_lengths[-1]}.jsonl").is_file():
         make_needle.main([str(data / "needle"), "--digits", str(args.digits), "--train-length", str(args.length),
-                          "--train-min-length", str(min(400, args.length)), "--log-lengths", "--train-samples", str(args.train_samples),
+                          "--train-min-length", str(min(400, args.length)), "--log-lengths",
+                          "--train-samples", str(args.train_samples),
                           "--lengths", lengths, "--per-depth", str(args.per_depth), *common])
-    tune = max(8, args.finetune * 65536 // args.tune_length * 2)  # lines enough for the fine-tune's steps
+    # Lines enough for the fine-tune's steps, once: a log-uniform length's mean is (b - a) / ln(b / a).
+    mean = (args.tune_length - args.length) / max(math.log(args.tune_length / args.length), 1e-9)
+    tune = max(8, math.ceil(args.finetune * max(args.micro_batch_tokens, args.tune_length) / mean / len(TASKS)))
     if not (data / "passkey-long" / "train.jsonl").is_file():
         make_passkey.main([str(data / "passkey-long"), "--train-length", str(args.tune_length), "--train-min-length",
                            str(args.length), "--log-lengths", "--train-samples", str(tune), "--text-fraction", "0.1",

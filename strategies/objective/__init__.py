@@ -1,0 +1,1 @@
+"""Training objectives in plain torch: what a step minimises beyond next-token cross-entropy."""
