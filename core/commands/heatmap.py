@@ -71,7 +71,8 @@ def draw_heatmaps(paths: list[pathlib.Path], out: pathlib.Path) -> pathlib.Path:
         ax.set_xticks(range(len(lengths)), [_tokens(n) for n in lengths], fontsize=8)
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=8)
         ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("depth of the needle")
+        if ax is axes[0][0]:  # the panels share their rows: one label, not one over the panel beside it
+            ax.set_ylabel("depth of the needle")
     fig.colorbar(image, ax=list(axes[0]), label="accuracy", fraction=0.03)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100, bbox_inches="tight")
