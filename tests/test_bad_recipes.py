@@ -85,6 +85,7 @@ def test_bad_recipe_subprocess(name):
         ("train.max_steps", "--set takes KEY=VALUE (e.g. train.max_steps=10), got 'train.max_steps'"),
         ("max_steps=10", "the key 'max_steps' must be SECTION.KEY"),
         ("train.lr.peak=1", "the key 'train.lr.peak' must be SECTION.KEY"),
+        ("eval.data.pth=x.jsonl", "--set eval.data.pth=x.jsonl: unknown key 'pth'; did you mean 'path'?"),
         (
             "train.max_steps=ten",
             "(--set train.max_steps=ten): 'ten' (string) is not accepted for 'max_steps'; expected an integer",

@@ -160,6 +160,29 @@ def test_apply_override_on_raw_data():
     assert data == {"model": {"preset": "qwen2_text_tiny"}, "train": {"seed": 3}}
 
 
+def test_set_reaches_the_held_out_data(tmp_path):
+    """eval.data.KEY sets one [data] key of the held-out data ([eval.data]), a path relative to the
+    folder typed in, the recipe's other [eval.data] keys kept."""
+    path = write(tmp_path, """
+        [model]
+        preset = "qwen2_5_vl_tiny"
+
+        [data]
+        source = "jsonl"
+        path = "train.jsonl"
+
+        [eval]
+        every = 5
+
+        [eval.data]
+        num_samples = 7
+    """)
+    recipe = Recipe.from_toml(path, overrides=("eval.data.path=val.jsonl", "eval.data.strict=true"))
+    assert recipe.eval.data.path == str(pathlib.Path.cwd() / "val.jsonl")
+    assert recipe.eval.data.strict is True and recipe.eval.data.num_samples == 7
+    assert recipe.data.path == "train.jsonl" and recipe.data.strict is False  # [data] untouched
+
+
 def test_set_onto_a_section_that_is_not_a_table():
     with pytest.raises(RecipeError, match="\\[train\\] is not a table in the recipe"):
         apply_override({"train": 5}, "train.seed=3")

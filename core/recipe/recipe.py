@@ -237,18 +237,20 @@ def apply_override(data: dict, override: str) -> None:
     key = key.strip()
     flag = f"--set {override.strip()}"
     parts = key.split(".")
-    if len(parts) != 2 or not all(parts):
+    nested = len(parts) == 3 and parts[:2] == ["eval", "data"]  # [eval.data]: the held-out [data] keys
+    if not (len(parts) == 2 or nested) or not all(parts):
         raise RecipeError(
-            f"the key {key!r} must be SECTION.KEY with a section among model, data, train, parallel, eval",
+            f"the key {key!r} must be SECTION.KEY with a section among model, data, train, parallel, eval "
+            f"(or eval.data.KEY, a [data] key of the held-out data)",
             where=flag,
         )
-    section, name = parts
+    section, name = ("data", parts[2]) if nested else parts
     sections = {"model": ModelSection, "data": DataSection, "train": TrainSection, "parallel": ParallelSection,
                 "eval": EvalSection}
     if section not in sections:
         raise RecipeError(f"unknown section {section!r}{did_you_mean(section, sections)} "
                           f"Accepted: {', '.join(sections)}", where=flag)
-    # [eval.data] is a table of [data] keys, set in the recipe: one --set key names one value.
+    # eval.data is a table of [data] keys: eval.data.KEY names one of them.
     fields = [f.name for f in attrs.fields(sections[section]) if (section, f.name) != ("eval", "data")]
     if name not in fields:
         raise RecipeError(f"unknown key {name!r}{did_you_mean(name, fields)} Accepted: {', '.join(fields)}", where=flag)
@@ -259,9 +261,9 @@ def apply_override(data: dict, override: str) -> None:
     if ((section, name) in _PATH_KEYS or (section, name) == ("model", "preset") and is_preset_path(value)) \
             and isinstance(value, str) and not pathlib.Path(value).is_absolute():  # relative to where typed
         value = str(pathlib.Path.cwd() / value)
-    table = data.setdefault(section, {})
+    table = data.setdefault("eval", {}).setdefault("data", {}) if nested else data.setdefault(section, {})
     if not isinstance(table, dict):
-        raise RecipeError(f"[{section}] is not a table in the recipe", where=flag)
+        raise RecipeError(f"[{'eval.data' if nested else section}] is not a table in the recipe", where=flag)
     if section == "model" and name in ("path", "preset"):
         # Choosing one source of weights replaces the other.
         table.pop("path", None)
