@@ -116,28 +116,37 @@ class Encoder:
 
 def fit(build: Callable[[int], dict], *, count: Callable[[dict], int], length: int, start: int, limit: int) -> dict:
     """The record ``build(n)`` of exactly ``length`` tokens by ``count``, ``n`` the haystack's
-    characters: bisection on n (the count grows with n, by a token or none a character, now and
-    then by two where a merge breaks), then the n's around the boundary. ValueError when no n
-    gives exactly ``length`` (the caller draws another haystack), or when ``limit`` characters
-    are too few."""
-    low, high = 0, max(1, min(start, limit))
-    while (got := count(build(high))) < length:
-        if high >= limit:
-            raise ValueError(f"{limit} characters give fewer than {length} tokens")
-        # A secant step from the tokens this many characters gave (a character a token or fewer).
-        low, high = high, min(limit, max(high + 1, high * length // max(got, 1) + 8))
+    characters: secant steps on n (the count grows about linearly with n, by a token or none a
+    character, now and then by two where a merge breaks), kept inside the bracket the counts so
+    far give and bisecting it where a step would repeat itself, then the n's around the
+    boundary. A few counts a record where bisection alone took a dozen (each count tokenizes
+    the whole record: most of a long task's making). ValueError when no n gives exactly
+    ``length`` (the caller draws another haystack), or when ``limit`` characters are too few."""
+    counts: dict[int, int] = {}
+    low, high = -1, limit + 1  # count(low) < length <= count(high); the ends not counted yet
+    n = max(1, min(start, limit))
     while high - low > 1:
-        mid = (low + high) // 2
-        if count(build(mid)) < length:
-            low = mid
-        else:
-            high = mid
-    for n in (high, high - 1, high + 1, high - 2, high + 2, high + 3):  # the first with the count is here
-        if n < 0:
-            continue
         record = build(n)
-        if count(record) == length:
+        got = counts[n] = count(record)
+        if got == length:
             return record
+        if got < length:
+            if n >= limit:
+                raise ValueError(f"{limit} characters give fewer than {length} tokens")
+            low = n
+        else:
+            high = n
+        guess = n + (length - got) * n // max(got, 1)  # characters a token, as this count gives them
+        n = min(max(guess, low + 1), high - 1, limit)
+        if n in counts:  # the secant repeats a count: halve the bracket instead
+            n = min((low + high) // 2, limit)
+            if n in counts:
+                break
+    for n in (high, high - 1, high + 1, high - 2, high + 2, high + 3):  # the first with the count is here
+        if 0 <= n <= limit and counts.get(n, length) == length:
+            record = build(n)
+            if count(record) == length:
+                return record
     raise ValueError(f"no haystack of exactly {length} tokens near {high} characters")
 
 

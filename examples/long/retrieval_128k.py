@@ -5,13 +5,16 @@ image's digit at depths 0-100% of haystacks up to 131,072 tokens.
     python examples/long/retrieval_128k.py OUT --digits examples/digits/data [--length 4096]
         [--factor 32] [--tune-length 65536] [--steps 2000] [--finetune 200] [--train-samples 16000]
         [--eval-lengths 4096,...,131072] [--per-depth 4] [--scalings none,yarn] [--jobs 14]
+        [--train-seconds 0] [--data-only]
 
 1. data: examples/long/make_passkey.py's and make_needle.py's training lines of 180 (needles:
    400) to ``--length`` tokens (drawn uniformly in their logarithm: short ones teach where to
    look), their fine-tuning lines of ``--length`` to ``--tune-length``, and their questions at
    each of ``--eval-lengths``, depths 0, 25, 50, 75 and 100%;
 2. ``weft run`` of OUT/base.toml (the model of long_vl.toml, both tasks mixed, bf16) for
-   ``--steps`` steps, ``weft export``;
+   ``--steps`` steps, ``weft export``; with ``--train-seconds S``, a 30-step probe's median step
+   time first sets the steps to what fits in S seconds (at most ``--steps``; the fine-tune at
+   most a tenth of them): a device lent for half an hour takes the experiment in one sitting;
 3. ``weft eval --task --forced`` of both tasks at every length, unscaled and under each of
    ``--scalings`` with factor ``--factor`` over the trained length;
 4. per scaling, a fine-tune of ``--finetune`` steps (at most a tenth of ``--steps``) on the long
@@ -30,6 +33,7 @@ import json
 import math
 import pathlib
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -41,6 +45,7 @@ import make_passkey  # noqa: E402
 from extend import accuracy_by_length, rope, sets, weft  # noqa: E402
 
 TASKS = ("passkey", "needle")
+PROBE = 30  # --train-seconds' probe: steps timed before the base run's length is chosen
 
 RECIPE = """\
 # Written by examples/long/retrieval_128k.py: {what}
@@ -118,6 +123,22 @@ def evaluate(recipe: pathlib.Path, run: pathlib.Path, data: pathlib.Path, result
     return found
 
 
+def fitted_steps(recipe: pathlib.Path, out: pathlib.Path, *, args) -> dict:
+    """The base run's steps for ``--train-seconds``, from a probe of PROBE steps (kept in
+    OUT/steps.json, so a resumed experiment keeps its choice)."""
+    chosen = out / "steps.json"
+    if not chosen.is_file():
+        probe = out / "probe"
+        shutil.rmtree(probe, ignore_errors=True)
+        weft("run", recipe, "--run-dir", probe, "--set", f"train.max_steps={PROBE}")
+        rows = [json.loads(line) for line in (probe / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        step_s = statistics.median(r["step_s"] for r in rows[PROBE // 5:])  # past the first steps' warm-up
+        steps = min(args.steps, max(PROBE, int(args.train_seconds / step_s)))
+        chosen.write_text(json.dumps({"probe_step_s": round(step_s, 4), "steps": steps}))
+        shutil.rmtree(probe, ignore_errors=True)
+    return json.loads(chosen.read_text())
+
+
 def run_summary(run: pathlib.Path) -> dict:
     s = json.loads((run / "summary.json").read_text())
     return {k: s.get(k) for k in ("steps", "tokens", "tokens_per_s", "wall_s", "final_loss")}
@@ -141,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scalings", default="none,yarn")
     parser.add_argument("--jobs", type=int, default=14, help="processes writing the data")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-only", action="store_true",
+                        help="write OUT/data and stop: made on one machine, carried to the GPU's OUT/data")
+    parser.add_argument("--train-seconds", type=float, default=0,
+                        help="fit the base run's steps to this many seconds from a probe (0: --steps as given)")
     args = parser.parse_args(argv)
     args.eval_lengths = [int(n) for n in args.eval_lengths.split(",")]
     if args.finetune * 10 > args.steps:
@@ -151,11 +176,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     make_data(data, args)
     timings = {"data_s": round(time.perf_counter() - started, 1)}
+    if args.data_only:
+        print(json.dumps({"data": str(data), **timings}))
+        return 0
     shutil.copy(HERE / "long_vl.toml", out / "long_vl.toml")
     base_recipe = out / "base.toml"
-    base_recipe.write_text(RECIPE.format(
-        what=f"the model trained from random initialisation at {args.length} tokens", model='preset = "long_vl.toml"',
-        part="", steps=args.steps, tokens=args.micro_batch_tokens, lr=args.lr, warmup=50))
+
+    def write_base() -> None:
+        base_recipe.write_text(RECIPE.format(
+            what=f"the model trained from random initialisation at {args.length} tokens",
+            model='preset = "long_vl.toml"', part="", steps=args.steps, tokens=args.micro_batch_tokens, lr=args.lr,
+            warmup=50))
+
+    write_base()
+    if args.train_seconds > 0:
+        fitted = fitted_steps(base_recipe, out, args=args)
+        timings["probe_step_s"] = fitted["probe_step_s"]
+        args.steps = fitted["steps"]
+        args.finetune = min(args.finetune, max(1, args.steps // 10))
+        write_base()
     tune_recipe = out / "finetune.toml"
     tune_recipe.write_text(RECIPE.format(
         what=f"the trained model fine-tuned at up to {args.tune_length} tokens",
