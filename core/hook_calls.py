@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # annotations only: building a plugin manager imports no torc
     from weft.core.mesh import WeftMesh
     from weft.core.recipe import Recipe
     from weft.core.recipe.rule_engine import Decision, Plan
-    from weft.core.registry import Adapters, AttentionBinding, OptimizerGroup, Verdict
+    from weft.core.registry import Adapters, AttentionBinding, Objective, OptimizerGroup, Verdict
 
 #: Hooks the plugin manager collects itself while it is built (``pm.registry``, ``pm.models``),
 #: reading each implementation's answer apart so that one broken plugin is named and left out;
@@ -71,6 +71,10 @@ class HookCalls:
         """``weft_batching`` (firstresult): this rank's optimizer steps, each a list of micro-batches."""
         return self.call_first("weft_batching", decision=decision, recipe=recipe, plan=plan, mesh=mesh, model=model,
                                ctx=ctx)
+
+    def objective(self, *, decision: Decision, plan: Plan, mesh: WeftMesh, ctx: RunContext) -> Objective:
+        """``weft_objective`` (firstresult): what each micro-batch's forward turns into its loss."""
+        return self.call_first("weft_objective", decision=decision, plan=plan, mesh=mesh, ctx=ctx)
 
     def optimizer(self, *, decision: Decision, groups: list[OptimizerGroup], recipe: Recipe,
                   ctx: RunContext) -> torch.optim.Optimizer:

@@ -10,7 +10,8 @@ The core calls these hooks in this order, once per run unless said otherwise:
    ``weft_shard``        once, after the model is built and the mesh exists.
 3. ``weft_attention``    once per (strategy, module) pair the Plan names.
 4. ``weft_optimizer``    once per run (training only): the optimizer over the Plan's parameter groups;
-   ``weft_batching``     once: returns this rank's iterator of optimizer steps.
+   ``weft_batching``     once: returns this rank's iterator of optimizer steps;
+   ``weft_objective``    once: what each micro-batch's forward turns into its loss.
 5. per optimizer step:   ``weft_guard(event="step_start")`` -> forward/backward for each
    micro-batch -> ``weft_grad_sync`` -> ``weft_guard(event="step_end")`` -> optimizer ->
    ``weft_metrics(event="step")`` (rank 0), and ``weft_metrics(event="end")`` once at the end.
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # the contract's types, as pytest's hookspec.py does: no impo
     from weft.core.models import ModelFamily
     from weft.core.recipe import Recipe
     from weft.core.recipe.rule_engine import Decision, Plan
-    from weft.core.registry import Adapters, AttentionBinding, OptimizerGroup, Strategy, Verdict
+    from weft.core.registry import Adapters, AttentionBinding, Objective, OptimizerGroup, Strategy, Verdict
 
 PROJECT = "weft"
 
@@ -49,8 +50,8 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 #: The hook points a rule can steer, in the order a run meets them.
-HOOK_POINTS: tuple[str, ...] = ("rope", "adapter", "shard", "attention", "kv_cache", "batching", "grad_sync",
-                                "guard", "optimizer", "metrics")
+HOOK_POINTS: tuple[str, ...] = ("rope", "adapter", "shard", "attention", "kv_cache", "batching", "objective",
+                                "grad_sync", "guard", "optimizer", "metrics")
 #: The collect-all points: a rule may give them a list of strategies, all of which apply.
 MULTI_POINTS: tuple[str, ...] = ("grad_sync", "guard", "metrics")
 
@@ -214,6 +215,27 @@ def weft_batching(
     issues collectives. Bad samples are skipped and counted in
     ``ctx.counters["skipped_samples"]``.
     Collectives: none required; a strategy may all-gather lengths.
+    """
+
+
+@hookspec(firstresult=True)
+def weft_objective(decision: Decision, plan: Plan, mesh: WeftMesh, ctx: RunContext) -> Objective | None:
+    """Choose what a training step minimises: the next-token loss (``sft``), a preference loss
+    over whole responses (``dpo``), or a plugin's own.
+
+    When: once per run (training, `weft check`, `weft eval`'s held-out loss), after
+    ``weft_shard`` and the attention; ``decision`` is the root's ``objective`` decision.
+    Kind: firstresult on ``decision.strategy``; return an :class:`weft.core.registry.Objective`
+    or ``None`` when the strategy is not yours. For every micro-batch the core asks it for the
+    micro-batch's share of the step's divisor (``units``: label tokens, pairs, ...; the core
+    all-reduces the step's total once) and then for the loss summed over those units
+    (``loss_sum``), and backpropagates ``loss_sum * world_size / total``: the step's loss is
+    the mean over the global batch on any mesh. The keys the objective names in
+    ``token_keys`` are shifted and cut like the labels (under sequence parallelism each rank
+    gets its part), those in ``batch_keys`` are handed over whole; neither reaches the model.
+    May change: nothing on the model; the loss's own autograd graph may hold collectives.
+    Collectives: a loss over whole sequences sums a sequence's parts over the
+    sequence-parallel ranks (``mesh.sp``) inside ``loss_sum``; none at build time.
     """
 
 

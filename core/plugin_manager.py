@@ -29,6 +29,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "weft.plugins.kv_cache",
     "weft.plugins.rope",
     "weft.plugins.batching",
+    "weft.plugins.objective",
     "weft.plugins.grad_sync",
     "weft.plugins.guard",
     "weft.plugins.optimizer",

@@ -162,6 +162,34 @@ class Adapters:
     save: Callable[..., None] | None = None
 
 
+class Objective:
+    """What ``weft_objective`` returns: how a micro-batch's forward becomes its loss.
+
+    The core calls, per micro-batch, ``units(batch, target)`` (this rank's share of the step's
+    divisor, a tensor: label tokens for the next-token loss, pairs for a preference loss; the
+    core sums it over every rank once a step) and ``loss_sum(model=, batch=, target=, fused=,
+    extra=)``: the loss summed over those units, whose ``* world_size / total`` the core
+    backpropagates. ``batch`` is the model's inputs (labels and the objective's own keys
+    removed); ``target`` (B, S_local) the token each position predicts (-100: none), on this
+    rank's part of the sequence; ``fused`` the ``train.loss = "fused"`` head or None;
+    ``extra`` the keys named below: ``token_keys`` (B, S) shifted and cut like the labels,
+    ``batch_keys`` as batching gave them (a key the micro-batch lacks is left out). A loss counted on every rank of a sequence-parallel
+    group (a sum over whole sequences) counts its units on every rank too: the group's
+    repeats cancel in the mean, and the all-reduce's backward adds each rank's gradient.
+    """
+
+    token_keys: tuple[str, ...] = ()
+    batch_keys: tuple[str, ...] = ()
+    #: What the units are, for the run's log and `weft report` ("tokens", "pairs").
+    unit: str = "tokens"
+
+    def units(self, batch: dict, target: Any) -> Any:
+        raise NotImplementedError
+
+    def loss_sum(self, *, model: Any, batch: dict, target: Any, fused: Any, extra: dict) -> Any:
+        raise NotImplementedError
+
+
 VERDICTS: tuple[str, ...] = ("continue", "checkpoint", "skip", "abort")  # weakest first
 
 

@@ -89,7 +89,7 @@ def test_hook_weft_strategies():
     pm = make_pm(("echo-plugin", EchoPlugin()))
     # Collect-all: one list per implementing plugin, built-ins included.
     lists = pm.hook.weft_strategies()
-    assert len(lists) == len(pm.hook.weft_strategies.get_hookimpls()) == 11
+    assert len(lists) == len(pm.hook.weft_strategies.get_hookimpls()) == 12
     assert all(isinstance(s, Strategy) for items in lists for s in items)
     # The registry records which plugin declared each strategy.
     echo = pm.registry.get("attention", "echo")

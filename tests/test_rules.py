@@ -231,7 +231,7 @@ def test_points_only_apply_to_their_module_kinds(tmp_path):
     plan = plan_of(Recipe.from_toml(path))
     by_path = {m.info.path: {d.point for d in m.decisions} for m in plan.modules}
     # adapter decides for every kind of module (a LoRA rule may name any of them).
-    assert by_path[""] == {"adapter", "shard", "batching", "grad_sync", "guard", "optimizer", "metrics"}
+    assert by_path[""] == {"adapter", "shard", "batching", "objective", "grad_sync", "guard", "optimizer", "metrics"}
     assert by_path[TEXT_ATTN.path] == {"rope", "adapter", "attention", "kv_cache"}
     assert by_path[TEXT_LAYER.path] == {"adapter", "shard", "optimizer"}
     assert [m.info.path for m in plan.modules_for("attention", "eager")] == [VISION_ATTN.path, TEXT_ATTN.path]
@@ -715,7 +715,7 @@ def test_guard_and_grad_sync_accept_lists(tmp_path):
     assert {d.source for d in plan.decisions_of("guard")} == {f"{path}:4"}
     decisions = plan.to_json()["modules"][0]["decisions"]
     assert set(decisions) == {
-        "adapter", "shard", "batching", "grad_sync.clip", "grad_sync.test_log_norm", "guard.finite",
+        "adapter", "shard", "batching", "objective", "grad_sync.clip", "grad_sync.test_log_norm", "guard.finite",
         "guard.test_loss_spike",
         "optimizer", "metrics.jsonl",
     }
@@ -850,8 +850,8 @@ def test_plan_to_json_round_trip_shape(tmp_path):
     root = data["modules"][0]["decisions"]
     # Collect-all points are keyed "point.strategy", the others by the point alone.
     assert {"shard", "batching"} <= set(root)
-    assert {k.split(".")[0] for k in root} == {"adapter", "shard", "batching", "grad_sync", "guard", "optimizer",
-                                               "metrics"}
+    assert {k.split(".")[0] for k in root} == {"adapter", "shard", "batching", "objective", "grad_sync", "guard",
+                                               "optimizer", "metrics"}
     assert all(k.count(".") == 1 for k in root if k.startswith(("grad_sync", "guard")))
 
 

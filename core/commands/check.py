@@ -100,7 +100,8 @@ def _one_step(recipe: Recipe, *, target: pathlib.Path, rank: int, world_size: in
         torch.save(micro_batches, target.with_name(f"batches-dp{run.mesh.dp_rank()}.pt"))
     autocast = autocast_for(recipe.train.precision, device_type)
     loss_sum, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
-                                         keep_vision=run.keep_vision, autocast=autocast, ctx=ctx, fused=run.fused)
+                                         keep_vision=run.keep_vision, autocast=autocast, ctx=ctx, fused=run.fused,
+                                         objective=run.objective)
     before = {}
     for name, p in run.model.named_parameters():
         if p.grad is not None:

@@ -29,6 +29,7 @@ POINT_KINDS: dict[str, tuple[str, ...]] = {
     "attention": ("attention",),
     "kv_cache": ("attention",),
     "batching": ("root",),
+    "objective": ("root",),
     "grad_sync": ("root",),
     "guard": ("root",),
     "optimizer": ("unit", "params", "root"),

@@ -53,7 +53,7 @@ def forward_pass(*, run: Prepared, rounds: Iterable, autocast: Any, ctx: RunCont
             try:
                 part, totals = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
                                                  keep_vision=run.keep_vision, autocast=autocast, ctx=ctx,
-                                                 fused=run.fused, backward=False)
+                                                 fused=run.fused, objective=run.objective, backward=False)
             except torch.OutOfMemoryError as error:
                 local = tuple(int(mb["input_ids"].numel()) for mb in micro_batches if "input_ids" in mb)
                 raise eval_out_of_memory(after_step=after_step, local_tokens=local, ctx=ctx) from error

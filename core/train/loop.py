@@ -193,7 +193,7 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
     try:
         loss_sum, counts = run_micro_batches(model=run.model, micro_batches=micro_batches, split=run.split,
                                              keep_vision=run.keep_vision, autocast=autocast, ctx=ctx,
-                                             fused=run.fused, timer=timer)
+                                             fused=run.fused, objective=run.objective, timer=timer)
         finish_step(pm=pm, model=run.model, plan=run.plan, mesh=run.mesh, ctx=ctx, state=state, loss_sum=loss_sum,
                     totals=counts)
     except Exception as error:

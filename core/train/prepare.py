@@ -17,6 +17,7 @@ from weft.core.models import SequenceSplit
 from weft.core.plan.planner import add_adapters, plan_recipe
 from weft.core.recipe import Recipe
 from weft.core.recipe.rule_engine import Plan
+from weft.core.registry import Objective
 from weft.core.train.attention_install import install_attention
 from weft.core.train.rope_resolve import resolve_rope
 from weft.core.train.step import FusedHead
@@ -36,6 +37,7 @@ class Prepared:
     split: SequenceSplit | None  # None without sequence parallelism
     keep_vision: bool  # data-parallel ranks run the vision tower together (see core.step)
     fused: FusedHead | None = None  # train.loss = "fused": the loss from the hidden states
+    objective: Objective | None = None  # weft_objective's; None: the next-token loss
     #: The context from here on: the one given, with the model family and the recipe
     #: as the plan resolved it (a rope rule's rotary keys).
     ctx: RunContext | None = None
@@ -76,5 +78,7 @@ def prepare_model(*, recipe: Recipe, pm: WeftPluginManager, ctx: RunContext) -> 
     if keep_vision:
         family.keep_vision_alive(model)
     fused = FusedHead(model=model, decoder=family.text_decoder(model)) if recipe.train.loss == "fused" else None
+    objective = pm.objective(decision=plan.decision("objective"), plan=plan, mesh=mesh, ctx=ctx)
     model.train()
-    return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision, fused=fused, ctx=ctx)
+    return Prepared(model=model, plan=plan, mesh=mesh, split=split, keep_vision=keep_vision, fused=fused,
+                    objective=objective, ctx=ctx)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from weft.core.errors import WeftError
 from weft.core.models import VISION_FLAG
+from weft.core.registry import Objective
 from weft.core.train.fused_loss import linear_cross_entropy_sum
 from weft.core.train.loss import IGNORE as IGNORE_INDEX
 from weft.core.train.loss import label_count, targets, token_loss_sum
@@ -50,8 +51,10 @@ def autocast_for(precision: str, device_type: str):
     return contextlib.nullcontext()
 
 
-def pad_to_multiple(batch: dict[str, torch.Tensor], *, multiple: int) -> dict[str, torch.Tensor]:
-    """Right-pad every sequence-long tensor so the length divides by ``multiple``."""
+def pad_to_multiple(batch: dict[str, torch.Tensor], *, multiple: int,
+                    zero_filled: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Right-pad every sequence-long tensor so the length divides by ``multiple``
+    (``zero_filled``: an objective's own keys, read only where a label is)."""
     seq = batch["input_ids"].shape[1]
     pad = -seq % multiple
     if pad == 0:
@@ -62,6 +65,8 @@ def pad_to_multiple(batch: dict[str, torch.Tensor], *, multiple: int) -> dict[st
             continue
         if key == DOC_IDS:
             fill = int(value.max()) + 1
+        elif key in zero_filled:
+            fill = 0
         elif key in PAD_VALUES:
             fill = PAD_VALUES[key]
         else:
@@ -73,16 +78,42 @@ def pad_to_multiple(batch: dict[str, torch.Tensor], *, multiple: int) -> dict[st
     return out
 
 
-def shard_micro_batch(batch: dict[str, torch.Tensor], split: SequenceSplit | None) -> dict[str, torch.Tensor]:
-    """Pad to the split's multiple, shift the labels on the whole sequence, keep this
-    rank's part of them. The model's own inputs stay whole: the family's hooks cut them
-    after the vision merge (the images and the 3-D position ids need the whole sequence)."""
+def _shifted(values: torch.Tensor) -> torch.Tensor:
+    """(B, S) per-token values moved to the position that predicts their token, as the labels are."""
+    return torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+
+
+def shard_micro_batch(batch: dict[str, torch.Tensor], split: SequenceSplit | None, *,
+                      token_keys: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Pad to the split's multiple, shift the labels (and the objective's ``token_keys``) on
+    the whole sequence, keep this rank's part of them. The model's own inputs stay whole: the
+    family's hooks cut them after the vision merge (the images and the 3-D position ids need
+    the whole sequence)."""
+    token_keys = tuple(k for k in token_keys if k in batch)
     if split is None:
-        return batch
-    out = pad_to_multiple(batch, multiple=split.multiple)
+        return dict(batch, **{k: _shifted(batch[k]) for k in token_keys}) if token_keys else batch
+    out = pad_to_multiple(batch, multiple=split.multiple, zero_filled=token_keys)
     out["shift_labels"] = split.shard(targets(out), dim=1)  # (B, S_local)
     out.pop("labels", None)
+    for key in token_keys:
+        out[key] = split.shard(_shifted(out[key]), dim=1)  # (B, S_local), aligned with shift_labels
     return out
+
+
+class NextToken(Objective):
+    """The ``sft`` objective: cross-entropy of every labelled token, summed; the step divides by
+    the global label count. ``fused``: from the hidden states and the head by chunks, else
+    from the model's logits (whose storage their gradient may take: they live for the loss)."""
+
+    def units(self, batch: dict, target: torch.Tensor) -> torch.Tensor:
+        return label_count(target)
+
+    def loss_sum(self, *, model: torch.nn.Module, batch: dict, target: torch.Tensor, fused: FusedHead | None,
+                 extra: dict) -> torch.Tensor:
+        if fused is not None:
+            return fused.loss_sum(batch, target)
+        logits = model(**batch, use_cache=False).logits  # (B, S_local, V)
+        return token_loss_sum(logits, target, reuse_logits=True)
 
 
 class FusedHead:
@@ -132,17 +163,21 @@ def _keep_alive(batch: dict, ranks_with: list[float]) -> dict:
 
 def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], split: SequenceSplit | None,
                       keep_vision: bool, autocast: Any, ctx: RunContext, fused: FusedHead | None = None,
-                      timer: PhaseTimer | None = None, backward: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      objective: Objective | None = None, timer: PhaseTimer | None = None,
+                      backward: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Every micro-batch's forward and backward (``backward=False``: forward only, for
     `weft eval` under torch.no_grad). Returns (this rank's loss sum, the global counts
-    (label tokens, tokens)), both on the device, without a host sync unless
-    ``keep_vision`` (then one, at the start, to learn which rounds have images)."""
-    local = [shard_micro_batch(mb, split) for mb in micro_batches]
-    # One collective for the step's divisor: label tokens over every rank, so the loss
-    # equals the unsharded model's mean over the global batch. Tokens are this rank's
-    # positions (its part of the sequence under SP). With keep_vision, one count per
-    # micro-batch of the ranks with images, and of those with videos, rides along.
-    counts = [sum(label_count(targets(mb)) for mb in local), torch.tensor(sum(targets(mb).numel() for mb in local))]
+    (the objective's units, tokens)), both on the device, without a host sync unless
+    ``keep_vision`` (then one, at the start, to learn which rounds have images).
+    ``objective``: the run's (``weft_objective``); None, the next-token loss."""
+    objective = objective if objective is not None else NextToken()
+    local = [shard_micro_batch(mb, split, token_keys=objective.token_keys) for mb in micro_batches]
+    # One collective for the step's divisor: the objective's units (label tokens) over every
+    # rank, so the loss equals the unsharded model's mean over the global batch. Tokens are
+    # this rank's positions (its part of the sequence under SP). With keep_vision, one count
+    # per micro-batch of the ranks with images, and of those with videos, rides along.
+    counts = [sum(objective.units(mb, targets(mb)) for mb in local),
+              torch.tensor(sum(targets(mb).numel() for mb in local))]
     if keep_vision:
         counts += [torch.tensor(float(call)) for mb in local for call in _tower_calls(mb)]
     totals = torch.stack([torch.as_tensor(c, dtype=torch.float64) for c in counts]).to(ctx.device)
@@ -150,7 +185,7 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
     if keep_vision:
         with_vision = totals[2:].tolist()  # host sync: which rounds need the tower on every rank, how often
         local = [_keep_alive(mb, with_vision[2 * i : 2 * i + 2]) for i, mb in enumerate(local)]
-    global_labels = totals[0].clamp(min=1)
+    global_units = totals[0].clamp(min=1)
     loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float32)
     # FSDP2: reduce-scatter gradients once, after the last micro-batch; earlier ones
     # accumulate unsharded gradients locally (less communication, more memory).
@@ -162,19 +197,14 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
         target = targets(batch)
         batch.pop("labels", None)
         batch.pop("shift_labels", None)
+        extra = {key: batch.pop(key) for key in (*objective.token_keys, *objective.batch_keys) if key in batch}
         if timer is not None:
             timer.start("forward")
         with autocast, warnings.catch_warnings():
             # FSDP2 warns that the root returned a view (transformers slices
             # logits); the loss only reads it, never updates it in place.
             warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-            if fused is not None:
-                part = fused.loss_sum(batch, target)
-            else:
-                # The logits live for the loss only: their gradient may take their storage.
-                logits = model(**batch, use_cache=False).logits  # (B, S_local, V)
-                part = token_loss_sum(logits, target, reuse_logits=True)
-                del logits
+            part = objective.loss_sum(model=model, batch=batch, target=target, fused=fused, extra=extra)
         # Gradient reductions average over all world_size ranks (FSDP and
         # grad_sync alike); scaling by world_size turns that mean into the
         # sum of every rank's share of (global loss sum / global label count).
@@ -183,10 +213,10 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
         if backward:
             if timer is not None:
                 timer.start("backward")
-            (part * (ctx.world_size / global_labels)).backward()
+            (part * (ctx.world_size / global_units)).backward()
             if timer is not None:
                 timer.stop("backward")
-        loss_sum += part.detach()
+        loss_sum = loss_sum + part.detach()  # float64 parts (a float64 model) keep their digits
     return loss_sum, totals[:2]
 
 

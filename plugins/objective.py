@@ -1,0 +1,130 @@
+"""Objective hook: what a step minimises, chosen by the root's ``objective`` rule.
+
+``sft`` (the default): the next-token loss over the labels (core/train/step.py's
+``NextToken``; ``train.loss`` picks logits or the fused head). ``dpo``: a preference loss over
+pairs of whole responses (strategies/objective/preference.py: DPO's sigmoid loss with label
+smoothing, IPO, SimPO), from each response's summed log-probabilities.
+
+A preference micro-batch carries, besides the model's inputs and the labels (the responses'
+tokens labelled, the prompts not):
+
+- ``weft_sequence`` (B, S) long: the response each token belongs to, ``2p`` for pair p's
+  chosen one and ``2p + 1`` for its rejected one (any value where the label is -100);
+- ``weft_pairs`` (): the micro-batch's pairs, P;
+- ``weft_reference`` (2P,): the reference model's summed log-probability of each response, in
+  the same order (``reference = "batch"``: computed once, before training, and carried with
+  the data; SimPO needs none).
+
+Both responses of a pair sit in one micro-batch, so they are scored by the same weights in
+the same forward. Under ring or Ulysses each rank holds a part of every response: the core
+shifts and cuts ``weft_sequence`` like the labels, each rank sums its own positions, and a
+differentiable all-reduce over ``mesh.sp`` gives every rank the whole sums (the pairs are
+counted on every rank of the group, so the group's repeats cancel in the step's mean).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from weft.core.errors import WeftError
+from weft.core.hookspecs import hookimpl
+from weft.core.recipe.convert import in_range
+from weft.core.registry import Declared, NoParams, Objective, Strategy
+
+SEQUENCE, PAIRS, REFERENCE = "weft_sequence", "weft_pairs", "weft_reference"
+
+
+@attrs.frozen(kw_only=True)
+class PreferenceParams:
+    loss: Literal["sigmoid", "ipo", "simpo"] = attrs.field(default="sigmoid", metadata={
+        "doc": "sigmoid: DPO; ipo: IPO's squared loss on summed log-ratios; simpo: SimPO (per-token "
+               "log-probabilities, no reference)"})
+    beta: float = attrs.field(default=0.1, validator=in_range(low=1e-6), metadata={
+        "doc": "the reward's scale: beta (log pi - log ref); IPO's target margin is 1 / (2 beta)"})
+    label_smoothing: float = attrs.field(default=0.0, validator=in_range(low=0.0, high=0.49), metadata={
+        "doc": "the probability that a pair's preference is flipped (conservative DPO); sigmoid and simpo"})
+    gamma: float = attrs.field(default=0.0, validator=in_range(low=0.0), metadata={
+        "doc": "SimPO's target reward margin"})
+    reference: Literal["batch", "none"] = attrs.field(default="batch", metadata={
+        "doc": "batch: the reference log-probabilities come with the data (weft_reference); none: no "
+               "reference (simpo)"})
+
+
+def _reference_check(params: PreferenceParams, *, recipe, plan) -> str | None:
+    if (params.loss == "simpo") != (params.reference == "none"):
+        return (f"objective dpo: loss = {params.loss!r} with reference = {params.reference!r}; simpo takes "
+                f"reference = 'none', sigmoid and ipo take 'batch' (the reference log-probabilities with the data)")
+    if recipe.train.loss == "fused":
+        return ("objective dpo reads every response token's log-probability from the logits; train.loss = 'fused' "
+                "is the next-token loss's path only: set train.loss = 'logits'")
+    return None
+
+
+class Preference(Objective):
+    """The pairs' loss, summed; the step divides by the global pair count."""
+
+    token_keys = (SEQUENCE,)
+    batch_keys = (PAIRS, REFERENCE)
+    unit = "pairs"
+
+    def __init__(self, params: PreferenceParams, *, group) -> None:
+        self.params = params
+        self.group = group  # the sequence-parallel ranks, or None
+
+    def units(self, batch: dict, target):
+        if PAIRS not in batch or SEQUENCE not in batch:
+            raise WeftError(f"objective dpo: a micro-batch without {PAIRS!r} and {SEQUENCE!r}; preference data "
+                            f"(prompt, chosen, rejected) gives them (docs/data.md)", where="objective")
+        return batch[PAIRS].double()
+
+    def loss_sum(self, *, model, batch, target, fused, extra):
+        from weft.strategies.objective.preference import preference_loss, sequence_logps, sum_over_group
+
+        pairs = int(extra[PAIRS])
+        logits = model(**batch, use_cache=False).logits  # (B, S_local, V)
+        logps, tokens = sequence_logps(logits, target, extra[SEQUENCE], sequences=2 * pairs)  # (2P,) each
+        del logits
+        logps = sum_over_group(logps, self.group)
+        tokens = sum_over_group(tokens, self.group)
+        reference = extra.get(REFERENCE)
+        if self.params.reference == "batch" and reference is None:
+            raise WeftError(f"objective dpo with reference = 'batch': the micro-batch has no {REFERENCE!r} (the "
+                            f"reference model's log-probabilities of each response)", where="objective")
+        ref = reference.to(logps.dtype) if reference is not None else None
+        terms = preference_loss(
+            kind=self.params.loss, chosen=logps[0::2], rejected=logps[1::2],
+            ref_chosen=None if ref is None else ref[0::2], ref_rejected=None if ref is None else ref[1::2],
+            beta=self.params.beta, label_smoothing=self.params.label_smoothing, chosen_tokens=tokens[0::2],
+            rejected_tokens=tokens[1::2], gamma=self.params.gamma)
+        return terms.loss.sum()
+
+
+def _next_token(params, *, plan, mesh, ctx):
+    from weft.core.train.step import NextToken
+
+    return NextToken()
+
+
+def _preference(params, *, plan, mesh, ctx):
+    group = mesh.sp.get_group() if mesh is not None and plan.mesh.sp > 1 else None
+    return Preference(params, group=group)
+
+
+STRATEGIES = Declared(
+    Strategy(point="objective", name="sft", params=NoParams, impl=_next_token,
+             summary="next-token cross-entropy over the labels, the mean over the step's label tokens"),
+    Strategy(point="objective", name="dpo", params=PreferenceParams, impl=_preference, check=_reference_check,
+             summary="preference loss (DPO sigmoid, IPO, SimPO) over pairs of whole responses, the mean over pairs"),
+)
+
+
+@hookimpl
+def weft_strategies():
+    return STRATEGIES.list()
+
+
+@hookimpl
+def weft_objective(decision, plan, mesh, ctx):
+    return STRATEGIES.answer(decision, plan=plan, mesh=mesh, ctx=ctx)
