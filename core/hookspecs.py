@@ -4,8 +4,7 @@ The core calls these hooks in this order, once per run unless said otherwise:
 
 1. ``weft_strategies``   when the plugin manager is built: collect named strategies;
    ``weft_models``       likewise: collect model families.
-2. ``weft_rope``         once, after the Plan: the text decoder's rotary keys (the model is
-                         built again from them if they changed);
+2. ``weft_rope``         once, after the Plan: the text decoder's rotary keys (the model rebuilt from them);
    ``weft_adapter``      once, on the model as built (meta device), before sharding: adapters (LoRA);
    ``weft_shard``        once, after the model is built and the mesh exists.
 3. ``weft_attention``    once per (strategy, module) pair the Plan names.
@@ -220,22 +219,11 @@ def weft_batching(
 
 @hookspec(firstresult=True)
 def weft_objective(decision: Decision, plan: Plan, mesh: WeftMesh, ctx: RunContext) -> Objective | None:
-    """Choose what a training step minimises: the next-token loss (``sft``), a preference loss
-    over whole responses (``dpo``), or a plugin's own.
+    """Choose what a step minimises: the next-token loss (``sft``), a preference loss (``dpo``), a plugin's own.
 
-    When: once per run (training, `weft check`, `weft eval`'s held-out loss), after
-    ``weft_shard`` and the attention; ``decision`` is the root's ``objective`` decision.
-    Kind: firstresult on ``decision.strategy``; return an :class:`weft.core.registry.Objective`
-    or ``None`` when the strategy is not yours. For every micro-batch the core asks it for the
-    micro-batch's share of the step's divisor (``units``: label tokens, pairs, ...; the core
-    all-reduces the step's total once) and then for the loss summed over those units
-    (``loss_sum``), and backpropagates ``loss_sum * world_size / total``: the step's loss is
-    the mean over the global batch on any mesh. The keys the objective names in
-    ``token_keys`` are shifted and cut like the labels (under sequence parallelism each rank
-    gets its part), those in ``batch_keys`` are handed over whole; neither reaches the model.
-    May change: nothing on the model; the loss's own autograd graph may hold collectives.
-    Collectives: a loss over whole sequences sums a sequence's parts over the
-    sequence-parallel ranks (``mesh.sp``) inside ``loss_sum``; none at build time.
+    When: once per run, after ``weft_shard`` and the attention. Kind: firstresult on ``decision.strategy``;
+    return an :class:`weft.core.registry.Objective` (``units`` per micro-batch, ``loss_sum`` over them) or
+    ``None``. May change: nothing on the model. Collectives: a whole-sequence loss sums over ``mesh.sp``.
     """
 
 

@@ -172,8 +172,10 @@ class Objective:
     backpropagates. ``batch`` is the model's inputs (labels and the objective's own keys
     removed); ``target`` (B, S_local) the token each position predicts (-100: none), on this
     rank's part of the sequence; ``fused`` the ``train.loss = "fused"`` head or None;
-    ``extra`` the keys named below: ``token_keys`` (B, S) shifted and cut like the labels,
-    ``batch_keys`` as batching gave them (a key the micro-batch lacks is left out). A loss counted on every rank of a sequence-parallel
+    ``extra`` the keys named below: ``token_keys`` (B, S) aligned with the labels the
+    micro-batch carries (shifted like ``labels``; as given beside a packed row's
+    ``shift_labels``) and cut like them, ``batch_keys`` as batching gave them (a key the
+    micro-batch lacks is left out). A loss counted on every rank of a sequence-parallel
     group (a sum over whole sequences) counts its units on every rank too: the group's
     repeats cancel in the mean, and the all-reduce's backward adds each rank's gradient.
     """

@@ -142,12 +142,13 @@ def reference(recipe: Recipe, *, family: Any, batches: list[dict], device: str, 
     ``frozen``: module paths whose parameters take no gradient (the plan's frozen units);
     ``plan`` and ``pm``: the ranks' adapters (``weft_adapter``), added and drawn alike, and their
     quantised units, quantised alike."""
-    from weft.core.train.loss import label_count, targets, token_loss_sum
-    from weft.core.train.step import autocast_for
+    from weft.core.train.loss import targets
+    from weft.core.train.step import NextToken, autocast_for, shard_micro_batch
 
     _exact_matmuls()
     quantize = plan.quantized_units() if plan is not None else {}  # the ranks' 4-bit units, the same codes
     model = family.build(recipe, device=device, seed=recipe.train.seed, **({"quantize": quantize} if quantize else {}))
+    objective = NextToken()
     if plan is not None and pm is not None:
         from weft.core.context import RunContext
         from weft.core.plan.planner import add_adapters
@@ -157,18 +158,23 @@ def reference(recipe: Recipe, *, family: Any, batches: list[dict], device: str, 
         ctx = RunContext(recipe=recipe, device=torch.device(device), log=log)
         for added in add_adapters(model, plan=plan, pm=pm, ctx=ctx):
             added.init(model, seed=recipe.train.seed)
+        # The ranks' objective, on one process: its sums over whole sequences need no group.
+        objective = pm.objective(decision=plan.decision("objective"), plan=plan, mesh=None, ctx=ctx)
     for path in frozen:
         model.get_submodule(path).requires_grad_(False)
-    count = sum(label_count(targets(b)) for b in batches)
+    keys = (*objective.token_keys, *objective.batch_keys)
+    local = [shard_micro_batch(b, None, token_keys=objective.token_keys) for b in batches]
+    count = sum(float(objective.units(b, targets(b))) for b in local)
     results = {}
     for precision in precisions:
         model.zero_grad(set_to_none=True)
         loss = torch.zeros((), device=device)
-        for batch in batches:
-            inputs = {k: v.to(device) for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        for batch in local:
+            inputs = {k: v.to(device) for k, v in batch.items() if k not in ("labels", "shift_labels", *keys)}
+            extra = {k: batch[k].to(device) for k in keys if k in batch}
             with autocast_for(precision, device):
-                logits = model(**inputs, use_cache=False).logits
-            part = token_loss_sum(logits, targets(batch).to(device)) / count
+                part = objective.loss_sum(model=model, batch=inputs, target=targets(batch).to(device), fused=None,
+                                          extra=extra) / count
             part.backward()
             loss += part.detach()
         grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}

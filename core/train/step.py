@@ -90,13 +90,16 @@ def shard_micro_batch(batch: dict[str, torch.Tensor], split: SequenceSplit | Non
     family's hooks cut them after the vision merge (the images and the 3-D position ids need
     the whole sequence)."""
     token_keys = tuple(k for k in token_keys if k in batch)
+    # Aligned with the labels the micro-batch carries: shifted like ``labels``; beside a
+    # packed row's ``shift_labels`` (shifted per document by the batching) as they are.
+    shift = _shifted if "shift_labels" not in batch else (lambda values: values)
     if split is None:
-        return dict(batch, **{k: _shifted(batch[k]) for k in token_keys}) if token_keys else batch
+        return dict(batch, **{k: shift(batch[k]) for k in token_keys}) if token_keys else batch
     out = pad_to_multiple(batch, multiple=split.multiple, zero_filled=token_keys)
     out["shift_labels"] = split.shard(targets(out), dim=1)  # (B, S_local)
     out.pop("labels", None)
     for key in token_keys:
-        out[key] = split.shard(_shifted(out[key]), dim=1)  # (B, S_local), aligned with shift_labels
+        out[key] = split.shard(shift(out[key]), dim=1)  # (B, S_local), aligned with shift_labels
     return out
 
 

@@ -112,12 +112,14 @@ class TokenBudgetSteps:
 
             positions = ctx.family.positions(self.model)
 
-            def make(indices):
-                return collate_packed([samples[i] for i in indices], pad_id=pad_id, positions=positions)
+            def rows(chosen):
+                return collate_packed(chosen, pad_id=pad_id, positions=positions)
         else:
 
-            def make(indices):
-                return collate([samples[i] for i in indices], pad_id=pad_id)
+            def rows(chosen):
+                return collate(chosen, pad_id=pad_id)
+
+        make = _pairs_or_rows(samples, rows, packed=params.pack)
 
         self._data = samples, lengths, make
         return self._data
@@ -198,6 +200,24 @@ class SampleLog:
             out.write(json.dumps({"step": step, "ranks": ranks}) + "\n")
 
 
+def _pairs_or_rows(samples, rows, *, packed: bool):
+    """The collation of a micro-batch's indices: preference pairs (strategies/data/pairs.py)
+    where the data holds them, each pair two documents or rows; else the samples as they are."""
+    if not len(samples) or samples[0].pair_split is None:
+        return lambda indices: rows([samples[i] for i in indices])
+    from weft.core.errors import WeftError
+    from weft.strategies.data.pairs import collate_pairs
+
+    def make(indices):
+        chosen = [samples[i] for i in indices]
+        if any(s.pair_split is None for s in chosen):
+            raise WeftError("the data mixes preference pairs ('chosen' and 'rejected') with plain conversations; "
+                            "a run trains on one kind", where="data")
+        return collate_pairs(chosen, collate=rows, packed=packed)
+
+    return make
+
+
 def one_pass_rounds(batches, *, dp_size, me, make):
     """`weft eval`: every micro-batch once, one round per step. The last round's missing
     micro-batches (fewer left than data-parallel ranks) are a copy of one with no label
@@ -217,4 +237,6 @@ def filler(micro_batch: dict) -> dict:
     for key in ("labels", "shift_labels"):  # shift_labels: a packed row's targets, shifted per document
         if key in micro_batch:
             micro_batch[key] = torch.full_like(micro_batch[key], IGNORE)
+    if "weft_pairs" in micro_batch:  # a preference micro-batch's copy counts no pair
+        micro_batch["weft_pairs"] = torch.zeros_like(micro_batch["weft_pairs"])
     return micro_batch

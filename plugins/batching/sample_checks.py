@@ -20,6 +20,10 @@ def truncate(samples, *, limit, tokenizer, ctx, on_bad):
         if tokenizer is None:
             on_bad(BadSample(f"sample {index}", "too long, and no tokenizer to find its image spans for a cut"))
             continue
+        if samples[index].pair_split is not None:
+            on_bad(BadSample(f"sample {index}", "a preference pair longer than the limit: not cut (a cut response "
+                                                 "is another response)"))
+            continue
         try:
             overlay[index] = truncate_sample(samples[index], limit, tokenizer=tokenizer)
             kept.append(index)

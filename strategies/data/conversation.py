@@ -54,6 +54,11 @@ class Sample:
     # when this is passed; without it image tokens silently get 1D text positions.
     # May be omitted only for text-only samples, where it is all zeros.
     mm_token_type_ids: torch.Tensor = attrs.field()
+    #: A preference pair (strategies/data/pairs.py): its chosen and its rejected conversation end
+    #: to end, (1,) long the chosen one's tokens; and (2,) float64 the reference model's summed
+    #: log-probabilities of the two responses, where the record gave them.
+    pair_split: torch.Tensor | None = None
+    reference_logps: torch.Tensor | None = None
 
     @mm_token_type_ids.default
     def _text_only_types(self) -> torch.Tensor:
@@ -68,6 +73,9 @@ class Sample:
             )
         if self.mm_token_type_ids.shape != self.input_ids.shape:
             raise ValueError("mm_token_type_ids must have the shape of input_ids")
+        if self.pair_split is not None and not 0 < int(self.pair_split[0]) < self.num_tokens:
+            raise ValueError(f"pair_split {int(self.pair_split[0])} must fall inside the sample's "
+                             f"{self.num_tokens} tokens")
         if (self.pixel_values is None) != (self.image_grid_thw is None):
             raise ValueError("pixel_values and image_grid_thw come together")
         if self.image_grid_thw is not None:

@@ -103,6 +103,7 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
     """(where, line) -> (where, Sample) or (where, "reason")."""
     from weft.strategies.data.conversation import encode_conversation
     from weft.strategies.data.formats import record_to_messages
+    from weft.strategies.data.pairs import is_pair, join_pair, pair_records
 
     where, line = job
     if isinstance(line, int):
@@ -120,13 +121,18 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
             return where, Sample(**torch.load(cache / f"{key}.pt", weights_only=True))
         except Exception:  # a damaged or planted entry is re-made below
             pass
-    try:
-        messages = record_to_messages(record, base=_WORKER["base"], skip_pixels=_WORKER["skip_pixels"],
+    def encoded(one: Any) -> Sample:
+        messages = record_to_messages(one, base=_WORKER["base"], skip_pixels=_WORKER["skip_pixels"],
                                       videos=_WORKER["videos"])
-        sample = encode_conversation(
-            messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"],
-            system=_WORKER["system"], video_sizing=_WORKER["video_sizing"],
-        )
+        return encode_conversation(messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"],
+                                   system=_WORKER["system"], video_sizing=_WORKER["video_sizing"])
+
+    try:
+        if is_pair(record):  # a preference pair: both conversations, one sample (strategies/data/pairs.py)
+            chosen, rejected, reference = pair_records(record)
+            sample = join_pair(encoded(chosen), encoded(rejected), reference=reference)
+        else:
+            sample = encoded(record)
     except (ValueError, KeyError, TypeError, OSError) as error:
         return where, f"{type(error).__name__}: {error}"
     if key:

@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from weft.strategies.data.conversation import Sample
 
 #: The store layout's version: part of the store's name, so a change makes new stores.
-FORMAT = 2
+FORMAT = 3  # 3: a preference pair's two fields (Sample.pair_split, reference_logps)
 FIELDS = tuple(field.name for field in attrs.fields(Sample))
 #: A shard is closed at this many bytes of tensors (or SHARD_SAMPLES samples): small enough
 #: that a killed preprocessing loses little, large enough that a million samples are a few

@@ -35,7 +35,9 @@ def sequence_logps(logits: torch.Tensor, target: torch.Tensor, sequence: torch.T
     flat, t, s = logits.flatten(0, 1), target.flatten(), sequence.flatten()
     rows = (t != IGNORE).nonzero()[:, 0]  # (K,) labelled positions
     acc = torch.promote_types(logits.dtype, torch.float32)
-    sums = torch.zeros(sequences, dtype=acc, device=logits.device)
+    # Tied to the logits even where this rank holds no labelled position (a ring rank's part
+    # may be all prompt): every rank of the group then backpropagates through the all-reduce.
+    sums = torch.zeros(sequences, dtype=acc, device=logits.device) + flat[:0].sum().to(acc)
     for start in range(0, len(rows), chunk_rows):
         at = rows[start:start + chunk_rows]
         x = flat[at].to(acc)  # (C, V)
