@@ -80,6 +80,8 @@ class StepState:
     error: BaseException | None = None
     #: This rank's micro-batch sizes in tokens (batch x length), set before the forward.
     local_tokens: tuple[int, ...] = ()
+    #: The objective's values beside the loss (``Objective.step_stats``), each a mean over its units.
+    stats: dict[str, float] = attrs.field(factory=dict)
     # Per-run state a guard keeps between steps (a running mean, a counter), keyed
     # by the guard's strategy name; in a run it is ``ctx.plugin_state``, the one per-run
     # dict every plugin (guards, metrics sinks) keeps its state in.
@@ -88,3 +90,4 @@ class StepState:
     def begin(self, step: int) -> None:
         """The next step: its own values cleared; the run's (skips in a row, memory) kept."""
         self.step, self.loss, self.grad_norm, self.tokens, self.error, self.local_tokens = step, None, None, 0, None, ()
+        self.stats = {}

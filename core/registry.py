@@ -191,6 +191,14 @@ class Objective:
     def loss_sum(self, *, model: Any, batch: dict, target: Any, fused: Any, extra: dict) -> Any:
         raise NotImplementedError
 
+    def begin_step(self) -> None:
+        """A step's (or a held-out pass's) micro-batches begin: forget the sums of the last."""
+
+    def step_stats(self) -> dict[str, Any]:
+        """What to log beside the loss, each a sum over this rank's units since ``begin_step``
+        (0-dim tensors); the core all-reduces them with the loss and logs each over the units."""
+        return {}
+
 
 VERDICTS: tuple[str, ...] = ("continue", "checkpoint", "skip", "abort")  # weakest first
 

@@ -72,6 +72,15 @@ class Preference(Objective):
     def __init__(self, params: PreferenceParams, *, group) -> None:
         self.params = params
         self.group = group  # the sequence-parallel ranks, or None
+        self.sums: dict = {}
+
+    def begin_step(self) -> None:
+        self.sums = {}
+
+    def step_stats(self) -> dict:
+        """Each a sum over this step's pairs: the rewards of the chosen and of the rejected
+        responses, their margin, and the share of pairs whose chosen response wins."""
+        return dict(self.sums)
 
     def units(self, batch: dict, target):
         if PAIRS not in batch or SEQUENCE not in batch:
@@ -98,6 +107,9 @@ class Preference(Objective):
             ref_chosen=None if ref is None else ref[0::2], ref_rejected=None if ref is None else ref[1::2],
             beta=self.params.beta, label_smoothing=self.params.label_smoothing, chosen_tokens=tokens[0::2],
             rejected_tokens=tokens[1::2], gamma=self.params.gamma)
+        for name, value in (("reward_chosen", terms.chosen_reward), ("reward_rejected", terms.rejected_reward),
+                            ("reward_margin", terms.margin), ("preference_accuracy", terms.accuracy)):
+            self.sums[name] = self.sums.get(name, 0.0) + value.detach().sum()
         return terms.loss.sum()
 
 

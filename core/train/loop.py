@@ -195,7 +195,7 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
                                              keep_vision=run.keep_vision, autocast=autocast, ctx=ctx,
                                              fused=run.fused, objective=run.objective, timer=timer)
         finish_step(pm=pm, model=run.model, plan=run.plan, mesh=run.mesh, ctx=ctx, state=state, loss_sum=loss_sum,
-                    totals=counts)
+                    totals=counts, objective=run.objective)
     except Exception as error:
         # Guards see the error (diagnostics, alerts); the run then stops: after a
         # failed step the ranks' collectives may be out of step, so no verdict resumes it.
@@ -228,7 +228,7 @@ def _one_step(*, run: Prepared, steps, state: StepState, optimizer, scheduler, a
     totals["tokens"] += state.tokens
     totals["train_s"] += dt
     row = {"step": state.step, "loss": state.loss, "tokens": state.tokens, "tokens_per_s": state.tokens / dt, "lr": lr,
-           "grad_norm": state.grad_norm, "step_s": dt, "skipped": verdict.action == "skip"}
+           "grad_norm": state.grad_norm, "step_s": dt, "skipped": verdict.action == "skip", **state.stats}
     row.update({k: round(v, 6) for k, v in phases.items()})
     if ctx.device.type == "cuda":
         row["max_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30

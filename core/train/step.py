@@ -174,6 +174,7 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
     ``keep_vision`` (then one, at the start, to learn which rounds have images).
     ``objective``: the run's (``weft_objective``); None, the next-token loss."""
     objective = objective if objective is not None else NextToken()
+    objective.begin_step()
     local = [shard_micro_batch(mb, split, token_keys=objective.token_keys) for mb in micro_batches]
     # One collective for the step's divisor: the objective's units (label tokens) over every
     # rank, so the loss equals the unsharded model's mean over the global batch. Tokens are
@@ -224,11 +225,17 @@ def run_micro_batches(*, model: torch.nn.Module, micro_batches: list[dict], spli
 
 
 def finish_step(*, pm: WeftPluginManager, model: torch.nn.Module, plan: Plan, mesh: WeftMesh, ctx: RunContext,
-                state: StepState, loss_sum: torch.Tensor, totals: torch.Tensor) -> None:
-    """weft_grad_sync, then the step's global loss: fills state.loss/grad_norm/tokens."""
+                state: StepState, loss_sum: torch.Tensor, totals: torch.Tensor,
+                objective: Objective | None = None) -> None:
+    """weft_grad_sync, then the step's global loss: fills state.loss/grad_norm/tokens (and
+    state.stats, the objective's values beside the loss, reduced with it)."""
     grad_results = pm.grad_sync(model=model, plan=plan, mesh=mesh, ctx=ctx)
     grad_norm = dict(item for result in grad_results if result for item in result).get("grad_norm")
-    dist.all_reduce(loss_sum)
-    state.loss = float(loss_sum / totals[0].clamp(min=1))  # the step's one host sync
+    stats = objective.step_stats() if objective is not None else {}
+    sums = torch.stack([loss_sum.double(), *(v.detach().double().to(loss_sum.device) for v in stats.values())])
+    dist.all_reduce(sums)
+    means = (sums / totals[0].clamp(min=1)).tolist()  # the step's one host sync
+    state.loss = means[0]
+    state.stats = dict(zip(stats, means[1:]))
     state.grad_norm = float(grad_norm) if grad_norm is not None else None
     state.tokens = int(totals[1])
