@@ -47,15 +47,22 @@ class PreferenceParams:
         "doc": "the probability that a pair's preference is flipped (conservative DPO); sigmoid and simpo"})
     gamma: float = attrs.field(default=0.0, validator=in_range(low=0.0), metadata={
         "doc": "SimPO's target reward margin"})
-    reference: Literal["batch", "none"] = attrs.field(default="batch", metadata={
-        "doc": "batch: the reference log-probabilities come with the data (weft_reference); none: no "
-               "reference (simpo)"})
+    reference: Literal["batch", "adapters", "none"] = attrs.field(default="batch", metadata={
+        "doc": "batch: the reference log-probabilities come with the data (weft_reference); adapters: the "
+               "model with its LoRA adapters switched off (no second copy: one more forward, without "
+               "gradients, a micro-batch); none: no reference (simpo)"})
 
 
 def _reference_check(params: PreferenceParams, *, recipe, plan) -> str | None:
     if (params.loss == "simpo") != (params.reference == "none"):
         return (f"objective dpo: loss = {params.loss!r} with reference = {params.reference!r}; simpo takes "
-                f"reference = 'none', sigmoid and ipo take 'batch' (the reference log-probabilities with the data)")
+                f"reference = 'none', sigmoid and ipo take 'batch' (the reference log-probabilities with the data) "
+                f"or 'adapters' (the base under LoRA)")
+    if params.reference == "adapters" and not any(
+            not plan.strategy(unit.get("adapter")).inert for unit in plan.modules_for("adapter")):
+        return ("objective dpo: reference = 'adapters' is the model with its adapters switched off, and no rule "
+                "gives the model an adapter; add an adapter rule (adapter = { strategy = \"lora\" }) or use "
+                "reference = 'batch' (the reference log-probabilities with the data)")
     if recipe.train.loss == "fused":
         return ("objective dpo reads every response token's log-probability from the logits; train.loss = 'fused' "
                 "is the next-token loss's path only: set train.loss = 'logits'")
@@ -92,15 +99,19 @@ class Preference(Objective):
         from weft.strategies.objective.preference import preference_loss, sequence_logps, sum_over_group
 
         pairs = int(extra[PAIRS])
+        reference = extra.get(REFERENCE)
+        if self.params.reference == "adapters":
+            # The base's forward first: its logits are gone before the policy's activations are kept.
+            reference = self._base_logps(model=model, batch=batch, target=target, sequence=extra[SEQUENCE],
+                                         sequences=2 * pairs)
+        elif self.params.reference == "batch" and reference is None:
+            raise WeftError(f"objective dpo with reference = 'batch': the micro-batch has no {REFERENCE!r} (the "
+                            f"reference model's log-probabilities of each response)", where="objective")
         logits = model(**batch, use_cache=False).logits  # (B, S_local, V)
         logps, tokens = sequence_logps(logits, target, extra[SEQUENCE], sequences=2 * pairs)  # (2P,) each
         del logits
         logps = sum_over_group(logps, self.group)
         tokens = sum_over_group(tokens, self.group)
-        reference = extra.get(REFERENCE)
-        if self.params.reference == "batch" and reference is None:
-            raise WeftError(f"objective dpo with reference = 'batch': the micro-batch has no {REFERENCE!r} (the "
-                            f"reference model's log-probabilities of each response)", where="objective")
         ref = reference.to(logps.dtype) if reference is not None else None
         terms = preference_loss(
             kind=self.params.loss, chosen=logps[0::2], rejected=logps[1::2],
@@ -111,6 +122,23 @@ class Preference(Objective):
                             ("reward_margin", terms.margin), ("preference_accuracy", terms.accuracy)):
             self.sums[name] = self.sums.get(name, 0.0) + value.detach().sum()
         return terms.loss.sum()
+
+    def _base_logps(self, *, model, batch, target, sequence, sequences: int):
+        """The responses' summed log-probabilities under the base (adapters off), no gradient. (2P,)"""
+        import torch
+
+        from weft.strategies.model.adapters_off import adapter_layers, adapters_off
+        from weft.strategies.objective.preference import sequence_logps, sum_over_group
+
+        if not adapter_layers(model):
+            raise WeftError("objective dpo with reference = 'adapters': the model has no adapter layer to switch "
+                            "off (an adapter rule, adapter = { strategy = \"lora\" }, gives it some)",
+                            where="objective")
+        with torch.no_grad(), adapters_off(model):
+            logits = model(**batch, use_cache=False).logits  # (B, S_local, V)
+            logps, _ = sequence_logps(logits, target, sequence, sequences=sequences)
+            del logits
+            return sum_over_group(logps, self.group)
 
 
 def _next_token(params, *, plan, mesh, ctx):

@@ -107,8 +107,10 @@ def _by_hand(model, ids, labels) -> torch.Tensor:
 
 
 def _micro_batch(ids, labels, sequence, reference):
-    return {"input_ids": ids, "labels": labels, "weft_sequence": sequence, "weft_pairs": torch.tensor(2),
-            "weft_reference": reference}
+    """A preference micro-batch; ``reference`` None: without the reference key."""
+    batch = {"input_ids": ids, "labels": labels, "weft_sequence": sequence, "weft_pairs": torch.tensor(2),
+             "weft_reference": reference}
+    return {k: v for k, v in batch.items() if v is not None}
 
 
 def _dpo(**params):
@@ -241,7 +243,59 @@ def test_dpo_rule_checks():
         ([{"objective": {"strategy": "dpo", "loss": "simpo"}}], {}, "simpo takes reference = 'none'"),
         ([{"objective": {"strategy": "dpo", "reference": "none"}}], {}, "sigmoid and ipo take 'batch'"),
         ([{"objective": {"strategy": "dpo"}}], {"loss": "fused"}, "set train.loss = 'logits'"),
+        ([{"objective": {"strategy": "dpo", "reference": "adapters"}}], {}, "no rule gives the model an adapter"),
     ]:
         recipe = Recipe.from_dict({**TINY, "rules": rules, "train": train})
         with pytest.raises(WeftError, match=message):
             plan_recipe(recipe, pm=pm, world_size=1, model=copy.deepcopy(_model()))
+
+
+def _with_lora(model, *, seed: int):
+    """``model`` with PEFT LoRA on its attention projections, B drawn (not zero), so the adapted
+    model differs from its base."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.requires_grad_(".lora_" in name)
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return model
+
+
+def test_dpo_with_the_adapters_off_as_reference():
+    """reference = 'adapters': the reference is the base (adapters switched off), no second copy:
+    the loss and the adapters' gradients equal the formula with the base's log-probabilities
+    from a model that never had adapters; every requires_grad flag as it was; with B at zero (the
+    adapted model is its base) the loss is ln 2."""
+    ids, labels, sequence = _pairs()
+    model = _with_lora(_model(), seed=1)
+    hand = copy.deepcopy(model)  # the same A (PEFT draws it) and B
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    with _one_rank():
+        loss_sum, totals = _step(model, _dpo(reference="adapters"), _micro_batch(ids, labels, sequence, None))
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    with torch.no_grad():
+        base = _by_hand(_model(), ids, labels)  # the same seed's weights, never adapted
+    pi = _by_hand(hand, ids, labels)
+    assert (pi - base).abs().min() > 1e-3  # the adapters change every response's log-probability
+    z = BETA * ((pi[0::2] - base[0::2]) - (pi[1::2] - base[1::2]))
+    want = -F.logsigmoid(z).mean()
+    want.backward()
+    torch.testing.assert_close(loss_sum / totals[0], want.detach(), rtol=1e-9, atol=1e-12)
+    adapters = [(name, p, q) for (name, p), q in zip(model.named_parameters(), hand.parameters()) if p.requires_grad]
+    assert len(adapters) == 2 * 2 * 2  # A and B of q_proj and v_proj in each of the tiny model's 2 layers
+    for name, p, q in adapters:
+        err = ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+        assert err <= 1e-6, f"{name}: gradient relative error {err:.3g}"
+    zero = _model()
+    from peft import LoraConfig, inject_adapter_in_model
+
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj"]), zero)  # PEFT's init: B = 0
+    with _one_rank():
+        loss_sum, totals = _step(zero, _dpo(reference="adapters"), _micro_batch(ids, labels, sequence, None))
+    assert float(loss_sum / totals[0]) == pytest.approx(math.log(2), abs=1e-12)
+    with _one_rank(), pytest.raises(WeftError, match="no adapter layer"):
+        _step(_model(), _dpo(reference="adapters"), _micro_batch(ids, labels, sequence, None))

@@ -224,3 +224,27 @@ def test_weft_check_with_a_dpo_rule(tmp_path):
         result = json.loads(done.stdout)
         assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
         assert 0.1 < result["loss_ref"] < 5 and {"vision", "text", "head"} <= set(result["grad_max_rel_diff_by_group"])
+
+
+LORA_REFERENCE = RECIPE.replace('objective = { strategy = "dpo", beta = 0.1, label_smoothing = 0.05 }', """\
+objective = { strategy = "dpo", beta = 5.0, reference = "adapters" }
+
+[[rules]]
+when = { path = "*.language_model.*" }
+adapter = { strategy = "lora", r = 4, b_init = "normal" }""")
+
+
+def test_weft_check_with_the_adapters_off_as_reference(tmp_path):
+    """LoRA DPO with the base as its reference (one more forward, adapters off): the adapters'
+    loss and gradients under ring 2 and Ulysses 2 equal one rank's (B drawn, so the policy is
+    not its reference and the loss is not ln 2)."""
+    from weft_cli import run_weft
+
+    _write_pairs(tmp_path, n=16, every_image=1)
+    (tmp_path / "lora.toml").write_text(LORA_REFERENCE)
+    for mesh in ("parallel.ring=2", "parallel.ulysses=2"):
+        done = run_weft("check", "lora.toml", "--world-size", "2", "--set", mesh, "--json", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout)
+        assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
+        assert abs(result["loss_ref"] - 0.693147) > 1e-3, result
