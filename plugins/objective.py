@@ -47,6 +47,9 @@ class PreferenceParams:
         "doc": "the probability that a pair's preference is flipped (conservative DPO); sigmoid and simpo"})
     gamma: float = attrs.field(default=0.0, validator=in_range(low=0.0), metadata={
         "doc": "SimPO's target reward margin"})
+    sft_weight: float = attrs.field(default=0.0, validator=in_range(low=0.0), metadata={
+        "doc": "adds this times the chosen response's mean token loss to each pair's (RPO; TRL's rpo_alpha, "
+               "LLaMA-Factory's pref_ftx): the chosen response pulled up, not only the rejected one pushed down"})
     reference: Literal["batch", "adapters", "none"] = attrs.field(default="batch", metadata={
         "doc": "batch: the reference log-probabilities come with the data (weft_reference); adapters: the "
                "model with its LoRA adapters switched off (no second copy: one more forward, without "
@@ -86,7 +89,8 @@ class Preference(Objective):
 
     def step_stats(self) -> dict:
         """Each a sum over this step's pairs: the rewards of the chosen and of the rejected
-        responses, their margin, and the share of pairs whose chosen response wins."""
+        responses, their margin, the share of pairs whose chosen response wins, and the two
+        responses' summed log-probabilities under the policy."""
         return dict(self.sums)
 
     def units(self, batch: dict, target):
@@ -96,7 +100,12 @@ class Preference(Objective):
         return batch[PAIRS].double()
 
     def loss_sum(self, *, model, batch, target, fused, extra):
-        from weft.strategies.objective.preference import preference_loss, sequence_logps, sum_over_group
+        from weft.strategies.objective.preference import (
+            preference_loss,
+            response_positions,
+            sequence_logps,
+            sum_over_group,
+        )
 
         pairs = int(extra[PAIRS])
         reference = extra.get(REFERENCE)
@@ -107,8 +116,9 @@ class Preference(Objective):
         elif self.params.reference == "batch" and reference is None:
             raise WeftError(f"objective dpo with reference = 'batch': the micro-batch has no {REFERENCE!r} (the "
                             f"reference model's log-probabilities of each response)", where="objective")
-        logits = model(**batch, use_cache=False).logits  # (B, S_local, V)
-        logps, tokens = sequence_logps(logits, target, extra[SEQUENCE], sequences=2 * pairs)  # (2P,) each
+        keep, target_kept, sequence_kept = response_positions(target, extra[SEQUENCE])
+        logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
+        logps, tokens = sequence_logps(logits, target_kept, sequence_kept, sequences=2 * pairs)  # (2P,) each
         del logits
         logps = sum_over_group(logps, self.group)
         tokens = sum_over_group(tokens, self.group)
@@ -117,9 +127,10 @@ class Preference(Objective):
             kind=self.params.loss, chosen=logps[0::2], rejected=logps[1::2],
             ref_chosen=None if ref is None else ref[0::2], ref_rejected=None if ref is None else ref[1::2],
             beta=self.params.beta, label_smoothing=self.params.label_smoothing, chosen_tokens=tokens[0::2],
-            rejected_tokens=tokens[1::2], gamma=self.params.gamma)
+            rejected_tokens=tokens[1::2], gamma=self.params.gamma, sft_weight=self.params.sft_weight)
         for name, value in (("reward_chosen", terms.chosen_reward), ("reward_rejected", terms.rejected_reward),
-                            ("reward_margin", terms.margin), ("preference_accuracy", terms.accuracy)):
+                            ("reward_margin", terms.margin), ("preference_accuracy", terms.accuracy),
+                            ("logps_chosen", logps[0::2]), ("logps_rejected", logps[1::2])):
             self.sums[name] = self.sums.get(name, 0.0) + value.detach().sum()
         return terms.loss.sum()
 
@@ -128,15 +139,16 @@ class Preference(Objective):
         import torch
 
         from weft.strategies.model.adapters_off import adapter_layers, adapters_off
-        from weft.strategies.objective.preference import sequence_logps, sum_over_group
+        from weft.strategies.objective.preference import response_positions, sequence_logps, sum_over_group
 
         if not adapter_layers(model):
             raise WeftError("objective dpo with reference = 'adapters': the model has no adapter layer to switch "
                             "off (an adapter rule, adapter = { strategy = \"lora\" }, gives it some)",
                             where="objective")
         with torch.no_grad(), adapters_off(model):
-            logits = model(**batch, use_cache=False).logits  # (B, S_local, V)
-            logps, _ = sequence_logps(logits, target, sequence, sequences=sequences)
+            keep, target_kept, sequence_kept = response_positions(target, sequence)
+            logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
+            logps, _ = sequence_logps(logits, target_kept, sequence_kept, sequences=sequences)
             del logits
             return sum_over_group(logps, self.group)
 

@@ -159,12 +159,13 @@ def _step(model, objective, micro_batch, *, split=None, world: int = 1, rank: in
                              autocast=contextlib.nullcontext(), ctx=_ctx(world, rank), objective=objective)
 
 
-@pytest.mark.parametrize("loss,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("simpo", 0.0)])
-def test_dpo_step_equals_the_formula(loss, smoothing):
+@pytest.mark.parametrize("loss,smoothing,sft", [("sigmoid", 0.0, 0.0), ("sigmoid", 0.2, 0.0), ("ipo", 0.0, 0.0),
+                                               ("simpo", 0.0, 0.0), ("sigmoid", 0.0, 0.7)])
+def test_dpo_step_equals_the_formula(loss, smoothing, sft):
     ids, labels, sequence = _pairs()
     reference_logps = torch.tensor([-40.0, -55.0, -61.0, -30.0], dtype=torch.float64)
     model, hand = _model(), _model()
-    params = {"loss": loss, "beta": BETA, "label_smoothing": smoothing}
+    params = {"loss": loss, "beta": BETA, "label_smoothing": smoothing, "sft_weight": sft}
     if loss == "simpo":
         params |= {"reference": "none", "gamma": 0.3}
     with _one_rank():
@@ -179,6 +180,8 @@ def test_dpo_step_equals_the_formula(loss, smoothing):
         h = (pi[0::2] - reference_logps[0::2]) - (pi[1::2] - reference_logps[1::2])
         want = ((h - 1 / (2 * BETA)) ** 2 if loss == "ipo"
                 else -(1 - smoothing) * F.logsigmoid(BETA * h) - smoothing * F.logsigmoid(-BETA * h))
+    # RPO's term: the chosen response's mean token loss, weighted, each pair's
+    want = want - sft * pi[0::2] / (labels[0::2] != IGNORE).sum(-1)
     want.mean().backward()
     torch.testing.assert_close(loss_sum / totals[0], want.mean().detach(), rtol=1e-9, atol=1e-12)
     for (name, p), q in zip(model.named_parameters(), hand.parameters()):

@@ -3,8 +3,9 @@
 From what every run writes (metrics.jsonl, summary.json, log.jsonl, recipe.json): loss,
 tokens/s, MFU (GPU runs of a known GPU: the model's FLOPs per token from its config on
 the meta device), peak memory, gradient norm and learning rate against step; skipped
-steps and checkpoints marked; several runs overlaid under their folder names. A step
-that a restart ran again (resume from an earlier checkpoint) counts once, its last run.
+steps and checkpoints marked; a preference objective's rewards, margin and preference accuracy;
+several runs overlaid under their folder names. A step that a restart ran again (resume from
+an earlier checkpoint) counts once, its last run.
 Made with matplotlib (the ecosystem's default; `pip install 'weft[report]'`), headless.
 ``--heatmap RESULTS.jsonl``: a task's accuracy by depth x length instead (core/commands/heatmap.py).
 """
@@ -25,7 +26,11 @@ from weft.core.plan.flops import frozen_text_parameters, peak_tflops, sequence_f
 
 PANELS = (("loss", "loss"), ("eval_accuracy", "held-out accuracy (eval.task; band: 95% interval)"),
           ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("max_memory_gib", "peak memory (GiB)"),
-          ("grad_norm", "grad norm"), ("lr", "learning rate"))
+          ("grad_norm", "grad norm"), ("lr", "learning rate"),
+          # A preference objective's (plugins/objective.py, each the mean over the step's pairs):
+          ("reward_chosen", "rewards: chosen (solid), rejected (dashed)"),
+          ("reward_margin", "reward margin (chosen - rejected)"),
+          ("preference_accuracy", "preference accuracy (chosen reward the higher)"))
 
 
 def read_run(run_dir: pathlib.Path) -> dict[str, Any]:
@@ -76,6 +81,8 @@ def summary_lines(runs: list[dict]) -> list[str]:
             + (f", held-out loss {held[-1]['eval_loss']:.4f} at step {held[-1]['step']}" if held else "")
             + (f", held-out accuracy {held[-1]['eval_accuracy']:.4f} ({held[-1]['eval_accuracy_low']:.4f}-"
                f"{held[-1]['eval_accuracy_high']:.4f})" if held and "eval_accuracy" in held[-1] else "")
+            + (f", reward margin {rows[-1]['reward_margin']:.4f}, preference accuracy "
+               f"{rows[-1]['preference_accuracy']:.1%}" if rows and "reward_margin" in rows[-1] else "")
             + f", median {speed:,.0f} tokens/s"
             + (f", MFU {statistics.median(mfu):.1%}" if mfu else "")
             + (f", peak {memory:.1f} GiB" if memory else "")
@@ -108,6 +115,9 @@ def plot(runs: list[dict], out: pathlib.Path) -> pathlib.Path:
             if skipped:
                 ax.scatter(*zip(*skipped), marker="x", color="red", zorder=3)
             held_out = [(r["step"], r["eval_loss"]) for r in run["rows"] if r.get("eval_loss") is not None]
+            rejected = [(r["step"], r["reward_rejected"]) for r in run["rows"] if r.get("reward_rejected") is not None]
+            if key == "reward_chosen" and rejected:  # the rejected responses' beside the chosen ones', dashed
+                ax.plot(*zip(*rejected), color=line.get_color(), linestyle="--", linewidth=1.4)
             if key == "loss" and held_out:  # [eval]'s held-out loss beside the training loss, dashed
                 ax.plot(*zip(*held_out), color=line.get_color(), linestyle="--", marker="o", markersize=3,
                         label=f"{run['name']} (held out)")

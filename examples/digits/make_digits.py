@@ -5,7 +5,9 @@
 writes OUT_DIR/images/NNNN.png (NNNN: the sample's index in ``load_digits``),
 OUT_DIR/train.jsonl and OUT_DIR/held_out.jsonl in the sharegpt-style messages format
 of docs/data.md, with image paths relative to the JSONL files (and train_words.jsonl,
-held_out_words.jsonl: the same split answered "seven", for the LoRA example):
+held_out_words.jsonl: the same split answered "seven", for the LoRA example; train_pairs.jsonl,
+held_out_prefer.jsonl: the plain question with the word preferred to the numeral, for the
+preference example, examples/digits/prefer.toml):
 
     {"messages": [{"role": "user", "content": "<image>Which digit is this?"},
                   {"role": "assistant", "content": "7"}],
@@ -82,6 +84,26 @@ def record(*, index: int, label: int, words: bool = False) -> dict:
     }
 
 
+def pair(*, index: int, label: int) -> dict:
+    """One preference pair in TRL's conversational fields: the plain question, the word chosen
+    over the numeral (examples/digits/prefer.toml)."""
+    return {
+        "prompt": [{"role": "user", "content": PROMPT}],
+        "chosen": [{"role": "assistant", "content": WORDS[label]}],
+        "rejected": [{"role": "assistant", "content": str(label)}],
+        "images": [f"images/{index:04d}.png"],
+        "id": f"digits-{index:04d}",
+    }
+
+
+def preferred(*, index: int, label: int) -> dict:
+    """A held-out question of the preference example: the plain question, the word its answer,
+    the digit in ``meta`` (examples/digits/score_words.py counts words, numerals, right digits)."""
+    row = record(index=index, label=label, words=True)
+    row["messages"][0]["content"] = PROMPT
+    return dict(row, meta={"digit": label})
+
+
 def write_jsonl(*, path: pathlib.Path, rows: Sequence[dict]) -> None:
     with path.open("w", encoding="utf-8") as handle:
         for row in rows:
@@ -106,6 +128,8 @@ def make_digits(*, out_dir: pathlib.Path, seed: int, side: int, held_out: float)
     write_jsonl(path=out_dir / "train_words.jsonl", rows=[record(index=i, label=labels[i], words=True) for i in train])
     write_jsonl(path=out_dir / "held_out_words.jsonl",
                 rows=[record(index=i, label=labels[i], words=True) for i in held])
+    write_jsonl(path=out_dir / "train_pairs.jsonl", rows=[pair(index=i, label=labels[i]) for i in train])
+    write_jsonl(path=out_dir / "held_out_prefer.jsonl", rows=[preferred(index=i, label=labels[i]) for i in held])
     return len(train), len(held)
 
 

@@ -48,6 +48,18 @@ def sequence_logps(logits: torch.Tensor, target: torch.Tensor, sequence: torch.T
     return sums, counts
 
 
+def response_positions(target: torch.Tensor, sequence: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The positions whose logits a preference loss reads: (keep (K,), target (B, K), sequence
+    (B, K)). keep: the positions labelled in any row (the responses'), for the model's
+    ``logits_to_keep``, so the (B, S, V) logits of the prompts never exist (at 32K tokens and
+    152K words, 10 GiB in bf16); one unlabelled position where none is (a ring rank holding
+    only prompt), so every rank still runs the head and its backward."""
+    keep = (target != IGNORE).any(0).nonzero()[:, 0]  # (K,)
+    if not len(keep):
+        keep = torch.zeros(1, dtype=torch.long, device=target.device)
+    return keep, target[:, keep], sequence[:, keep]
+
+
 def sum_over_group(partial: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The sum of every rank's ``partial`` over ``group`` (None: this rank's alone), with a
     gradient: backward hands each rank the sum of the ranks' gradients of the total, which,
@@ -81,7 +93,7 @@ class PreferenceTerms:
 def preference_loss(*, kind: Kind, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
                     ref_rejected: torch.Tensor | None, beta: float, label_smoothing: float = 0.0,
                     chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None,
-                    gamma: float = 0.0) -> PreferenceTerms:
+                    gamma: float = 0.0, sft_weight: float = 0.0) -> PreferenceTerms:
     """Each pair's loss from its summed log-probabilities (P,) under the policy and the reference.
 
     - ``sigmoid`` (DPO): z = beta ((pi_c - ref_c) - (pi_r - ref_r)),
@@ -91,7 +103,26 @@ def preference_loss(*, kind: Kind, chosen: torch.Tensor, rejected: torch.Tensor,
       sums; TRL's ``ipo`` averages over tokens instead).
     - ``simpo``: no reference; z = beta (pi_c / |c| - pi_r / |r|) - gamma (lengths in label
       tokens), the sigmoid loss of z; rewards beta pi / |.|.
+
+    ``sft_weight`` w > 0 adds w times the chosen response's mean token loss, ``-pi_c / |c|``, to
+    each pair's loss (RPO, Pang et al. 2024: TRL's ``rpo_alpha``, LLaMA-Factory's ``pref_ftx``):
+    the preference alone may be met by pushing the rejected response down, this term also pulls
+    the chosen one up, so that it is what the model says.
     """
+    terms = _preference_terms(kind=kind, chosen=chosen, rejected=rejected, ref_chosen=ref_chosen,
+                              ref_rejected=ref_rejected, beta=beta, label_smoothing=label_smoothing,
+                              chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens, gamma=gamma)
+    if sft_weight == 0:
+        return terms
+    if chosen_tokens is None:
+        raise ValueError("sft_weight needs chosen_tokens (the chosen response's mean token loss)")
+    nll = -chosen / chosen_tokens.clamp(min=1)  # (P,)
+    return attrs.evolve(terms, loss=terms.loss + sft_weight * nll)
+
+
+def _preference_terms(*, kind: Kind, chosen, rejected, ref_chosen, ref_rejected, beta: float, label_smoothing: float,
+                      chosen_tokens, rejected_tokens, gamma: float) -> PreferenceTerms:
+    """The preference loss alone (:func:`preference_loss`)."""
     if kind == "simpo":
         if chosen_tokens is None or rejected_tokens is None:
             raise ValueError("simpo needs chosen_tokens and rejected_tokens (its log-probabilities are per token)")
