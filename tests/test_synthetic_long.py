@@ -160,3 +160,31 @@ def test_refusals(processor):
     with pytest.raises(ValueError, match="tokens"):
         long_samples(seed=0, num_samples=1, tokens=(10, 5), vocab_size=320, special={}, images=None,
                      image_processor=None, **VISION)
+
+
+def test_synthetic_pairs_share_their_prompt_and_label_their_responses():
+    """pair_response: a preference pair of two conversations of exactly ``tokens`` tokens, the
+    same prompt (image included), different responses, labels on the responses only; the pairs'
+    collated batch says which conversation each labelled token belongs to; a response that would
+    reach into the image, or a data section asking for pairs without synthetic tokens, is refused."""
+    from weft.core.recipe import Recipe
+    from weft.strategies.data.pairs import collate_pairs, split_pair
+
+    (sample,) = tiny(pair_response=12)
+    chosen, rejected = split_pair(sample)
+    assert chosen.num_tokens == rejected.num_tokens == 96
+    assert torch.equal(chosen.input_ids[:84], rejected.input_ids[:84])
+    assert not torch.equal(chosen.input_ids[84:], rejected.input_ids[84:])
+    for half in (chosen, rejected):
+        assert (half.labels[:84] == IGNORE_INDEX).all() and torch.equal(half.labels[84:], half.input_ids[84:])
+        assert torch.equal(half.pixel_values, sample.pixel_values[:len(half.pixel_values)])
+    batch = collate_pairs([sample, *tiny(pair_response=12, seed=1)], collate=lambda s: collate(s, pad_id=0),
+                          packed=False)
+    assert int(batch["weft_pairs"]) == 2 and batch["input_ids"].shape == (4, 96)
+    assert batch["weft_sequence"][:, 0].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="reaches into the images"):
+        tiny(pair_response=95)
+    from weft.core.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="pair_response_tokens = 8 makes synthetic pairs"):
+        Recipe.from_dict({"model": {"preset": "qwen2_5_vl_tiny"}, "data": {"pair_response_tokens": 8}})

@@ -87,6 +87,9 @@ class DataSection:
         "(0: short chat conversations through the model's processor); text: the length of every sample"))
     tokens_max: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
         "synthetic with tokens: each sample's length drawn from [tokens, tokens_max]; 0 = exactly tokens"))
+    pair_response_tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
+        "synthetic with tokens: every sample a preference pair (objective dpo), two conversations of data.tokens "
+        "tokens each that share all but their last pair_response_tokens (the responses, labelled; the prompt not)"))
     images: tuple[tuple[int, ...], ...] = attrs.field(default=(), metadata=_doc(
         "synthetic with tokens: the images of every sample as [height, width] pixels, e.g. [[448, 448]]"))
     videos: tuple[tuple[int, ...], ...] = attrs.field(default=(), metadata=_doc(
@@ -131,6 +134,11 @@ class DataSection:
             # Training on synthetic data while the user meant their file is the worst silent failure.
             raise ValueError(f"data.path = {self.path!r} is read only with data.source = 'jsonl'; "
                              "data.source is 'synthetic' (the default): set data.source = 'jsonl' or drop data.path")
+        if self.pair_response_tokens and (self.source != "synthetic" or not self.tokens
+                                          or self.pair_response_tokens >= self.tokens):
+            raise ValueError(f"data.pair_response_tokens = {self.pair_response_tokens} makes synthetic pairs: it needs "
+                             f"data.source = 'synthetic' and data.tokens above it (they are {self.source!r} and "
+                             f"{self.tokens})")
         if self.tokens_max and self.tokens_max < self.tokens:
             raise ValueError(f"data.tokens_max ({self.tokens_max}) is below data.tokens ({self.tokens})")
         if self.images and not self.tokens:

@@ -96,6 +96,7 @@ def long_synthetic(recipe, *, config, processor) -> tuple[Any, Any]:
         videos=[tuple(size) for size in data.videos], video_fps=video_limits(recipe, processor).fps,
         patch_size=getattr(vision, "patch_size", 14), merge_size=getattr(vision, "spatial_merge_size", 2),
         temporal_patch_size=getattr(vision, "temporal_patch_size", 2), in_channels=getattr(vision, "in_channels", 3),
+        pair_response=data.pair_response_tokens,
     )
     return tokenizer, samples
 

@@ -21,6 +21,7 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import attrs
 import torch
 from PIL import Image
 
@@ -49,15 +50,19 @@ def long_samples(*, seed: int, num_samples: int, tokens: int | tuple[int, int], 
                  special: dict[str, int | Sequence[int]], images: list[tuple[int, int]] | None,
                  image_processor: Any | None, patch_size: int, merge_size: int, temporal_patch_size: int,
                  in_channels: int = 3, videos: list[tuple[int, int, int]] | None = None,
-                 video_fps: float = 2.0) -> Iterator[Sample]:
+                 video_fps: float = 2.0, pair_response: int = 0) -> Iterator[Sample]:
     """``num_samples`` Samples of exactly ``tokens`` tokens (or a length drawn uniformly
     from the inclusive range), each starting with one image of every (height, width) in
-    ``images``. ``special``: name -> id (or ids) to keep out of the text, e.g.
+    ``images``. ``pair_response`` > 0: each a preference pair (strategies/data/pairs.py) of two
+    such conversations, the same but for their last ``pair_response`` tokens, labelled there
+    only (a prompt and two responses). ``special``: name -> id (or ids) to keep out of the text, e.g.
     ``special_ids(config)``; "image", "vision_start" and "vision_end" are needed with images.
     Arguments are checked at the call, not at the first sample."""
     lo, hi = (tokens, tokens) if isinstance(tokens, int) else tokens
     if not 1 <= lo <= hi:
         raise ValueError(f"tokens must be >= 1 (a range low <= high), got {tokens}")
+    if not 0 <= pair_response < lo:
+        raise ValueError(f"pair_response must be >= 0 and below the sample's length, got {pair_response} of {lo}")
     if num_samples < 0 or min(patch_size, merge_size, temporal_patch_size, in_channels) < 1:
         raise ValueError("num_samples must be >= 0; patch, merge and temporal sizes and channels >= 1")
     sizes = list(images or [])
@@ -91,8 +96,10 @@ def long_samples(*, seed: int, num_samples: int, tokens: int | tuple[int, int], 
         for index in range(num_samples):
             generator = _generator(seed, index)
             length = lo if lo == hi else int(torch.randint(lo, hi + 1, (1,), generator=generator))
-            yield _sample(generator, length=length, sizes=sizes, special=special, allowed=allowed, shifted=shifted,
-                          image_processor=image_processor, clips=clips, video_fps=video_fps, **layout)
+            sample = _sample(generator, length=length, sizes=sizes, special=special, allowed=allowed, shifted=shifted,
+                             image_processor=image_processor, clips=clips, video_fps=video_fps, **layout)
+            yield _pair(generator, sample, response=pair_response, allowed=allowed, shifted=shifted) \
+                if pair_response else sample
 
     return samples()
 
@@ -131,13 +138,35 @@ def _sample(generator: torch.Generator, *, length: int, sizes: list[tuple[int, i
     n_text = length - len(prefix)
     if n_text < 1:
         raise ValueError(f"the images and videos take {len(prefix)} tokens: no room for text in a sample of {length}")
-    draws = torch.randint(0, allowed, (n_text,), generator=generator)  # (T,) ranks among the allowed ids
-    text = draws + torch.searchsorted(shifted, draws, right=True)  # (T,) ids, no special among them
+    text = _text_ids(generator, n_text, allowed=allowed, shifted=shifted)  # (T,)
     input_ids = torch.cat([torch.tensor(prefix, dtype=torch.long), text])  # (S,)
     labels = torch.cat([torch.full((len(prefix),), IGNORE_INDEX, dtype=torch.long), text])  # (S,)
     mm_token_type_ids = torch.tensor(types + [TEXT_TYPE] * n_text, dtype=torch.long)  # (S,)
     return Sample(input_ids=input_ids, labels=labels, pixel_values=pixel_values, image_grid_thw=grid_thw,
                   mm_token_type_ids=mm_token_type_ids, **video)
+
+
+def _text_ids(generator: torch.Generator, n: int, *, allowed: int, shifted: torch.Tensor) -> torch.Tensor:
+    """(n,) text ids uniform over the vocabulary without its special ids."""
+    draws = torch.randint(0, allowed, (n,), generator=generator)  # (n,) ranks among the allowed ids
+    return draws + torch.searchsorted(shifted, draws, right=True)  # (n,) ids, no special among them
+
+
+def _pair(generator: torch.Generator, sample: Sample, *, response: int, allowed: int, shifted: torch.Tensor) -> Sample:
+    """``sample`` as a preference pair: its prompt (all but the last ``response`` tokens, which
+    must be text) unlabelled, chosen = its own last tokens, rejected = other random ones."""
+    from weft.strategies.data.pairs import join_pair
+
+    cut = sample.num_tokens - response
+    if bool((sample.mm_token_type_ids[cut:] != TEXT_TYPE).any()):
+        raise ValueError(f"a pair's response of {response} tokens reaches into the images or videos")
+    labels = sample.labels.clone()
+    labels[:cut] = IGNORE_INDEX
+    chosen = attrs.evolve(sample, labels=labels)
+    other = _text_ids(generator, response, allowed=allowed, shifted=shifted)  # (R,)
+    rejected = attrs.evolve(chosen, input_ids=torch.cat([sample.input_ids[:cut], other]),
+                            labels=torch.cat([labels[:cut], other]))
+    return join_pair(chosen, rejected, reference=None)
 
 
 def _videos(generator: torch.Generator, *, clips: list[tuple[int, int, int]], video_fps: float,
