@@ -153,6 +153,20 @@ class Preference(Objective):
             return sum_over_group(logps, self.group)
 
 
+def _reference_seconds(params: PreferenceParams, *, units, shape, setup, gpu) -> dict:
+    """`weft plan --estimate`: reference = 'adapters' runs the model's forward once more a
+    micro-batch, without gradients and with the adapters off: its products (2 FLOPs a weight
+    and token), causal attention's forward, a third of the element-wise work (forward only)."""
+    if params.reference != "adapters":
+        return {}
+    tokens = setup.tokens / setup.sp  # this rank's share
+    layers = sum(1 for u in units if u.modality == "text")
+    products = 2 * tokens * layers * shape.layer_params + 2 * shape.vision_params * setup.patches / setup.sp
+    attention = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp * layers
+    return {"reference forward": products / (gpu.matmul_tflops * 1e12)
+            + attention / (gpu.attention_fwd_tflops * 1e12) + gpu.overhead_s * tokens * layers / 3}
+
+
 def _next_token(params, *, plan, mesh, ctx):
     from weft.core.train.step import NextToken
 
@@ -168,6 +182,7 @@ STRATEGIES = Declared(
     Strategy(point="objective", name="sft", params=NoParams, impl=_next_token,
              summary="next-token cross-entropy over the labels, the mean over the step's label tokens"),
     Strategy(point="objective", name="dpo", params=PreferenceParams, impl=_preference, check=_reference_check,
+             estimate_time=_reference_seconds,
              summary="preference loss (DPO sigmoid, IPO, SimPO) over pairs of whole responses, the mean over pairs"),
 )
 

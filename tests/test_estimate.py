@@ -455,3 +455,19 @@ def test_float8_peaks_at_128k_are_not_under_estimated(scaling):
     assert 0 <= peak / FLOAT8_PEAKS_128K[scaling] - 1 <= 0.01, (scaling, peak)
     bf16 = memory([attrs.evolve(u, float8="") for u in units], shape, setup)["total"] / GIB
     assert bf16 == pytest.approx(123.87, abs=0.01) and bf16 < peak
+
+
+@pytest.mark.quick
+def test_dpo_with_the_adapters_off_adds_the_reference_forward():
+    """The LoRA DPO recipe's step time holds the reference's forward (adapters off, no
+    gradients): about a forward's share of the step, not a backward's."""
+    from weft.core.plan.estimate_view import estimate
+    from weft.core.plan.planner import plan_recipe
+    from weft.core.plugin_manager import plugin_manager_from_env
+    from weft.core.recipe import Recipe
+
+    loaded = Recipe.from_toml(str(ROOT / "recipes" / "qwen2.5-vl-7b-dpo-lora-32k-1gpu.toml"))
+    plan, model = plan_recipe(loaded, pm=plugin_manager_from_env(), world_size=1)
+    seconds = estimate(loaded, plan, model, gpu="h200")["step_s"]
+    reference = seconds["reference forward"]
+    assert 0.15 < reference / (seconds["total"] - reference) < 0.5, seconds
