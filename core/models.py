@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 from weft.core.errors import RecipeError
 
@@ -135,6 +135,12 @@ class ModelFamily(Protocol):
         choice as the reply, labelled on the choice's own tokens only (not the reply's header nor,
         unless ``reply_end``, its closing token). ValueError or OSError when the record cannot be
         read."""
+
+    def pair_inputs(self, recipe: Recipe) -> Iterator[tuple[str, str, Any]]:
+        """`weft eval --reference`: every record of the recipe's data files, in order, as (where,
+        the record as a JSON line, (chosen, rejected) or the reason it is a bad sample): a
+        preference pair encoded as training encodes it, each conversation one micro-batch
+        (B = 1) labelled on its response."""
 
     def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
         """Token ids as text, with the model's tokenizer ("" when the model has none)."""

@@ -248,3 +248,36 @@ def test_weft_check_with_the_adapters_off_as_reference(tmp_path):
         result = json.loads(done.stdout)
         assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
         assert abs(result["loss_ref"] - 0.693147) > 1e-3, result
+
+
+def test_weft_eval_writes_the_reference_log_probabilities(tmp_path):
+    """`weft eval --reference OUT`: every pair of the data with the model's summed response
+    log-probabilities (TRL's columns, the record's own replaced), the bad record skipped and
+    named; the same values under ring 2 as on one rank; and DPO on OUT with the same weights
+    starts at ln 2 with the policy's log-probabilities equal to the written ones (each pair's
+    chosen and rejected in their places: the rewards are zero, not only their difference)."""
+    from weft_cli import run_weft
+
+    _write_pairs(tmp_path, n=6, every_image=2, bad=True)
+    (tmp_path / "dpo.toml").write_text(RECIPE)
+    written = {}
+    for name, sets in (("one", ("--nproc", "1")), ("ring", ("--nproc", "2", "--set", "parallel.ring=2"))):
+        done = run_weft("eval", "dpo.toml", *sets, "--reference", f"{name}.jsonl", "--json", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout)
+        assert result["pairs"] == 6 and result["skipped"] == 1 and "pairs.jsonl:7" in result["bad"][0], result
+        written[name] = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    source = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()][:6]
+    for mine, theirs, record in zip(written["one"], written["ring"], source):
+        assert {k: v for k, v in mine.items() if not k.startswith("ref_")} == \
+            {k: v for k, v in record.items() if not k.startswith("ref_")}
+        assert mine["ref_chosen_logps"] != record["ref_chosen_logps"]  # computed, not copied
+        for key in ("ref_chosen_logps", "ref_rejected_logps"):
+            assert mine[key] < 0 and abs(mine[key] - theirs[key]) <= 1e-5 * abs(mine[key]), (key, mine, theirs)
+    done = run_weft("run", "dpo.toml", "--nproc", "1", "--run-dir", "run", "--set", "data.path=one.jsonl",
+                    "--set", "train.max_steps=1", "--set", "train.micro_batch_tokens=4096", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(row["loss"] - 0.693147) < 1e-5 and abs(row["reward_chosen"]) < 1e-5, row
+    mean = sum(r["ref_chosen_logps"] for r in written["one"]) / 6
+    assert abs(row["logps_chosen"] - mean) <= 1e-5 * abs(mean), (row, mean)

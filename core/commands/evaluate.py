@@ -30,10 +30,12 @@ def run_eval(*, nproc: int, args: list[str]) -> dict:
 
 
 def worker(recipe: Recipe, *, out: pathlib.Path, **options) -> None:
+    from weft.core.commands.reference_eval import write_reference
     from weft.core.commands.task_eval import score_task
     from weft.core.run.rank_job import run_on_rank
 
-    run_on_rank(recipe, out=out, job=score_task if options.get("task") else _evaluate, **options)
+    job = score_task if options.get("task") else write_reference if options.get("reference") else _evaluate
+    run_on_rank(recipe, out=out, job=job, **options)
 
 
 def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, device_type: str,
@@ -81,21 +83,24 @@ def cmd_eval(args) -> int:
 
 
 def _eval(args) -> int:
+    from weft.core.commands.reference_eval import reference_needs, reference_options, render_reference
     from weft.core.commands.task_eval import render_task, task_needs, task_options
     from weft.core.run.model_files import data_needs
 
     overrides = list(args.overrides)
-    if args.task is not None:  # accuracy on a task's questions, in place of the loss
+    if args.data is not None and args.task is None:  # the loss's data, or the pairs of --reference
+        if not args.data.is_file():
+            raise WeftError(f"no such file: {args.data}; --data takes a JSONL chat file", where="--data")
+        overrides += ["data.source=jsonl", f"data.path={args.data.resolve()}"]
+    if args.reference is not None:  # the reference model's log-probabilities of the pairs, written
+        options, needs, show = reference_options(args), reference_needs, render_reference
+    elif args.task is not None:  # accuracy on a task's questions, in place of the loss
         options, needs, show = task_options(args), task_needs, render_task
     else:
         if args.results is not None or args.forced:
             flag = "--results" if args.results is not None else "--forced"
             raise WeftError(f"{flag} goes with --task (the answers of a task's questions); give --task too",
                             where=flag)
-        if args.data is not None:
-            if not args.data.is_file():
-                raise WeftError(f"no such file: {args.data}; --data takes a JSONL chat file", where="--data")
-            overrides += ["data.source=jsonl", f"data.path={args.data.resolve()}"]
         options, needs, show = {"max_batches": args.max_batches or 0}, data_needs, render
     recipe, forwarded = for_ranks(args, overrides, options, needs=needs)
     result = run_eval(nproc=args.nproc or recipe.parallel.nproc, args=forwarded)

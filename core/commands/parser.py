@@ -104,6 +104,10 @@ def _inference_commands(sub: Any, *, handlers: Mapping[str, Handler]) -> None:
                           help="with --task: score each generation question in one teacher-forced pass under the "
                                "plan (right exactly when greedy decoding's reply is the answer; always so on 2+ "
                                "ranks)")
+    evaluate.add_argument("--reference", type=pathlib.Path, default=None, metavar="OUT.jsonl",
+                          help="write the data's preference pairs with the model's summed log-probabilities of each "
+                               "response (ref_chosen_logps, ref_rejected_logps): the reference of DPO's "
+                               "reference = \"batch\" (docs/preference.md)")
     evaluate.set_defaults(func=handlers["eval"])
 
     generate = sub.add_parser("generate", help="decode from a prompt (and images) under the recipe's plan")

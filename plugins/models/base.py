@@ -84,6 +84,12 @@ class TransformersFamily:
                            video_limits=video_limits(recipe, processor), system=recipe.data.system,
                            skip_pixels=recipe.data.skip_pixels, pixels=recipe.data.pixels, reply_end=reply_end)
 
+    def pair_inputs(self, recipe: Recipe):
+        from weft.plugins.models.pair_inputs import pair_inputs
+
+        config, processor = self.config(recipe)
+        return pair_inputs(recipe=recipe, processor=processor, config=config)
+
     def decode_tokens(self, recipe: Recipe, ids: Sequence[int]) -> str:
         from weft.plugins.models.prompt import decode_tokens
 
