@@ -66,9 +66,6 @@ def _reference_check(params: PreferenceParams, *, recipe, plan) -> str | None:
         return ("objective dpo: reference = 'adapters' is the model with its adapters switched off, and no rule "
                 "gives the model an adapter; add an adapter rule (adapter = { strategy = \"lora\" }) or use "
                 "reference = 'batch' (the reference log-probabilities with the data)")
-    if recipe.train.loss == "fused":
-        return ("objective dpo reads every response token's log-probability from the logits; train.loss = 'fused' "
-                "is the next-token loss's path only: set train.loss = 'logits'")
     return None
 
 
@@ -112,14 +109,17 @@ class Preference(Objective):
         if self.params.reference == "adapters":
             # The base's forward first: its logits are gone before the policy's activations are kept.
             reference = self._base_logps(model=model, batch=batch, target=target, sequence=extra[SEQUENCE],
-                                         sequences=2 * pairs)
+                                         sequences=2 * pairs, fused=fused)
         elif self.params.reference == "batch" and reference is None:
             raise WeftError(f"objective dpo with reference = 'batch': the micro-batch has no {REFERENCE!r} (the "
                             f"reference model's log-probabilities of each response)", where="objective")
-        keep, target_kept, sequence_kept = response_positions(target, extra[SEQUENCE])
-        logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
-        logps, tokens = sequence_logps(logits, target_kept, sequence_kept, sequences=2 * pairs)  # (2P,) each
-        del logits
+        if fused is not None:  # train.loss = "fused": from the hidden states and the head, by chunks
+            logps, tokens = _fused_logps(fused, batch, target, extra[SEQUENCE], sequences=2 * pairs)
+        else:
+            keep, target_kept, sequence_kept = response_positions(target, extra[SEQUENCE])
+            logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
+            logps, tokens = sequence_logps(logits, target_kept, sequence_kept, sequences=2 * pairs)  # (2P,) each
+            del logits
         logps = sum_over_group(logps, self.group)
         tokens = sum_over_group(tokens, self.group)
         ref = reference.to(logps.dtype) if reference is not None else None
@@ -134,7 +134,7 @@ class Preference(Objective):
             self.sums[name] = self.sums.get(name, 0.0) + value.detach().sum()
         return terms.loss.sum()
 
-    def _base_logps(self, *, model, batch, target, sequence, sequences: int):
+    def _base_logps(self, *, model, batch, target, sequence, sequences: int, fused=None):
         """The responses' summed log-probabilities under the base (adapters off), no gradient. (2P,)"""
         import torch
 
@@ -146,11 +146,38 @@ class Preference(Objective):
                             "off (an adapter rule, adapter = { strategy = \"lora\" }, gives it some)",
                             where="objective")
         with torch.no_grad(), adapters_off(model):
-            keep, target_kept, sequence_kept = response_positions(target, sequence)
-            logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
-            logps, _ = sequence_logps(logits, target_kept, sequence_kept, sequences=sequences)
-            del logits
+            if fused is not None:
+                logps, _ = _fused_logps(fused, batch, target, sequence, sequences=sequences)
+            else:
+                keep, target_kept, sequence_kept = response_positions(target, sequence)
+                logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
+                logps, _ = sequence_logps(logits, target_kept, sequence_kept, sequences=sequences)
+                del logits
             return sum_over_group(logps, self.group)
+
+
+def _fused_logps(fused, batch, target, sequence, *, sequences: int):
+    """(summed log-probabilities (N,), label tokens (N,)) of the ``sequences`` responses from the
+    decoder's hidden states and the head's weight, never the logits of more than a chunk of rows
+    (core/train/fused_loss.py): each response's own labelled rows, one call each, so every row is
+    computed once. A response with no token on this rank (a ring rank's part) still makes a
+    call, on one unlabelled row, so the head and the hidden states reach the backward on every
+    rank."""
+    import torch
+
+    from weft.core.train.fused_loss import linear_cross_entropy_sum
+    from weft.strategies.objective.preference import IGNORE
+
+    hidden, head = fused.forward(batch)  # (B, S_local, H)
+    flat, t, s = hidden.flatten(0, 1), target.flatten(), sequence.flatten()
+    sums, counts = [], []
+    for k in range(sequences):
+        rows = ((t != IGNORE) & (s == k)).nonzero()[:, 0]  # (R,)
+        labels = t[rows] if len(rows) else torch.full_like(t[:1], IGNORE)
+        rows = rows if len(rows) else rows.new_zeros(1)
+        sums.append(-linear_cross_entropy_sum(flat[rows], head.weight, labels, bias=head.bias))
+        counts.append(int((labels != IGNORE).sum()))
+    return torch.stack(sums), torch.tensor(counts, device=flat.device)
 
 
 def _reference_seconds(params: PreferenceParams, *, units, shape, setup, gpu) -> dict:

@@ -190,6 +190,30 @@ def test_dpo_step_equals_the_formula(loss, smoothing, sft):
         assert err <= 1e-6, f"{name}: gradient relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("reference", ["batch", "adapters"])
+def test_fused_dpo_equals_the_logits_path(reference):
+    """train.loss = "fused" (the head by chunks from the hidden states, never the logits):
+    the same loss and gradients as the logits' path, the adapters-off reference too (float64)."""
+    from weft.core.train.step import FusedHead
+
+    ids, labels, sequence = _pairs()
+    ref = torch.tensor([-40.0, -55.0, -61.0, -30.0], dtype=torch.float64)
+    model = _with_lora(_model(), seed=2) if reference == "adapters" else _model()
+    twin = copy.deepcopy(model)
+    with _one_rank():
+        fused = FusedHead(model=model, decoder=model.model)
+        loss_sum, totals = run_micro_batches(
+            model=model, micro_batches=[_micro_batch(ids, labels, sequence, ref)], split=None, keep_vision=False,
+            autocast=contextlib.nullcontext(), ctx=_ctx(), fused=fused, objective=_dpo(reference=reference))
+        want, _ = _step(twin, _dpo(reference=reference), _micro_batch(ids, labels, sequence, ref))
+    torch.testing.assert_close(loss_sum, want, rtol=1e-10, atol=1e-12)
+    assert abs(float(loss_sum / totals[0]) - math.log(2)) > 1e-3  # not the trivial point
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        if q.grad is not None:
+            err = ((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-30)).item()
+            assert err <= 1e-8, f"{name}: gradient relative error {err:.3g}"
+
+
 def test_dpo_with_the_policy_as_its_reference_is_ln_2():
     ids, labels, sequence = _pairs()
     model = _model()
@@ -245,7 +269,6 @@ def test_dpo_rule_checks():
     for rules, train, message in [
         ([{"objective": {"strategy": "dpo", "loss": "simpo"}}], {}, "simpo takes reference = 'none'"),
         ([{"objective": {"strategy": "dpo", "reference": "none"}}], {}, "sigmoid and ipo take 'batch'"),
-        ([{"objective": {"strategy": "dpo"}}], {"loss": "fused"}, "set train.loss = 'logits'"),
         ([{"objective": {"strategy": "dpo", "reference": "adapters"}}], {}, "no rule gives the model an adapter"),
     ]:
         recipe = Recipe.from_dict({**TINY, "rules": rules, "train": train})
@@ -258,6 +281,7 @@ def _with_lora(model, *, seed: int):
     model differs from its base."""
     from peft import LoraConfig, inject_adapter_in_model
 
+    torch.manual_seed(seed)  # PEFT draws A from the global generator
     inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -302,3 +326,16 @@ def test_dpo_with_the_adapters_off_as_reference():
     assert float(loss_sum / totals[0]) == pytest.approx(math.log(2), abs=1e-12)
     with _one_rank(), pytest.raises(WeftError, match="no adapter layer"):
         _step(_model(), _dpo(reference="adapters"), _micro_batch(ids, labels, sequence, None))
+
+
+def test_the_fused_head_refuses_an_adapter_on_the_head():
+    """PEFT's layer on lm_head answers ``.weight`` with the base's: the fused loss would leave the
+    adapter out, silently; it is a message naming train.loss instead."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from weft.core.train.step import FusedHead
+
+    model = _model()
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["lm_head"]), model)
+    with pytest.raises(WeftError, match="adapter a rule puts on the head"):
+        FusedHead(model=model, decoder=model.model)

@@ -218,8 +218,10 @@ def test_weft_check_with_a_dpo_rule(tmp_path):
 
     _write_pairs(tmp_path, n=32, every_image=1)
     (tmp_path / "dpo.toml").write_text(RECIPE)
-    for mesh in ("parallel.ring=2", "parallel.ulysses=2", "parallel.dp_shard=2"):
-        done = run_weft("check", "dpo.toml", "--world-size", "2", "--set", mesh, "--json", cwd=tmp_path)
+    for sets in (["parallel.ring=2"], ["parallel.ulysses=2"], ["parallel.dp_shard=2"],
+                 ["parallel.ring=2", "train.loss=fused"]):  # the head by chunks from the hidden states
+        done = run_weft("check", "dpo.toml", "--world-size", "2", *(a for s in sets for a in ("--set", s)), "--json",
+                        cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout)
         assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result

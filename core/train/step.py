@@ -131,6 +131,10 @@ class FusedHead:
     """
 
     def __init__(self, *, model: torch.nn.Module, decoder: torch.nn.Module) -> None:
+        if hasattr(model.get_output_embeddings(), "base_layer"):  # PEFT's layer: its weight is the base's alone
+            raise WeftError("train.loss = 'fused' computes the head from its weight, which would leave out the "
+                            "adapter a rule puts on the head (lm_head); set train.loss = 'logits' or drop the head's "
+                            "adapter", where="train.loss")
         self.model = model
         self.hidden: torch.Tensor | None = None
         self.handle = decoder.register_forward_hook(self._keep)
@@ -138,7 +142,9 @@ class FusedHead:
     def _keep(self, module, args, output) -> None:
         self.hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
 
-    def loss_sum(self, batch: dict, target: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.nn.Module]:
+        """The model's forward with one position's logits: (the decoder's last hidden states
+        (B, S_local, H), the head module, its weights gathered), for a loss of its own."""
         self.model(**batch, use_cache=False, logits_to_keep=1)
         hidden, self.hidden = self.hidden, None  # (B, S_local, H)
         head = self.model.get_output_embeddings()
@@ -146,6 +152,10 @@ class FusedHead:
             raise WeftError("train.loss = 'fused' reads the lm_head weight after the forward, but it is sharded in an "
                             "FSDP unit of its own; leave the head to the root unit (the built-in shard plugin does "
                             "this when train.loss = 'fused')", where="train.loss")
+        return hidden, head
+
+    def loss_sum(self, batch: dict, target: torch.Tensor) -> torch.Tensor:
+        hidden, head = self.forward(batch)
         return linear_cross_entropy_sum(hidden, head.weight, target, bias=head.bias)
 
 
