@@ -283,3 +283,19 @@ def test_weft_eval_writes_the_reference_log_probabilities(tmp_path):
     assert abs(row["loss"] - 0.693147) < 1e-5 and abs(row["reward_chosen"]) < 1e-5, row
     mean = sum(r["ref_chosen_logps"] for r in written["one"]) / 6
     assert abs(row["logps_chosen"] - mean) <= 1e-5 * abs(mean), (row, mean)
+
+
+def test_weft_check_with_a_dpo_rule_under_usp(tmp_path):
+    """Ring 2 x Ulysses 2 (USP, 4 ranks): the DPO loss and every gradient the unsharded model's.
+    (weft check compares unpacked micro-batches; packed pairs under ring and Ulysses:
+    test_packed_pairs_equal_the_pairs_as_rows.)"""
+    from weft_cli import run_weft
+
+    _write_pairs(tmp_path, n=16, every_image=2)
+    (tmp_path / "dpo.toml").write_text(RECIPE)
+    done = run_weft("check", "dpo.toml", "--world-size", "4", "--set", "parallel.ring=2", "--set",
+                    "parallel.ulysses=2", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
+    assert 0.1 < result["loss_ref"] < 5, result
