@@ -95,9 +95,10 @@ def sp_model(recipe_data: dict, *, rank: int, world: int, plugins: tuple[str, ..
     return model, reference, plan, mesh, split
 
 
-def sharded_text_model(shard: dict, *, rank: int, world: int):
-    """qwen2_text_tiny with ``shard`` as its layers' shard rule (applied by the built-in shard
-    hook) and ring attention over ``world`` ranks (sdpa on one), in float64; (model, split)."""
+def sharded_text_model(shard: dict, *, rank: int, world: int, preset: str = "qwen2_text_tiny"):
+    """``preset`` (qwen2_text_tiny) with ``shard`` as its layers' shard rule (applied by the
+    built-in shard hook) and ring attention over ``world`` ranks (sdpa on one), in float64;
+    (model, split)."""
     import structlog
     import torch
 
@@ -105,7 +106,7 @@ def sharded_text_model(shard: dict, *, rank: int, world: int):
     from weft.core.recipe import Recipe
     from weft.plugins.shard import weft_shard
 
-    recipe = {"model": {"preset": "qwen2_text_tiny"}, "parallel": {"ring": world},
+    recipe = {"model": {"preset": preset}, "parallel": {"ring": world},
               "rules": [{"when": {"path": "*.layers.*"}, "shard": shard},
                         {"when": {"modality": "text"}, "attention": {"strategy": "ring" if world > 1 else "sdpa"}}]}
     model, _, plan, mesh, split = sp_model(recipe, rank=rank, world=world)

@@ -90,3 +90,55 @@ def test_offload_needs_full_checkpointing():
         {"shard": {"strategy": "fsdp2", "checkpoint": "mlp", "offload_activations": True}}]})
     with pytest.raises(PlanError, match="offload_activations = true needs checkpoint = 'full'"):
         plan_recipe(recipe, pm=build_plugin_manager(entry_points=False), world_size=1)
+    for shard in ({"strategy": "fsdp2", "checkpoint": "full", "offload_activations": True, "offload_keep_every": 2},
+                  {"strategy": "none", "checkpoint": "full", "offload_keep_every": 2}):
+        recipe = Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}, "rules": [{"shard": shard}]})
+        with pytest.raises(PlanError, match="offload_keep_every = 2 thins the inputs"):
+            plan_recipe(recipe, pm=build_plugin_manager(entry_points=False), world_size=1)
+
+
+def _four_layers() -> str:
+    """qwen2_text_tiny with four decoder layers, as a preset file (its absolute path)."""
+    import pathlib
+    import tempfile
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    text = (root / "recipes" / "presets" / "qwen2_text_tiny.toml").read_text().replace(
+        "num_hidden_layers = 2", "num_hidden_layers = 4")
+    assert "num_hidden_layers = 4" in text
+    path = pathlib.Path(tempfile.mkdtemp()) / "text_tiny_4.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _thinned(rank: int, world: int, every: int, preset: str, runs: list[int]) -> None:
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 300, (1, 64)), "attention_mask": torch.ones(1, 64, dtype=torch.long)}
+    batch["labels"] = batch["input_ids"].clone()
+    from weft.core.train.step import shard_micro_batch
+
+    rule = {"strategy": "none", "checkpoint": "full"}
+    kept_model, split = sharded_text_model(rule, rank=rank, world=world, preset=preset)
+    local = shard_micro_batch(batch, split)
+    kept, kept_grads, _, _ = _run(kept_model, local, split is not None)
+    model, _ = sharded_text_model({**rule, "offload_activations": True, "offload_keep_every": every}, rank=rank,
+                                  world=world, preset=preset)
+    calls = [0] * len(model.model.layers)
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda m, args, i=i: calls.__setitem__(i, calls[i] + 1))
+    thin, thin_grads, emptied, refilled = _run(model, local, split is not None)
+    assert torch.equal(thin, kept), (thin, kept)
+    for name, grad in kept_grads.items():
+        assert torch.equal(thin_grads[name], grad), name  # bit for bit: the same forward, run again
+    assert all(emptied[1:]) and all(refilled), (emptied, refilled)
+    # Each layer: its forward, the checkpoint's recomputation, and once more for each layer after
+    # it that regenerates its input from it (keep every 2nd: layers 1 and 3; every 3rd: 1 and 2).
+    assert calls == runs, calls
+
+
+@pytest.mark.parametrize("world,every,runs", [(1, 2, [3, 2, 3, 2]), (2, 2, [3, 2, 3, 2]), (1, 3, [3, 3, 2, 2])])
+def test_thinned_offload_regenerates_inputs_with_identical_gradients(world, every, runs):
+    """offload_keep_every N: only every Nth layer's input goes to the host, the layers between
+    regenerate theirs from the layer before in backward (a chain for N = 3): the same loss and
+    bit-identical gradients as keeping every input, on one rank and under ring 2."""
+    run_ranks(world, _thinned, every, _four_layers(), runs)

@@ -259,7 +259,9 @@ REAL_SIZE = sorted([*(ROOT / "recipes").glob("qwen2.5-*.toml"),
 @pytest.mark.parametrize("recipe", REAL_SIZE, ids=lambda p: p.stem)
 def test_bundled_real_size_recipes_fit_their_gpus_as_the_planner_sizes_them(recipe):
     """Every bundled real-size recipe, planned at its own nproc: the planner says it fits an H200
-    (GPU and host memory) and its step ends within a 10-minute GPU command."""
+    (GPU and host memory) and its step ends within a 10-minute GPU command, or, where a step
+    cannot (1M tokens on one GPU), the recipe names the slice of few layers that measures it
+    (benchmarks/frontier/slice-*.toml, itself planned here as fitting a command)."""
     from weft.core.plan.estimate_view import estimate
     from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import plugin_manager_from_env
@@ -269,7 +271,13 @@ def test_bundled_real_size_recipes_fit_their_gpus_as_the_planner_sizes_them(reci
     plan, model = plan_recipe(loaded, pm=plugin_manager_from_env(), world_size=loaded.parallel.nproc)
     result = estimate(loaded, plan, model, gpu="h200")
     assert result["fits"], (recipe.name, result["memory_gib"]["total"], result["host_gib"], result["changes"])
-    assert result["step_s"]["total"] < 540, (recipe.name, result["step_s"])
+    if result["step_s"]["total"] >= 540:
+        import re
+
+        slices = re.findall(r"benchmarks/frontier/slice-[\w.-]+?\.toml", recipe.read_text())
+        assert slices and all((ROOT / name).is_file() for name in slices), (recipe.name, slices)
+    else:
+        assert result["step_s"]["total"] < 540, (recipe.name, result["step_s"])
 
 
 @pytest.mark.quick
@@ -471,3 +479,22 @@ def test_dpo_with_the_adapters_off_adds_the_reference_forward():
     seconds = estimate(loaded, plan, model, gpu="h200")["step_s"]
     reference = seconds["reference forward"]
     assert 0.15 < reference / (seconds["total"] - reference) < 0.5, seconds
+
+
+@pytest.mark.quick
+def test_the_million_token_recipe_fits_one_h200_and_its_host():
+    """qwen2.5-vl-7b-1m-1gpu as the planner sizes it: GPU <= 135 GiB, host <= 120 GiB (issue's
+    bounds; the device has 139.8 and 128). Keeping every second layer input halves the host's
+    share of them (14 of 28 at 7 GiB each) and costs 14 more layer forwards; with every input
+    kept the host would need 204 GiB."""
+    units, shape, setup = _plan(ROOT / "recipes" / "qwen2.5-vl-7b-1m-1gpu.toml")
+    assert setup.tokens == 1_048_576
+    mem = memory(units, shape, setup)
+    assert mem["total"] / GIB <= 135 and mem["host"] / GIB <= 120, (mem["total"] / GIB, mem["host"] / GIB)
+    every = [attrs.evolve(u, offload_keep_every=1) for u in units]
+    layer_in = setup.tokens * shape.hidden * 2
+    assert memory(every, shape, setup)["host"] - mem["host"] == 14 * layer_in
+    assert memory(every, shape, setup)["host"] / GIB > 200
+    thin, full = (step_seconds(u, shape, setup, GPUS["h200"]) for u in (units, every))
+    assert thin["attention forward"] / full["attention forward"] == pytest.approx((28 * 2 + 14) / (28 * 2))
+    assert thin["total"] > full["total"]

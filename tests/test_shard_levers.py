@@ -175,7 +175,7 @@ def test_offload_activations_moves_the_units_input_and_keeps_the_gradients():
     shard_levers.recompute(model, units, plan=plan, ctx=ctx)
     shard_levers.offload_activations(model, units, plan=plan, ctx=ctx)
     assert model.layers[0]._forward_pre_hooks and not model.layers[1]._forward_pre_hooks
-    assert ("shard.offload_activations", {"units": 1}) in ctx.log.events
+    assert ("shard.offload_activations", {"units": 1, "keep_every": 1}) in ctx.log.events
     assert_same_run(model, reference, torch.randn(2, 5, HIDDEN))
 
 

@@ -100,6 +100,9 @@ class Unit:
     storage_bytes: int
     checkpoint: str = "off"
     offload_activations: bool = False
+    #: With offload_activations: only every Nth offloaded unit's input in host memory; the others
+    #: regenerated in backward by one more forward of the unit before (strategies/memory/activation_offload.py).
+    offload_keep_every: int = 1
     offload: bool = False
     mlp_tile_tokens: int = 0
     trainable: bool = True  # False: a frozen unit (no gradients, no optimizer states)
@@ -267,7 +270,18 @@ def _comm_buffers(shape: Shape, setup: Setup, tokens: float, reduced: float) -> 
 
 def _host(units: list[Unit], layer_in: float) -> float:
     """Pinned host buffers: each offloaded unit's input from its forward to its backward."""
-    return sum(layer_in for u in units if u.offload_activations and u.modality == "text")
+    return sum(layer_in for u in offload_kept(units))
+
+
+def offload_kept(units: list[Unit]) -> list[Unit]:
+    """The offloaded decoder units whose input waits in host memory: every one, or every Nth in
+    forward order (``offload_keep_every``; each thinning counted over its own units, as the lever
+    groups them); the rest regenerate theirs."""
+    offloaded = [u for u in units if u.offload_activations and u.modality == "text"]
+    kept = []
+    for every in sorted({u.offload_keep_every for u in offloaded}):
+        kept += [u for i, u in enumerate(v for v in offloaded if v.offload_keep_every == every) if i % every == 0]
+    return kept
 
 
 def longest_fit(fits, *, low: int, high: int, multiple: int = 1024) -> int | None:

@@ -45,6 +45,7 @@ def units_of(plan: Plan, model: Any) -> list[Unit]:
             strategy=decision.strategy, storage_bytes=_BYTES[getattr(params, "storage_dtype", None) or "float32"],
             checkpoint=getattr(params, "checkpoint", "off") if m.info.kind == "unit" else "off",
             offload_activations=getattr(params, "offload_activations", False),
+            offload_keep_every=getattr(params, "offload_keep_every", 1),
             offload=getattr(params, "offload", False),
             mlp_tile_tokens=getattr(params, "mlp_tile_tokens", 0),
             trainable=getattr(params, "trainable", True) and not adapted,

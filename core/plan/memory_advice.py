@@ -52,6 +52,16 @@ def levers(recipe: Any, units: list) -> list[Lever]:
         found.append(Lever(change="offload_activations = true", why="(the layers' inputs in pinned host memory)",
                            where=kept[0].source,
                            apply=each(lambda u: u.modality == "text", checkpoint="full", offload_activations=True)))
+    # Host memory: of the offloaded layer inputs keep every second (not under FSDP: a gathered
+    # unit cannot run its forward again inside the backward).
+    thick = [u for u in units if u.modality == "text" and u.offload_activations and u.offload_keep_every == 1
+             and not u.gathers]
+    if thick:
+        found.append(Lever(change="offload_keep_every = 2", why="(every second layer input in host memory, the others "
+                           "regenerated in backward: half the host memory, one more forward of half the layers)",
+                           where=thick[0].source,
+                           apply=each(lambda u: u.modality == "text" and u.offload_activations and not u.gathers,
+                                      offload_keep_every=2)))
     now = f"now ring {recipe.parallel.ring}, ulysses {recipe.parallel.ulysses}"
     for ring in (2, 4, 8):
         if ring > recipe.parallel.ring:

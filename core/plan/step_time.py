@@ -8,7 +8,7 @@ mesh as the memory model takes them (core/plan/estimate.py). Plain arithmetic, n
 
 from __future__ import annotations
 
-from weft.core.plan.estimate import Contribution, Setup, Shape, Unit, add_parts, backward_reaches
+from weft.core.plan.estimate import Contribution, Setup, Shape, Unit, add_parts, backward_reaches, offload_kept
 from weft.core.plan.flops import sequence_flops
 from weft.core.plan.gpus import GpuKind
 
@@ -42,11 +42,15 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind, *,
     # Causal attention over the whole sequence, this rank's share: 2 S^2 h forward per layer.
     attn = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp
     again = sum(1 for u in text if u.checkpoint in ("full", "attention"))
+    # Thinned offload: each regenerated input is one more forward of the unit before, no gradients.
+    regenerated = sum(1 for u in text if u.offload_activations) - len(offload_kept(units))
+    dense += regenerated * 2 * tokens * shape.layer_params
+    again += regenerated
     part = {
         "matmul": (dense + vision) / (gpu.matmul_tflops * 1e12),
         "attention forward": attn * (len(text) + again) / (gpu.attention_fwd_tflops * 1e12),
         "attention backward": 2.5 * attn * len(text) / (gpu.attention_bwd_tflops * 1e12),
-        "element-wise": gpu.overhead_s * tokens * len(text) * (1.3 if recompute else 1.0),
+        "element-wise": gpu.overhead_s * tokens * (len(text) * (1.3 if recompute else 1.0) + regenerated / 3),
         "communication": _exposed_comm(units, shape, setup, gpu, tokens),
     }
     for c in extra:

@@ -74,6 +74,7 @@ class Offload:
     """``offload_activations``: a fully checkpointed unit's input waits in host memory."""
 
     offload_activations: bool = False
+    offload_keep_every: int = 1
 
 
 def config_of(params, config: type[T]) -> T | None:
@@ -196,13 +197,14 @@ def tiled_mlp(model, units, *, plan, ctx) -> None:
 def offload_activations(model, units, *, plan, ctx) -> None:
     """``offload_activations``: one ActivationOffload over the units, in forward order. None at
     inference (no backward to serve)."""
-    offloaded = [] if ctx.inference else [model.get_submodule(unit.info.path)
+    offloaded = [] if ctx.inference else [(model.get_submodule(unit.info.path), config.offload_keep_every)
                                           for unit, config in configured(units, Offload) if config.offload_activations]
-    if offloaded:
-        from weft.strategies.memory.activation_offload import ActivationOffload
+    from weft.strategies.memory.activation_offload import ActivationOffload
 
-        ActivationOffload(device=ctx.device).attach(offloaded)
-        ctx.log.info("shard.offload_activations", units=len(offloaded))
+    for every in sorted({n for _, n in offloaded}):  # one per thinning, over its units in forward order
+        mine = [module for module, n in offloaded if n == every]
+        ActivationOffload(device=ctx.device, keep_every=every).attach(mine)
+        ctx.log.info("shard.offload_activations", units=len(mine), keep_every=every)
 
 
 #: The levers in the order a strategy applies them, before its own sharding.

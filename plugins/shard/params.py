@@ -33,6 +33,10 @@ class KeepParams:
     offload_activations: bool = attrs.field(default=False, metadata={
         "doc": "with checkpoint = full: the unit's input (all it keeps) waits in host memory from its forward to "
                "its backward (pinned, copied on a side stream)"})
+    offload_keep_every: int = attrs.field(default=1, validator=in_range(low=1), metadata={
+        "doc": "with offload_activations: only every Nth offloaded unit's input waits in host memory; a unit in "
+               "between regenerates its input in backward by running the unit before once more, without gradients "
+               "(the same values): host memory 1/N of the units' inputs, one more forward of N - 1 units in N"})
     mlp_tile_tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata={
         "doc": "apply the unit's MLP to the sequence in tiles of this many tokens (its intermediates never exist "
                "for the whole sequence; its forward runs twice); 0 = off"})
@@ -73,6 +77,10 @@ def check_keep(params, *, recipe, plan) -> str | None:
         return ("compile_scope = 'unit' compiles a unit whose forward has no hooks around it: compile = true, "
                 f"checkpoint = 'off' (got {params.checkpoint!r}), strategy 'none', no mlp_tile_tokens; "
                 "or compile_scope = 'children'")
+    if params.offload_keep_every > 1 and (not params.offload_activations or isinstance(params, Fsdp2Params)):
+        return (f"offload_keep_every = {params.offload_keep_every} thins the inputs offload_activations keeps: it "
+                "needs offload_activations = true and strategy 'none' (an FSDP2 unit cannot run its forward again "
+                "inside the backward)")
     if params.offload_activations and params.checkpoint != "full":
         return (f"offload_activations = true needs checkpoint = 'full' (got {params.checkpoint!r}): only a fully "
                 "checkpointed unit keeps nothing but its input")

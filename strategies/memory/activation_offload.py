@@ -10,6 +10,14 @@ bumps no version counter. On CUDA the copies run on a side stream: device-to-hos
 the unit's forward, host-to-device for unit i-1 while unit i runs its backward. Host
 buffers are pinned and reused from step to step. Elsewhere (CPU tests) the same moves are
 plain copies, so the arithmetic is proven identical to the unmoved run.
+
+``keep_every`` N > 1 halves (thirds, ...) the host memory: only every Nth unit's input goes to
+the host; a unit in between empties its input's storage and, when backward reaches it,
+regenerates it by running the unit before once more, without gradients, from that unit's own
+input (brought back, or itself regenerated first), as that unit's forward made it the first
+time: the same kernels on the same values, so the same bits. One more forward of N - 1 units
+in N, for 1/N of the host memory. A unit whose input is not the output of the unit before (the
+first layer, anything between) keeps its input on the host as usual.
 """
 
 from __future__ import annotations
@@ -24,7 +32,10 @@ import torch
 class ActivationOffload:
     """Attach to the units whose rule asks for it (in forward order); one per run."""
 
-    def __init__(self, *, device: torch.device) -> None:
+    def __init__(self, *, device: torch.device, keep_every: int = 1) -> None:
+        if keep_every < 1:
+            raise ValueError(f"keep_every must be >= 1, got {keep_every}")
+        self.keep_every = keep_every
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
         self.buffers: dict[int, torch.Tensor] = {}  # unit index -> host buffer, reused across steps
@@ -37,6 +48,13 @@ class ActivationOffload:
         # at 128K for a 7B model, measured on the GPU).
         self._pending: dict[int, weakref.ref] = {}
         self.moved_bytes = 0
+        # Regeneration (keep_every > 1): unit index -> its emptied input and that input's bytes;
+        # unit index -> (unit, args, kwargs) of its forward, for the unit after it to run again;
+        # the last unit's output (weak), which the next unit's input must be to be regenerated.
+        self.emptied: dict[int, tuple[torch.Tensor, int]] = {}
+        self.calls: dict[int, tuple[Any, tuple, dict]] = {}
+        self._last_out: tuple[int, weakref.ref] | None = None
+        self.regenerated = 0
 
     def attach(self, units: list[torch.nn.Module]) -> int:
         for index, unit in enumerate(units):
@@ -47,16 +65,33 @@ class ActivationOffload:
     # -- forward -----------------------------------------------------------------------
 
     def _before(self, index: int, module, args, kwargs) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if index == 0:  # a new forward: what the last one stored for units that had none after them goes
+            self.calls.clear()
+        if self.keep_every > 1 and (index + 1) % self.keep_every:  # the next unit may regenerate from this
+            self.calls[index] = (module, args, kwargs)
         x = args[0] if args else kwargs.get("hidden_states")
-        if torch.is_grad_enabled() and _sole_owner(x):
+        if _sole_owner(x):
             self._pending[index] = weakref.ref(x)
 
     def _after(self, index: int, module, args, output) -> None:
         pending = self._pending.pop(index, None)
         x = pending() if pending is not None else None
         out = output[0] if isinstance(output, (tuple, list)) else output
-        if x is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
             return
+        before, self._last_out = self._last_out, (index, weakref.ref(out))
+        if x is None:
+            return
+        if index % self.keep_every and index - 1 in self.calls and before is not None \
+                and before[0] == index - 1 and before[1]() is x:
+            # x is the unit before's output: emptied now, made again from that unit in backward.
+            self.emptied[index] = (x, x.untyped_storage().nbytes())
+            x.untyped_storage().resize_(0)
+            out.register_hook(functools.partial(self._on_backward, index))
+            return
+        self.calls.pop(index - 1, None)  # not needed: this unit keeps its own input
         host = self._buffer(index, x)
         if self.cuda:
             self.side.wait_stream(torch.cuda.current_stream())  # x is written
@@ -74,11 +109,38 @@ class ActivationOffload:
     # -- backward ----------------------------------------------------------------------
 
     def _on_backward(self, index: int, grad: torch.Tensor) -> None:
-        self._bring_back(index)
-        if self.cuda:
-            torch.cuda.current_stream().wait_event(self.ready.pop(index))
+        self._ensure(index)
         if index - 1 in self.parked:
             self._bring_back(index - 1)  # prefetch: the unit before runs next in backward
+
+    def _ensure(self, index: int) -> None:
+        """Unit ``index``'s input on the device, the compute stream waiting for it: brought back
+        from the host, or regenerated from the unit before (whose input is ensured first)."""
+        if index in self.emptied:
+            self._ensure(index - 1)
+            self._regenerate(index)
+            return
+        self._bring_back(index)  # nothing to do if a prefetch brought it already
+        event = self.ready.pop(index, None)
+        if self.cuda and event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def _regenerate(self, index: int) -> None:
+        x, nbytes = self.emptied.pop(index)
+        module, args, kwargs = self.calls.pop(index - 1)
+        with torch.no_grad():
+            output = module(*args, **kwargs)
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise RuntimeError(f"unit {index - 1} ran again gave {tuple(out.shape)} {out.dtype}, not the input of "
+                               f"unit {index} ({tuple(x.shape)} {x.dtype})")
+        out = out.contiguous()
+        if out.untyped_storage().nbytes() != nbytes:  # a view of a larger block
+            out = out.clone()
+        storage = x.untyped_storage()
+        storage.resize_(nbytes)
+        storage.copy_(out.untyped_storage())  # a storage copy: no version bump
+        self.regenerated += 1
 
     def _bring_back(self, index: int) -> None:
         x = self.parked.pop(index, None)
