@@ -170,6 +170,9 @@ def _fused_logps(fused, batch, target, sequence, *, sequences: int):
 
     hidden, head = fused.forward(batch)  # (B, S_local, H)
     flat, t, s = hidden.flatten(0, 1), target.flatten(), sequence.flatten()
+    if not sequences:  # a filler micro-batch (no pair): still through the head, for the backward
+        tie = linear_cross_entropy_sum(flat[:1], head.weight, torch.full_like(t[:1], IGNORE), bias=head.bias)
+        return tie.reshape(1)[:0], torch.zeros(0, dtype=torch.long, device=flat.device)
     sums, counts = [], []
     for k in range(sequences):
         rows = ((t != IGNORE) & (s == k)).nonzero()[:, 0]  # (R,)

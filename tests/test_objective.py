@@ -339,3 +339,21 @@ def test_the_fused_head_refuses_an_adapter_on_the_head():
     inject_adapter_in_model(LoraConfig(r=2, target_modules=["lm_head"]), model)
     with pytest.raises(WeftError, match="adapter a rule puts on the head"):
         FusedHead(model=model, decoder=model.model)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_filler_micro_batch_counts_no_pair_and_still_runs_backward(fused):
+    """A data-parallel rank's filler (a copy with no label and no pair): zero loss, zero units,
+    and a backward through the head and the layers like every rank's (FSDP's collectives)."""
+    from weft.core.train.step import FusedHead
+
+    ids, labels, sequence = _pairs()
+    batch = {**_micro_batch(ids, torch.full_like(labels, IGNORE), sequence, None), "weft_pairs": torch.tensor(0)}
+    model = _model()
+    with _one_rank():
+        loss_sum, totals = run_micro_batches(
+            model=model, micro_batches=[batch], split=None, keep_vision=False, autocast=contextlib.nullcontext(),
+            ctx=_ctx(), fused=FusedHead(model=model, decoder=model.model) if fused else None,
+            objective=_dpo(reference="none", loss="simpo"))
+    assert float(loss_sum) == 0 and float(totals[0]) == 0
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)

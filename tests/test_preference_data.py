@@ -299,3 +299,30 @@ def test_weft_check_with_a_dpo_rule_under_usp(tmp_path):
     result = json.loads(done.stdout)
     assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4, result
     assert 0.1 < result["loss_ref"] < 5, result
+
+
+def test_held_out_pairs_give_the_preference_metrics(tmp_path):
+    """[eval] of a DPO run on pairs: each evaluation row carries the held-out loss, rewards,
+    margin and preference accuracy (means over the pairs); `weft eval` of the run's last
+    checkpoint gives the same loss and preference accuracy, and `weft report` names it."""
+    from weft_cli import run_weft
+
+    _write_pairs(tmp_path, n=8, every_image=2)
+    recipe = RECIPE.replace("max_steps = 2", "max_steps = 2\nlr = 1e-3").replace(
+        "[parallel]", "[eval]\nevery = 1\n\n[parallel]")
+    (tmp_path / "dpo.toml").write_text(recipe)
+    done = run_weft("run", "dpo.toml", "--nproc", "1", "--run-dir", "run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    held = [r for r in rows if "eval_loss" in r]
+    assert len(held) == 2 and all(r["eval_tokens"] == 8 for r in held)  # the units: pairs
+    for row in held:
+        assert 0 <= row["eval_preference_accuracy"] <= 1 and "eval_reward_margin" in row, row
+        assert row["eval_reward_chosen"] - row["eval_reward_rejected"] == pytest.approx(row["eval_reward_margin"])
+    done = run_weft("eval", "dpo.toml", "--nproc", "1", "--run-dir", "run", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["loss"] == pytest.approx(held[-1]["eval_loss"], rel=1e-6)
+    assert result["preference_accuracy"] == pytest.approx(held[-1]["eval_preference_accuracy"])
+    report = run_weft("report", "run", cwd=tmp_path)
+    assert report.returncode == 0 and "held-out preference accuracy" in report.stdout, report.stdout

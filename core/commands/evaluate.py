@@ -63,14 +63,18 @@ def _evaluate(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, de
             "tokens": int(tokens), "micro_batches": int(batches), "seconds": seconds,
             "tokens_per_s": tokens / max(seconds, 1e-9), "skipped": dict(ctx.counters),
             "world_size": world_size, "mesh": dict(zip(MESH_ORDER, run.plan.mesh.shape)),
-            "precision": recipe.train.precision, "checkpoint": checkpoint, "data": recipe.data.path}
+            "precision": recipe.train.precision, "checkpoint": checkpoint, "data": recipe.data.path,
+            **done["stats"]}  # the objective's values beside the loss (dpo: rewards, preference accuracy)
 
 
 def render(result: dict[str, Any]) -> str:
     """One paragraph for the terminal."""
     skipped = sum(v for k, v in result["skipped"].items() if k.startswith("skipped"))
     mesh = ", ".join(f"{k} {v}" for k, v in result["mesh"].items() if v > 1) or "one rank"
-    return (f"loss {result['loss']:.6f}, perplexity {result['perplexity']:.4g} over {result['label_tokens']:,} label "
+    preference = (f"; reward margin {result['reward_margin']:.4f}, preference accuracy "
+                  f"{result['preference_accuracy']:.1%}" if "preference_accuracy" in result else "")
+    return (f"loss {result['loss']:.6f}{preference}, perplexity {result['perplexity']:.4g} over "
+            f"{result['label_tokens']:,} label "
             f"tokens ({result['micro_batches']} micro-batches, {result['tokens']:,} tokens, {skipped} samples "
             f"skipped); {result['tokens_per_s']:,.0f} tokens/s on {result['world_size']} rank(s) ({mesh}), "
             f"{result['precision']}" + (f"; weights from {result['checkpoint']}" if result["checkpoint"] else ""))

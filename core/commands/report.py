@@ -79,6 +79,8 @@ def summary_lines(runs: list[dict]) -> list[str]:
             + f"; {len(rows)} steps (last {rows[-1]['step'] if rows else '-'})"
             + (f", final loss {rows[-1]['loss']:.4f}" if rows and rows[-1].get("loss") is not None else "")
             + (f", held-out loss {held[-1]['eval_loss']:.4f} at step {held[-1]['step']}" if held else "")
+            + (f", held-out preference accuracy {held[-1]['eval_preference_accuracy']:.1%}"
+               if held and "eval_preference_accuracy" in held[-1] else "")
             + (f", held-out accuracy {held[-1]['eval_accuracy']:.4f} ({held[-1]['eval_accuracy_low']:.4f}-"
                f"{held[-1]['eval_accuracy_high']:.4f})" if held and "eval_accuracy" in held[-1] else "")
             + (f", reward margin {rows[-1]['reward_margin']:.4f}, preference accuracy "

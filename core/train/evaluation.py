@@ -43,6 +43,7 @@ def forward_pass(*, run: Prepared, rounds: Iterable, autocast: Any, ctx: RunCont
     Out of memory, it is weft's message for evaluation (``after_step``: the run's step it follows)."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     seen = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # this rank's tokens, micro-batches
+    stats: dict[str, torch.Tensor] = {}  # the objective's values beside the loss, summed over its units
     labels = 0.0  # global label tokens: run_micro_batches reduces them over every rank
     dist.barrier()
     start = time.perf_counter()
@@ -59,6 +60,8 @@ def forward_pass(*, run: Prepared, rounds: Iterable, autocast: Any, ctx: RunCont
                 raise eval_out_of_memory(after_step=after_step, local_tokens=local, ctx=ctx) from error
             loss_sum += part.double()
             labels += float(totals[0])
+            for name, value in (run.objective.step_stats() if run.objective is not None else {}).items():
+                stats[name] = stats.get(name, 0.0) + value.detach().double()
             # Whole-sequence tokens of the micro-batches with labels (padding rounds have none);
             # every rank of an SP group sees the same micro-batch: divided by its size below.
             real = [mb for mb in micro_batches if bool((targets(mb) != IGNORE).any())]
@@ -66,9 +69,15 @@ def forward_pass(*, run: Prepared, rounds: Iterable, autocast: Any, ctx: RunCont
                                  device=ctx.device)
     dist.all_reduce(loss_sum)
     dist.all_reduce(seen)
+    names = sorted(stats)  # every rank runs the same objective over the same rounds: the same names
+    if names:
+        sums = torch.stack([stats[name].to(ctx.device) for name in names])
+        dist.all_reduce(sums)
+        stats = dict(zip(names, (sums / max(labels, 1.0)).tolist()))
     sp = run.plan.mesh.sp
     return {"loss_sum": float(loss_sum), "labels": labels, "tokens": float(seen[0]) / sp,
-            "micro_batches": float(seen[1]) / sp, "seconds": time.perf_counter() - start}
+            "micro_batches": float(seen[1]) / sp, "seconds": time.perf_counter() - start,
+            "stats": stats}
 
 
 #: Rounds past which the held-out pass is taken for a batching strategy that never ends.
@@ -124,7 +133,7 @@ class HeldOut:
                 done = forward_pass(run=self.run, rounds=self.rounds, autocast=self.autocast, ctx=self.ctx,
                                     after_step=step)
                 row = {"eval_loss": done["loss_sum"] / done["labels"], "eval_tokens": int(done["labels"]),
-                       "eval_s": round(done["seconds"], 4)}
+                       "eval_s": round(done["seconds"], 4), **{f"eval_{k}": v for k, v in done["stats"].items()}}
                 if self.task is not None:
                     row.update(self.task(run=self.run, autocast=self.autocast, step=step))
             finally:
