@@ -192,7 +192,7 @@ def _reference_seconds(params: PreferenceParams, *, units, shape, setup, gpu) ->
     tokens = setup.tokens / setup.sp  # this rank's share
     layers = sum(1 for u in units if u.modality == "text")
     products = 2 * tokens * layers * shape.layer_params + 2 * shape.vision_params * setup.patches / setup.sp
-    attention = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp * layers
+    attention = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp / setup.rows * layers
     return {"reference forward": products / (gpu.matmul_tflops * 1e12)
             + attention / (gpu.attention_fwd_tflops * 1e12) + gpu.overhead_s * tokens * layers / 3}
 

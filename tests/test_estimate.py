@@ -468,7 +468,7 @@ def test_float8_peaks_at_128k_are_not_under_estimated(scaling):
 @pytest.mark.quick
 def test_dpo_with_the_adapters_off_adds_the_reference_forward():
     """The LoRA DPO recipe's step time holds the reference's forward (adapters off, no
-    gradients): about a forward's share of the step, not a backward's."""
+    gradients): about a forward's share of the step, not a backward's; its pairs are two rows."""
     from weft.core.plan.estimate_view import estimate
     from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import plugin_manager_from_env
@@ -479,6 +479,12 @@ def test_dpo_with_the_adapters_off_adds_the_reference_forward():
     seconds = estimate(loaded, plan, model, gpu="h200")["step_s"]
     reference = seconds["reference forward"]
     assert 0.15 < reference / (seconds["total"] - reference) < 0.5, seconds
+    # A pair is two rows of 16K, an image each: attention inside each row, half one 32K sequence's.
+    units, shape, setup = _plan(ROOT / "recipes" / "qwen2.5-vl-7b-dpo-lora-32k-1gpu.toml")
+    assert (setup.rows, setup.patches) == (2, 2 * 32 * 32)
+    one = step_seconds(units, shape, attrs.evolve(setup, rows=1), GPUS["h200"])
+    assert one["attention forward"] == pytest.approx(2 * step_seconds(units, shape, setup, GPUS["h200"])[
+        "attention forward"])
 
 
 @pytest.mark.quick

@@ -123,6 +123,7 @@ class Unit:
 class Setup:
     tokens: int  # one micro-batch's whole sequence
     patches: int = 0  # vision patches per micro-batch (before merging)
+    rows: int = 1  # the micro-batch's sequences, tokens / rows each: attention stays inside each
     dp_shard: int = 1
     dp_replicate: int = 1
     ring: int = 1

@@ -116,11 +116,23 @@ def shape_of(model: Any, units: list[Unit]) -> Shape:
 
 def setup_of(recipe: Recipe, plan: Plan, *, tokens: int | None = None) -> Setup:
     mesh = plan.mesh
+    rows = rows_of(recipe)
     return Setup(
-        tokens=tokens or recipe.train.micro_batch_tokens, patches=patches_of(recipe),
+        tokens=tokens or recipe.train.micro_batch_tokens, patches=patches_of(recipe) * rows, rows=rows,
         dp_shard=mesh.dp_shard, dp_replicate=mesh.dp_replicate, ring=mesh.ring, ulysses=mesh.ulysses,
         loss=recipe.train.loss,
     )
+
+
+def rows_of(recipe: Any) -> int:
+    """Sequences in one micro-batch of synthetic data of ``data.tokens`` tokens: as many as fit
+    ``train.micro_batch_tokens``, a preference pair's two (``data.pair_response_tokens``) each a row
+    of its own, each with its images; other sources: 1 (the micro-batch one sequence)."""
+    data = recipe.data
+    if getattr(data, "source", "") != "synthetic" or not getattr(data, "tokens", 0):
+        return 1
+    per_sample = 2 if getattr(data, "pair_response_tokens", 0) else 1
+    return max(1, recipe.train.micro_batch_tokens // (data.tokens * per_sample)) * per_sample
 
 
 def patches_of(recipe: Any) -> int:

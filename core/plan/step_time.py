@@ -39,8 +39,8 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind, *,
     towers = [u for u in units if u.modality == "vision"]
     vision = (sum(_per_token(u, u.params) for u in towers) if backward_reaches(towers)
               else 2 * shape.vision_params) * setup.patches / setup.sp if shape.vision_blocks else 0.0
-    # Causal attention over the whole sequence, this rank's share: 2 S^2 h forward per layer.
-    attn = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp
+    # Causal attention over each of the micro-batch's rows, this rank's share: 2 S^2 h forward per layer.
+    attn = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp / setup.rows
     again = sum(1 for u in text if u.checkpoint in ("full", "attention"))
     # Thinned offload: each regenerated input is one more forward of the unit before, no gradients.
     regenerated = sum(1 for u in text if u.offload_activations) - len(offload_kept(units))
