@@ -68,6 +68,13 @@
 #                  used memory every second beside the run's own metrics; runs under /tmp/q72, files to
 #                  $OUT (/tmp/q72-out). BENCHMARKS.md, "Qwen2.5-VL-72B with a 4-bit base".
 #
+# planned STAGE    one H200, from the checkout's root (weft, structlog, torchao on PYTHONPATH); runs
+#                  under /tmp/pl, files to $OUT (/tmp/pl-out): the rows planned but not yet measured.
+#   a  qwen2.5-vl-7b-dpo-lora-32k-1gpu, 6 steps, nvidia-smi beside it, `weft plan --estimate --json`
+#      (BENCHMARKS.md, "Preference training on the GPU: Qwen2.5-VL-7B, LoRA DPO on 32K-token pairs")
+#   b  frontier/frontier.py on frontier/slice-1m-4layers-1gpu.toml at 1,048,576 tokens, 2 steps
+#      (BENCHMARKS.md, "One million tokens on one H200, planned")
+#
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
 # GPUs of one host for every mesh) and decode/generate_long.sh ROWS (`weft generate` at 128K and
 # beyond, plain transformers beside).
@@ -292,6 +299,29 @@ set_qlora_72b() {
   grep -E "weights\.|step.end|run.end|rror|Killed" "$dest/run.log" | cut -c1-400 | tail -n 12
 }
 
+set_planned() {
+  dest=${OUT:-/tmp/pl-out}
+  work=/tmp/pl
+  mkdir -p "$dest" "$work"
+  stage=${1:?stage a or b}
+  case "$stage" in
+    a)
+      python3 -m weft plan qwen2.5-vl-7b-dpo-lora-32k-1gpu --estimate --json > "$dest/dpo.plan.json" 2>/dev/null
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$dest/dpo.smi" & gpu=$!
+      (cd "$work" && timeout 540 python3 -m weft run qwen2.5-vl-7b-dpo-lora-32k-1gpu --run-dir "$work/dpo" \
+        > "$dest/dpo.log" 2>&1); echo "dpo rc=$?" | tee -a "$dest/status.txt"
+      kill "$gpu"; cp "$work/dpo/metrics.jsonl" "$work/dpo/summary.json" "$dest/" 2>/dev/null
+      echo "gpu max MiB $(sort -n "$dest/dpo.smi" | tail -1)"
+      grep -E "step.end|run.end|rror" "$dest/dpo.log" | cut -c1-400 | tail -n 8 ;;
+    b)
+      timeout 580 python3 "$here/frontier/frontier.py" --out "$dest/slice1m" \
+        --recipe "$here/frontier/slice-1m-4layers-1gpu.toml" --lengths 1048576 --steps 2 --timeout 570 \
+        > "$dest/slice1m.log" 2>&1; echo "slice1m rc=$?" | tee -a "$dest/status.txt"
+      tail -n 20 "$dest/slice1m.log" ;;
+    *) echo "run_rows.sh planned: stage a or b, not $stage" >&2; return 2 ;;
+  esac
+}
+
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 what=${1:-help}
 [ $# -gt 0 ] && shift
@@ -302,7 +332,8 @@ case "$what" in
   learning) set_learning "$@" ;;
   lease) set_lease "$@" ;;
   qlora-72b) set_qlora_72b "$@" ;;
+  planned) set_planned "$@" ;;
   help|-h|--help) usage ;;
-  *) echo "run_rows.sh: no set $what (finetune, one-gpu, float8, learning, lease, qlora-72b; help lists them)" >&2
+  *) echo "run_rows.sh: no set $what (finetune, one-gpu, float8, learning, lease, qlora-72b, planned; help lists them)" >&2
      exit 2 ;;
 esac
