@@ -238,13 +238,13 @@ adapter = { strategy = "lora", r = 4, b_init = "normal" }""")
 
 def test_weft_check_with_the_adapters_off_as_reference(tmp_path):
     """LoRA DPO with the base as its reference (one more forward, adapters off): the adapters'
-    loss and gradients under ring 2 and Ulysses 2 equal one rank's (B drawn, so the policy is
-    not its reference and the loss is not ln 2)."""
+    loss and gradients under ring 2, Ulysses 2 and FSDP2 dp 2 equal one rank's (B drawn, so the
+    policy is not its reference and the loss is not ln 2)."""
     from weft_cli import run_weft
 
     _write_pairs(tmp_path, n=16, every_image=1)
     (tmp_path / "lora.toml").write_text(LORA_REFERENCE)
-    for mesh in ("parallel.ring=2", "parallel.ulysses=2"):
+    for mesh in ("parallel.ring=2", "parallel.ulysses=2", "parallel.dp_shard=2"):
         done = run_weft("check", "lora.toml", "--world-size", "2", "--set", mesh, "--json", cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout)
