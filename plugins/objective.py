@@ -97,12 +97,7 @@ class Preference(Objective):
         return batch[PAIRS].double()
 
     def loss_sum(self, *, model, batch, target, fused, extra):
-        from weft.strategies.objective.preference import (
-            preference_loss,
-            response_positions,
-            sequence_logps,
-            sum_over_group,
-        )
+        from weft.strategies.objective.preference import preference_loss
 
         pairs = int(extra[PAIRS])
         reference = extra.get(REFERENCE)
@@ -113,15 +108,8 @@ class Preference(Objective):
         elif self.params.reference == "batch" and reference is None:
             raise WeftError(f"objective dpo with reference = 'batch': the micro-batch has no {REFERENCE!r} (the "
                             f"reference model's log-probabilities of each response)", where="objective")
-        if fused is not None:  # train.loss = "fused": from the hidden states and the head, by chunks
-            logps, tokens = _fused_logps(fused, batch, target, extra[SEQUENCE], sequences=2 * pairs)
-        else:
-            keep, target_kept, sequence_kept = response_positions(target, extra[SEQUENCE])
-            logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
-            logps, tokens = sequence_logps(logits, target_kept, sequence_kept, sequences=2 * pairs)  # (2P,) each
-            del logits
-        logps = sum_over_group(logps, self.group)
-        tokens = sum_over_group(tokens, self.group)
+        logps, tokens = self._response_logps(model=model, batch=batch, target=target, sequence=extra[SEQUENCE],
+                                             sequences=2 * pairs, fused=fused)  # (2P,) each
         ref = reference.to(logps.dtype) if reference is not None else None
         terms = preference_loss(
             kind=self.params.loss, chosen=logps[0::2], rejected=logps[1::2],
@@ -139,21 +127,29 @@ class Preference(Objective):
         import torch
 
         from weft.strategies.model.adapters_off import adapter_layers, adapters_off
-        from weft.strategies.objective.preference import response_positions, sequence_logps, sum_over_group
 
         if not adapter_layers(model):
             raise WeftError("objective dpo with reference = 'adapters': the model has no adapter layer to switch "
                             "off (an adapter rule, adapter = { strategy = \"lora\" }, gives it some)",
                             where="objective")
         with torch.no_grad(), adapters_off(model):
-            if fused is not None:
-                logps, _ = _fused_logps(fused, batch, target, sequence, sequences=sequences)
-            else:
-                keep, target_kept, sequence_kept = response_positions(target, sequence)
-                logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
-                logps, _ = sequence_logps(logits, target_kept, sequence_kept, sequences=sequences)
-                del logits
-            return sum_over_group(logps, self.group)
+            return self._response_logps(model=model, batch=batch, target=target, sequence=sequence,
+                                        sequences=sequences, fused=fused)[0]
+
+    def _response_logps(self, *, model, batch, target, sequence, sequences: int, fused):
+        """(summed log-probabilities (N,), label tokens (N,)) of the micro-batch's ``sequences``
+        responses, whole over the sequence-parallel group: from the fused head by chunks
+        (``train.loss = "fused"``), else from the logits of the responses' positions only."""
+        from weft.strategies.objective.preference import response_positions, sequence_logps, sum_over_group
+
+        if fused is not None:
+            logps, tokens = _fused_logps(fused, batch, target, sequence, sequences=sequences)
+        else:
+            keep, target_kept, sequence_kept = response_positions(target, sequence)
+            logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
+            logps, tokens = sequence_logps(logits, target_kept, sequence_kept, sequences=sequences)
+            del logits
+        return sum_over_group(logps, self.group), sum_over_group(tokens, self.group)
 
 
 def _fused_logps(fused, batch, target, sequence, *, sequences: int):

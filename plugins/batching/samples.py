@@ -27,7 +27,7 @@ def sample_source(recipe, family) -> tuple[Any, Any]:
             videos=tuple(tuple(size) for size in recipe.data.videos), system=recipe.data.system,
             video_sizing=load_video_sizing(processor),
         )
-    files = _jsonl_files(recipe)
+    files = jsonl_files(recipe)
     return tokenizer, (sample for _, path in files for sample in _file_samples(recipe, path, processor))
 
 
@@ -48,7 +48,7 @@ def _need_processor(recipe, processor) -> None:
                         "set model.processor to a processor folder", where=f"{recipe.source} (model.processor)")
 
 
-def _jsonl_files(recipe) -> list:
+def jsonl_files(recipe) -> list:
     """(the key naming it, the file) of each data file of a JSONL recipe, each checked to exist."""
     files = recipe.data_files()
     for key, path in files:
@@ -212,7 +212,7 @@ def _run_samples(recipe, family, *, ctx, on_bad) -> tuple[Any, Any]:
     _need_processor(recipe, processor)
     tokenizer, _ = load_processor(processor)
     parts = [check_vision(_file_store(recipe, path, processor, ctx=ctx, on_bad=on_bad), config=config, ctx=ctx,
-                          on_bad=on_bad) for _, path in _jsonl_files(recipe)]
+                          on_bad=on_bad) for _, path in jsonl_files(recipe)]
     return tokenizer, mixed(recipe, parts, ctx=ctx) if recipe.data.sources else parts[0]
 
 

@@ -13,7 +13,7 @@ def pair_inputs(*, recipe: Any, processor: str | None, config: Any) -> Iterator[
     """(where, the record as a JSON line, (chosen batch, rejected batch) or the reason the
     record is a bad sample) for every record of every data file of ``recipe``."""
     from weft.core.errors import WeftError
-    from weft.plugins.batching.samples import pad_id_of, video_limits
+    from weft.plugins.batching.samples import jsonl_files, pad_id_of, video_limits
     from weft.strategies.data import record_files
     from weft.strategies.data.conversation import collate, load_processor, processor_dir
     from weft.strategies.data.datasets import jsonl_lines
@@ -24,9 +24,7 @@ def pair_inputs(*, recipe: Any, processor: str | None, config: Any) -> Iterator[
         raise WeftError("this recipe's model has no processor folder (model.processor) to read the pairs with",
                         where="model.processor")
     pad = pad_id_of(load_processor(processor)[0], config)
-    for key, path in recipe.data_files():
-        if not path.exists():
-            raise WeftError(f"{key} {str(path)!r} does not exist", where=f"{recipe.source} ({key})")
+    for _, path in jsonl_files(recipe):
         lines: dict[str, Any] = {}  # where -> line, until its encoding comes back (in order)
 
         def feed(path=path, lines=lines):
