@@ -75,6 +75,15 @@
 #   b  frontier/frontier.py on frontier/slice-1m-4layers-1gpu.toml at 1,048,576 tokens, 2 steps
 #      (BENCHMARKS.md, "One million tokens on one H200, planned")
 #
+# retrieval PART  one H200, from anywhere (weft installed; the checkout's examples/digits/data made
+#                  by examples/digits/make_digits.py, carried): examples/long/retrieval_128k.py at its
+#                  defaults under /tmp/ret, files to $OUT (/tmp/ret-out), ret.tgz after each part.
+#                  BENCHMARKS.md, "Retrieval to 128K on one H200" (issue 44):
+#   base  the data, the warm stage (random initialisation, lines to 512 tokens, fp32) and the base
+#         stage (lines to 16K, bf16), each exported (--until base)
+#   rest  the evaluations at 4K-128K unscaled and under YaRN, the YaRN fine-tune to 131,072 tokens,
+#         the heat maps and the table (a second call on the same machine: done phases are skipped)
+#
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
 # GPUs of one host for every mesh) and decode/generate_long.sh ROWS (`weft generate` at 128K and
 # beyond, plain transformers beside).
@@ -322,6 +331,25 @@ set_planned() {
   esac
 }
 
+set_retrieval() {
+  dest=${OUT:-/tmp/ret-out}
+  work=/tmp/ret
+  mkdir -p "$dest" "$work"
+  part=${1:?part base or rest}
+  case "$part" in
+    base) until=(--until base) ;;
+    rest) until=() ;;
+    *) echo "run_rows.sh retrieval: part base or rest, not $part" >&2; return 2 ;;
+  esac
+  (cd /tmp && timeout 560 python3 "$here/../examples/long/retrieval_128k.py" "$work" \
+    --digits "$here/../examples/digits/data" --jobs 14 "${until[@]}" > "$dest/ret-$part.log" 2>&1)
+  echo "retrieval $part rc=$?" | tee -a "$dest/status.txt"
+  # What the report needs and the exported models (a few MB), not the data (made again from its seeds).
+  (cd "$work" && tar czf "$dest/ret.tgz" --exclude='data' --exclude='*/checkpoints' --exclude='*.weft-cache' .)
+  grep -E "step.end|run.end|rror|Traceback" "$dest/ret-$part.log" | cut -c1-300 | tail -n 12
+  tail -n 20 "$dest/ret-$part.log"
+}
+
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 what=${1:-help}
 [ $# -gt 0 ] && shift
@@ -333,7 +361,8 @@ case "$what" in
   lease) set_lease "$@" ;;
   qlora-72b) set_qlora_72b "$@" ;;
   planned) set_planned "$@" ;;
+  retrieval) set_retrieval "$@" ;;
   help|-h|--help) usage ;;
-  *) echo "run_rows.sh: no set $what (finetune, one-gpu, float8, learning, lease, qlora-72b, planned; help lists them)" >&2
+  *) echo "run_rows.sh: no set $what (finetune, one-gpu, float8, learning, lease, qlora-72b, planned, retrieval; help lists them)" >&2
      exit 2 ;;
 esac

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import pathlib
 from typing import TYPE_CHECKING, Any
 
@@ -74,9 +75,11 @@ def score_task(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, d
     generated = {} if forced else _generated(items, [prompt for prompt, _ in encoded], run=run, ctx=ctx, pm=pm,
                                              recipe=recipe, autocast=autocast, max_new_tokens=max_new_tokens)
     rows = [result_row(item, scores.get(i), generated.get(i), replies.get(i)) for i, item in enumerate(items)]
-    if rank == 0:
-        with open(results, "w", encoding="utf-8") as out:
+    if rank == 0:  # written whole and renamed: a script that skips a question file it finds never reads half of one
+        partial = pathlib.Path(results).with_name(f".{pathlib.Path(results).name}.partial")
+        with open(partial, "w", encoding="utf-8") as out:
             out.writelines(json.dumps(row) + "\n" for row in rows)
+        os.replace(partial, results)
     return {**summarize(rows), "task": str(path), "results": results, "checkpoint": checkpoint,
             "world_size": world_size, "precision": recipe.train.precision}
 

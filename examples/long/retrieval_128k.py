@@ -2,28 +2,33 @@
 initialisation, fine-tuned briefly with YaRN at a long one, asked for a passkey and for a digit
 image's digit at depths 0-100% of haystacks up to 131,072 tokens.
 
-    python examples/long/retrieval_128k.py OUT --digits examples/digits/data [--length 4096]
-        [--factor 32] [--tune-length 65536] [--steps 2000] [--finetune 200] [--train-samples 16000]
-        [--eval-lengths 4096,...,131072] [--per-depth 4] [--scalings none,yarn] [--jobs 14]
-        [--train-seconds 0] [--data-only]
+    python examples/long/retrieval_128k.py OUT --digits examples/digits/data [--model passkey_vl.toml]
+        [--warm-length 512] [--warm-steps 6000] [--length 16384] [--steps 1500] [--factor 8]
+        [--tune-length 131072] [--finetune 300] [--train-samples 3000]
+        [--eval-lengths 4096,...,131072] [--per-depth 4] [--scalings none,yarn] [--jobs 14] [--data-only]
 
-1. data: examples/long/make_passkey.py's and make_needle.py's training lines of 180 (needles:
-   400) to ``--length`` tokens (drawn uniformly in their logarithm: short ones teach where to
-   look), their fine-tuning lines of ``--length`` to ``--tune-length``, and their questions at
-   each of ``--eval-lengths``, depths 0, 25, 50, 75 and 100%;
-2. ``weft run`` of OUT/base.toml (the model of long_vl.toml, both tasks mixed, bf16) for
-   ``--steps`` steps, ``weft export``; with ``--train-seconds S``, a 30-step probe's median step
-   time first sets the steps to what fits in S seconds (at most ``--steps``; the fine-tune at
-   most a tenth of them): a device lent for half an hour takes the experiment in one sitting;
-3. ``weft eval --task --forced`` of both tasks at every length, unscaled and under each of
+1. data: examples/long/make_passkey.py's and make_needle.py's training lines of each stage
+   (drawn uniformly in the logarithm of their length: short ones teach where to look), the
+   fine-tune's lines of ``--length`` to ``--tune-length``, and the questions at each of
+   ``--eval-lengths``, depths 0, 25, 50, 75 and 100%. Only the warm stage's lines are written
+   before training starts; the rest are written by a second process (``--data-only``) while
+   the warm stage trains;
+2. the warm stage, from random initialisation: ``--warm-steps`` steps of 4,096 tokens on lines of
+   180 (needles: 300) to ``--warm-length`` tokens, fp32, lr 1e-3 — the recipe that leaves the
+   plateau where a key's digits sit at chance (examples/long/passkey.toml, BENCHMARKS.md's
+   "Passkey retrieval from random initialisation: the plateau");
+3. the base stage, from the warm stage's export, unscaled: ``--steps`` steps on lines up to the
+   trained length ``--length``, bf16; ``weft export``;
+4. ``weft eval --task --forced`` of both tasks at every length, unscaled and under each of
    ``--scalings`` with factor ``--factor`` over the trained length;
-4. per scaling, a fine-tune of ``--finetune`` steps (at most a tenth of ``--steps``) on the long
-   lines from the export, its evaluations, and the heat maps of both tasks
-   (OUT/heatmap-passkey.png, OUT/heatmap-needle.png: ``weft report --heatmap``);
-5. OUT/table.md and OUT/summary.json: accuracy by length, before and after, each run's steps,
+5. per scaling, a fine-tune of ``--finetune`` steps (at most a tenth of the two stages' steps)
+   on the long lines from the export, its evaluations, and the heat maps of both tasks
+   (OUT/heatmap-passkey-S.png, OUT/heatmap-needle-S.png: ``weft report --heatmap``);
+6. OUT/table.md and OUT/summary.json: accuracy by length, before and after, each run's steps,
    tokens/s and wall time.
 
-Every phase that has its output already is skipped: run it again after an interruption.
+Every phase that has its output already is skipped: run it again after an interruption, or in
+a second device call on the same machine.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import json
 import math
 import pathlib
 import shutil
-import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -45,7 +50,7 @@ import make_passkey  # noqa: E402
 from extend import accuracy_by_length, rope, sets, weft  # noqa: E402
 
 TASKS = ("passkey", "needle")
-PROBE = 30  # --train-seconds' probe: steps timed before the base run's length is chosen
+LOWEST = {"passkey": 180, "needle": 300}  # a stage's shortest line: a needle line holds three images and their names
 
 RECIPE = """\
 # Written by examples/long/retrieval_128k.py: {what}
@@ -68,44 +73,52 @@ seed = 0
 micro_batch_tokens = {tokens}
 lr = {lr}
 warmup_steps = {warmup}
-precision = "bf16"
+precision = "{precision}"
 log_every = 50
-checkpoint_every = 0
+checkpoint_every = {checkpoint}  # a device call cut off resumes from the newest
 
 [parallel]
 nproc = 1
 
 [[rules]]
-name = "one GPU: plain modules, no recomputation (a 27M-parameter model: its activations fit)"
+name = "one GPU: plain modules, no recomputation (a small model: its activations fit)"
 shard = {{ strategy = "none", checkpoint = "off" }}
 batching = {{ strategy = "token_budget", schedule = "global" }}
 """
 
 
+def lines_for(steps: int, *, tokens: int, low: int, high: int) -> int:
+    """Training lines for ``steps`` steps of ``tokens`` tokens, per task, seen about twice: a
+    log-uniform length's mean is (b - a) / ln(b / a)."""
+    mean = (high - low) / max(math.log(high / low), 1e-9) if high > low else high
+    return max(8, math.ceil(steps * max(tokens, high) / mean / len(TASKS) / 2))
+
+
+def make_train(data: pathlib.Path, part: str, *, low: int, high: int, samples: int, seed: int, args) -> None:
+    """One stage's training lines of both tasks, lengths ``low`` (at least each task's LOWEST) to ``high``."""
+    common = ["--jobs", str(args.jobs), "--seed", str(seed), "--lengths", "", "--log-lengths",
+              "--train-length", str(high), "--train-samples", str(samples)]
+    if not (data / f"passkey{part}" / "train.jsonl").is_file():
+        make_passkey.main([str(data / f"passkey{part}"), "--train-min-length", str(max(low, LOWEST["passkey"])),
+                           "--text-fraction", "0.1", *common])
+    if not (data / f"needle{part}" / "train.jsonl").is_file():
+        make_needle.main([str(data / f"needle{part}"), "--digits", str(args.digits),
+                          "--train-min-length", str(max(low, LOWEST["needle"])), *common])
+
+
 def make_data(data: pathlib.Path, args) -> None:
+    """Everything but the warm stage's lines: the base stage's, the fine-tune's, the questions."""
     lengths = ",".join(map(str, args.eval_lengths))
-    common = ["--jobs", str(args.jobs), "--seed", str(args.seed)]
-    if not (data / "passkey" / f"passkey-{args.eval_lengths[-1]}.jsonl").is_file():
-        make_passkey.main([str(data / "passkey"), "--train-length", str(args.length),
-                           "--train-min-length", str(min(180, args.length)), "--log-lengths",
-                           "--train-samples", str(args.train_samples), "--text-fraction", "0.1",
-                           "--lengths", lengths, "--per-depth", str(args.per_depth), *common])
-    if not (data / "needle" / f"needle-{args.eval_lengths[-1]}.jsonl").is_file():
-        make_needle.main([str(data / "needle"), "--digits", str(args.digits), "--train-length", str(args.length),
-                          "--train-min-length", str(min(400, args.length)), "--log-lengths",
-                          "--train-samples", str(args.train_samples),
-                          "--lengths", lengths, "--per-depth", str(args.per_depth), *common])
-    # Lines enough for the fine-tune's steps, once: a log-uniform length's mean is (b - a) / ln(b / a).
-    mean = (args.tune_length - args.length) / max(math.log(args.tune_length / args.length), 1e-9)
-    tune = max(8, math.ceil(args.finetune * max(args.micro_batch_tokens, args.tune_length) / mean / len(TASKS)))
-    if not (data / "passkey-long" / "train.jsonl").is_file():
-        make_passkey.main([str(data / "passkey-long"), "--train-length", str(args.tune_length), "--train-min-length",
-                           str(args.length), "--log-lengths", "--train-samples", str(tune), "--text-fraction", "0.1",
-                           "--lengths", "", *common[:2], "--seed", str(args.seed + 1)])
-    if not (data / "needle-long" / "train.jsonl").is_file():
-        make_needle.main([str(data / "needle-long"), "--digits", str(args.digits), "--train-length",
-                          str(args.tune_length), "--train-min-length", str(args.length), "--log-lengths",
-                          "--train-samples", str(tune), "--lengths", "", *common[:2], "--seed", str(args.seed + 1)])
+    common = ["--jobs", str(args.jobs), "--seed", str(args.seed), "--lengths", lengths, "--per-depth",
+              str(args.per_depth), "--train-samples", "0"]
+    if not (data / "passkey-eval" / f"passkey-{args.eval_lengths[-1]}.jsonl").is_file():
+        make_passkey.main([str(data / "passkey-eval"), *common])
+    if not (data / "needle-eval" / f"needle-{args.eval_lengths[-1]}.jsonl").is_file():
+        make_needle.main([str(data / "needle-eval"), "--digits", str(args.digits), *common])
+    make_train(data, "", low=0, high=args.length, seed=args.seed, args=args,
+               samples=lines_for(args.steps, tokens=args.micro_batch_tokens, low=LOWEST["passkey"], high=args.length))
+    make_train(data, "-long", low=args.length, high=args.tune_length, seed=args.seed + 1, args=args,
+               samples=lines_for(args.finetune, tokens=args.tune_length, low=args.length, high=args.tune_length))
 
 
 def evaluate(recipe: pathlib.Path, run: pathlib.Path, data: pathlib.Path, results: pathlib.Path, *, scaling: str,
@@ -113,30 +126,15 @@ def evaluate(recipe: pathlib.Path, run: pathlib.Path, data: pathlib.Path, result
     found = {}
     for task in TASKS:
         path = results / f"{task}.jsonl"
+        questions = data / f"{task}-eval"
         if not path.is_file():
-            with open(data / task / "tasks.jsonl", "w") as tasks:  # one file: a question's length is in its meta
+            with open(questions / "tasks.jsonl", "w") as tasks:  # one file: a question's length is in its meta
                 for n in args.eval_lengths:
-                    tasks.write((data / task / f"{task}-{n}.jsonl").read_text())
-            weft("eval", recipe, "--run-dir", run, "--task", data / task / "tasks.jsonl", "--forced", "--results", path,
+                    tasks.write((questions / f"{task}-{n}.jsonl").read_text())
+            weft("eval", recipe, "--run-dir", run, "--task", questions / "tasks.jsonl", "--forced", "--results", path,
                  *sets(rope(scaling, factor=args.factor, length=args.length)))
         found[task] = accuracy_by_length(path)
     return found
-
-
-def fitted_steps(recipe: pathlib.Path, out: pathlib.Path, *, args) -> dict:
-    """The base run's steps for ``--train-seconds``, from a probe of PROBE steps (kept in
-    OUT/steps.json, so a resumed experiment keeps its choice)."""
-    chosen = out / "steps.json"
-    if not chosen.is_file():
-        probe = out / "probe"
-        shutil.rmtree(probe, ignore_errors=True)
-        weft("run", recipe, "--run-dir", probe, "--set", f"train.max_steps={PROBE}")
-        rows = [json.loads(line) for line in (probe / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        step_s = statistics.median(r["step_s"] for r in rows[PROBE // 5:])  # past the first steps' warm-up
-        steps = min(args.steps, max(PROBE, int(args.train_seconds / step_s)))
-        chosen.write_text(json.dumps({"probe_step_s": round(step_s, 4), "steps": steps}))
-        shutil.rmtree(probe, ignore_errors=True)
-    return json.loads(chosen.read_text())
 
 
 def run_summary(run: pathlib.Path) -> dict:
@@ -144,83 +142,105 @@ def run_summary(run: pathlib.Path) -> dict:
     return {k: s.get(k) for k in ("steps", "tokens", "tokens_per_s", "wall_s", "final_loss")}
 
 
+def trained(recipe: pathlib.Path, run: pathlib.Path, export: pathlib.Path | None, *keys: str) -> dict:
+    """``weft run`` (skipped when the run has ended before; resumed from its newest checkpoint
+    when it was cut off after one), ``weft export`` of it where named."""
+    if not (run / "summary.json").is_file():
+        resume = any((run / "checkpoints").glob("step-*"))
+        if not resume:
+            shutil.rmtree(run, ignore_errors=True)
+        weft("run", recipe, "--run-dir", run, *(["--resume"] if resume else []), *keys)
+    if export is not None and not export.is_dir():
+        weft("export", run, export)
+    return run_summary(run)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=pathlib.Path)
     parser.add_argument("--digits", type=pathlib.Path, required=True,
                         help="examples/digits/make_digits.py's folder (the needles' images and their split)")
-    parser.add_argument("--length", type=int, default=4096, help="the trained length")
-    parser.add_argument("--factor", type=int, default=32, help="the rotary scaling's factor over --length")
-    parser.add_argument("--tune-length", type=int, default=65536, help="the fine-tune's longest line")
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--finetune", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--micro-batch-tokens", type=int, default=65536)
-    parser.add_argument("--train-samples", type=int, default=16000)
+    parser.add_argument("--model", type=pathlib.Path, default=HERE / "passkey_vl.toml",
+                        help="the model preset trained from random initialisation")
+    parser.add_argument("--warm-length", type=int, default=512, help="the warm stage's longest line")
+    parser.add_argument("--warm-steps", type=int, default=6000)
+    parser.add_argument("--warm-samples", default="12000,8000", help="the warm stage's passkey and needle lines")
+    parser.add_argument("--length", type=int, default=16384, help="the trained length: the base stage's longest line")
+    parser.add_argument("--steps", type=int, default=1500, help="the base stage's steps")
+    parser.add_argument("--factor", type=int, default=8, help="the rotary scaling's factor over --length")
+    parser.add_argument("--tune-length", type=int, default=131072, help="the fine-tune's longest line")
+    parser.add_argument("--finetune", type=int, default=300)
+    parser.add_argument("--lr", type=float, default=5e-4, help="the base stage's and the fine-tune's")
+    parser.add_argument("--micro-batch-tokens", type=int, default=32768, help="the base stage's")
     parser.add_argument("--eval-lengths", default="4096,8192,16384,32768,65536,131072")
     parser.add_argument("--per-depth", type=int, default=4)
     parser.add_argument("--scalings", default="none,yarn")
     parser.add_argument("--jobs", type=int, default=14, help="processes writing the data")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-only", action="store_true",
-                        help="write OUT/data and stop: made on one machine, carried to the GPU's OUT/data")
-    parser.add_argument("--train-seconds", type=float, default=0,
-                        help="fit the base run's steps to this many seconds from a probe (0: --steps as given)")
+                        help="write OUT/data and stop: made on one machine, carried to another's OUT/data")
+    parser.add_argument("--until", choices=("base", "all"), default="all",
+                        help="base: stop after the base stage's export (the rest in a second call)")
     args = parser.parse_args(argv)
     args.eval_lengths = [int(n) for n in args.eval_lengths.split(",")]
-    if args.finetune * 10 > args.steps:
-        parser.error(f"--finetune {args.finetune}: at most a tenth of --steps {args.steps}")
+    if args.finetune * 10 > args.steps + args.warm_steps:
+        parser.error(f"--finetune {args.finetune}: at most a tenth of the training's steps "
+                     f"({args.warm_steps} + {args.steps})")
     out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
     args.digits = args.digits.resolve()
     data = out / "data"
     started = time.perf_counter()
-    make_data(data, args)
-    timings = {"data_s": round(time.perf_counter() - started, 1)}
     if args.data_only:
-        print(json.dumps({"data": str(data), **timings}))
+        make_data(data, args)
+        print(json.dumps({"data": str(data), "data_s": round(time.perf_counter() - started, 1)}))
         return 0
-    shutil.copy(HERE / "long_vl.toml", out / "long_vl.toml")
-    base_recipe = out / "base.toml"
-
-    def write_base() -> None:
-        base_recipe.write_text(RECIPE.format(
-            what=f"the model trained from random initialisation at {args.length} tokens",
-            model='preset = "long_vl.toml"', part="", steps=args.steps, tokens=args.micro_batch_tokens, lr=args.lr,
-            warmup=50))
-
-    write_base()
-    if args.train_seconds > 0:
-        fitted = fitted_steps(base_recipe, out, args=args)
-        timings["probe_step_s"] = fitted["probe_step_s"]
-        args.steps = fitted["steps"]
-        args.finetune = min(args.finetune, max(1, args.steps // 10))
-        write_base()
-    tune_recipe = out / "finetune.toml"
-    tune_recipe.write_text(RECIPE.format(
-        what=f"the trained model fine-tuned at up to {args.tune_length} tokens",
-        model='path = "base-hf"  # the trained model, exported', part="-long", steps=args.finetune,
-        tokens=max(args.micro_batch_tokens, args.tune_length), lr=args.lr, warmup=0))
-    base = out / "base"
-    if not (base / "summary.json").is_file():
-        weft("run", base_recipe, "--run-dir", base)
-    if not (out / "base-hf").is_dir():
-        weft("export", base, out / "base-hf")
-    runs = {"base": run_summary(base)}
+    passkeys, needles = (int(n) for n in args.warm_samples.split(","))
+    for task, samples in (("passkey", passkeys), ("needle", needles)):  # each task its own count: make_train's both
+        if not (data / f"{task}-warm" / "train.jsonl").is_file():
+            one = argparse.Namespace(**{**vars(args), "digits": args.digits})
+            make_train(data, "-warm", low=0, high=args.warm_length, samples=samples, seed=args.seed, args=one)
+    timings = {"warm_data_s": round(time.perf_counter() - started, 1)}
+    # The rest of the data while the warm stage trains: a second process, on the cores training leaves.
+    rest = subprocess.Popen([sys.executable, __file__, *map(str, argv if argv is not None else sys.argv[1:]),
+                             "--data-only"])
+    shutil.copy(args.model, out / "model.toml")
+    recipes = {
+        "warm": RECIPE.format(what=f"the warm stage: random initialisation, lines up to {args.warm_length} tokens",
+                              model='preset = "model.toml"', part="-warm", steps=args.warm_steps, tokens=4096,
+                              lr=1e-3, warmup=20, precision="fp32", checkpoint=500),
+        "base": RECIPE.format(what=f"the base stage: the warm stage's model, lines up to {args.length} tokens",
+                              model='path = "warm-hf"  # the warm stage, exported', part="", steps=args.steps,
+                              tokens=args.micro_batch_tokens, lr=args.lr, warmup=50, precision="bf16", checkpoint=500),
+        "finetune": RECIPE.format(what=f"the trained model fine-tuned at up to {args.tune_length} tokens",
+                                  model='path = "base-hf"  # the trained model, exported', part="-long",
+                                  steps=args.finetune, tokens=args.tune_length, lr=args.lr, warmup=0,
+                                  precision="bf16", checkpoint=100)}
+    for name, text in recipes.items():
+        (out / f"{name}.toml").write_text(text)
+    runs = {"warm": trained(out / "warm.toml", out / "warm", out / "warm-hf")}
+    if rest.wait() != 0:
+        raise SystemExit(f"the data process failed (exit {rest.returncode})")
+    timings["data_s"] = round(time.perf_counter() - started, 1)
+    runs["base"] = trained(out / "base.toml", out / "base", out / "base-hf")
+    if args.until == "base":
+        print(json.dumps({"runs": runs, "timings": timings}))
+        return 0
     table: dict[str, dict[str, dict[str, dict[int, float]]]] = {}
     scalings = args.scalings.split(",")
     for scaling in scalings:
         results = out / "results" / f"base-{scaling}"
         results.mkdir(parents=True, exist_ok=True)
-        table[scaling] = {"before": evaluate(base_recipe, base, data, results, scaling=scaling, args=args)}
+        table[scaling] = {"before": evaluate(out / "base.toml", out / "base", data, results, scaling=scaling,
+                                             args=args)}
         if scaling == "none":
             continue  # unscaled, a fine-tune at the long length is a different experiment (position interpolation's)
-        tuned = out / f"finetune-{scaling}"
-        if not (tuned / "summary.json").is_file():
-            weft("run", tune_recipe, "--run-dir", tuned, *sets(rope(scaling, factor=args.factor, length=args.length)))
-        runs[f"finetune-{scaling}"] = run_summary(tuned)
+        runs[f"finetune-{scaling}"] = trained(out / "finetune.toml", out / f"finetune-{scaling}", None,
+                                              *sets(rope(scaling, factor=args.factor, length=args.length)))
         results = out / "results" / f"finetune-{scaling}"
         results.mkdir(parents=True, exist_ok=True)
-        table[scaling]["after"] = evaluate(tune_recipe, tuned, data, results, scaling=scaling, args=args)
+        table[scaling]["after"] = evaluate(out / "finetune.toml", out / f"finetune-{scaling}", data, results,
+                                           scaling=scaling, args=args)
         for task in TASKS:
             weft("report", "--heatmap", results / f"{task}.jsonl", "--out", out / f"heatmap-{task}-{scaling}.png")
     timings["total_s"] = round(time.perf_counter() - started, 1)
