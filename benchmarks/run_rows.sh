@@ -75,14 +75,12 @@
 #   b  frontier/frontier.py on frontier/slice-1m-4layers-1gpu.toml at 1,048,576 tokens, 2 steps
 #      (BENCHMARKS.md, "One million tokens on one H200, planned")
 #
-# retrieval PART  one H200, from anywhere (weft installed; the checkout's examples/digits/data made
+# retrieval       one H200, from anywhere (weft installed; the checkout's examples/digits/data made
 #                  by examples/digits/make_digits.py, carried): examples/long/retrieval_128k.py at its
-#                  defaults under /tmp/ret, files to $OUT (/tmp/ret-out), ret.tgz after each part.
-#                  BENCHMARKS.md, "Retrieval to 128K on one H200" (issue 44):
-#   base  the data, the warm stage (random initialisation, lines to 512 tokens, fp32) and the base
-#         stage (lines to 16K, bf16), each exported (--until base)
-#   rest  the evaluations at 4K-128K unscaled and under YaRN, the YaRN fine-tune to 131,072 tokens,
-#         the heat maps and the table (a second call on the same machine: done phases are skipped)
+#                  defaults under /tmp/ret for at most 550 s, files to $OUT (/tmp/ret-out/ret.tgz). Call
+#                  it again on the same machine until ret.tgz holds table.md: each call goes on where
+#                  the last stopped (done phases skipped, runs resumed from their checkpoints).
+#                  BENCHMARKS.md, "Retrieval to 128K on one H200" (issue 44).
 #
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
 # GPUs of one host for every mesh) and decode/generate_long.sh ROWS (`weft generate` at 128K and
@@ -335,19 +333,14 @@ set_retrieval() {
   dest=${OUT:-/tmp/ret-out}
   work=/tmp/ret
   mkdir -p "$dest" "$work"
-  part=${1:?part base or rest}
-  case "$part" in
-    base) until=(--until base) ;;
-    rest) until=() ;;
-    *) echo "run_rows.sh retrieval: part base or rest, not $part" >&2; return 2 ;;
-  esac
-  (cd /tmp && timeout 560 python3 "$here/../examples/long/retrieval_128k.py" "$work" \
-    --digits "$here/../examples/digits/data" --jobs 14 "${until[@]}" > "$dest/ret-$part.log" 2>&1)
-  echo "retrieval $part rc=$?" | tee -a "$dest/status.txt"
+  # timeout signals its whole process group: the weft runs the script starts end with it.
+  (cd /tmp && timeout 550 python3 "$here/../examples/long/retrieval_128k.py" "$work" \
+    --digits "$here/../examples/digits/data" --jobs 14 >> "$work/ret.log" 2>&1)
+  echo "retrieval rc=$? at ${SECONDS}s" | tee -a "$work/status.txt"
   # What the report needs and the exported models (a few MB), not the data (made again from its seeds).
-  (cd "$work" && tar czf "$dest/ret.tgz" --exclude='data' --exclude='*/checkpoints' --exclude='*.weft-cache' .)
-  grep -E "step.end|run.end|rror|Traceback" "$dest/ret-$part.log" | cut -c1-300 | tail -n 12
-  tail -n 20 "$dest/ret-$part.log"
+  (cd "$work" && tar czf "$dest/ret.tgz" --exclude='./data' --exclude='checkpoints' .)
+  grep -E "step.end|run.end|rror|Traceback" "$work/ret.log" | cut -c1-300 | tail -n 12
+  tail -n 20 "$work/ret.log"
 }
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
