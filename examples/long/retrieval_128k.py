@@ -96,16 +96,24 @@ def lines_for(steps: int, *, tokens: int, low: int, high: int) -> int:
     return max(8, math.ceil(steps * max(tokens, high) / mean / len(TASKS) / 4))
 
 
-def make_train(data: pathlib.Path, part: str, *, low: int, high: int, samples: int, seed: int, args) -> None:
-    """One stage's training lines of both tasks, lengths ``low`` (at least each task's LOWEST) to ``high``."""
-    common = ["--jobs", str(args.jobs), "--seed", str(seed), "--lengths", "", "--log-lengths",
-              "--train-length", str(high), "--train-samples", str(samples)]
-    if not (data / f"passkey{part}" / "train.jsonl").is_file():
-        make_passkey.main([str(data / f"passkey{part}"), "--train-min-length", str(max(low, LOWEST["passkey"])),
-                           "--text-fraction", "0.1", *common])
-    if not (data / f"needle{part}" / "train.jsonl").is_file():
-        make_needle.main([str(data / f"needle{part}"), "--digits", str(args.digits),
-                          "--train-min-length", str(max(low, LOWEST["needle"])), *common])
+def make_train(data: pathlib.Path, part: str, *, low: int, high: int, samples: dict[str, int], seed: int,
+               args) -> None:
+    """One stage's training lines, ``samples[task]`` of each task, lengths ``low`` (at least the
+    task's LOWEST) to ``high``."""
+    for task, maker in (("passkey", make_passkey), ("needle", make_needle)):
+        folder = data / f"{task}{part}"
+        if (folder / "train.jsonl").is_file():
+            continue
+        own = ["--text-fraction", "0.1"] if task == "passkey" else ["--digits", str(args.digits)]
+        maker.main([str(folder), "--train-min-length", str(max(low, LOWEST[task])), *own, "--jobs", str(args.jobs),
+                    "--seed", str(seed), "--lengths", "", "--log-lengths", "--train-length", str(high),
+                    "--train-samples", str(samples[task])])
+
+
+def make_warm(data: pathlib.Path, args) -> None:
+    """The warm stage's lines: ``--warm-samples`` passkey and needle lines to ``--warm-length``."""
+    counts = dict(zip(TASKS, (int(n) for n in args.warm_samples.split(","))))
+    make_train(data, "-warm", low=0, high=args.warm_length, samples=counts, seed=args.seed, args=args)
 
 
 def make_data(data: pathlib.Path, args) -> None:
@@ -117,10 +125,11 @@ def make_data(data: pathlib.Path, args) -> None:
         make_passkey.main([str(data / "passkey-eval"), *common])
     if not (data / "needle-eval" / f"needle-{args.eval_lengths[-1]}.jsonl").is_file():
         make_needle.main([str(data / "needle-eval"), "--digits", str(args.digits), *common])
-    make_train(data, "", low=0, high=args.length, seed=args.seed, args=args,
-               samples=lines_for(args.steps, tokens=args.micro_batch_tokens, low=LOWEST["passkey"], high=args.length))
+    base = lines_for(args.steps, tokens=args.micro_batch_tokens, low=LOWEST["passkey"], high=args.length)
+    make_train(data, "", low=0, high=args.length, seed=args.seed, args=args, samples=dict.fromkeys(TASKS, base))
+    tune = lines_for(args.finetune, tokens=args.tune_length, low=args.length, high=args.tune_length)
     make_train(data, "-long", low=args.length, high=args.tune_length, seed=args.seed + 1, args=args,
-               samples=lines_for(args.finetune, tokens=args.tune_length, low=args.length, high=args.tune_length))
+               samples=dict.fromkeys(TASKS, tune))
 
 
 def evaluate(recipe: pathlib.Path, run: pathlib.Path, data: pathlib.Path, results: pathlib.Path, *, scaling: str,
@@ -193,15 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.digits = args.digits.resolve()
     data = out / "data"
     started = time.perf_counter()
+    make_warm(data, args)
     if args.data_only:
         make_data(data, args)
         print(json.dumps({"data": str(data), "data_s": round(time.perf_counter() - started, 1)}))
         return 0
-    passkeys, needles = (int(n) for n in args.warm_samples.split(","))
-    for task, samples in (("passkey", passkeys), ("needle", needles)):  # each task its own count: make_train's both
-        if not (data / f"{task}-warm" / "train.jsonl").is_file():
-            one = argparse.Namespace(**{**vars(args), "digits": args.digits})
-            make_train(data, "-warm", low=0, high=args.warm_length, samples=samples, seed=args.seed, args=one)
     timings = {"warm_data_s": round(time.perf_counter() - started, 1)}
     # The rest of the data while the warm stage trains: a second process, on the cores training leaves.
     rest = subprocess.Popen([sys.executable, __file__, *map(str, argv if argv is not None else sys.argv[1:]),
