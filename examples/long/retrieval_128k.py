@@ -66,7 +66,7 @@ path = "data/passkey{part}/train.jsonl"
 
 [[data.sources]]
 path = "data/needle{part}/train.jsonl"
-
+{extra}
 [train]
 max_steps = {steps}
 seed = 0
@@ -84,6 +84,16 @@ nproc = 1
 name = "one GPU: plain modules, no recomputation (a small model: its activations fit)"
 shard = {{ strategy = "none", checkpoint = "off" }}
 batching = {{ strategy = "token_budget", schedule = "global" }}
+"""
+
+
+# The warm stage's third source: examples/digits' own questions ("Which digit is this?", one image,
+# 72 tokens), repeated. A needle line gives one digit to learn from in ~450 tokens; without
+# these the warm stage answered every needle with the same digit at step 2,000 (CPU).
+DIGITS = """
+[[data.sources]]
+path = {path}
+samples = {samples}  # the 1,438 training images, repeated: ~10 digit questions a step
 """
 
 
@@ -176,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warm-length", type=int, default=512, help="the warm stage's longest line")
     parser.add_argument("--warm-steps", type=int, default=6000)
     parser.add_argument("--warm-samples", default="12000,8000", help="the warm stage's passkey and needle lines")
+    parser.add_argument("--digits-samples", type=int, default=21570,
+                        help="the warm stage's digit questions (examples/digits' training split, repeated)")
     parser.add_argument("--length", type=int, default=16384, help="the trained length: the base stage's longest line")
     parser.add_argument("--steps", type=int, default=1500, help="the base stage's steps")
     parser.add_argument("--factor", type=int, default=8, help="the rotary scaling's factor over --length")
@@ -215,14 +227,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     recipes = {
         "warm": RECIPE.format(what=f"the warm stage: random initialisation, lines up to {args.warm_length} tokens",
                               model='preset = "model.toml"', part="-warm", steps=args.warm_steps, tokens=4096,
-                              lr=1e-3, warmup=20, precision="fp32", checkpoint=500),
+                              lr=1e-3, warmup=20, precision="fp32", checkpoint=500, extra=DIGITS.format(
+                                  path=json.dumps(str(args.digits / "train.jsonl")), samples=args.digits_samples)),
         "base": RECIPE.format(what=f"the base stage: the warm stage's model, lines up to {args.length} tokens",
                               model='path = "warm-hf"  # the warm stage, exported', part="", steps=args.steps,
-                              tokens=args.micro_batch_tokens, lr=args.lr, warmup=50, precision="bf16", checkpoint=500),
+                              tokens=args.micro_batch_tokens, lr=args.lr, warmup=50, precision="bf16", checkpoint=500,
+                              extra=""),
         "finetune": RECIPE.format(what=f"the trained model fine-tuned at up to {args.tune_length} tokens",
                                   model='path = "base-hf"  # the trained model, exported', part="-long",
                                   steps=args.finetune, tokens=args.tune_length, lr=args.lr, warmup=0,
-                                  precision="bf16", checkpoint=100)}
+                                  precision="bf16", checkpoint=100, extra="")}
     for name, text in recipes.items():
         (out / f"{name}.toml").write_text(text)
     runs = {"warm": trained(out / "warm.toml", out / "warm", out / "warm-hf")}
