@@ -3,20 +3,23 @@ initialisation, fine-tuned briefly with YaRN at a long one, asked for a passkey 
 image's digit at depths 0-100% of haystacks up to 131,072 tokens.
 
     python examples/long/retrieval_128k.py OUT --digits examples/digits/data [--model passkey_vl.toml]
-        [--warm-length 512] [--warm-steps 6000] [--length 16384] [--steps 1500] [--factor 8]
-        [--tune-length 131072] [--finetune 300] [--train-samples 3000]
-        [--eval-lengths 4096,...,131072] [--per-depth 4] [--scalings none,yarn] [--jobs 14] [--data-only]
+        [--warm-length 512] [--warm-steps 6000] [--warm-samples 12000,8000] [--digits-samples 21570]
+        [--distractors 0] [--length 16384] [--steps 1500] [--factor 8] [--tune-length 131072]
+        [--finetune 300] [--eval-lengths 4096,...,131072] [--per-depth 4] [--scalings none,yarn]
+        [--jobs 14] [--data-only] [--until base]
 
 1. data: examples/long/make_passkey.py's and make_needle.py's training lines of each stage
    (drawn uniformly in the logarithm of their length: short ones teach where to look), the
    fine-tune's lines of ``--length`` to ``--tune-length``, and the questions at each of
-   ``--eval-lengths``, depths 0, 25, 50, 75 and 100%. Only the warm stage's lines are written
-   before training starts; the rest are written by a second process (``--data-only``) while
-   the warm stage trains;
+   ``--eval-lengths``, depths 0, 25, 50, 75 and 100% (needles: the one digit image of the
+   haystack, ``--distractors`` named others beside it). Only the warm stage's lines are
+   written before training starts; the rest are written by a second process (``--data-only``)
+   while the warm stage trains;
 2. the warm stage, from random initialisation: ``--warm-steps`` steps of 4,096 tokens on lines of
-   180 (needles: 300) to ``--warm-length`` tokens, fp32, lr 1e-3 — the recipe that leaves the
-   plateau where a key's digits sit at chance (examples/long/passkey.toml, BENCHMARKS.md's
-   "Passkey retrieval from random initialisation: the plateau");
+   180 (needles: 300) to ``--warm-length`` tokens and examples/digits' own questions, fp32,
+   lr 1e-3 — the recipe that leaves the plateau where a key's digits sit at chance
+   (BENCHMARKS.md, "Retrieval to 128K, second attempt: the warm stage, on CPU"). An exported
+   model already at OUT/warm-hf (trained elsewhere, carried) takes its place;
 3. the base stage, from the warm stage's export, unscaled: ``--steps`` steps on lines up to the
    trained length ``--length``, bf16; ``weft export``;
 4. ``weft eval --task --forced`` of both tasks at every length, unscaled and under each of
@@ -27,8 +30,9 @@ image's digit at depths 0-100% of haystacks up to 131,072 tokens.
 6. OUT/table.md and OUT/summary.json: accuracy by length, before and after, each run's steps,
    tokens/s and wall time.
 
-Every phase that has its output already is skipped: run it again after an interruption, or in
-a second device call on the same machine.
+Every phase that has its output already is skipped and a run cut off resumes from its newest
+checkpoint: run it again after an interruption, or in a second device call on the same machine
+(benchmarks/run_rows.sh retrieval).
 """
 
 from __future__ import annotations
