@@ -161,3 +161,35 @@ def test_heatmap_draws_accuracy_by_depth_and_length(tmp_path):
 def test_forced_without_a_task_is_a_message():
     done = run_weft("eval", str(ROOT / "recipes" / "tiny-vl.toml"), "--forced")
     assert done.returncode == 2 and "--forced goes with --task" in done.stderr, done.stderr
+
+
+def test_written_files_appear_whole_or_not_at_all(tmp_path):
+    """retrieval_128k.py skips a data file it finds: a generator cut off must leave none behind."""
+    written = example("haystack").written
+    target = tmp_path / "train.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        with written(target) as out:
+            out.write('{"half": ')
+            raise KeyboardInterrupt
+    assert not target.exists()
+    with written(target) as out:
+        out.write("{}\n")
+        assert not target.exists()  # under its temporary name until the block ends
+    assert target.read_text() == "{}\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name != ".train.jsonl.partial"] == ["train.jsonl"]
+
+
+def test_retrieval_stages_write_each_task_its_own_count(tmp_path, monkeypatch):
+    """The warm stage's passkey and needle counts differ; each generator gets its own."""
+    retrieval = example("retrieval_128k")
+    calls = []
+    monkeypatch.setattr(retrieval.make_passkey, "main", lambda argv: calls.append(("passkey", argv)))
+    monkeypatch.setattr(retrieval.make_needle, "main", lambda argv: calls.append(("needle", argv)))
+    args = retrieval.argparse.Namespace(warm_samples="12000,8000", warm_length=512, seed=0, jobs=1,
+                                        digits=tmp_path, distractors=0)
+    retrieval.make_warm(tmp_path, args)
+    counts = {task: argv[argv.index("--train-samples") + 1] for task, argv in calls}
+    lowest = {task: argv[argv.index("--train-min-length") + 1] for task, argv in calls}
+    assert counts == {"passkey": "12000", "needle": "8000"} and lowest == {"passkey": "180", "needle": "300"}
+    # 300 steps x 131,072 tokens / 55,153 tokens a line (log-uniform 16K-128K) / 2 tasks / 4 passes
+    assert retrieval.lines_for(300, tokens=131072, low=16384, high=131072) == 90
