@@ -75,11 +75,12 @@
 #   b  frontier/frontier.py on frontier/slice-1m-4layers-1gpu.toml at 1,048,576 tokens, 2 steps
 #      (BENCHMARKS.md, "One million tokens on one H200, planned")
 #
-# retrieval       one H200, from anywhere (weft installed; the checkout's examples/digits/data made
+# retrieval [WARM] one H200, from anywhere (weft installed; the checkout's examples/digits/data made
 #                  by examples/digits/make_digits.py, carried): examples/long/retrieval_128k.py at its
 #                  defaults under /tmp/ret for at most 550 s, files to $OUT (/tmp/ret-out/ret.tgz). Call
 #                  it again on the same machine until ret.tgz holds table.md: each call goes on where
-#                  the last stopped (done phases skipped, runs resumed from their checkpoints).
+#                  the last stopped (done phases skipped, runs resumed from their checkpoints). WARM: an
+#                  exported warm-stage model (trained elsewhere, carried) put in as /tmp/ret/warm-hf.
 #                  BENCHMARKS.md, "Retrieval to 128K on one H200" (issue 44).
 #
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
@@ -333,6 +334,7 @@ set_retrieval() {
   dest=${OUT:-/tmp/ret-out}
   work=/tmp/ret
   mkdir -p "$dest" "$work"
+  if [ -n "${1:-}" ] && [ ! -d "$work/warm-hf" ]; then cp -r "$1" "$work/warm-hf" || return 1; fi
   # timeout signals its whole process group: the weft runs the script starts end with it.
   (cd /tmp && timeout 550 python3 "$here/../examples/long/retrieval_128k.py" "$work" \
     --digits "$here/../examples/digits/data" --jobs 14 >> "$work/ret.log" 2>&1)
