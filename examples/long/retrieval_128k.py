@@ -6,7 +6,7 @@ image's digit at depths 0-100% of haystacks up to 131,072 tokens.
         [--warm-length 512] [--warm-steps 6000] [--warm-samples 12000,8000] [--digits-samples 21570]
         [--distractors 0] [--length 16384] [--steps 1500] [--factor 8] [--tune-length 131072]
         [--finetune 300] [--eval-lengths 4096,...,131072] [--per-depth 4] [--scalings none,yarn]
-        [--jobs 14] [--data-only] [--until base]
+        [--jobs 14] [--data-only] [--until warm|base]
 
 1. data: examples/long/make_passkey.py's and make_needle.py's training lines of each stage
    (drawn uniformly in the logarithm of their length: short ones teach where to look), the
@@ -213,8 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-only", action="store_true",
                         help="write OUT/data and stop: made on one machine, carried to another's OUT/data")
-    parser.add_argument("--until", choices=("base", "all"), default="all",
-                        help="base: stop after the base stage's export (the rest in a second call)")
+    parser.add_argument("--until", choices=("warm", "base", "all"), default="all",
+                        help="stop after the warm stage's export (its data only: a warm model made on one machine "
+                             "to carry to another's OUT/warm-hf) or the base stage's")
     args = parser.parse_args(argv)
     args.eval_lengths = [int(n) for n in args.eval_lengths.split(",")]
     if args.finetune * 10 > args.steps + args.warm_steps:
@@ -233,8 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     timings = {"warm_data_s": round(time.perf_counter() - started, 1)}
     # The rest of the data while the warm stage trains: a second process, on the cores training leaves.
-    rest = subprocess.Popen([sys.executable, __file__, *map(str, argv if argv is not None else sys.argv[1:]),
-                             "--data-only"])
+    rest = None if args.until == "warm" else subprocess.Popen(
+        [sys.executable, __file__, *map(str, argv if argv is not None else sys.argv[1:]), "--data-only"])
     shutil.copy(args.model, out / "model.toml")
     recipes = {
         "warm": RECIPE.format(what=f"the warm stage: random initialisation, lines up to {args.warm_length} tokens",
@@ -252,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, text in recipes.items():
         (out / f"{name}.toml").write_text(text)
     runs = {"warm": trained(out / "warm.toml", out / "warm", out / "warm-hf")}
+    if rest is None:
+        print(json.dumps({"runs": runs, "timings": timings}))
+        return 0
     if rest.wait() != 0:
         raise SystemExit(f"the data process failed (exit {rest.returncode})")
     timings["data_s"] = round(time.perf_counter() - started, 1)
