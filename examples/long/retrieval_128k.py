@@ -252,7 +252,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   precision="bf16", checkpoint=100, extra="")}
     for name, text in recipes.items():
         (out / f"{name}.toml").write_text(text)
-    runs = {"warm": trained(out / "warm.toml", out / "warm", out / "warm-hf")}
+    try:
+        runs = {"warm": trained(out / "warm.toml", out / "warm", out / "warm-hf")}
+    except BaseException:
+        if rest is not None:  # the data process ends with the run that started it
+            rest.kill()
+            rest.wait()
+        raise
     if rest is None:
         print(json.dumps({"runs": runs, "timings": timings}))
         return 0
