@@ -118,8 +118,10 @@ class ModelFamily(Protocol):
     def rope_summary(self, config: transformers.PretrainedConfig, *, recipe: Recipe) -> dict:
         """The text decoder's rotary context, for `weft plan`."""
 
-    def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path) -> None:
-        """Write a Hugging Face directory: weights, config and the processor's files."""
+    def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path, *, positions: int = 0) -> None:
+        """Write a Hugging Face directory: weights, config and the processor's files.
+        ``positions``: how many positions the run's batches reached (0: unknown); an unscaled
+        rotary context shorter than that is written as that long."""
 
     def prompt_inputs(self, recipe: Recipe, *, text: str, images: Sequence[str],
                       videos: Sequence[str] = ()) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 
 from model_helpers import ListLog, build_model, family_of
 from weft.core.recipe import Recipe
-from weft.plugins.models.build import model_config, rope_summary, trained_context
+from weft.plugins.models.build import model_config, rope_summary, trained_context, widen_context
 from weft.strategies.model.yarn import needed_factor, yarn_parameters
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -47,6 +47,29 @@ def test_yarn_parameters_keep_theta_and_mrope_sections():
                    "original_max_position_embeddings": 32768}
     with pytest.raises(ValueError, match="above 1"):
         yarn_parameters(rope, factor=1.0, original=32768)
+
+
+@pytest.mark.quick
+def test_an_export_announces_the_positions_an_unscaled_run_trained_on(tmp_path):
+    """A run trained unscaled past its preset's context exports that context, so a later YaRN
+    factor counts from the trained length; a scaled config and a shorter run keep theirs."""
+    from weft.core.commands.export import _positions_reached
+
+    config, _ = model_config(_recipe("qwen2_5_vl_tiny"))
+    declared = trained_context(config)[0]
+    widen_context(config, positions=declared - 7)
+    assert trained_context(config) == (declared, declared)
+    widen_context(config, positions=4 * declared)
+    assert trained_context(config) == (4 * declared, 4 * declared)
+    yarn, _ = model_config(_recipe("qwen2_5_vl_tiny", rope_scaling="yarn", rope_factor=2.0, rope_original_max=512))
+    widen_context(yarn, positions=8192)
+    assert trained_context(yarn) == (1024, 512)
+
+    assert _positions_reached(tmp_path) == 0  # no summary: nothing claimed
+    (tmp_path / "summary.json").write_text(json.dumps({"largest_position": 16383}))
+    assert _positions_reached(tmp_path) == 16384
+    (tmp_path / "summary.json").write_text(json.dumps({"largest_position": None}))
+    assert _positions_reached(tmp_path) == 0
 
 
 @pytest.mark.quick

@@ -76,10 +76,20 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: WeftPluginManage
             dist.destroy_process_group()
     if kind != "adapter directory":
         out_dir.mkdir(parents=True, exist_ok=True)
-        family.export(model, recipe, out_dir)
+        family.export(model, recipe, out_dir, positions=_positions_reached(run_dir))
     (out_dir / "weft_export.json").write_text(json.dumps(
         {"run_dir": str(run_dir), "checkpoint": checkpoint.name, "adapters": kind}, indent=1))
     return checkpoint
+
+
+def _positions_reached(run_dir: pathlib.Path) -> int:
+    """How many positions the run's batches reached (its summary's largest position id + 1);
+    0 where the run wrote no summary or saw no batch."""
+    try:
+        largest = json.loads((run_dir / "summary.json").read_text()).get("largest_position")
+    except (OSError, ValueError):
+        return 0
+    return int(largest) + 1 if isinstance(largest, int) and largest >= 0 else 0
 
 
 def _save_adapters(meta: torch.nn.Module, adapters: list, checkpoint: pathlib.Path, out_dir: pathlib.Path, *,

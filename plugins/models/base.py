@@ -59,7 +59,8 @@ class TransformersFamily:
         else:
             build.init_weights(model, device=device, seed=seed, log=log, quantize=quantize)
 
-    def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path) -> None:
+    def export(self, model: torch.nn.Module, recipe: Recipe, out_dir: pathlib.Path, *, positions: int = 0) -> None:
+        build.widen_context(model.config, positions=positions)
         build.export(model, processor=self.config(recipe)[1], out_dir=out_dir)
 
     def prompt_inputs(self, recipe: Recipe, *, text: str, images: Sequence[str],

@@ -72,6 +72,17 @@ def trained_context(config: transformers.PretrainedConfig, *, original: int = 0)
     return trained, trained
 
 
+def widen_context(config: transformers.PretrainedConfig, *, positions: int) -> None:
+    """A model trained unscaled on ``positions`` positions, past its config's
+    ``max_position_embeddings``, announces them, in place: the next run's watch and a later
+    YaRN factor (scaled over ``max_position_embeddings``) then count from what was trained,
+    not from the preset's context. A scaled rotary embedding keeps the context it declares."""
+    text = text_config(config)
+    rope = text.rope_parameters or {}
+    if rope.get("rope_type", "default") == "default" and positions > text.max_position_embeddings:
+        text.max_position_embeddings = int(positions)
+
+
 def apply_rope_scaling(config: transformers.PretrainedConfig, *, kind: str, factor: float, original: int) -> None:
     """YaRN, linear or dynamic-NTK scaling of the text decoder's rotary embedding, in place;
     transformers computes the tables from ``rope_parameters``. Dynamic NTK keeps the trained
