@@ -163,22 +163,6 @@ def test_forced_without_a_task_is_a_message():
     assert done.returncode == 2 and "--forced goes with --task" in done.stderr, done.stderr
 
 
-def test_written_files_appear_whole_or_not_at_all(tmp_path):
-    """retrieval_128k.py skips a data file it finds: a generator cut off must leave none behind."""
-    written = example("haystack").written
-    target = tmp_path / "train.jsonl"
-    with pytest.raises(KeyboardInterrupt):
-        with written(target) as out:
-            out.write('{"half": ')
-            raise KeyboardInterrupt
-    assert not target.exists()
-    with written(target) as out:
-        out.write("{}\n")
-        assert not target.exists()  # under its temporary name until the block ends
-    assert target.read_text() == "{}\n"
-    assert [p.name for p in tmp_path.iterdir() if p.name != ".train.jsonl.partial"] == ["train.jsonl"]
-
-
 def test_retrieval_stages_write_each_task_its_own_count(tmp_path, monkeypatch):
     """The warm stage's passkey and needle counts differ; each generator gets its own."""
     retrieval = example("retrieval_128k")

@@ -24,6 +24,7 @@ from typing import Any
 
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
+from weft.core.whole_files import written_whole
 
 #: Pairs encoded and scored at a time (both conversations each): the micro-batches held at once.
 CHUNK_PAIRS = 64
@@ -60,10 +61,10 @@ def write_reference(recipe: Recipe, *, rank: int, world_size: int, local_rank: i
                                                  adapter_dir=adapter_dir)
     autocast = autocast_for(recipe.train.precision, device_type)
     out = pathlib.Path(reference)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     pairs, bad, tokens, start = 0, [], 0, time.perf_counter()
     records = ctx.family.pair_inputs(recipe)
-    with (open(tmp, "w", encoding="utf-8") if rank == 0 else open(os.devnull, "w")) as sink:
+    # Whole or not at all: a failure, or no pair at all, leaves no file (and no old one replaced).
+    with (written_whole(out) if rank == 0 else open(os.devnull, "w")) as sink:
         while chunk := list(itertools.islice(records, CHUNK_PAIRS)):
             good = [(where, line, batches) for where, line, batches in chunk if not isinstance(batches, str)]
             bad += [f"{where}: {batches}" for where, _, batches in chunk if isinstance(batches, str)]
@@ -78,14 +79,12 @@ def write_reference(recipe: Recipe, *, rank: int, world_size: int, local_rank: i
                 sink.write(json.dumps(record) + "\n")
                 tokens += sum(int(b["input_ids"].numel()) for b in both)
             pairs += len(good)
+        if rank == 0 and not pairs:
+            shown = "; ".join(bad[:3]) or "no records"
+            raise WeftError(f"no preference pair to score in {recipe.data.path} ({len(bad)} bad records: {shown})",
+                            where="--reference")
     if rank != 0:
         return {}
-    if not pairs:
-        tmp.unlink(missing_ok=True)
-        shown = "; ".join(bad[:3]) or "no records"
-        raise WeftError(f"no preference pair to score in {recipe.data.path} ({len(bad)} bad records: {shown})",
-                        where="--reference")
-    tmp.replace(out)  # whole or not at all
     seconds = time.perf_counter() - start
     return {"pairs": pairs, "reference": str(out), "skipped": len(bad), "bad": bad[:20], "tokens": tokens,
             "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9), "checkpoint": checkpoint,

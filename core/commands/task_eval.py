@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
 import pathlib
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 from weft.core.train.task_file import load_task
 from weft.core.train.task_scores import encode_task, result_row, score_choices, summarize
+from weft.core.whole_files import write_lines_whole
 
 if TYPE_CHECKING:
     from weft.core.context import RunContext
@@ -76,10 +76,7 @@ def score_task(recipe: Recipe, *, rank: int, world_size: int, local_rank: int, d
                                              recipe=recipe, autocast=autocast, max_new_tokens=max_new_tokens)
     rows = [result_row(item, scores.get(i), generated.get(i), replies.get(i)) for i, item in enumerate(items)]
     if rank == 0:  # written whole and renamed: a script that skips a question file it finds never reads half of one
-        partial = pathlib.Path(results).with_name(f".{pathlib.Path(results).name}.partial")
-        with open(partial, "w", encoding="utf-8") as out:
-            out.writelines(json.dumps(row) + "\n" for row in rows)
-        os.replace(partial, results)
+        write_lines_whole(results, [json.dumps(row) for row in rows])
     return {**summarize(rows), "task": str(path), "results": results, "checkpoint": checkpoint,
             "world_size": world_size, "precision": recipe.train.precision}
 

@@ -38,6 +38,7 @@ from weft.core.checkpoint import dcp_read
 from weft.core.checkpoint.read import MANIFEST, checkpoint_dirs, describe, verify
 from weft.core.errors import EXIT_RUNTIME, WeftError
 from weft.core.run.collectives import any_rank, collective_device
+from weft.core.whole_files import write_json_whole
 
 #: Names the checkpoint of the lowest held-out loss (``eval.keep_best``): the rotation keeps it.
 BEST = "best.json"
@@ -128,9 +129,7 @@ def mark_best(run_dir: pathlib.Path, *, step: int, rank: int, keep: int, metric:
     atomically (rank 0), and let the one it supersedes go the way of the rotation."""
     entry = {"step": step, "checkpoint": f"step-{step}", metric: value if value is not None else eval_loss}
     if rank == 0:
-        staged = run_dir / "checkpoints" / f".{BEST}.tmp"
-        staged.write_text(json.dumps(entry, indent=1))
-        staged.replace(run_dir / "checkpoints" / BEST)
+        write_json_whole(run_dir / "checkpoints" / BEST, entry, indent=1)
         _rotate(run_dir, keep=keep)
     return entry
 

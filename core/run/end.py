@@ -19,6 +19,7 @@ import attrs
 
 from weft.core.errors import GuardAbort
 from weft.core.run.collectives import global_max
+from weft.core.whole_files import write_json_whole, write_lines_whole
 
 if TYPE_CHECKING:
     from weft.core.context import RunContext
@@ -79,7 +80,7 @@ class Ending:
         if error is not None and not isinstance(error, GuardAbort):
             ctx.log.error("run.error", traceback="".join(traceback.format_exception(error)), file_only=True)
         if ctx.rank == 0:
-            (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            write_json_whole(ctx.run_dir / "summary.json", summary, indent=1)  # read by watchers
             (ctx.log.info if self.status in ("completed", "interrupted") else ctx.log.error)("run.end", **summary)
         return summary
 
@@ -89,9 +90,7 @@ def trim_metrics(path: pathlib.Path, *, last_step: int) -> None:
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if line and _step_of(line) <= last_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+    write_lines_whole(path, kept)
 
 
 def _step_of(line: str) -> int:

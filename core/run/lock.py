@@ -26,6 +26,7 @@ import sys
 from typing import Iterator
 
 from weft.core.errors import WeftError
+from weft.core.whole_files import write_json_whole
 
 LOCK = "run.lock"
 
@@ -125,9 +126,7 @@ def _guarded(run_dir: pathlib.Path) -> Iterator[None]:
 
 
 def _write(path: pathlib.Path, content: dict) -> None:
-    tmp = path.with_name(f".{LOCK}.{os.getpid()}")
-    tmp.write_text(json.dumps(content))
-    os.replace(tmp, path)
+    write_json_whole(path, content)
 
 
 def _holder(path: pathlib.Path) -> dict:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from weft.core.errors import EXIT_GUARD, EXIT_USER, RunFailed, WeftError
 from weft.core.recipe import Recipe
 from weft.core.run.rank_errors import note, noted
+from weft.core.whole_files import write_json_whole
 
 
 def launch_ranks(command: str, *, nproc: int, args: list[str], out: pathlib.Path) -> None:
@@ -58,5 +59,5 @@ def run_on_rank(recipe: Recipe, *, out: pathlib.Path, job: Callable[..., dict | 
         close_process_group(clean=False)
         raise
     if rank == 0 and result is not None:
-        out.write_text(json.dumps(result, indent=1))
+        write_json_whole(out, result, indent=1)
     close_process_group(clean=True)

@@ -18,6 +18,7 @@ from weft.core.errors import WeftError
 from weft.core.train.loss import IGNORE, targets
 from weft.core.train.oom import eval_out_of_memory
 from weft.core.train.step import run_micro_batches
+from weft.core.whole_files import write_lines_whole
 
 if TYPE_CHECKING:
     from weft.core.context import RunContext
@@ -174,6 +175,6 @@ class TaskQuestions:
         if self.ctx.rank == 0 and self.ctx.run_dir is not None:
             folder = self.ctx.run_dir / "eval"
             folder.mkdir(exist_ok=True)
-            (folder / f"task-step-{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            write_lines_whole(folder / f"task-step-{step}.jsonl", [json.dumps(r) for r in rows])
         return {"eval_accuracy": found["accuracy"], "eval_accuracy_norm": found["accuracy_norm"],
                 "eval_accuracy_low": found["interval_95"][0], "eval_accuracy_high": found["interval_95"][1]}

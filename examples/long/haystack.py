@@ -180,11 +180,3 @@ def line_makers(processes: int, *, initializer: Callable, initargs: tuple) -> It
         yield functools.partial(pool.imap, chunksize=8)
 
 
-@contextlib.contextmanager
-def written(path: pathlib.Path) -> Iterator:
-    """``path`` opened for writing under a temporary name and renamed when whole: the scripts that
-    skip a file they find (examples/long/retrieval_128k.py, resumed) never take half of one."""
-    partial = path.with_name(f".{path.name}.partial")
-    with open(partial, "w", encoding="utf-8") as out:
-        yield out
-    os.replace(partial, path)

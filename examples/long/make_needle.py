@@ -29,10 +29,12 @@ import random
 import sys
 from collections.abc import Sequence
 
+from weft.core.whole_files import written_whole
+
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "digits"))
-from haystack import Corpus, Encoder, draw_length, fit, insert_at, line_makers, written  # noqa: E402
+from haystack import Corpus, Encoder, draw_length, fit, insert_at, line_makers  # noqa: E402
 
 INTRO = ("Some images of handwritten digits are hidden inside a lot of irrelevant text, each after a name. "
          "I will ask you about one of them.\n")
@@ -158,12 +160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = (args.processor, str(args.out), labels, split, args.distractors)
     with line_makers(args.jobs, initializer=_start, initargs=setup) as each:
         if jobs:
-            with written(args.out / "train.jsonl") as out:
+            with written_whole(args.out / "train.jsonl") as out:
                 for i, line in enumerate(each(make_line, jobs)):
                     line.pop("answer")  # a training line: the reply is the answer
                     out.write(json.dumps(dict(line, id=f"train-{i}")) + "\n")
         for length, found in tasks.items():
-            with written(args.out / f"needle-{length}.jsonl") as out:
+            with written_whole(args.out / f"needle-{length}.jsonl") as out:
                 for (_, _, depth, seed), line in zip(found, each(make_line, found)):
                     out.write(json.dumps(dict(line, id=f"needle-{length}-d{depth:.2f}-{seed.rsplit(':', 1)[1]}"))
                               + "\n")

@@ -28,8 +28,10 @@ import random
 import sys
 from collections.abc import Sequence
 
+from weft.core.whole_files import written_whole
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from haystack import Corpus, Encoder, draw_length, fit, insert_at, line_makers, subsequence_starts, written  # noqa: E402
+from haystack import Corpus, Encoder, draw_length, fit, insert_at, line_makers, subsequence_starts  # noqa: E402
 
 INTRO = "Find the pass key hidden in this text.\n"  # the landmark prompt, short: a small model reads it in every line
 QUESTION = "\nWhat is the pass key?"
@@ -182,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      for j in range(args.per_depth)] for n in lengths}
     with line_makers(args.jobs, initializer=_start, initargs=(args.processor, str(args.out))) as each:
         if train_jobs:
-            with written(args.out / "train.jsonl") as out:
+            with written_whole(args.out / "train.jsonl") as out:
                 for i, line in enumerate(each(make_line, train_jobs)):
                     line.pop("answer", None)  # a training line: the reply is the answer
                     out.write(json.dumps(dict(line, id=f"train-{i}")) + "\n")
@@ -195,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     line = make_line((part, kind, length, depth, seed + "'", tuple(used)))
                 used.add(line["meta"]["key"])
                 found[index] = line
-            with written(args.out / f"passkey-{n}.jsonl") as out:
+            with written_whole(args.out / f"passkey-{n}.jsonl") as out:
                 for (_, _, _, depth, _, _), line, j in zip(task_jobs[n], found,
                                                           [j for _ in depths for j in range(args.per_depth)]):
                     out.write(json.dumps(dict(line, id=f"passkey-{n}-d{depth:.2f}-{j}")) + "\n")
