@@ -181,16 +181,10 @@ def _fused_logps(fused, batch, target, sequence, *, sequences: int):
 
 def _reference_seconds(params: PreferenceParams, *, units, shape, setup, gpu) -> dict:
     """`weft plan --estimate`: reference = 'adapters' runs the model's forward once more a
-    micro-batch, without gradients and with the adapters off: its products (2 FLOPs a weight
-    and token), causal attention's forward, a third of the element-wise work (forward only)."""
-    if params.reference != "adapters":
-        return {}
-    tokens = setup.tokens / setup.sp  # this rank's share
-    layers = sum(1 for u in units if u.modality == "text")
-    products = 2 * tokens * layers * shape.layer_params + 2 * shape.vision_params * setup.patches / setup.sp
-    attention = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp / setup.rows * layers
-    return {"reference forward": products / (gpu.matmul_tflops * 1e12)
-            + attention / (gpu.attention_fwd_tflops * 1e12) + gpu.overhead_s * tokens * layers / 3}
+    micro-batch, without gradients and with the adapters off."""
+    from weft.core.plan.step_time import forward_seconds
+
+    return {"reference forward": forward_seconds(units, shape, setup, gpu)} if params.reference == "adapters" else {}
 
 
 def _next_token(params, *, plan, mesh, ctx):

@@ -67,6 +67,18 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind, *,
     return part
 
 
+def forward_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind) -> float:
+    """Per-rank seconds of one more forward of the whole model without gradients (a reference
+    model's pass, say): its products (2 FLOPs a weight and token), causal attention's forward, a
+    third of the element-wise work (what a forward alone runs of it)."""
+    tokens = setup.tokens / setup.sp  # this rank's share
+    layers = sum(1 for u in units if u.modality == "text")
+    products = 2 * tokens * layers * shape.layer_params + 2 * shape.vision_params * setup.patches / setup.sp
+    attention = 2 * setup.tokens**2 * shape.heads * shape.head_dim / setup.sp / setup.rows * layers
+    return (products / (gpu.matmul_tflops * 1e12) + attention / (gpu.attention_fwd_tflops * 1e12)
+            + gpu.overhead_s * tokens * layers / 3)
+
+
 def _per_token(u: Unit, base: float) -> float:  # matmul FLOPs per token, its adapters' too
     return (6 if u.trainable else 4) * base + 6 * u.adapter_params
 
