@@ -315,7 +315,7 @@ def test_held_out_pairs_give_the_preference_metrics(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     held = [r for r in rows if "eval_loss" in r]
-    assert len(held) == 2 and all(r["eval_tokens"] == 8 for r in held)  # the units: pairs
+    assert len(held) == 2 and all(r["eval_pairs"] == 8 and "eval_tokens" not in r for r in held)
     for row in held:
         assert 0 <= row["eval_preference_accuracy"] <= 1 and "eval_reward_margin" in row, row
         assert row["eval_reward_chosen"] - row["eval_reward_rejected"] == pytest.approx(row["eval_reward_margin"])

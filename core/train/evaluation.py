@@ -133,7 +133,9 @@ class HeldOut:
             try:
                 done = forward_pass(run=self.run, rounds=self.rounds, autocast=self.autocast, ctx=self.ctx,
                                     after_step=step)
-                row = {"eval_loss": done["loss_sum"] / done["labels"], "eval_tokens": int(done["labels"]),
+                # The loss's divisor by its name: eval_tokens (label tokens), eval_pairs (a preference loss).
+                unit = self.run.objective.unit if self.run.objective is not None else "tokens"
+                row = {"eval_loss": done["loss_sum"] / done["labels"], f"eval_{unit}": int(done["labels"]),
                        "eval_s": round(done["seconds"], 4), **{f"eval_{k}": v for k, v in done["stats"].items()}}
                 if self.task is not None:
                     row.update(self.task(run=self.run, autocast=self.autocast, step=step))
