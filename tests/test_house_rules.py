@@ -21,6 +21,9 @@
   ``numpy.load`` never allows pickles.
 - no two files of core/ and plugins/ share a name (``__init__.py`` aside).
 - ruff (pyproject.toml) passes.
+- every package folder (an ``__init__.py``) ships: pyproject.toml lists it and maps it to its
+  folder, so a non-editable install (a wheel, the device's ``pip install --target``) imports
+  what the checkout does.
 - the README's two set-up commands are the Makefile's targets, and CI (.ci/run) runs the
   second: what a user types to test is what CI ran.
 """
@@ -440,3 +443,17 @@ def test_no_hook_implementation_or_core_module_chooses_by_a_strategy_name():
              and (rel := str(p.relative_to(ROOT)))}
     assert not found, ("choose through the strategy's record (core/registry.py Strategy: impl, resolve, inert, "
                        f"shard_dims, reference, ...), not its name: {found}")
+
+
+def test_every_package_folder_ships_in_the_wheel():
+    """A folder missing from pyproject's list imports from the checkout (an editable install,
+    the tests) and not from a wheel: strategies/objective/ once failed every DPO run so."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = tool["package-dir"]
+    found = {"weft." + ".".join(p.parent.relative_to(ROOT).parts)
+             for top in ("core", "plugins", "strategies") for p in (ROOT / top).rglob("__init__.py")}
+    assert found - set(tool["packages"]) == set(), "add them to [tool.setuptools] packages"
+    for name in found:
+        assert mapped.get(name) == name.removeprefix("weft.").replace(".", "/"), name
