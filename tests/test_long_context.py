@@ -170,10 +170,30 @@ def test_retrieval_stages_write_each_task_its_own_count(tmp_path, monkeypatch):
     monkeypatch.setattr(retrieval.make_passkey, "main", lambda argv: calls.append(("passkey", argv)))
     monkeypatch.setattr(retrieval.make_needle, "main", lambda argv: calls.append(("needle", argv)))
     args = retrieval.argparse.Namespace(warm_samples="12000,8000", warm_length=512, seed=0, jobs=1,
-                                        digits=tmp_path, distractors=0)
+                                        digits=tmp_path, distractors=0, edge_depths=0.2)
     retrieval.make_warm(tmp_path, args)
     counts = {task: argv[argv.index("--train-samples") + 1] for task, argv in calls}
     lowest = {task: argv[argv.index("--train-min-length") + 1] for task, argv in calls}
     assert counts == {"passkey": "12000", "needle": "8000"} and lowest == {"passkey": "180", "needle": "300"}
     # 300 steps x 131,072 tokens / 55,153 tokens a line (log-uniform 16K-128K) / 2 tasks / 4 passes
     assert retrieval.lines_for(300, tokens=131072, low=16384, high=131072) == 90
+    # half of them from the top half (mean 3/4 of 131,072): longer lines, fewer of them
+    assert retrieval.lines_for(300, tokens=131072, low=16384, high=131072, long_share=0.5) == 65
+
+
+def test_training_lines_reach_the_top_lengths_and_the_edge_depths():
+    """--long-share puts lines in the top half of the lengths, --edge-depths needles at 0 and 1
+    exactly; with neither the draws are as before (the same lines for the same seed)."""
+    import random
+
+    haystack = example("haystack")
+    rng = random.Random(0)
+    lengths = [haystack.draw_length(rng, low=180, high=16384, log=True, long_share=0.5) for _ in range(4000)]
+    top = sum(n >= 8192 for n in lengths) / len(lengths)
+    assert 0.5 < top < 0.62 and min(lengths) >= 180 and max(lengths) <= 16384  # 0.5 + 0.5 x ln 2 / ln 91
+    plain = [haystack.draw_length(random.Random(1), low=180, high=16384, log=True) for _ in range(3)]
+    assert plain == [haystack.draw_length(random.Random(1), low=180, high=16384, log=True, long_share=0.0)
+                     for _ in range(3)]
+    depths = [haystack.draw_depth(rng, edges=0.2) for _ in range(4000)]
+    assert 0.08 < depths.count(0.0) / 4000 < 0.12 and 0.08 < depths.count(1.0) / 4000 < 0.12
+    assert all(0.0 <= d <= 1.0 for d in depths)

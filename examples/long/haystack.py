@@ -150,16 +150,31 @@ def fit(build: Callable[[int], dict], *, count: Callable[[dict], int], length: i
     raise ValueError(f"no haystack of exactly {length} tokens near {high} characters")
 
 
-def draw_length(rng: random.Random, *, low: int, high: int, log: bool) -> int:
+def draw_length(rng: random.Random, *, low: int, high: int, log: bool, long_share: float = 0.0) -> int:
     """A training line's length from ``low`` to ``high`` tokens: uniform, or (``log``) uniform in
     its logarithm, so that a curriculum reaching thousands of tokens still holds as many lines
     of hundreds as of thousands (the short ones are where a model from random initialisation
-    first learns where to look)."""
+    first learns where to look). ``long_share`` of the lines instead uniform in the top half,
+    ``high / 2`` to ``high``: log-uniform alone leaves few lines near ``high``, and fewer keys
+    as far from their question as the longest questions put them (BENCHMARKS.md, "Retrieval to
+    128K on one H100")."""
     if low >= high:
         return high
+    if long_share and rng.random() < long_share:
+        return rng.randint(max(low, high // 2), high)
     if not log:
         return rng.randint(low, high)
     return min(high, max(low, round(math.exp(rng.uniform(math.log(low), math.log(high))))))
+
+
+def draw_depth(rng: random.Random, *, edges: float) -> float:
+    """A training line's needle depth: uniform in [0, 1), but ``edges`` of the lines at exactly 0
+    (right after the instruction) or 1 (right before the question), half each. The questions
+    ask at 0 and 1 (two of the five depths) and a uniform draw almost never puts a needle
+    there: a model trained so missed both edges at every length."""
+    if rng.random() < edges:
+        return float(rng.random() < 0.5)
+    return rng.random()
 
 
 def subsequence_starts(ids: Sequence[int], key_ids: Sequence[int]) -> list[int]:

@@ -34,7 +34,7 @@ from weft.core.whole_files import written_whole
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "digits"))
-from haystack import Corpus, Encoder, draw_length, fit, insert_at, line_makers  # noqa: E402
+from haystack import Corpus, Encoder, draw_depth, draw_length, fit, insert_at, line_makers  # noqa: E402
 
 INTRO = ("Some images of handwritten digits are hidden inside a lot of irrelevant text, each after a name. "
          "I will ask you about one of them.\n")
@@ -124,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="training lines of a random length from this to --train-length (0: all of it)")
     parser.add_argument("--log-lengths", action="store_true",
                         help="draw those lengths uniformly in their logarithm (as many of hundreds as of thousands)")
+    parser.add_argument("--long-share", type=float, default=0.0,
+                        help="this share of the training lines uniform from half of --train-length to all of it")
+    parser.add_argument("--edge-depths", type=float, default=0.0,
+                        help="this share of the training needles at depth 0 or 1 exactly (the others uniform)")
     parser.add_argument("--lengths", default="2048,8192")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--per-depth", type=int, default=8)
@@ -153,8 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     depths = [float(d) for d in args.depths.split(",")]
     pick = random.Random(f"{args.seed}:lengths")
     low = args.train_min_length or args.train_length
-    jobs = [("train", draw_length(pick, low=low, high=args.train_length, log=args.log_lengths), None,
-             f"{args.seed}:train:{i}") for i in range(args.train_samples)]
+    jobs = [("train", draw_length(pick, low=low, high=args.train_length, log=args.log_lengths,
+                                  long_share=args.long_share),
+             draw_depth(pick, edges=args.edge_depths) if args.edge_depths else None, f"{args.seed}:train:{i}")
+            for i in range(args.train_samples)]
     tasks = {int(n): [("held_out", int(n), d, f"{args.seed}:task:{n}:{d}:{j}") for d in depths
                       for j in range(args.per_depth)] for n in args.lengths.split(",") if n}
     setup = (args.processor, str(args.out), labels, split, args.distractors)

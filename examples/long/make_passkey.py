@@ -31,7 +31,16 @@ from collections.abc import Sequence
 from weft.core.whole_files import written_whole
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from haystack import Corpus, Encoder, draw_length, fit, insert_at, line_makers, subsequence_starts  # noqa: E402
+from haystack import (  # noqa: E402
+    Corpus,
+    Encoder,
+    draw_depth,
+    draw_length,
+    fit,
+    insert_at,
+    line_makers,
+    subsequence_starts,
+)
 
 INTRO = "Find the pass key hidden in this text.\n"  # the landmark prompt, short: a small model reads it in every line
 QUESTION = "\nWhat is the pass key?"
@@ -162,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "--train-length): short haystacks first teach where to look")
     parser.add_argument("--log-lengths", action="store_true",
                         help="draw those lengths uniformly in their logarithm (as many of hundreds as of thousands)")
+    parser.add_argument("--long-share", type=float, default=0.0,
+                        help="this share of the training lines uniform from half of --train-length to all of it")
+    parser.add_argument("--edge-depths", type=float, default=0.0,
+                        help="this share of the training keys at depth 0 or 1 exactly (the others uniform)")
     parser.add_argument("--text-fraction", type=float, default=0.25)
     parser.add_argument("--lengths", default="512,1024,2048,4096")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
@@ -176,8 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i in range(args.train_samples):
         kind = "text" if pick.random() < args.text_fraction else "passkey"
         length = (args.train_length if kind == "text" else
-                  draw_length(pick, low=low, high=args.train_length, log=args.log_lengths))
-        train_jobs.append(("train", kind, length, None, f"{args.seed}:train:{i}", ()))
+                  draw_length(pick, low=low, high=args.train_length, log=args.log_lengths, long_share=args.long_share))
+        depth = draw_depth(pick, edges=args.edge_depths) if args.edge_depths and kind != "text" else None
+        train_jobs.append(("train", kind, length, depth, f"{args.seed}:train:{i}", ()))
     depths = [float(d) for d in args.depths.split(",")]
     lengths = [int(n) for n in args.lengths.split(",") if n]
     task_jobs = {n: [("held_out", "passkey", n, d, f"{args.seed}:task:{n}:{d}:{j}", ()) for d in depths

@@ -101,19 +101,22 @@ samples = {samples}  # the 1,438 training images, repeated: ~10 digit questions 
 """
 
 
-def lines_for(steps: int, *, tokens: int, low: int, high: int) -> int:
+def lines_for(steps: int, *, tokens: int, low: int, high: int, long_share: float = 0.0) -> int:
     """Training lines for ``steps`` steps of ``tokens`` tokens, per task, each seen about four
     times (the data is written while the warm stage trains, and encoded again by each run: fewer
     lines cost the device less time; a key is drawn anew in each line, so nothing is learned by
-    heart): a log-uniform length's mean is (b - a) / ln(b / a)."""
+    heart): a log-uniform length's mean is (b - a) / ln(b / a), the ``long_share`` drawn from the
+    top half's 3/4 b."""
     mean = (high - low) / max(math.log(high / low), 1e-9) if high > low else high
+    mean = (1 - long_share) * mean + long_share * 0.75 * high
     return max(8, math.ceil(steps * max(tokens, high) / mean / len(TASKS) / 4))
 
 
 def make_train(data: pathlib.Path, part: str, *, low: int, high: int, samples: dict[str, int], seed: int,
-               args) -> None:
+               args, long_share: float = 0.0) -> None:
     """One stage's training lines, ``samples[task]`` of each task, lengths ``low`` (at least the
-    task's LOWEST) to ``high``."""
+    task's LOWEST) to ``high``, ``long_share`` of them in the top half; ``--edge-depths`` of the
+    needles at depth 0 or 1."""
     for task, maker in (("passkey", make_passkey), ("needle", make_needle)):
         folder = data / f"{task}{part}"
         if (folder / "train.jsonl").is_file():
@@ -122,7 +125,8 @@ def make_train(data: pathlib.Path, part: str, *, low: int, high: int, samples: d
                ["--digits", str(args.digits), "--distractors", str(args.distractors)])
         maker.main([str(folder), "--train-min-length", str(max(low, LOWEST[task])), *own, "--jobs", str(args.jobs),
                     "--seed", str(seed), "--lengths", "", "--log-lengths", "--train-length", str(high),
-                    "--train-samples", str(samples[task])])
+                    "--train-samples", str(samples[task]), "--long-share", str(long_share),
+                    "--edge-depths", str(args.edge_depths)])
 
 
 def make_warm(data: pathlib.Path, args) -> None:
@@ -141,11 +145,14 @@ def make_data(data: pathlib.Path, args) -> None:
     if not (data / "needle-eval" / f"needle-{args.eval_lengths[-1]}.jsonl").is_file():
         make_needle.main([str(data / "needle-eval"), "--digits", str(args.digits), "--distractors",
                           str(args.distractors), *common])
-    base = lines_for(args.steps, tokens=args.micro_batch_tokens, low=LOWEST["passkey"], high=args.length)
-    make_train(data, "", low=0, high=args.length, seed=args.seed, args=args, samples=dict.fromkeys(TASKS, base))
-    tune = lines_for(args.finetune, tokens=args.tune_length, low=args.length, high=args.tune_length)
+    share = args.long_share
+    base = lines_for(args.steps, tokens=args.micro_batch_tokens, low=LOWEST["passkey"], high=args.length,
+                     long_share=share)
+    make_train(data, "", low=0, high=args.length, seed=args.seed, args=args, samples=dict.fromkeys(TASKS, base),
+               long_share=share)
+    tune = lines_for(args.finetune, tokens=args.tune_length, low=args.length, high=args.tune_length, long_share=share)
     make_train(data, "-long", low=args.length, high=args.tune_length, seed=args.seed + 1, args=args,
-               samples=dict.fromkeys(TASKS, tune))
+               samples=dict.fromkeys(TASKS, tune), long_share=share)
 
 
 def evaluate(recipe: pathlib.Path, run: pathlib.Path, data: pathlib.Path, results: pathlib.Path, *, scaling: str,
@@ -199,6 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--distractors", type=int, default=0,
                         help="other named digit images in each needle line (training and questions); with 2 the "
                              "CPU warm stage picked the right one of three at chance after 3,000 steps, 40%% at 5,000")
+    parser.add_argument("--long-share", type=float, default=0.5,
+                        help="the base stage's and the fine-tune's share of lines in the top half of their lengths "
+                             "(the rest log-uniform)")
+    parser.add_argument("--edge-depths", type=float, default=0.2,
+                        help="the training needles' share at depth 0 or 1 exactly (the questions ask there)")
     parser.add_argument("--length", type=int, default=16384, help="the trained length: the base stage's longest line")
     parser.add_argument("--steps", type=int, default=1500, help="the base stage's steps")
     parser.add_argument("--factor", type=int, default=8, help="the rotary scaling's factor over --length")
