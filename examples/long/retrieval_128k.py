@@ -5,11 +5,14 @@ image's digit at depths 0-100% of haystacks up to 131,072 tokens.
     python examples/long/retrieval_128k.py OUT --digits examples/digits/data [--model passkey_vl.toml]
         [--warm-length 512] [--warm-steps 6000] [--warm-samples 12000,8000] [--digits-samples 21570]
         [--distractors 0] [--length 16384] [--steps 1500] [--factor 8] [--tune-length 131072]
-        [--finetune 300] [--eval-lengths 4096,...,131072] [--per-depth 4] [--scalings none,yarn]
-        [--jobs 14] [--data-only] [--until warm|base]
+        [--finetune 300] [--lr 5e-4] [--finetune-lr LR/10] [--long-share 0.5] [--edge-depths 0.2]
+        [--eval-lengths 4096,...,131072] [--per-depth 4] [--scalings none,yarn] [--jobs 14]
+        [--data-only] [--until warm|base]
 
 1. data: examples/long/make_passkey.py's and make_needle.py's training lines of each stage
-   (drawn uniformly in the logarithm of their length: short ones teach where to look), the
+   (drawn uniformly in the logarithm of their length: short ones teach where to look; the base
+   stage's and the fine-tune's ``--long-share`` uniform in the top half instead; ``--edge-depths``
+   of the keys and needles at depth 0 or 1 exactly, where two of the five question depths sit), the
    fine-tune's lines of ``--length`` to ``--tune-length``, and the questions at each of
    ``--eval-lengths``, depths 0, 25, 50, 75 and 100% (needles: the one digit image of the
    haystack, ``--distractors`` named others beside it). Only the warm stage's lines are
@@ -25,8 +28,9 @@ image's digit at depths 0-100% of haystacks up to 131,072 tokens.
 4. ``weft eval --task --forced`` of both tasks at every length, unscaled and under each of
    ``--scalings`` with factor ``--factor`` over the trained length;
 5. per scaling, a fine-tune of ``--finetune`` steps (at most a tenth of the two stages' steps)
-   on the long lines from the export, its evaluations, and the heat maps of both tasks
-   (OUT/heatmap-passkey-S.png, OUT/heatmap-needle-S.png: ``weft report --heatmap``);
+   at a tenth of the base stage's learning rate on the long lines from the export, its
+   evaluations, and the heat maps of both tasks (OUT/heatmap-passkey-S.png,
+   OUT/heatmap-needle-S.png: ``weft report --heatmap``);
 6. OUT/table.md and OUT/summary.json: accuracy by length, before and after, each run's steps,
    tokens/s and wall time.
 
@@ -216,7 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--factor", type=int, default=8, help="the rotary scaling's factor over --length")
     parser.add_argument("--tune-length", type=int, default=131072, help="the fine-tune's longest line")
     parser.add_argument("--finetune", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=5e-4, help="the base stage's and the fine-tune's")
+    parser.add_argument("--lr", type=float, default=5e-4, help="the base stage's")
+    parser.add_argument("--finetune-lr", type=float, default=None,
+                        help="the fine-tune's (default: a tenth of --lr; at --lr it undid the base stage on CPU)")
     parser.add_argument("--micro-batch-tokens", type=int, default=32768, help="the base stage's")
     parser.add_argument("--eval-lengths", default="4096,8192,16384,32768,65536,131072")
     parser.add_argument("--per-depth", type=int, default=4)
@@ -260,8 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               extra=""),
         "finetune": RECIPE.format(what=f"the trained model fine-tuned at up to {args.tune_length} tokens",
                                   model='path = "base-hf"  # the trained model, exported', part="-long",
-                                  steps=args.finetune, tokens=args.tune_length, lr=args.lr, warmup=0,
-                                  precision="bf16", checkpoint=100, extra="")}
+                                  steps=args.finetune, tokens=args.tune_length, lr=args.finetune_lr or args.lr / 10,
+                                  warmup=0, precision="bf16", checkpoint=100, extra="")}
     for name, text in recipes.items():
         (out / f"{name}.toml").write_text(text)
     try:
