@@ -75,13 +75,21 @@
 #   b  frontier/frontier.py on frontier/slice-1m-4layers-1gpu.toml at 1,048,576 tokens, 2 steps
 #      (BENCHMARKS.md, "One million tokens on one H200, planned")
 #
-# retrieval [WARM] one H200, from anywhere (weft installed; the checkout's examples/digits/data made
+# retrieval [WARM [DATA]]
+#                  one H200, from anywhere (weft installed; the checkout's examples/digits/data made
 #                  by examples/digits/make_digits.py, carried): examples/long/retrieval_128k.py at its
-#                  defaults under /tmp/ret for at most 550 s, files to $OUT (/tmp/ret-out/ret.tgz). Call
-#                  it again on the same machine until ret.tgz holds table.md: each call goes on where
+#                  defaults under /tmp/ret for at most $LIMIT s (550), files to $OUT (/tmp/ret-out/ret.tgz).
+#                  Call it again on the same machine until ret.tgz holds table.md: each call goes on where
 #                  the last stopped (done phases skipped, runs resumed from their checkpoints). WARM: an
-#                  exported warm-stage model (trained elsewhere, carried) put in as /tmp/ret/warm-hf.
+#                  exported warm-stage model (trained elsewhere, carried) put in as /tmp/ret/warm-hf;
+#                  DATA: the script's data folder or a .tgz of it, made elsewhere by `--data-only`
+#                  (the same seeds give the same lines), put in as /tmp/ret/data.
 #                  BENCHMARKS.md, "Retrieval to 128K on one H200" (issue 44).
+# retrieval-again NAME [SCRIPT ARGS]
+#                  after `retrieval` has trained and evaluated its base model on this machine: a
+#                  second fine-tune (e.g. NAME=lr15 --finetune-lr 1.5e-4) from the same base model,
+#                  data and evaluations before it (linked), under /tmp/ret-NAME, YaRN only, files to
+#                  $OUT/ret-NAME.tgz; called again, it goes on like `retrieval`.
 #
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
 # GPUs of one host for every mesh) and decode/generate_long.sh ROWS (`weft generate` at 128K and
@@ -330,19 +338,43 @@ set_planned() {
   esac
 }
 
+ret_pack() {  # $1: the work folder, $2: the archive. What the report needs and the exported models
+  # (a few MB), not the data (made again from its seeds) nor the carried warm model; links stay links.
+  (cd "$1" && tar czf "$2" --exclude='./data' --exclude='./warm-hf' --exclude='checkpoints' .)
+  grep -E "step.end|run.end|rror|Traceback" "$1/ret.log" | cut -c1-300 | tail -n 12
+  tail -n 20 "$1/ret.log"
+}
+
+ret_script() {  # $1: the work folder, then the script's own arguments. timeout signals its whole
+  # process group: the weft runs the script starts end with it.
+  local work=$1; shift
+  (cd /tmp && timeout "${LIMIT:-550}" python3 "$here/../examples/long/retrieval_128k.py" "$work" \
+    --digits "$here/../examples/digits/data" --jobs 14 "$@" >> "$work/ret.log" 2>&1)
+  echo "retrieval rc=$? at ${SECONDS}s" | tee -a "$work/status.txt"
+}
+
 set_retrieval() {
   dest=${OUT:-/tmp/ret-out}
   work=/tmp/ret
   mkdir -p "$dest" "$work"
   if [ -n "${1:-}" ] && [ ! -d "$work/warm-hf" ]; then cp -r "$1" "$work/warm-hf" || return 1; fi
-  # timeout signals its whole process group: the weft runs the script starts end with it.
-  (cd /tmp && timeout 550 python3 "$here/../examples/long/retrieval_128k.py" "$work" \
-    --digits "$here/../examples/digits/data" --jobs 14 >> "$work/ret.log" 2>&1)
-  echo "retrieval rc=$? at ${SECONDS}s" | tee -a "$work/status.txt"
-  # What the report needs and the exported models (a few MB), not the data (made again from its seeds).
-  (cd "$work" && tar czf "$dest/ret.tgz" --exclude='./data' --exclude='checkpoints' .)
-  grep -E "step.end|run.end|rror|Traceback" "$work/ret.log" | cut -c1-300 | tail -n 12
-  tail -n 20 "$work/ret.log"
+  if [ -n "${2:-}" ] && [ ! -d "$work/data" ]; then
+    if [ -d "$2" ]; then cp -r "$2" "$work/data"; else mkdir "$work/data" && tar xzf "$2" -C "$work/data"; fi || return 1
+  fi
+  ret_script "$work"
+  ret_pack "$work" "$dest/ret.tgz"
+}
+
+set_retrieval_again() {
+  dest=${OUT:-/tmp/ret-out}
+  name=${1:?a name for the second fine-tune}; shift
+  work=/tmp/ret-$name
+  [ -f /tmp/ret/base-hf/config.json ] || { echo "retrieval-again: /tmp/ret has no base model yet" >&2; return 2; }
+  mkdir -p "$dest" "$work/results"
+  for p in data warm-hf base base-hf; do [ -e "$work/$p" ] || ln -s "/tmp/ret/$p" "$work/$p"; done
+  for r in /tmp/ret/results/base-*; do [ -e "$work/results/$(basename "$r")" ] || ln -s "$r" "$work/results/"; done
+  ret_script "$work" --scalings yarn "$@"
+  ret_pack "$work" "$dest/ret-$name.tgz"
 }
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -357,7 +389,8 @@ case "$what" in
   qlora-72b) set_qlora_72b "$@" ;;
   planned) set_planned "$@" ;;
   retrieval) set_retrieval "$@" ;;
+  retrieval-again) set_retrieval_again "$@" ;;
   help|-h|--help) usage ;;
-  *) echo "run_rows.sh: no set $what (finetune, one-gpu, float8, learning, lease, qlora-72b, planned, retrieval; help lists them)" >&2
+  *) echo "run_rows.sh: no set $what (finetune, one-gpu, float8, learning, lease, qlora-72b, planned, retrieval, retrieval-again; help lists them)" >&2
      exit 2 ;;
 esac

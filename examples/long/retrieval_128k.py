@@ -5,7 +5,7 @@ image's digit at depths 0-100% of haystacks up to 131,072 tokens.
     python examples/long/retrieval_128k.py OUT --digits examples/digits/data [--model passkey_vl.toml]
         [--warm-length 512] [--warm-steps 6000] [--warm-samples 12000,8000] [--digits-samples 21570]
         [--distractors 0] [--length 16384] [--steps 1500] [--factor 8] [--tune-length 131072]
-        [--finetune 300] [--lr 5e-4] [--finetune-lr LR/10] [--long-share 0.5] [--edge-depths 0.2]
+        [--finetune 300] [--lr 5e-4] [--finetune-lr LR/10] [--finetune-warmup 0] [--long-share 0.5] [--edge-depths 0.2]
         [--eval-lengths 4096,...,131072] [--per-depth 4] [--scalings none,yarn] [--jobs 14]
         [--data-only] [--until warm|base]
 
@@ -223,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=5e-4, help="the base stage's")
     parser.add_argument("--finetune-lr", type=float, default=None,
                         help="the fine-tune's (default: a tenth of --lr; at --lr it undid the base stage on CPU)")
+    parser.add_argument("--finetune-warmup", type=int, default=0, help="the fine-tune's warmup steps")
     parser.add_argument("--micro-batch-tokens", type=int, default=32768, help="the base stage's")
     parser.add_argument("--eval-lengths", default="4096,8192,16384,32768,65536,131072")
     parser.add_argument("--per-depth", type=int, default=4)
@@ -267,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "finetune": RECIPE.format(what=f"the trained model fine-tuned at up to {args.tune_length} tokens",
                                   model='path = "base-hf"  # the trained model, exported', part="-long",
                                   steps=args.finetune, tokens=args.tune_length, lr=args.finetune_lr or args.lr / 10,
-                                  warmup=0, precision="bf16", checkpoint=100, extra="")}
+                                  warmup=args.finetune_warmup, precision="bf16", checkpoint=100, extra="")}
     for name, text in recipes.items():
         (out / f"{name}.toml").write_text(text)
     try:
