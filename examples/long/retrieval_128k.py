@@ -105,15 +105,15 @@ samples = {samples}  # the 1,438 training images, repeated: ~10 digit questions 
 """
 
 
-def lines_for(steps: int, *, tokens: int, low: int, high: int, long_share: float = 0.0) -> int:
-    """Training lines for ``steps`` steps of ``tokens`` tokens, per task, each seen about four
-    times (the data is written while the warm stage trains, and encoded again by each run: fewer
-    lines cost the device less time; a key is drawn anew in each line, so nothing is learned by
-    heart): a log-uniform length's mean is (b - a) / ln(b / a), the ``long_share`` drawn from the
-    top half's 3/4 b."""
+def lines_for(steps: int, *, tokens: int, low: int, high: int, long_share: float = 0.0, passes: float = 4) -> int:
+    """Training lines for ``steps`` steps of ``tokens`` tokens, per task, each seen about ``passes``
+    times (fewer lines cost less time to write and encode; but a line seen again shows the same
+    key in the same haystack, which a model can learn by heart instead of retrieving): a
+    log-uniform length's mean is (b - a) / ln(b / a), the ``long_share`` drawn from the top half's
+    3/4 b."""
     mean = (high - low) / max(math.log(high / low), 1e-9) if high > low else high
     mean = (1 - long_share) * mean + long_share * 0.75 * high
-    return max(8, math.ceil(steps * max(tokens, high) / mean / len(TASKS) / 4))
+    return max(8, math.ceil(steps * max(tokens, high) / mean / len(TASKS) / passes))
 
 
 def make_train(data: pathlib.Path, part: str, *, low: int, high: int, samples: dict[str, int], seed: int,
@@ -151,10 +151,11 @@ def make_data(data: pathlib.Path, args) -> None:
                           str(args.distractors), *common])
     share = args.long_share
     base = lines_for(args.steps, tokens=args.micro_batch_tokens, low=LOWEST["passkey"], high=args.length,
-                     long_share=share)
+                     long_share=share, passes=args.passes)
     make_train(data, "", low=0, high=args.length, seed=args.seed, args=args, samples=dict.fromkeys(TASKS, base),
                long_share=share)
-    tune = lines_for(args.finetune, tokens=args.tune_length, low=args.length, high=args.tune_length, long_share=share)
+    tune = lines_for(args.finetune, tokens=args.tune_length, low=args.length, high=args.tune_length, long_share=share,
+                     passes=args.passes)
     make_train(data, "-long", low=args.length, high=args.tune_length, seed=args.seed + 1, args=args,
                samples=dict.fromkeys(TASKS, tune), long_share=share)
 
@@ -215,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(the rest log-uniform)")
     parser.add_argument("--edge-depths", type=float, default=0.2,
                         help="the training needles' share at depth 0 or 1 exactly (the questions ask there)")
+    parser.add_argument("--passes", type=float, default=4,
+                        help="how often the base stage and the fine-tune see each of their lines")
     parser.add_argument("--length", type=int, default=16384, help="the trained length: the base stage's longest line")
     parser.add_argument("--steps", type=int, default=1500, help="the base stage's steps")
     parser.add_argument("--factor", type=int, default=8, help="the rotary scaling's factor over --length")
