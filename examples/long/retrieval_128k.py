@@ -107,10 +107,10 @@ samples = {samples}  # the 1,438 training images, repeated: ~10 digit questions 
 
 def lines_for(steps: int, *, tokens: int, low: int, high: int, long_share: float = 0.0, passes: float = 4) -> int:
     """Training lines for ``steps`` steps of ``tokens`` tokens, per task, each seen about ``passes``
-    times (fewer lines cost less time to write and encode; but a line seen again shows the same
-    key in the same haystack, which a model can learn by heart instead of retrieving): a
-    log-uniform length's mean is (b - a) / ln(b / a), the ``long_share`` drawn from the top half's
-    3/4 b."""
+    times (fewer lines cost less time to write and encode; a line seen again shows the same key
+    in the same haystack, yet four times as many lines, each seen once, retrieved no better at CPU
+    scale: BENCHMARKS.md, "The far keys at CPU scale"): a log-uniform length's mean is
+    (b - a) / ln(b / a), the ``long_share`` drawn from the top half's 3/4 b."""
     mean = (high - low) / max(math.log(high / low), 1e-9) if high > low else high
     mean = (1 - long_share) * mean + long_share * 0.75 * high
     return max(8, math.ceil(steps * max(tokens, high) / mean / len(TASKS) / passes))
