@@ -5,9 +5,9 @@ image's digit at depths 0-100% of haystacks up to 131,072 tokens.
     python examples/long/retrieval_128k.py OUT --digits examples/digits/data [--model passkey_vl.toml]
         [--warm-length 512] [--warm-steps 6000] [--warm-samples 12000,8000] [--digits-samples 21570]
         [--distractors 0] [--length 16384] [--steps 4000] [--factor 8] [--tune-length 131072]
-        [--finetune 300] [--lr 5e-4] [--finetune-lr LR/10] [--finetune-warmup 0] [--long-share 0.5] [--edge-depths 0.2]
-        [--eval-lengths 4096,...,131072] [--per-depth 4] [--scalings none,yarn] [--jobs 14]
-        [--data-only] [--until warm|base]
+        [--finetune 300] [--lr 5e-4] [--finetune-lr LR/10] [--finetune-warmup 0] [--long-share 0.5]
+        [--edge-depths 0.2] [--passes 4] [--eval-lengths 4096,...,131072] [--per-depth 4]
+        [--scalings none,yarn] [--jobs 14] [--data-only] [--until warm|base]
 
 1. data: examples/long/make_passkey.py's and make_needle.py's training lines of each stage
    (drawn uniformly in the logarithm of their length: short ones teach where to look; the base
