@@ -11,6 +11,7 @@ reads is exactly ``length`` tokens (:func:`fit`).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import math
@@ -195,3 +196,28 @@ def line_makers(processes: int, *, initializer: Callable, initargs: tuple) -> It
         yield functools.partial(pool.imap, chunksize=8)
 
 
+
+
+def add_line_arguments(parser: argparse.ArgumentParser, *, train_length: int, train_samples: int, lengths: str,
+                       needle: str) -> None:
+    """The arguments both generators take: where, the tokenizer, the training lines' count,
+    lengths and depths, the questions' lengths and depths, the seed and the processes;
+    ``needle`` names what each line hides ("keys", "needles")."""
+    parser.add_argument("out", type=pathlib.Path)
+    parser.add_argument("--processor", default="tiny_vl", help="the recipe's processor folder (or bundled name)")
+    parser.add_argument("--train-length", type=int, default=train_length)
+    parser.add_argument("--train-samples", type=int, default=train_samples)
+    parser.add_argument("--train-min-length", type=int, default=0,
+                        help="training lines of a random length from this to --train-length (0: all of "
+                             "--train-length): short haystacks first teach where to look")
+    parser.add_argument("--log-lengths", action="store_true",
+                        help="draw those lengths uniformly in their logarithm (as many of hundreds as of thousands)")
+    parser.add_argument("--long-share", type=float, default=0.0,
+                        help="this share of the training lines uniform from half of --train-length to all of it")
+    parser.add_argument("--edge-depths", type=float, default=0.0,
+                        help=f"this share of the training {needle} at depth 0 or 1 exactly (the others uniform)")
+    parser.add_argument("--lengths", default=lengths)
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    parser.add_argument("--per-depth", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1, help="processes writing lines (the files do not depend on it)")

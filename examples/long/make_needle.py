@@ -34,7 +34,7 @@ from weft.core.whole_files import written_whole
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "digits"))
-from haystack import Corpus, Encoder, draw_depth, draw_length, fit, insert_at, line_makers  # noqa: E402
+from haystack import Corpus, Encoder, add_line_arguments, draw_depth, draw_length, fit, insert_at, line_makers  # noqa: E402
 
 INTRO = ("Some images of handwritten digits are hidden inside a lot of irrelevant text, each after a name. "
          "I will ask you about one of them.\n")
@@ -116,25 +116,9 @@ def make_line(job: tuple) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=pathlib.Path)
-    parser.add_argument("--processor", default="tiny_vl")
-    parser.add_argument("--train-length", type=int, default=2048)
-    parser.add_argument("--train-samples", type=int, default=2000)
-    parser.add_argument("--train-min-length", type=int, default=0,
-                        help="training lines of a random length from this to --train-length (0: all of it)")
-    parser.add_argument("--log-lengths", action="store_true",
-                        help="draw those lengths uniformly in their logarithm (as many of hundreds as of thousands)")
-    parser.add_argument("--long-share", type=float, default=0.0,
-                        help="this share of the training lines uniform from half of --train-length to all of it")
-    parser.add_argument("--edge-depths", type=float, default=0.0,
-                        help="this share of the training needles at depth 0 or 1 exactly (the others uniform)")
-    parser.add_argument("--lengths", default="2048,8192")
-    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
-    parser.add_argument("--per-depth", type=int, default=8)
+    add_line_arguments(parser, train_length=2048, train_samples=2000, lengths="2048,8192", needle="needles")
     parser.add_argument("--distractors", type=int, default=2)
     parser.add_argument("--side", type=int, default=56, help="the digits' side in pixels when they are made here")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=1, help="processes writing lines (the files do not depend on it)")
     parser.add_argument("--digits", type=pathlib.Path, default=None,
                         help="examples/digits/make_digits.py's folder (images/, train.jsonl, held_out.jsonl) to take "
                              "the digits and their split from (default: made into OUT_DIR/digits, scikit-learn "

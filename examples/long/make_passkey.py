@@ -34,6 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from haystack import (  # noqa: E402
     Corpus,
     Encoder,
+    add_line_arguments,
     draw_depth,
     draw_length,
     fit,
@@ -162,25 +163,8 @@ def make_line(job: tuple) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=pathlib.Path)
-    parser.add_argument("--processor", default="tiny_vl", help="the recipe's processor folder (or bundled name)")
-    parser.add_argument("--train-length", type=int, default=512)
-    parser.add_argument("--train-samples", type=int, default=3000)
-    parser.add_argument("--train-min-length", type=int, default=0,
-                        help="passkey training lines of a random length from this to --train-length (0: all of "
-                             "--train-length): short haystacks first teach where to look")
-    parser.add_argument("--log-lengths", action="store_true",
-                        help="draw those lengths uniformly in their logarithm (as many of hundreds as of thousands)")
-    parser.add_argument("--long-share", type=float, default=0.0,
-                        help="this share of the training lines uniform from half of --train-length to all of it")
-    parser.add_argument("--edge-depths", type=float, default=0.0,
-                        help="this share of the training keys at depth 0 or 1 exactly (the others uniform)")
+    add_line_arguments(parser, train_length=512, train_samples=3000, lengths="512,1024,2048,4096", needle="keys")
     parser.add_argument("--text-fraction", type=float, default=0.25)
-    parser.add_argument("--lengths", default="512,1024,2048,4096")
-    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
-    parser.add_argument("--per-depth", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=1, help="processes writing lines (the files do not depend on it)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     pick = random.Random(f"{args.seed}:kinds")
