@@ -181,6 +181,25 @@ def test_retrieval_stages_write_each_task_its_own_count(tmp_path, monkeypatch):
     assert retrieval.lines_for(300, tokens=131072, low=16384, high=131072, long_share=0.5) == 65
 
 
+def test_retrieval_sets_the_rotary_base_and_nothing_else(tmp_path):
+    """--rope-theta replaces the preset's one rotary base; the rest of the preset stays as written,
+    and a preset without exactly one such line is a message."""
+    import tomllib
+
+    retrieval = example("retrieval_128k")
+    preset = retrieval.HERE / "passkey_vl.toml"
+    text = retrieval.preset_text(preset, theta=1e6)
+    read, own = tomllib.loads(text), tomllib.loads(preset.read_text())
+    assert read["text_config"]["rope_parameters"]["rope_theta"] == 1e6
+    assert own["text_config"]["rope_parameters"]["rope_theta"] == 10000.0
+    read["text_config"]["rope_parameters"]["rope_theta"] = 10000.0
+    assert read == own and retrieval.preset_text(preset, theta=None) == preset.read_text()
+    bare = tmp_path / "bare.toml"
+    bare.write_text('model_type = "qwen2_5_vl"\n')
+    with pytest.raises(SystemExit, match="has 0 lines 'rope_theta"):
+        retrieval.preset_text(bare, theta=1e6)
+
+
 def test_training_lines_reach_the_top_lengths_and_the_edge_depths():
     """--long-share puts lines in the top half of the lengths, --edge-depths needles at 0 and 1
     exactly; with neither the draws are as before (the same lines for the same seed)."""
