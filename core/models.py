@@ -58,6 +58,10 @@ class PositionWatch(Protocol):
     def poll(self) -> None:
         """Once per step, after the step's own syncs: warn once past the context."""
 
+    def resumed(self, largest: int) -> None:
+        """The largest position id of the run before it was resumed (its checkpoint's):
+        ``largest`` then covers the whole run, not only the steps since."""
+
 
 @runtime_checkable
 class ModelFamily(Protocol):

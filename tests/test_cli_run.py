@@ -65,12 +65,20 @@ def test_run_keeps_checkpoints(tiny_run):
 
 
 def test_resume_continues_from_newest_checkpoint(weft, tiny_run, tmp_path):
-    done = weft("run", str(TINY), "--set", "train.max_steps=14", "--run-dir", str(tiny_run), "--resume", cwd=tmp_path)
+    """Steps 13-14 after 1-12; the summary's largest position id (what `weft export` records as
+    the context the model saw) is the whole run's, not only the resumed steps' (smaller images
+    after the resume: their own largest, 95, is below the first segment's)."""
+    first = json.loads((tiny_run / "summary.json").read_text())["largest_position"]
+    meta = lambda step: json.loads((tiny_run / "checkpoints" / f"step-{step}" / "meta.json").read_text())  # noqa: E731
+    assert meta(12)["largest_position"] == first  # the ranks' largest, kept with the checkpoint
+    done = weft("run", str(TINY), "--set", "train.max_steps=14", "--set", "data.max_side=56", "--run-dir",
+                str(tiny_run), "--resume", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = read_metrics(tiny_run)
     assert [r["step"] for r in rows][-2:] == [13, 14]
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert summary["start_step"] == 12
+    assert summary["largest_position"] == meta(14)["largest_position"] == first
 
 
 def test_resume_without_checkpoint_is_a_user_error(weft, tmp_path):

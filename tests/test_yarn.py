@@ -65,11 +65,18 @@ def test_an_export_announces_the_positions_an_unscaled_run_trained_on(tmp_path):
     widen_context(yarn, positions=8192)
     assert trained_context(yarn) == (1024, 512)
 
-    assert _positions_reached(tmp_path) == 0  # no summary: nothing claimed
+    step = tmp_path / "checkpoints" / "step-2"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"step": 2}))  # saved before weft kept the positions
+    assert _positions_reached(tmp_path, step) == 0  # no summary: nothing claimed
     (tmp_path / "summary.json").write_text(json.dumps({"largest_position": 16383}))
-    assert _positions_reached(tmp_path) == 16384
+    assert _positions_reached(tmp_path, step) == 16384
     (tmp_path / "summary.json").write_text(json.dumps({"largest_position": None}))
-    assert _positions_reached(tmp_path) == 0
+    assert _positions_reached(tmp_path, step) == 0
+    # the checkpoint's own count first: a run resumed (or exported at an earlier step) is not its last summary
+    (step / "meta.json").write_text(json.dumps({"step": 2, "largest_position": 4095}))
+    (tmp_path / "summary.json").write_text(json.dumps({"largest_position": 16383}))
+    assert _positions_reached(tmp_path, step) == 4096
 
 
 @pytest.mark.quick

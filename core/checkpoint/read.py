@@ -75,6 +75,13 @@ def verify(path: pathlib.Path, *, rank: int = 0, world: int = 1, checksums: bool
     return dcp_read.plain_data(path)  # DCP's index and its non-tensor values: plain data or refused
 
 
+def saved_positions(path: pathlib.Path) -> int:
+    """The largest position id the run had reached when ``path`` was saved; -1 when unknown
+    (a checkpoint from before weft kept it)."""
+    largest = json.loads((path / "meta.json").read_text()).get("largest_position", -1)
+    return largest if isinstance(largest, int) else -1
+
+
 class CheckpointRefused(WeftError):
     """A checkpoint a command was pointed at is not whole or not plain data (exit 2)."""
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from weft.core.checkpoint import dcp_read
-from weft.core.checkpoint.read import checkpoint_dirs, load_checkpoint_into, refuse_unless_sound
+from weft.core.checkpoint.read import checkpoint_dirs, load_checkpoint_into, refuse_unless_sound, saved_positions
 from weft.core.errors import WeftError
 from weft.core.recipe import Recipe
 
@@ -76,15 +76,19 @@ def export(run_dir: pathlib.Path, out_dir: pathlib.Path, *, pm: WeftPluginManage
             dist.destroy_process_group()
     if kind != "adapter directory":
         out_dir.mkdir(parents=True, exist_ok=True)
-        family.export(model, recipe, out_dir, positions=_positions_reached(run_dir))
+        family.export(model, recipe, out_dir, positions=_positions_reached(run_dir, checkpoint))
     (out_dir / "weft_export.json").write_text(json.dumps(
         {"run_dir": str(run_dir), "checkpoint": checkpoint.name, "adapters": kind}, indent=1))
     return checkpoint
 
 
-def _positions_reached(run_dir: pathlib.Path) -> int:
-    """How many positions the run's batches reached (its summary's largest position id + 1);
-    0 where the run wrote no summary or saw no batch."""
+def _positions_reached(run_dir: pathlib.Path, checkpoint: pathlib.Path) -> int:
+    """How many positions the run's batches had reached when ``checkpoint`` was saved (its
+    largest position id + 1, over every segment of a resumed run); for a checkpoint from before
+    weft kept it, the run's summary's; 0 where neither knows or no batch was seen."""
+    largest = saved_positions(checkpoint)
+    if largest >= 0:
+        return largest + 1
     try:
         largest = json.loads((run_dir / "summary.json").read_text()).get("largest_position")
     except (OSError, ValueError):

@@ -8,9 +8,10 @@ lowest held-out loss, ``eval.keep_best``). ``manifest.json`` is written last, in
 temporary folder: the size and CRC-32 of every file (each rank checksums the files it
 wrote). A folder without a manifest is not a checkpoint.
 
-Nothing here runs what a checkpoint holds: the step and the schedule are JSON (``meta.json``),
-the RNG states tensors loaded with ``weights_only=True``, DCP's index and its non-tensor values
-read by core/checkpoint/dcp_read.py (an allowlist of DCP's own classes; ``weights_only``). A pickle
+Nothing here runs what a checkpoint holds: the step, the schedule and the largest position id
+the run had reached are JSON (``meta.json``), the RNG states tensors loaded with
+``weights_only=True``, DCP's index and its non-tensor values read by
+core/checkpoint/dcp_read.py (an allowlist of DCP's own classes; ``weights_only``). A pickle
 planted in a checkpoint is refused, never run, even with the manifest rewritten to match it.
 
 ``--resume`` takes the newest checkpoint that passes ``verify`` (core/checkpoint/read.py: every
@@ -27,6 +28,8 @@ import pathlib
 import random
 import re
 import shutil
+import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,10 +38,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from weft.core.checkpoint import dcp_read
-from weft.core.checkpoint.read import MANIFEST, checkpoint_dirs, describe, verify
+from weft.core.checkpoint.read import MANIFEST, checkpoint_dirs, describe, saved_positions, verify
 from weft.core.errors import EXIT_RUNTIME, WeftError
-from weft.core.run.collectives import any_rank, collective_device
+from weft.core.run.collectives import any_rank, collective_device, global_max
 from weft.core.whole_files import write_json_whole
+
+if TYPE_CHECKING:
+    from weft.core.context import RunContext
+    from weft.core.models import PositionWatch
 
 #: Names the checkpoint of the lowest held-out loss (``eval.keep_best``): the rotation keeps it.
 BEST = "best.json"
@@ -56,7 +63,10 @@ class CheckpointError(WeftError):
     exit_code = EXIT_RUNTIME
 
 
-def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank: int, keep: int) -> pathlib.Path:
+def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank: int, keep: int,
+         positions: PositionWatch | None = None) -> pathlib.Path:
+    """``positions``: the run's watch of the position ids; the ranks' largest so far is kept in
+    ``meta.json`` (a resumed run's summary and export then count the steps before it too)."""
     root = run_dir / "checkpoints"
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -64,6 +74,7 @@ def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank:
         shutil.rmtree(tmp, ignore_errors=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     device = collective_device(next(model.parameters()).device)
+    largest = global_max(positions.largest if positions is not None else -1, device=device)
     error, mine = None, {}
     if rank == 0:
         try:
@@ -93,7 +104,8 @@ def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank:
     dist.all_gather_object(described, mine)
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps(
-            {"step": step, "scheduler": _plain(scheduler.state_dict()), "world_size": dist.get_world_size()}))
+            {"step": step, "scheduler": _plain(scheduler.state_dict()), "world_size": dist.get_world_size(),
+             "largest_position": largest}))
         files = {name: entry for part in described for name, entry in part.items()}
         for path in sorted(tmp.iterdir()):  # DCP's .metadata and meta.json: rank 0's
             files.setdefault(path.name, describe(path))
@@ -160,6 +172,25 @@ def load(*, path: pathlib.Path, model, optimizer, scheduler, rank: int) -> int:
     if rng.is_file() and meta["world_size"] == dist.get_world_size():
         _set_rng_state(torch.load(rng, weights_only=True))
     return int(meta["step"])
+
+
+def resume(ctx: RunContext, *, model, optimizer, scheduler) -> int:
+    """``--resume``: the newest good checkpoint restored in place (the newer ones passed over
+    named); returns its step. The position watch takes the run's largest position so far."""
+    path, passed = newest_good(ctx.run_dir, rank=ctx.rank, world=ctx.world_size, device=ctx.device)
+    for reason in passed:
+        ctx.log.warning("checkpoint.rejected", reason=reason)
+    if path is None:
+        found = "; ".join(passed) or "none found"
+        raise CheckpointError(f"--resume: no usable checkpoint under {ctx.run_dir / 'checkpoints'} ({found})",
+                              where="--resume")
+    if passed and ctx.rank == 0:
+        print(f"weft: resuming from {path.name}: passed over {'; '.join(passed)}", file=sys.stderr)
+    step = load(path=path, model=model, optimizer=optimizer, scheduler=scheduler, rank=ctx.rank)
+    if ctx.positions is not None:
+        ctx.positions.resumed(saved_positions(path))
+    ctx.log.info("checkpoint.loaded", path=str(path), step=step)
+    return step
 
 
 def newest_good(run_dir: pathlib.Path, *, rank: int, world: int, device: torch.device) -> tuple[pathlib.Path | None,

@@ -99,7 +99,7 @@ def _train(*, recipe: Recipe, pm: WeftPluginManager, ctx: RunContext, resume: bo
     optimizer, scheduler = make_optimizer(recipe, run.model, plan=run.plan, pm=pm, ctx=ctx)
     ctx.state.optimizer = optimizer
     if resume:
-        ctx.state.start_step = _resume(ctx, run.model, optimizer, scheduler)
+        ctx.state.start_step = checkpoint.resume(ctx, model=run.model, optimizer=optimizer, scheduler=scheduler)
         if ctx.rank == 0:
             trim_metrics(ctx.run_dir / "metrics.jsonl", last_step=ctx.start_step)
     steps = iter(counted if counted is not None else batching())
@@ -143,7 +143,8 @@ def _train(*, recipe: Recipe, pm: WeftPluginManager, ctx: RunContext, resume: bo
             if _checkpoint_due(recipe.train.checkpoint_every, step=step, last=recipe.train.max_steps, verdict=verdict,
                                interrupted=interrupted):
                 path = checkpoint.save(run_dir=ctx.run_dir, step=step, model=run.model, optimizer=optimizer,
-                                       scheduler=scheduler, rank=ctx.rank, keep=recipe.train.keep_checkpoints)
+                                       scheduler=scheduler, rank=ctx.rank, keep=recipe.train.keep_checkpoints,
+                                       positions=ctx.positions)
                 ctx.log.info("checkpoint.saved", step=step, path=str(path))
                 ending.checkpoint = path.name
                 metric = _BEST_BY[recipe.eval.best_by]
@@ -248,7 +249,8 @@ def _aborted(abort: GuardAbort, *, state: StepState, metrics, run: Prepared, opt
     if ctx.recipe.train.checkpoint_every != -1 and last_good >= 1 and not (saved and saved[-1].name ==
                                                                             f"step-{last_good}"):
         path = checkpoint.save(run_dir=ctx.run_dir, step=last_good, model=run.model, optimizer=optimizer,
-                               scheduler=scheduler, rank=ctx.rank, keep=ctx.recipe.train.keep_checkpoints)
+                               scheduler=scheduler, rank=ctx.rank, keep=ctx.recipe.train.keep_checkpoints,
+                               positions=ctx.positions)
         ctx.log.info("checkpoint.saved", step=last_good, path=str(path), reason="guard abort: the last good state")
         ending.checkpoint = path.name
 
@@ -273,22 +275,6 @@ def _checkpoint_due(every: int, *, step: int, last: int, verdict: Verdict, inter
     if every == -1:
         return False
     return (every > 0 and step % every == 0) or step == last or verdict.action == "checkpoint" or interrupted
-
-
-def _resume(ctx: RunContext, model, optimizer, scheduler) -> int:
-    path, passed = checkpoint.newest_good(ctx.run_dir, rank=ctx.rank, world=ctx.world_size,
-                                          device=ctx.device)
-    for reason in passed:
-        ctx.log.warning("checkpoint.rejected", reason=reason)
-    if path is None:
-        found = "; ".join(passed) or "none found"
-        raise checkpoint.CheckpointError(f"--resume: no usable checkpoint under {ctx.run_dir / 'checkpoints'} "
-                                         f"({found})", where="--resume")
-    if passed and ctx.rank == 0:
-        print(f"weft: resuming from {path.name}: passed over {'; '.join(passed)}", file=sys.stderr)
-    step = checkpoint.load(path=path, model=model, optimizer=optimizer, scheduler=scheduler, rank=ctx.rank)
-    ctx.log.info("checkpoint.loaded", path=str(path), step=step)
-    return step
 
 
 def _verdict(pm: WeftPluginManager, event: str, state: StepState, plan: Plan, ctx: RunContext) -> Verdict:

@@ -26,6 +26,7 @@ class PositionWatch:
 
     def __init__(self, *, decoder: torch.nn.Module, context: int, original: int, scaling: str, log: Any) -> None:
         self.context, self.original, self.scaling, self.log = context, original, scaling, log
+        self._before = -1  # the run's largest before a resume, from its checkpoint
         self._counted = -1  # from token counts (decoders that number tokens themselves)
         self._seen: torch.Tensor | None = None  # () running max of position ids, on their device
         self.warned = False
@@ -33,7 +34,10 @@ class PositionWatch:
 
     @property
     def largest(self) -> int:
-        return max(self._counted, int(self._seen.item()) if self._seen is not None else -1)
+        return max(self._before, self._counted, int(self._seen.item()) if self._seen is not None else -1)
+
+    def resumed(self, largest: int) -> None:
+        self._before = max(self._before, largest)
 
     def remove(self) -> None:
         self.handle.remove()
