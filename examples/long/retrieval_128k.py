@@ -112,7 +112,8 @@ def preset_text(source: pathlib.Path, *, theta: float | None) -> str:
     text = source.read_text()
     if theta is None:
         return text
-    text, found = re.subn(r"^rope_theta = \S+", f"rope_theta = {theta:.1f}", text, flags=re.MULTILINE)
+    text, found = re.subn(r"^rope_theta = (\S+)", rf"rope_theta = {theta:.1f}  # --rope-theta (the preset's: \1)",
+                          text, flags=re.MULTILINE)
     if found != 1:
         raise SystemExit(f"--rope-theta {theta:g}: {source} has {found} lines 'rope_theta = ...', not one")
     return text
