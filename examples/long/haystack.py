@@ -196,8 +196,6 @@ def line_makers(processes: int, *, initializer: Callable, initargs: tuple) -> It
         yield functools.partial(pool.imap, chunksize=8)
 
 
-
-
 def add_line_arguments(parser: argparse.ArgumentParser, *, train_length: int, train_samples: int, lengths: str,
                        needle: str) -> None:
     """The arguments both generators take: where, the tokenizer, the training lines' count,

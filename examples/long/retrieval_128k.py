@@ -262,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "to carry to another's OUT/warm-hf) or the base stage's")
     args = parser.parse_args(argv)
     args.eval_lengths = [int(n) for n in args.eval_lengths.split(",")]
+    if args.rope_theta < 0:
+        parser.error(f"--rope-theta {args.rope_theta:g}: a rotary base is positive (or 0: the preset's own)")
     if args.finetune * 10 > args.steps + args.warm_steps:
         parser.error(f"--finetune {args.finetune}: at most a tenth of the training's steps "
                      f"({args.warm_steps} + {args.steps})")
