@@ -119,6 +119,11 @@ class ModelFamily(Protocol):
     def watch_positions(self, model: torch.nn.Module, *, recipe: Recipe, log: Any) -> PositionWatch:
         """Track the position ids the text decoder receives."""
 
+    def fuse_projections(self, model: torch.nn.Module) -> int:
+        """For inference: each group of sibling projections the family's forward calls on one
+        input (query/key/value, gate/up) computed as one product with gradients off; the
+        number of groups fused (0 where the family has none)."""
+
     def rope_summary(self, config: transformers.PretrainedConfig, *, recipe: Recipe) -> dict:
         """The text decoder's rotary context, for `weft plan`."""
 

@@ -323,3 +323,16 @@ def test_sampled_steps_are_the_loop_that_draws_the_same_noise(tiny):
         dist.destroy_process_group()
     assert tokens == want and logprobs == pytest.approx(want_logprobs, abs=1e-9)
     assert tokens != tiny["tokens"]  # not the greedy answer
+
+
+def test_the_bytes_a_step_reads(tiny):
+    """The weights a decoding step reads: every parameter but the vision tower's and the input
+    embedding's (one row of it a step), the output head's whole matrix even where it is tied."""
+    model = tiny["model"]
+    visual, embed = model.model.visual, model.get_input_embeddings()
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    tower = sum(p.numel() * p.element_size() for p in visual.parameters())
+    table = embed.weight.numel() * embed.weight.element_size()
+    tied = model.get_output_embeddings().weight is embed.weight
+    assert decode.weight_bytes(model, skip=[visual, embed]) == every - tower - (0 if tied else table)
+    assert decode.weight_bytes(model, skip=[]) == every

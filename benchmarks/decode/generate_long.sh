@@ -22,6 +22,9 @@
 # 28l: longer prompts through the static cache as shipped, 256K and 512K tokens, 20 new tokens
 # (whether the whole prompt's prefill fits one H200 without chunking, and the step's cost there),
 # 512K prefilled in chunks of 64K, 128K in chunks of 32K;
+# 28u: the static cache as shipped (q/k/v and gate/up fused) beside the same with
+# --no-fused-projections, each timed and then profiled, and the device's copy bandwidth
+# measured in the same command: the GB/s a token's step achieves against it;
 # all (the default): every group. The table covers whatever rows the folder holds.
 set -uo pipefail
 rows=${1:-all}
@@ -36,7 +39,7 @@ ruled() {  # $1 the variant's path, $2 the static cache rule's extra keys: one r
     "$here/variants/7b-128k-static-cache.toml" > "$1"
   grep -q "$2" "$1" || { echo "generate_long.sh: the static cache's rule not found in the variant" >&2; exit 1; }
 }
-case "$rows" in 28|all) ;; 28a|28f|28l|28p|28x|15) ;; *) echo "generate_long.sh: rows 28, 28a, 28f, 28l, 28p, 28x, 15 or all, not $rows" >&2; exit 2 ;; esac
+case "$rows" in 28|all) ;; 28a|28f|28l|28p|28x|28u|15) ;; *) echo "generate_long.sh: rows 28, 28a, 28f, 28l, 28p, 28x, 28u, 15 or all, not $rows" >&2; exit 2 ;; esac
 if [ "$rows" = 28a ] || [ "$rows" = 28f ] || [ "$rows" = all ]; then
 # The same 16K prompt through each path; float32 (weights stored and computed so, the prefill
 # and the vision tower through torch's SDPA: flash-attn-4 takes no float32) is the reference every bf16 row is
@@ -128,6 +131,31 @@ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('128K step:',
 [print(f\"{k['per_step_us']:9.1f} us {k['calls']:6d}x {k['kernel'][:110]}\") for k in d['kernels'][:25]]" \
   "$out/profile-128k/decode_profile.json" 2>/dev/null || echo "profile: not written (see one-static-profiled.err)"
 fi
+if [ "$rows" = 28u ] || [ "$rows" = all ]; then
+# Fused projections or not, one after the other in the same command (the machines are noisy),
+# then each under the profiler (its own rows: the profiler's bookkeeping stays out of the timings).
+python3 -c "
+import json, torch
+a = torch.empty(2**31, dtype=torch.uint8, device='cuda'); b = torch.empty_like(a)
+for _ in range(3): b.copy_(a)
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(20): b.copy_(a)
+end.record(); torch.cuda.synchronize()
+print(json.dumps({'copy_gb_per_s': 2 * 20 * a.numel() / (start.elapsed_time(end) / 1e3) / 1e9,
+                  'device': torch.cuda.get_device_name()}))" > "$out/copy-bandwidth.json" 2> "$out/copy-bandwidth.err"
+timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static.json" 2> "$out/one-static.err"
+timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 --no-fused-projections \
+  > "$out/one-static-unfused.json" 2> "$out/one-static-unfused.err"
+for variant in "" --no-fused-projections; do
+  name=profile-128k${variant:+-unfused}
+  timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 $variant --profile "$out/$name" \
+    > "$out/$name.json" 2> "$out/$name.err"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'step:', d['ms_per_step'], 'ms of kernels');
+[print(f\"{k['per_step_us']:9.1f} us {k['calls']:6d}x {k['kernel'][:110]}\") for k in d['kernels'][:25]]" \
+    "$out/$name/decode_profile.json" "$name" 2>/dev/null || echo "$name: not written (see $name.err)"
+done
+fi
 if [ "$rows" = 28x ] || [ "$rows" = all ]; then
 ruled "$out/static-uncompiled.toml" 'compile_step = false'
 # The eager path at 128K: no compiled step, no CUDA graph (the same Triton attention).
@@ -172,7 +200,7 @@ python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rows = {}
-for name in ("hf", "hf-static", "one-static", "long-128k-chunked", "long-256k", "long-512k", "long-512k-chunked", "one-static-eager", "one-static-nograph", "one-static-uncompiled", "one-static-split", "one-static-flash",
+for name in ("hf", "hf-static", "one-static", "one-static-unfused", "long-128k-chunked", "long-256k", "long-512k", "long-512k-chunked", "one-static-eager", "one-static-nograph", "one-static-uncompiled", "one-static-split", "one-static-flash",
              "one", "one-paged", "two", "two-paged"):
     try:
         rows[name] = json.loads((out / f"{name}.json").read_text())
@@ -209,7 +237,19 @@ if "hf" in rows and "one-static" in rows:
 if "one-static" in rows and "one-static-flash" in rows:
     same = sum(a == b for a, b in zip(rows["one-static"]["tokens"], rows["one-static-flash"]["tokens"]))
     print(f"flash-attn-4 decode against weft's split-KV: {same} of {len(rows['one-static']['tokens'])} tokens the same")
-for name in ("one-static-eager", "one-static-nograph", "one-static-uncompiled", "one-static-split"):
+try:
+    copy = json.loads((out / "copy-bandwidth.json").read_text())
+    print(f"device copy bandwidth: {copy['copy_gb_per_s']:,.0f} GB/s ({copy['device']})")
+except (OSError, ValueError):
+    copy = None
+for name, r in rows.items():  # the bytes a replayed step reads, and the rate it reads them at
+    if r.get("weight_bytes_per_rank") and r.get("graph_ms_per_token"):
+        read = r["weight_bytes_per_rank"] + r["cache_bytes_per_rank"][0]
+        rate = read / (r["graph_ms_per_token"] / 1e3) / 1e9
+        share = f", {rate / copy['copy_gb_per_s']:.0%} of the copy bandwidth" if copy else ""
+        print(f"{name}: {r.get('fused_projection_groups', 0)} groups fused; reads {r['weight_bytes_per_rank'] / 1e9:.2f} GB "
+              f"of weights + {r['cache_bytes_per_rank'][0] / 1e9:.2f} GB of cache a token: {rate:,.0f} GB/s replayed{share}")
+for name in ("one-static-eager", "one-static-nograph", "one-static-uncompiled", "one-static-split", "one-static-unfused"):
     if "one-static" in rows and name in rows:
         same = sum(a == b for a, b in zip(rows["one-static"]["tokens"], rows[name]["tokens"]))
         first = next((i for i, (a, b) in enumerate(zip(rows["one-static"]["tokens"], rows[name]["tokens"])) if a != b),

@@ -65,6 +65,7 @@ def _generate(args) -> int:
                "videos": [str(p.resolve()) for p in args.videos],
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                "seed": args.seed, "stream": not args.json, "warmup": args.warmup, "cuda_graph": args.cuda_graph,
+               "fused_projections": args.fused_projections,
                "profile": str(args.profile.resolve()) if args.profile else None,
                **({"prompts": prompts} if prompts is not None else {}),
                **({"from_data": args.prompt_from_data} if (args.prompt_from_data or 1) > 1 else {})}

@@ -133,6 +133,9 @@ def _inference_commands(sub: Any, *, handlers: Mapping[str, Handler]) -> None:
                           help="one untimed prefill first (compiled modules compile there): benchmarks")
     generate.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                           help="the static cache's greedy steps eagerly, not replayed as a captured CUDA graph")
+    generate.add_argument("--no-fused-projections", dest="fused_projections", action="store_false",
+                          help="each layer's query/key/value and gate/up projections as separate products, not "
+                               "one over their weights in one storage (docs/inference.md)")
     generate.add_argument("--profile", type=pathlib.Path, metavar="DIR", help="the decoding steps' kernels by device "
                           "time into DIR (decode_profile.json/.txt; torch.profiler)")
     _common(generate)

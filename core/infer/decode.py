@@ -104,6 +104,16 @@ def cache_bytes(cache) -> int:
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None))
 
 
+def weight_bytes(model: torch.nn.Module, *, skip: list[torch.nn.Module]) -> int:
+    """Bytes of this rank's parameters a decoding step reads: all but those under ``skip`` (the
+    vision tower, the input embedding, of which a step reads one row) unless the output head
+    shares them (tied embeddings: the head reads the whole matrix)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kept = {id(head.weight)} if head is not None else set()
+    skipped = {id(p) for m in skip if m is not None for p in m.parameters()} - kept
+    return int(sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skipped))
+
+
 def compile_step(cache, *, device: torch.device, model: torch.nn.Module) -> bool:
     """Whether the decoding step over ``cache`` runs through torch.compile (the one place this is
     decided): where the cache asks (the static cache's ``compile_step``, its default), on CUDA,

@@ -35,6 +35,7 @@ from weft.core.infer.decode import (
     stop_tokens,
     streaming,
     text_attention,
+    weight_bytes,
 )
 from weft.core.infer.decode_graph import decode_buffered
 from weft.core.infer.decode_profile import decode_profile
@@ -53,7 +54,7 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
                      temperature: float, top_p: float, seed: int, run_dir: pathlib.Path | None, step: int | None,
                      stream: bool = False, warmup: bool = False, adapter_dir: str | None = None,
                      prompts: list[dict] | None = None, from_data: int = 1, cuda_graph: bool = True,
-                     profile: str | None = None) -> dict:
+                     profile: str | None = None, fused_projections: bool = True) -> dict:
     """One rank's part of `weft generate` (inside its process group): the prompt (or prompts)
     prefilled and decoded; rank 0's result is the command's."""
     from weft.core.infer.prepare_inference import prepare_inference
@@ -63,6 +64,9 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
                                                  device_type=device_type, run_dir=run_dir, step=step,
                                                  adapter_dir=adapter_dir)
     model, device = run.model, ctx.device
+    # Each layer's q/k/v and gate/up as one product over one storage (the family's fuse_projections):
+    # a decoding step reads the same weights in fewer kernels. Plain nn.Linear siblings only.
+    fused_groups = ctx.family.fuse_projections(model) if fused_projections else 0
     if run.fused is not None:  # no loss here: its hook would hold the prefill's last hidden states (1 GB at 128K)
         run.fused.handle.remove()
     # Sampling on the device (the buffered step, a batch): draws from a generator seeded there.
@@ -80,7 +84,7 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
                                    max_new_tokens=max_new_tokens, cuda_graph=cuda_graph, sampling=sampling,
                                    warmup=warmup, profiled=profiled,
                                    autocast=autocast_for(recipe.train.precision, device_type)),
-                    checkpoint=checkpoint)
+                    checkpoint=checkpoint, fused_projection_groups=fused_groups)
     inputs = (ctx.family.prompt_inputs(recipe, text=prompt, images=images, videos=videos) if prompt is not None
               else _prompt_from_data(recipe, run=run, pm=pm, ctx=ctx))
     length = inputs["input_ids"].shape[1]
@@ -159,7 +163,10 @@ def generate_on_rank(recipe: Recipe, *, rank: int, world_size: int, local_rank: 
     dist.all_gather_object(gathered, (cache_bytes(cache), getattr(cache, "partition_bytes", lambda: None)()))
     local_bytes, partitions = [g[0] for g in gathered], [g[1] for g in gathered]
     return {"tokens": tokens, "logprobs": logprobs, "text": ctx.family.decode_tokens(recipe, tokens),
-            "prompt_tokens": length,
+            "prompt_tokens": length, "fused_projection_groups": fused_groups,
+            # What a step reads (the bandwidth a token's milliseconds achieve): weights, then the cache.
+            "weight_bytes_per_rank": weight_bytes(model, skip=[ctx.family.vision_tower(model),
+                                                               model.get_input_embeddings()]),
             "prefill_s": prefill_s, "prefill_tokens_per_s": length / max(prefill_s, 1e-9), "prefill_chunks": chunks,
             "decode_ms_per_token": 1e3 * decode_s / max(counted, 1), "decode_setup_s": setup_s,
             "decode_wall_s": decode_wall_s, "cache": type(cache).__name__,

@@ -34,6 +34,9 @@ class TransformersFamily:
     #: patches, strategy ``vision_ulysses``): the tower's blocks must only pass the patch
     #: sequence from one block to the next.
     shares_vision: bool = True
+    #: Sibling linears that the family's forward calls in this order on one input (names of a
+    #: module's children), fused for inference by ``fuse_projections``; () for none.
+    fused_siblings: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
     # -- building ------------------------------------------------------------
 
@@ -138,6 +141,11 @@ class TransformersFamily:
 
         return VisionKeepAlive(visual=self.vision_tower(model), embed=self.text_decoder(model).embed_tokens,
                                model=model)
+
+    def fuse_projections(self, model: torch.nn.Module) -> int:
+        from weft.strategies.model.fused_linears import fuse_siblings
+
+        return fuse_siblings(model, groups=self.fused_siblings)
 
     def watch_positions(self, model: torch.nn.Module, *, recipe: Recipe, log: Any) -> Any:
         from weft.plugins.models.positions import PositionWatch
