@@ -73,6 +73,7 @@
 #   a  qwen2.5-vl-7b-dpo-lora-32k-1gpu, 6 steps, nvidia-smi beside it, `weft plan --estimate --json`
 #      (BENCHMARKS.md, "Preference training on the GPU: Qwen2.5-VL-7B, LoRA DPO on 32K-token pairs")
 #   b  frontier/frontier.py on frontier/slice-1m-4layers-1gpu.toml at 1,048,576 tokens, 2 steps
+#      (SLICE_LIMIT seconds, default 580: more where started detached)
 #      (BENCHMARKS.md, "One million tokens on one H200, planned")
 #
 # retrieval [WARM [DATA]]
@@ -330,8 +331,9 @@ set_planned() {
       echo "gpu max MiB $(sort -n "$dest/dpo.smi" | tail -1)"
       grep -E "step.end|run.end|rror" "$dest/dpo.log" | cut -c1-400 | tail -n 8 ;;
     b)
-      timeout 580 python3 "$here/frontier/frontier.py" --out "$dest/slice1m" \
-        --recipe "$here/frontier/slice-1m-4layers-1gpu.toml" --lengths 1048576 --steps 2 --timeout 570 \
+      limit=${SLICE_LIMIT:-580}  # detached (benchmarks/detached.sh), two steps may take longer than one call
+      timeout "$limit" python3 "$here/frontier/frontier.py" --out "$dest/slice1m" \
+        --recipe "$here/frontier/slice-1m-4layers-1gpu.toml" --lengths 1048576 --steps 2 --timeout $((limit - 10)) \
         > "$dest/slice1m.log" 2>&1; echo "slice1m rc=$?" | tee -a "$dest/status.txt"
       tail -n 20 "$dest/slice1m.log" ;;
     *) echo "run_rows.sh planned: stage a or b, not $stage" >&2; return 2 ;;
