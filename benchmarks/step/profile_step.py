@@ -79,6 +79,11 @@ def _sync() -> None:
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
+#: The step's phases as weft's loop marks them on the host (core/train/timing.py: ``weft.forward``, ...).
+PHASES = ("forward", "backward", "optimizer")
+#: Kernel-name fragments of an attention forward (flash-attn-4's, cuDNN's "fprop"): in the
+#: backward phase, the attention's recomputation.
+FORWARD_ATTENTION = ("fwd", "Fwd", "fprop", "forward", "Forward")
 
 
 def summarise(trace: dict) -> dict:
@@ -110,8 +115,41 @@ def summarise(trace: dict) -> dict:
     return {"wall_ms": wall / 1e3, "busy_ms": busy / 1e3, "kernel_ms": sum(by_family.values()) / 1e3,
             "kernels": len(kernels), "exposed_comm_ms": exposed / 1e3,
             "families_ms": {k: v / 1e3 for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
+            **by_phase(kernels, events),
             "idle_gaps": _gaps(kernels, events),
             "top": [{"name": n[:160], "ms": t / 1e3, "calls": c, "family": family(n)} for n, (t, c) in top]}
+
+
+def _launches(events: list) -> dict:
+    """The host's launch events by correlation id (a kernel's ``args.correlation``)."""
+    return {e["args"]["correlation"]: e for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+
+def by_phase(kernels: list, events: list) -> dict:
+    """Kernel milliseconds by the step's phase (the ``weft.<phase>`` host range its launch fell
+    in, on any thread: autograd launches the backward's kernels from its own) and family, and
+    the recomputation's share, estimated: in the backward, the attention's forward kernels, and
+    the matrix products beyond twice the forward's (a backward's products are twice its
+    forward's FLOPs: input and weight gradients, one each per forward product)."""
+    windows = sorted((e["ts"], e["ts"] + e["dur"], e["name"][len("weft."):]) for e in events
+                     if e.get("ph") == "X" and e.get("name", "").startswith("weft.")
+                     and e["name"][len("weft."):] in PHASES)
+    launches = _launches(events)
+    phases: dict[str, dict[str, float]] = {}
+    attention_again = 0.0
+    for e in kernels:
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        at = launch["ts"] if launch else e["ts"]
+        phase = next((name for start, end, name in windows if start <= at <= end), "outside the phases")
+        fam = family(e["name"])
+        phases.setdefault(phase, {})[fam] = phases.setdefault(phase, {}).get(fam, 0.0) + e["dur"] / 1e3
+        if phase == "backward" and fam == "attention" and any(f in e["name"] for f in FORWARD_ATTENTION):
+            attention_again += e["dur"] / 1e3
+    forward, backward = phases.get("forward", {}), phases.get("backward", {})
+    products_again = max(0.0, backward.get("matmul", 0.0) - 2 * forward.get("matmul", 0.0))
+    return {"phases_ms": phases, "recompute_ms": {"attention forward in the backward": attention_again,
+                                                  "matrix products beyond 2x the forward's": products_again}}
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -140,8 +178,7 @@ def _overlap(first: list[tuple[float, float]], second: list[tuple[float, float]]
 def _gaps(kernels: list, events: list, *, least_us: float = 20.0) -> dict:
     """Stretches of >= ``least_us`` with no kernel running: their total, grouped by the
     host operations that launched the kernel ending each gap, and the longest ones."""
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launches = _launches(events)
     host = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES),
                   key=lambda e: e["ts"])
     origin = kernels[0]["ts"]
@@ -182,6 +219,17 @@ def write(summary: dict, out: pathlib.Path, title: str) -> None:
              "| family | ms | share of kernel time |", "| --- | ---: | ---: |"]
     for name, ms in summary["families_ms"].items():
         lines.append(f"| {name} | {ms:,.1f} | {100 * ms / summary['kernel_ms']:.1f}% |")
+    phases = summary.get("phases_ms", {})
+    if phases:
+        families = list(summary["families_ms"])
+        lines += ["", "| phase (host range of the launch) | ms | " + " | ".join(families) + " |",
+                  "| --- | ---: | " + " | ".join("---:" for _ in families) + " |"]
+        for phase, parts in phases.items():
+            lines.append(f"| {phase} | {sum(parts.values()):,.1f} | "
+                         + " | ".join(f"{parts.get(f, 0.0):,.1f}" for f in families) + " |")
+        again = summary["recompute_ms"]
+        lines += ["", "recomputation, estimated: " + "; ".join(f"{k} {v:,.1f} ms" for k, v in again.items())
+                  + f" (together {sum(again.values()):,.1f} ms)"]
     gaps = summary["idle_gaps"]
     lines += ["", f"GPU idle in gaps of 20 us or more: {gaps['total_ms']:,.0f} ms in {gaps['count']} gaps", "",
               "| host operations launching the kernel after the gap (outermost two) | idle ms |", "| --- | ---: |"]
