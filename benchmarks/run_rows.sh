@@ -91,6 +91,13 @@
 #                  second fine-tune (e.g. NAME=lr15 --finetune-lr 1.5e-4) from the same base model,
 #                  data and evaluations before it (linked), under /tmp/ret-NAME, YaRN only, files to
 #                  $OUT/ret-NAME.tgz; called again, it goes on like `retrieval`.
+# limits FOLDER     issue 46's rows for whichever card the lease brings, in the order the lease should
+#                  get them, into FOLDER (started detached: benchmarks/detached.sh). weft, structlog,
+#                  torchao and flash-attn-4 on PYTHONPATH. An H200 (over 100 GB): `planned b` (the 1M
+#                  slice, 2 steps, SLICE_LIMIT 900), then decode/generate_long.sh 28u (fused projections
+#                  or not, profiled, the copy bandwidth). A smaller card (an H100): step/profile_step.py on
+#                  step/variants/7b-32k-4layers.toml and 7b-128k-4layers.toml (the recipes' rules over 4
+#                  layers: per-layer kernels by phase), then 28u. BENCHMARKS.md, issue 46's sections.
 #
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
 # GPUs of one host for every mesh) and decode/generate_long.sh ROWS (`weft generate` at 128K and
@@ -340,6 +347,24 @@ set_planned() {
   esac
 }
 
+set_limits() {
+  dest=${1:?folder}
+  mkdir -p "$dest/u"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$dest/gpu.txt"
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "${mib:-0}" -gt 100000 ]; then
+    SLICE_LIMIT=${SLICE_LIMIT:-900} OUT="$dest/pl" set_planned b
+  else
+    for length in 32k 128k; do
+      timeout 400 python3 "$here/step/profile_step.py" --out "$dest/prof$length" \
+        "$here/step/variants/7b-$length-4layers.toml" --step 3 > "$dest/prof$length.log" 2>&1
+      echo "profile $length rc=$?" | tee -a "$dest/status.txt"
+    done
+  fi
+  (cd "$dest/u" && OUT="$dest/u" bash "$here/decode/generate_long.sh" 28u > "$dest/u.log" 2>&1)
+  echo "28u rc=$?" | tee -a "$dest/status.txt"
+}
+
 ret_pack() {  # $1: the work folder, $2: the archive. What the report needs and the exported models
   # (a few MB), not the data (made again from its seeds) nor the carried warm model; links stay links.
   (cd "$1" && tar czf "$2" --exclude='./data' --exclude='./warm-hf' --exclude='checkpoints' .)
@@ -390,9 +415,10 @@ case "$what" in
   lease) set_lease "$@" ;;
   qlora-72b) set_qlora_72b "$@" ;;
   planned) set_planned "$@" ;;
+  limits) set_limits "$@" ;;
   retrieval) set_retrieval "$@" ;;
   retrieval-again) set_retrieval_again "$@" ;;
   help|-h|--help) usage ;;
-  *) echo "run_rows.sh: no set $what (finetune, one-gpu, float8, learning, lease, qlora-72b, planned, retrieval, retrieval-again; help lists them)" >&2
+  *) echo "run_rows.sh: no set $what (finetune, one-gpu, float8, learning, lease, qlora-72b, planned, limits, retrieval, retrieval-again; help lists them)" >&2
      exit 2 ;;
 esac
