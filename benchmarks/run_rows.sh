@@ -93,11 +93,12 @@
 #                  $OUT/ret-NAME.tgz; called again, it goes on like `retrieval`.
 # limits FOLDER     issue 46's rows for whichever card the lease brings, in the order the lease should
 #                  get them, into FOLDER (started detached: benchmarks/detached.sh). weft, structlog,
-#                  torchao and flash-attn-4 on PYTHONPATH. An H200 (over 100 GB): `planned b` (the 1M
-#                  slice, 2 steps, SLICE_LIMIT 900), then decode/generate_long.sh 28u (fused projections
-#                  or not, profiled, the copy bandwidth). A smaller card (an H100): step/profile_step.py on
-#                  step/variants/7b-32k-4layers.toml and 7b-128k-4layers.toml (the recipes' rules over 4
-#                  layers: per-layer kernels by phase), then 28u. BENCHMARKS.md, issue 46's sections.
+#                  torchao and flash-attn-4 on PYTHONPATH. First decode/generate_long.sh 28u (fused
+#                  projections or not, the copy bandwidth); then on an H200 (over 100 GB) `planned b`
+#                  (the 1M slice, 2 steps, SLICE_LIMIT 900), on a smaller card (an H100)
+#                  step/profile_step.py on step/variants/7b-128k-4layers.toml and 7b-32k-4layers.toml
+#                  (the recipes' rules over 4 layers: per-layer kernels by phase); last 28up (the
+#                  decoding steps profiled). BENCHMARKS.md, issue 46's sections.
 #
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
 # GPUs of one host for every mesh) and decode/generate_long.sh ROWS (`weft generate` at 128K and
@@ -352,17 +353,21 @@ set_limits() {
   mkdir -p "$dest/u"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$dest/gpu.txt"
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  decode() {  # $1: generate_long.sh's rows
+    (cd "$dest/u" && OUT="$dest/u" bash "$here/decode/generate_long.sh" "$1" > "$dest/u-$1.log" 2>&1)
+    echo "$1 rc=$?" | tee -a "$dest/status.txt"
+  }
+  decode 28u
   if [ "${mib:-0}" -gt 100000 ]; then
     SLICE_LIMIT=${SLICE_LIMIT:-900} OUT="$dest/pl" set_planned b
   else
-    for length in 32k 128k; do
+    for length in 128k 32k; do
       timeout 400 python3 "$here/step/profile_step.py" --out "$dest/prof$length" \
         "$here/step/variants/7b-$length-4layers.toml" --step 3 > "$dest/prof$length.log" 2>&1
       echo "profile $length rc=$?" | tee -a "$dest/status.txt"
     done
   fi
-  (cd "$dest/u" && OUT="$dest/u" bash "$here/decode/generate_long.sh" 28u > "$dest/u.log" 2>&1)
-  echo "28u rc=$?" | tee -a "$dest/status.txt"
+  decode 28up
 }
 
 ret_pack() {  # $1: the work folder, $2: the archive. What the report needs and the exported models

@@ -23,8 +23,8 @@
 # (whether the whole prompt's prefill fits one H200 without chunking, and the step's cost there),
 # 512K prefilled in chunks of 64K, 128K in chunks of 32K;
 # 28u: the static cache as shipped (q/k/v and gate/up fused) beside the same with
-# --no-fused-projections, each timed and then profiled, and the device's copy bandwidth
-# measured in the same command: the GB/s a token's step achieves against it;
+# --no-fused-projections, timed, and the device's copy bandwidth measured in the same command:
+# the GB/s a token's step achieves against it; 28up: the same two under the profiler;
 # all (the default): every group. The table covers whatever rows the folder holds.
 set -uo pipefail
 rows=${1:-all}
@@ -39,7 +39,7 @@ ruled() {  # $1 the variant's path, $2 the static cache rule's extra keys: one r
     "$here/variants/7b-128k-static-cache.toml" > "$1"
   grep -q "$2" "$1" || { echo "generate_long.sh: the static cache's rule not found in the variant" >&2; exit 1; }
 }
-case "$rows" in 28|all) ;; 28a|28f|28l|28p|28x|28u|15) ;; *) echo "generate_long.sh: rows 28, 28a, 28f, 28l, 28p, 28x, 28u, 15 or all, not $rows" >&2; exit 2 ;; esac
+case "$rows" in 28|all) ;; 28a|28f|28l|28p|28x|28u|28up|15) ;; *) echo "generate_long.sh: rows 28, 28a, 28f, 28l, 28p, 28x, 28u, 28up, 15 or all, not $rows" >&2; exit 2 ;; esac
 if [ "$rows" = 28a ] || [ "$rows" = 28f ] || [ "$rows" = all ]; then
 # The same 16K prompt through each path; float32 (weights stored and computed so, the prefill
 # and the vision tower through torch's SDPA: flash-attn-4 takes no float32) is the reference every bf16 row is
@@ -147,6 +147,8 @@ print(json.dumps({'copy_gb_per_s': 2 * 20 * a.numel() / (start.elapsed_time(end)
 timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 > "$out/one-static.json" 2> "$out/one-static.err"
 timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 --no-fused-projections \
   > "$out/one-static-unfused.json" 2> "$out/one-static-unfused.err"
+fi
+if [ "$rows" = 28up ] || [ "$rows" = all ]; then
 for variant in "" --no-fused-projections; do
   name=profile-128k${variant:+-unfused}
   timeout 420 python3 -m weft generate "${static[@]}" --nproc 1 $variant --profile "$out/$name" \
