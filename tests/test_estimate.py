@@ -130,6 +130,20 @@ def test_predictions_within_the_issue_tolerances_of_the_measured_runs(tmp_path, 
     assert abs(step / seconds - 1) <= 0.25, (name, step, seconds)
 
 
+@pytest.mark.quick
+def test_the_attention_backward_runs_faster_at_length():
+    """The H200's attention backward: 553 TFLOP/s at 32K (a step's profile), 613 at 128K (one
+    forward-and-backward call at 128K, 694.7 ms a layer, less the forward at 640), following
+    log2 of the length between, no faster past 128K; the bundled 128K recipe's step then within
+    5% of its 31.7 s (one H200, 2026-12-02; 34.4 s predicted at the 32K rate: +8.6%)."""
+    h200 = GPUS["h200"]
+    assert [h200.attention_bwd_rate(n) for n in (8192, 32768, 65536, 131072, 1 << 20)] == pytest.approx(
+        [553.0, 553.0, 583.0, 613.0, 613.0])
+    assert GPUS["a100-80g"].attention_bwd_rate(131072) == GPUS["a100-80g"].attention_bwd_tflops  # not measured
+    units, shape, setup = _plan(ROOT / "recipes" / "qwen2.5-vl-7b-128k-1gpu.toml")
+    assert step_seconds(units, shape, setup, h200)["total"] == pytest.approx(31.7, rel=0.05)
+
+
 #: The frontier recipe (``qwen2.5-vl-7b-512k-1gpu``: inputs offloaded, MLP tiled,
 #: flash-attn-4) on one H200, BENCHMARKS.md "Frontier rows": length, peak GiB, step
 #: seconds, and whether the figure is a first step's (AdamW's states made at its end).

@@ -49,7 +49,7 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind, *,
     part = {
         "matmul": (dense + vision) / (gpu.matmul_tflops * 1e12),
         "attention forward": attn * (len(text) + again) / (gpu.attention_fwd_tflops * 1e12),
-        "attention backward": 2.5 * attn * len(text) / (gpu.attention_bwd_tflops * 1e12),
+        "attention backward": 2.5 * attn * len(text) / (gpu.attention_bwd_rate(setup.tokens / setup.rows) * 1e12),
         "element-wise": gpu.overhead_s * tokens * (len(text) * (1.3 if recompute else 1.0) + regenerated / 3),
         "communication": _exposed_comm(units, shape, setup, gpu, tokens),
     }
