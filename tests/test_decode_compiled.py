@@ -11,15 +11,23 @@ from test_decode_graph import _buffered, tiny  # noqa: F401 - tiny: the fixture,
 
 
 def test_the_compiled_step_is_one_graph_compiled_once_with_the_same_tokens(tiny):  # noqa: F811 - the fixture
-    """The step's body through torch.compile (what CUDA decodes with; here Inductor's CPU code):
+    """The step's body through torch.compile (what CUDA decodes with; here Inductor's CPU code),
+    its projections fused as `weft generate` fuses them (strategies/model/fused_linears.py):
     one trace over the whole forward, no graph break (the cache's decode write and attention
-    traced with it), compiled at the first step and never again over the tokens after it, and
-    transformers' generate's tokens and log-probabilities."""
+    traced with it, the fusing hooks too), compiled at the first step and never again over the
+    tokens after it, and transformers' generate's tokens and log-probabilities."""
+    import copy
+
     from torch._dynamo.utils import counters
 
+    from weft.plugins.models.families import QWEN2_5_VL
+
+    model = copy.deepcopy(tiny["model"])
+    text = model.config.get_text_config().num_hidden_layers
+    assert QWEN2_5_VL.fuse_projections(model) == 2 * text + model.config.vision_config.depth
     torch._dynamo.reset()
     counters.clear()
-    tokens, logprobs, report = _buffered(tiny, compile=True)
+    tokens, logprobs, report = _buffered({**tiny, "model": model}, compile=True)
     assert report["step_compiled"] and report["step_compile_s"] > 0 and "step_compile_off" not in report
     assert report["first_step_s"] == report["step_compile_s"]  # the compilation is the first step's
     assert report["step_graphs"] == 1 and report["step_graph_breaks"] == 0 and "step_graph_break" not in report
