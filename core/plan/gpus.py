@@ -56,7 +56,8 @@ GPUS = {
     "h200": GpuKind(name="h200", memory_gib=139.8, matmul_tflops=700.0, attention_fwd_tflops=640.0,
                     attention_bwd_tflops=553.0, overhead_s=6.4e-7, link_gbps=400.0, measured=True,
                     float8=_HOPPER_FLOAT8, attention_bwd_long=(131072, 613.0)),
-    # H100 SXM: the same tensor cores and clock; 80 GB and 3.35 TB/s (element-wise work scaled).
+    # H100 SXM: the same tensor cores and clock; 80 GB and 3.35 TB/s (element-wise work scaled;
+    # the attention backward's rise with length as the H200's: 530 x 613 / 553).
     "h100": GpuKind(name="h100", memory_gib=79.1, matmul_tflops=680.0, attention_fwd_tflops=620.0,
                     attention_bwd_tflops=530.0, overhead_s=9.2e-7, link_gbps=400.0, measured=False,
                     float8=_HOPPER_FLOAT8, attention_bwd_long=(131072, 588.0)),
