@@ -111,7 +111,8 @@ def weight_bytes(model: torch.nn.Module, *, skip: list[torch.nn.Module]) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     kept = {id(head.weight)} if head is not None else set()
     skipped = {id(p) for m in skip if m is not None for p in m.parameters()} - kept
-    local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters() if id(p) not in skipped]  # FSDP2: the shard
+    # An FSDP2 parameter counts its local shard (a DTensor's numel is the whole tensor's).
+    local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters() if id(p) not in skipped]
     return int(sum(t.numel() * t.element_size() for t in local))
 
 
