@@ -414,3 +414,24 @@ def test_a_prompt_prefilled_in_chunks_gives_transformers_tokens(image, expected,
     whole = weft("generate", RECIPE, "--prompt", VIDEO_PROMPT, "--max-new-tokens", str(NEW), "--json", "--nproc", "1")
     assert whole.returncode == 0, whole.stderr[-3000:]
     _same(answers[1], json.loads(whole.stdout))
+
+
+def test_projections_fused_by_default_where_the_model_is_not_sharded(image, tmp_path):
+    """`weft generate` on one unsharded process fuses each layer's q/k/v and gate/up (the tiny
+    model: 2 text layers x 2 groups, 2 vision MLPs) and decodes what `--no-fused-projections`
+    decodes; under FSDP2 (tiny-vl's own rules) nothing is fused. Both say the bytes a step reads."""
+    recipe = tmp_path / "unsharded.toml"
+    recipe.write_text(pathlib.Path(RECIPE).read_text().replace('include = ["rules/modality-groups.toml"]\n', "")
+                      + '\n[[rules]]\nname = "no sharding"\nshard = { strategy = "none" }\n')
+    runs = {}
+    for flag in ((), ("--no-fused-projections",)):
+        done = weft("generate", str(recipe), "--prompt", PROMPT, "--image", str(image), "--max-new-tokens",
+                    str(NEW), "--json", "--nproc", "1", *flag)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[flag] = json.loads(done.stdout)
+    fused, plain = runs[()], runs[("--no-fused-projections",)]
+    assert fused["fused_projection_groups"] == 6 and plain["fused_projection_groups"] == 0
+    assert fused["tokens"] == plain["tokens"] and fused["logprobs"] == pytest.approx(plain["logprobs"], abs=1e-6)
+    assert fused["weight_bytes_per_rank"] == plain["weight_bytes_per_rank"] > 0
+    sharded = generate(image, "--nproc", "1")
+    assert sharded["fused_projection_groups"] == 0
