@@ -7,6 +7,7 @@ recomputation its rules ask for included) at the best rates measured on one H200
 else: no element-wise kernel, no optimizer, no loss, no idle GPU. That is a floor no layout of
 the same recomputation can beat; the goal's time minus the floor is what is left for all the
 rest. The decoding row divides the bytes a token reads by the bandwidth the device copies at.
+MFU is counted as the reports count it (core/plan/flops.py).
 
 Rates (BENCHMARKS.md, one H200, bf16): matrix products 729-790 TFLOP/s at these shapes (issue
 46's table; the planner fits 700 over whole steps); flash-attn-4 causal GQA, d 128, 32K-128K:
@@ -18,11 +19,21 @@ and the copy bandwidth).
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from _bootstrap import ensure_weft  # noqa: E402
+
+ensure_weft()
+
+from weft.core.plan.flops import PEAK_TFLOPS, sequence_flops  # noqa: E402 - plain arithmetic, no torch
+
 GEMM_BEST, ATTN_FWD, ATTN_BWD = 790e12, 640e12, 553e12
 #: From 128K on: one flash-attn-4 forward and backward call, 694.7 ms a 7B layer (620 TFLOP/s counting
 #: the backward as 2.5 forwards): the backward runs faster at length than the 32K figure above.
 ATTN_CALL_LONG = 620e12
-PEAK = 989e12  # dense bf16, for MFU (core/plan/flops.py)
+PEAK = PEAK_TFLOPS["H200"] * 1e12  # dense bf16, for MFU
 
 #: (hidden, intermediate, layers, heads x head_dim, KV width, vocab): transformers' configs.
 QWEN_7B = (3584, 18944, 28, 3584, 512, 152064)
@@ -44,9 +55,9 @@ def attention_forward(shape, length: int) -> float:
     return 2 * length**2 * shape[3] * shape[2]
 
 
-def mfu_flops(shape, length: int, *, frozen: float = 0) -> float:
-    """core/plan/flops.sequence_flops, as the reports count MFU."""
-    return (6 * text_params(shape) - 2 * frozen) * length + 6 * shape[2] * shape[3] * length**2
+def mfu_flops(shape, length: int) -> float:
+    """The FLOPs the reports count MFU by (core/plan/flops.py)."""
+    return sequence_flops(params=text_params(shape), layers=shape[2], hidden=shape[3], length=length)
 
 
 def training_floor(shape, length: int, *, recomputed_flops: float, attention_again: int = 0,

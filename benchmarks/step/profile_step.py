@@ -143,7 +143,8 @@ def by_phase(kernels: list, events: list) -> dict:
         at = launch["ts"] if launch else e["ts"]
         phase = next((name for start, end, name in windows if start <= at <= end), "outside the phases")
         fam = family(e["name"])
-        phases.setdefault(phase, {})[fam] = phases.setdefault(phase, {}).get(fam, 0.0) + e["dur"] / 1e3
+        part = phases.setdefault(phase, {})
+        part[fam] = part.get(fam, 0.0) + e["dur"] / 1e3
         if phase == "backward" and fam == "attention" and any(f in e["name"] for f in FORWARD_ATTENTION):
             attention_again += e["dur"] / 1e3
     forward, backward = phases.get("forward", {}), phases.get("backward", {})

@@ -55,7 +55,7 @@ class FusedLinears:
     def __init__(self, linears: Sequence[torch.nn.Linear], *, max_rows: int = MAX_ROWS) -> None:
         if not fusable(linears):
             raise ValueError("fused linears must be plain nn.Linear modules of one dtype, device and input width")
-        self.linears, self.max_rows = tuple(linears), max_rows
+        self.max_rows = max_rows
         self.sizes = [m.out_features for m in linears]
         with torch.no_grad():
             self.weight = torch.cat([m.weight.detach() for m in linears])  # (sum N, K)
