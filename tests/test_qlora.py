@@ -164,3 +164,17 @@ def test_a_4bit_run_checkpoints_its_adapters_alone_resumes_and_exports_what_it_t
     ids = torch.randint(0, 100, (1, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expanded_is_torchaos_dequantisation_bit_for_bit(dtype):
+    """weft's one-kernel expansion of an NF4 weight (the tiled MLP's) against torchao's own, at
+    QLoRA's scaler blocks and at a tiny weight's smaller ones."""
+    from weft.strategies.model.quantize import expanded, to_nf4
+
+    for shape in ((512, 256), (8, 64)):
+        weight = torch.randn(*shape, dtype=dtype, generator=torch.Generator().manual_seed(3)) * 2
+        quantized = to_nf4(weight)
+        assert torch.equal(expanded(quantized), quantized.get_original_weight())
+        assert expanded(quantized).dtype == dtype

@@ -92,3 +92,38 @@ def test_only_one_tile_of_intermediates_exists_at_a_time():
 def test_tile_size_is_checked():
     with pytest.raises(ValueError, match="tile_tokens must be at least 1"):
         TiledMLP(tile_tokens=0)
+
+
+def test_a_4bit_mlp_is_expanded_once_a_pass_and_gives_the_untiled_rows_and_gradients(monkeypatch):
+    """NF4 base weights under LoRA: the tiled MLP runs its tiles on weights expanded once per pass
+    (forward, backward), with the untiled (torchao per-product) MLP's rows bit for bit and its
+    gradients to float32 rounding (the LoRA weights' sums run over tiles)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from weft.strategies.memory import tiled_mlp
+    from weft.strategies.model.quantize import quantize_linears
+
+    model = build_model(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}}), device="cpu", seed=0)
+    mlp = model.model.layers[0].mlp.to(torch.bfloat16)
+    quantize_linears(mlp, method="nf4")
+    lora = LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
+    inject_adapter_in_model(lora, mlp)
+    calls = []
+    real = tiled_mlp.expanded
+    monkeypatch.setattr(tiled_mlp, "expanded", lambda w: calls.append(w.shape) or real(w))
+    x = torch.randn(1, 40, mlp.gate_proj.in_features, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    outputs, grads = [], []
+    for tile in (0, 8):  # the same module untiled, then tiled (an NF4 tensor does not deep-copy)
+        if tile:
+            TiledMLP(tile_tokens=tile).attach([mlp])
+            mlp.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        y = mlp(xi)
+        y.float().square().sum().backward()
+        outputs.append(y)
+        grads.append({"x": xi.grad, **{n: p.grad.clone() for n, p in mlp.named_parameters() if p.requires_grad}})
+    assert len(calls) == 6  # 3 weights x (forward, backward), none for the untiled module
+    assert torch.equal(outputs[1], outputs[0])
+    assert set(grads[1]) == set(grads[0]) and len(grads[0]) == 7  # x, 3 x (lora_A, lora_B)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=2e-2, atol=1e-2 * g.abs().max().item(), msg=name)

@@ -6,14 +6,12 @@ plan alone: the units' parameter counts and shard rules, the model's shape, the 
 the sequence length, and a small table of measured rates per GPU kind. Nothing runs on a
 GPU. The memory model counts what a step holds at its peak, in torch's own accounting
 (``max_memory_allocated``): weights, gradients and AdamW states (a frozen base's weights
-only, its adapters' all three); FSDP2's gathered copies;
-every layer's saved activations by its checkpoint mode; then the larger of the loss's
-working memory and one layer's recomputation. Coefficients that depend on kernels, not
-arithmetic (what a layer saves, how much a recomputation holds at once) were fitted to
-measured 7B runs on one H200 (BENCHMARKS.md) and are named below; the tests check the
-arithmetic against hand-computed sizes and the model against those measurements.
-
-This module is plain arithmetic (no torch): ``estimate_inputs`` builds its inputs from a plan.
+only, its adapters' all three); FSDP2's gathered copies; every layer's saved activations by
+its checkpoint mode; then the larger of the loss's working memory and one layer's
+recomputation. Coefficients that depend on kernels, not arithmetic (what a layer saves, how
+much a recomputation holds at once) were fitted to measured 7B runs on one H200 and are named
+below; the tests check the arithmetic against hand sums and the model against measurements.
+Plain arithmetic (no torch): ``estimate_inputs`` builds its inputs from a plan.
 """
 
 from __future__ import annotations
@@ -211,6 +209,8 @@ def memory(units: list[Unit], shape: Shape, setup: Setup, *, extra: tuple[Contri
         part["vision"] = 0.0
     recompute = max(((RECOMPUTE_OFFLOADED if u.offload_activations else RECOMPUTE_ATTENTION) * layer_in
                      + _recompute_mlp(u) * _mlp_rows(u, tokens) * shape.intermediate * 2
+                     # a tiled MLP's 4-bit weights expanded to 16 bits while its tiles run (tiled_mlp.py)
+                     + 6 * shape.hidden * shape.intermediate * bool(u.quantized_params and u.mlp_tile_tokens)
                      for u in text if u.checkpoint != "off"), default=0.0)
     if setup.loss == "fused":  # a frozen head has no gradient, nor its float32 sum
         head = all(u.trainable for u in units if u.modality is None)

@@ -15,23 +15,50 @@ tokens) and keeps the real input; the forward hook returns the tiled result in i
 place, computed by that same module's ``forward``, tile by tile. Parameter names, FSDP2
 units and checkpoints are untouched. Rows are bit-identical to the untiled MLP's; the
 weights' gradients are sums over tiles, equal up to the order of the additions.
+
+A 4-bit (NF4) weight is expanded to its dtype once per pass, not once per tile: each tile runs
+the module with the expanded tensors in place of the 4-bit parameters
+(``torch.func.functional_call``; the same values, so the same rows). Per tile, torchao's
+product would expand it again, twice in the backward (the tile's forward and its input
+gradient): at 128K in 16K tiles that was 96 expansions a 72B layer, ~0.47 s of its step on an
+H100 (BENCHMARKS.md, issue 46's 72B profile). The cost: the MLP's weights in 16 bits held
+while its tiles run (1.4 GB at 72B; the planner counts it).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from weft.strategies.model.quantize import expanded, is_quantized
+
+
+class _Tiles:
+    """One MLP's forward on a tile of rows, its 4-bit weights expanded by the caller once a pass."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def expand(self) -> dict[str, torch.Tensor]:
+        # Under FSDP2 a sharded weight is a DTensor, never an NF4Tensor: those keep torchao's path.
+        return {name: expanded(p) for name, p in self.module.named_parameters() if is_quantized(p)}
+
+    def __call__(self, x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        if not weights:
+            return self.module.forward(x)
+        # The module's call runs its hooks: TiledMLP's own pass a tile through untouched.
+        return torch.func.functional_call(self.module, weights, (x,), strict=False)
 
 
 class _Tiled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward: Callable, tile: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, run: _Tiles, tile: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         # x (B, S, H); the MLP's own forward, row-wise, on [s, s + tile) of the sequence dim.
         with torch.no_grad():
-            out = torch.cat([forward(x[:, s:s + tile]) for s in range(0, x.shape[1], tile)], dim=1)
+            weights = run.expand()
+            out = torch.cat([run(x[:, s:s + tile], weights) for s in range(0, x.shape[1], tile)], dim=1)
+        del weights
         ctx.save_for_backward(x, *params)
-        ctx.forward, ctx.tile = forward, tile
+        ctx.run, ctx.tile = run, tile
         return out
 
     @staticmethod
@@ -40,10 +67,12 @@ class _Tiled(torch.autograd.Function):
         wants = [p.requires_grad for p in params]
         dx = torch.empty_like(x)
         sums: list[torch.Tensor | None] = [None] * len(params)
+        with torch.no_grad():
+            weights = ctx.run.expand()
         for s in range(0, x.shape[1], ctx.tile):
             with torch.enable_grad():
                 xt = x[:, s:s + ctx.tile].detach().requires_grad_(True)
-                yt = ctx.forward(xt)
+                yt = ctx.run(xt, weights)
             inputs = [xt] + [p for p, w in zip(params, wants) if w]
             got = torch.autograd.grad(yt, inputs, grad[:, s:s + ctx.tile])
             dx[:, s:s + ctx.tile] = got[0]
@@ -84,4 +113,4 @@ class TiledMLP:
         if x is None:
             return None
         params = tuple(p for p in module.parameters())
-        return _Tiled.apply(module.forward, self.tile, x, *params)
+        return _Tiled.apply(_Tiles(module), self.tile, x, *params)

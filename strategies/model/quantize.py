@@ -96,6 +96,30 @@ def dequantize(module: torch.nn.Module) -> int:
     return count
 
 
+def expanded(weight: torch.Tensor) -> torch.Tensor:
+    """An NF4 weight as a plain tensor of its dtype, the same values bit for bit as torchao's
+    ``get_original_weight``: its block scalers undone by torchao's own method (one value per 64
+    weights), then codes -> table values -> times their block's scaler in one kernel where the
+    weight is on a GPU (compiled). torchao's eager path makes int64 code tensors, two gathers,
+    two products and a stack: at 72B's MLP shapes ~4.5 ms a weight on an H100, paid per tile
+    and per pass by the tiled MLP (BENCHMARKS.md, issue 46's 72B profile)."""
+    scalers = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
+                                        weight.scaler_block_size)  # (blocks,)
+    expand = _EXPAND_COMPILED if weight.quantized_data.is_cuda else _expand
+    return expand(weight.quantized_data, weight.nf4, scalers).view(weight.shape)
+
+
+def _expand(codes: torch.Tensor, table: torch.Tensor, scalers: torch.Tensor) -> torch.Tensor:
+    # codes (n / 2,) uint8, two 4-bit codes a byte, the first value in the high half; table (16,);
+    # scalers (n / BLOCK,). A bf16 x bf16 product is exact in float32, so Inductor's float32
+    # arithmetic rounds it to the same bf16 as the eager product.
+    pairs = torch.stack((codes >> 4, codes & 0b1111), dim=-1).view(scalers.numel(), BLOCK)  # (blocks, 64)
+    return table[pairs.long()] * scalers.unsqueeze(-1)  # (blocks, 64)
+
+
+_EXPAND_COMPILED = torch.compile(_expand, dynamic=False)
+
+
 def unshardable(module: torch.nn.Module, *, ranks: int) -> tuple[str, str] | None:
     """The first 4-bit weight under ``module`` that FSDP2 cannot split over ``ranks`` ranks, as
     (its name, why), or None. torchao's NF4 tensor splits into equal row blocks, each of its

@@ -1,0 +1,52 @@
+"""An NF4 weight expanded to bf16: torchao's ``get_original_weight`` against weft's one-kernel
+``expanded`` (strategies/model/quantize.py), at Qwen2.5-VL-72B's shapes, on one GPU.
+
+    python3 benchmarks/memory/nf4_expand.py --out $OUT
+
+Per shape: whether the two agree bit for bit, each one's time, and the GB/s of weft's
+(the 4-bit codes and scalers read, the bf16 weight written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import torch
+
+from weft.strategies.model.quantize import expanded, stored_bytes, to_nf4
+
+
+def timed(fn, iters: int = 10) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rows = []
+    for out_f, in_f in ((29568, 8192), (8192, 29568), (8192, 8192), (1024, 8192)):
+        weight = to_nf4(torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02)
+        same = torch.equal(expanded(weight), weight.get_original_weight())
+        torchao_s, weft_s = timed(weight.get_original_weight), timed(lambda: expanded(weight))
+        moved = stored_bytes(weight) + out_f * in_f * 2
+        rows.append({"shape": [out_f, in_f], "bit_identical": same, "torchao_ms": torchao_s * 1e3,
+                     "weft_ms": weft_s * 1e3, "weft_GBps": moved / weft_s / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "nf4_expand.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
