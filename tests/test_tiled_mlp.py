@@ -127,3 +127,23 @@ def test_a_4bit_mlp_is_expanded_once_a_pass_and_gives_the_untiled_rows_and_gradi
     assert set(grads[1]) == set(grads[0]) and len(grads[0]) == 7  # x, 3 x (lora_A, lora_B)
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=2e-2, atol=1e-2 * g.abs().max().item(), msg=name)
+
+
+@pytest.mark.quick
+def test_a_recomputed_layer_runs_its_tiles_twice_not_three_times():
+    """Under full recomputation the layer's recomputation stops at the MLP's kept input (torch's
+    early stop): the tiles run in the forward and in the MLP's backward, not a third time."""
+    from weft.strategies.memory.activation_checkpoint import apply_checkpointing
+
+    model = build_model(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}}), device="cpu", seed=0)
+    layers = model.model.layers
+    TiledMLP(tile_tokens=8).attach([layer.mlp for layer in layers])
+    for layer in layers:
+        apply_checkpointing(layer, mode="full")
+    tiles = []
+    layers[0].mlp.up_proj.register_forward_hook(lambda m, args, out: tiles.append(out.shape[1]))
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, use_cache=False).logits.sum().backward()
+    # 5 tiles of 8 in the forward and 5 in the backward; the zero-token calls are the module's own
+    # (its hooks hand it an empty slice), once in the forward and once in the recomputation.
+    assert sorted(tiles) == [0, 0] + [8] * 10

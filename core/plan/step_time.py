@@ -25,10 +25,11 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind, *,
     mlp = 2 * shape.hidden * shape.intermediate  # gate and up: what "mlp" recomputes (down stops early)
 
     def redone(u: Unit) -> float:  # a decoder unit's recomputed matmul FLOPs
-        redo = 2 * tokens * (shape.layer_params + u.adapter_params if u.checkpoint in ("full", "except_attention")
-                             else mlp if u.checkpoint == "mlp" else 0)
-        # A tiled MLP runs its forward once more (its backward makes the tiles' intermediates again).
-        return redo + (2 * tokens * 3 * shape.hidden * shape.intermediate if u.mlp_tile_tokens else 0)
+        whole = u.checkpoint in ("full", "except_attention")
+        if u.mlp_tile_tokens:  # its backward runs the tiles again; a recomputation stops before them
+            tiles = 3 * shape.hidden * shape.intermediate
+            return 2 * tokens * ((shape.layer_params + u.adapter_params - tiles) * whole + tiles)
+        return 2 * tokens * (shape.layer_params + u.adapter_params if whole else mlp if u.checkpoint == "mlp" else 0)
 
     again_flops = [redone(u) for u in text]
     # Each decoder unit's products at its own rate: float8 by rule at its scaling's measured speed-up.

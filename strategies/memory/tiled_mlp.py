@@ -7,7 +7,8 @@ each tile without autograd and keeps the MLP's input alone; backward runs each t
 with autograd, writes its rows of the input's gradient and adds its share of the weights'
 gradients (in float32 for 16-bit weights: one rounding at the end, not one per tile). So
 the MLP costs its forward twice, as under activation checkpointing, which it composes
-with (inside a checkpointed layer the recomputation runs the tiles again, still tiled).
+with: a checkpointed layer's recomputation stops before the tiles (torch's early stop, once
+the MLP's input is saved again), so there too the tiles run twice, not three times.
 
 It is attached with module hooks, not by replacing the module or its class: a forward
 pre-hook hands the MLP's own forward an empty slice of the sequence (it runs on zero
@@ -49,17 +50,15 @@ class _Tiles:
         return torch.func.functional_call(self.module, weights, (x,), strict=False)
 
 
-class _Tiled(torch.autograd.Function):
+class _Keep(torch.autograd.Function):
+    """Keeps the MLP's input and parameters (its output: the input, as a view); its backward
+    runs the tiles again with autograd, the MLP's output gradient in hand."""
+
     @staticmethod
     def forward(ctx, run: _Tiles, tile: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        # x (B, S, H); the MLP's own forward, row-wise, on [s, s + tile) of the sequence dim.
-        with torch.no_grad():
-            weights = run.expand()
-            out = torch.cat([run(x[:, s:s + tile], weights) for s in range(0, x.shape[1], tile)], dim=1)
-        del weights
         ctx.save_for_backward(x, *params)
         ctx.run, ctx.tile = run, tile
-        return out
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -84,6 +83,22 @@ class _Tiled(torch.autograd.Function):
                     sums[i] = g if sums[i] is None else sums[i].add_(g)
         grads = [None if g is None else g.to(p.dtype) for g, p in zip(sums, params)]
         return (None, None, dx, *grads)
+
+
+class _Rows(torch.autograd.Function):
+    """The MLP's output tile by tile, without autograd and keeping nothing; its backward hands
+    the output's gradient to ``_Keep`` (the MLP keeps its input's shape)."""
+
+    @staticmethod
+    def forward(ctx, run: _Tiles, tile: int, x: torch.Tensor) -> torch.Tensor:
+        # x (B, S, H); the MLP's own forward, row-wise, on [s, s + tile) of the sequence dim.
+        with torch.no_grad():
+            weights = run.expand()
+            return torch.cat([run(x[:, s:s + tile], weights) for s in range(0, x.shape[1], tile)], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, None, grad
 
 
 class TiledMLP:
@@ -113,4 +128,9 @@ class TiledMLP:
         if x is None:
             return None
         params = tuple(p for p in module.parameters())
-        return _Tiled.apply(_Tiles(module), self.tile, x, *params)
+        run = _Tiles(module)
+        # Two steps, so that a checkpointed layer's recomputation ends at _Keep: torch's
+        # non-reentrant checkpoint stops once the last tensor the backward needs is saved
+        # again (early stop, its default), and _Keep's are the layer's last; the tiles'
+        # forward then runs twice in all (forward, this backward), not three times.
+        return _Rows.apply(run, self.tile, _Keep.apply(run, self.tile, x, *params))
