@@ -91,14 +91,13 @@
 #                  second fine-tune (e.g. NAME=lr15 --finetune-lr 1.5e-4) from the same base model,
 #                  data and evaluations before it (linked), under /tmp/ret-NAME, YaRN only, files to
 #                  $OUT/ret-NAME.tgz; called again, it goes on like `retrieval`.
-# limits FOLDER     issue 46's rows for whichever card the lease brings, in the order the lease should
-#                  get them, into FOLDER (started detached: benchmarks/detached.sh). weft, structlog,
-#                  torchao and flash-attn-4 on PYTHONPATH. First decode/generate_long.sh 28u (fused
-#                  projections or not, the copy bandwidth); then on an H200 (over 100 GB) `planned b`
-#                  (the 1M slice, 2 steps, SLICE_LIMIT 900), on a smaller card (an H100)
-#                  step/profile_step.py on step/variants/7b-128k-4layers.toml and 7b-32k-4layers.toml
-#                  (the recipes' rules over 4 layers: per-layer kernels by phase); last 28up (the
-#                  decoding steps profiled). BENCHMARKS.md, issue 46's sections.
+# limits FOLDER     issue 46's rows for whichever card the lease brings, into FOLDER (started detached:
+#                  benchmarks/detached.sh). weft, structlog, torchao and flash-attn-4 on PYTHONPATH.
+#                  On an H200 (over 100 GB): decode/generate_long.sh 28u (fused projections or not,
+#                  the copy bandwidth), then `planned b` (the 1M slice, 2 steps, SLICE_LIMIT 900).
+#                  On a smaller card (an H100): memory/nf4_expand.py, then step/profile_step.py on
+#                  step/variants/72b-qlora-128k-4layers.toml (the 72B's 4-bit layers, per layer).
+#                  The 7B's 4-layer profiles: step/profile_variants.sh. BENCHMARKS.md, issue 46.
 #
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
 # GPUs of one host for every mesh) and decode/generate_long.sh ROWS (`weft generate` at 128K and
@@ -357,17 +356,16 @@ set_limits() {
     (cd "$dest/u" && OUT="$dest/u" bash "$here/decode/generate_long.sh" "$1" > "$dest/u-$1.log" 2>&1)
     echo "$1 rc=$?" | tee -a "$dest/status.txt"
   }
-  decode 28u
   if [ "${mib:-0}" -gt 100000 ]; then
+    decode 28u
     SLICE_LIMIT=${SLICE_LIMIT:-900} OUT="$dest/pl" set_planned b
-  else
-    for length in 128k 32k; do
-      timeout 400 python3 "$here/step/profile_step.py" --out "$dest/prof$length" \
-        "$here/step/variants/7b-$length-4layers.toml" --step 3 > "$dest/prof$length.log" 2>&1
-      echo "profile $length rc=$?" | tee -a "$dest/status.txt"
-    done
+  else  # a smaller card (an H100): the 72B's 4-bit layers per layer (28u, 28up and the 7B profiles came earlier)
+    timeout 120 python3 "$here/memory/nf4_expand.py" --out "$dest/nf4" > "$dest/nf4.log" 2>&1
+    echo "nf4_expand rc=$?" | tee -a "$dest/status.txt"
+    timeout 420 python3 "$here/step/profile_step.py" --out "$dest/prof72b" \
+      "$here/step/variants/72b-qlora-128k-4layers.toml" --step 3 > "$dest/prof72b.log" 2>&1
+    echo "profile 72b rc=$?" | tee -a "$dest/status.txt"
   fi
-  decode 28up
 }
 
 ret_pack() {  # $1: the work folder, $2: the archive. What the report needs and the exported models
