@@ -93,10 +93,11 @@
 #                  $OUT/ret-NAME.tgz; called again, it goes on like `retrieval`.
 # limits FOLDER     issue 46's rows for whichever card the lease brings, into FOLDER (started detached:
 #                  benchmarks/detached.sh). weft, structlog, torchao and flash-attn-4 on PYTHONPATH.
-#                  On an H200 (over 100 GB): decode/generate_long.sh 28u (fused projections or not,
-#                  the copy bandwidth), then `planned b` (the 1M slice, 2 steps, SLICE_LIMIT 900).
-#                  On a smaller card (an H100): memory/nf4_expand.py, then step/profile_step.py on
-#                  step/variants/72b-qlora-128k-4layers.toml (the 72B's 4-bit layers, per layer).
+#                  On an H200 (over 100 GB) first decode/generate_long.sh 28u (fused projections or
+#                  not, the copy bandwidth); on any card memory/nf4_expand.py, then
+#                  step/profile_step.py on step/variants/72b-qlora-128k-4layers.toml (the 72B's
+#                  4-bit layers, per layer); with SLICE=1 on an H200 last `planned b` (the 1M slice,
+#                  2 steps, SLICE_LIMIT 900).
 #                  The 7B's 4-layer profiles: step/profile_variants.sh. BENCHMARKS.md, issue 46.
 #
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
@@ -356,16 +357,15 @@ set_limits() {
     (cd "$dest/u" && OUT="$dest/u" bash "$here/decode/generate_long.sh" "$1" > "$dest/u-$1.log" 2>&1)
     echo "$1 rc=$?" | tee -a "$dest/status.txt"
   }
-  if [ "${mib:-0}" -gt 100000 ]; then
-    decode 28u
-    SLICE_LIMIT=${SLICE_LIMIT:-900} OUT="$dest/pl" set_planned b
-  else  # a smaller card (an H100): the 72B's 4-bit layers per layer (28u, 28up and the 7B profiles came earlier)
-    timeout 120 python3 "$here/memory/nf4_expand.py" --out "$dest/nf4" > "$dest/nf4.log" 2>&1
-    echo "nf4_expand rc=$?" | tee -a "$dest/status.txt"
-    timeout 420 python3 "$here/step/profile_step.py" --out "$dest/prof72b" \
-      "$here/step/variants/72b-qlora-128k-4layers.toml" --step 3 > "$dest/prof72b.log" 2>&1
-    echo "profile 72b rc=$?" | tee -a "$dest/status.txt"
-  fi
+  [ "${mib:-0}" -gt 100000 ] && decode 28u  # the 6.0 ms row is an H200's (an H100's came earlier)
+  timeout 120 python3 "$here/memory/nf4_expand.py" --out "$dest/nf4" > "$dest/nf4.log" 2>&1
+  echo "nf4_expand rc=$?" | tee -a "$dest/status.txt"
+  timeout 420 python3 "$here/step/profile_step.py" --out "$dest/prof72b" \
+    "$here/step/variants/72b-qlora-128k-4layers.toml" --step 3 > "$dest/prof72b.log" 2>&1
+  echo "profile 72b rc=$?" | tee -a "$dest/status.txt"
+  # The 1M slice (~11 minutes for two steps) only where asked: SLICE=1.
+  [ "${mib:-0}" -gt 100000 ] && [ "${SLICE:-0}" = 1 ] && SLICE_LIMIT=${SLICE_LIMIT:-900} OUT="$dest/pl" set_planned b
+  return 0
 }
 
 ret_pack() {  # $1: the work folder, $2: the archive. What the report needs and the exported models
