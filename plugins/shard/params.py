@@ -39,7 +39,8 @@ class KeepParams:
                "(the same values): host memory 1/N of the units' inputs, one more forward of N - 1 units in N"})
     mlp_tile_tokens: int = attrs.field(default=0, validator=in_range(low=0), metadata={
         "doc": "apply the unit's MLP to the sequence in tiles of this many tokens (its intermediates never exist "
-               "for the whole sequence; its forward runs twice); 0 = off"})
+               "for the whole sequence; its forward runs twice: in the forward and in its backward, a "
+               "recomputed layer's recomputation stopping before it); 0 = off"})
     trainable: bool = attrs.field(default=True, metadata={
         "doc": "false: the unit's parameters are frozen (no gradients, no optimizer state, no gradient reduction); "
                "its forward still runs and gradients still flow through it to the units before"})
