@@ -518,3 +518,37 @@ def test_the_million_token_recipe_fits_one_h200_and_its_host():
     thin, full = (step_seconds(u, shape, setup, GPUS["h200"]) for u in (units, every))
     assert thin["attention forward"] / full["attention forward"] == pytest.approx((28 * 2 + 14) / (28 * 2))
     assert thin["total"] > full["total"]
+
+
+@pytest.mark.quick
+def test_a_tiled_mlp_adds_a_forward_only_where_its_layer_is_not_recomputed():
+    """The tiled MLP's backward runs its tiles again; a recomputed layer's recomputation stops
+    before them (strategies/memory/tiled_mlp.py), so there the tiles cost nothing more."""
+    shape = Shape(hidden=64, intermediate=256, heads=4, kv_heads=2, head_dim=16, vocab=512, layer_params=90_000)
+    setup, gpu = Setup(tokens=4096), GPUS["h200"]
+    mlp_forward = 2 * 4096 * 3 * 64 * 256 / (gpu.matmul_tflops * 1e12)
+
+    def matmul(checkpoint: str, tile: int) -> float:
+        unit = Unit(path="model.layers.0", modality="text", params=90_000, strategy="none", storage_bytes=2,
+                    checkpoint=checkpoint, mlp_tile_tokens=tile)
+        return step_seconds([unit], shape, setup, gpu)["matmul"]
+
+    assert matmul("full", 1024) == pytest.approx(matmul("full", 0), rel=1e-12)
+    assert matmul("except_attention", 1024) == pytest.approx(matmul("except_attention", 0), rel=1e-12)
+    assert matmul("off", 1024) - matmul("off", 0) == pytest.approx(mlp_forward, rel=1e-9)
+
+
+@pytest.mark.quick
+def test_a_tiled_4bit_mlp_holds_its_weights_expanded_while_its_tiles_run():
+    """72B's widths at 128K, where a layer's recomputation is the peak's last term: the tiled
+    MLP's 4-bit weights in 16 bits (3 x 8,192 x 29,568 x 2 bytes) counted beside it."""
+    shape = Shape(hidden=8192, intermediate=29568, heads=64, kv_heads=8, head_dim=128, vocab=152064,
+                  layer_params=880_000_000)
+    unit = Unit(path="model.layers.0", modality="text", params=880_000_000, strategy="none", storage_bytes=2,
+                checkpoint="full", mlp_tile_tokens=16384, quantized_params=3 * 8192 * 29568, trainable=False)
+    setup = Setup(tokens=131072, loss="fused")
+    four_bit, plain = (memory([u], shape, setup)["loss or recomputation"]
+                       for u in (unit, attrs.evolve(unit, quantized_params=0)))
+    assert four_bit - plain == 3 * 8192 * 29568 * 2
+    untiled = attrs.evolve(unit, mlp_tile_tokens=0)
+    assert memory([untiled], shape, setup)["loss or recomputation"] > four_bit  # (its whole MLP's intermediates)
