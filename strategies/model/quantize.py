@@ -111,10 +111,10 @@ def expanded(weight: torch.Tensor) -> torch.Tensor:
 
 def _expand(codes: torch.Tensor, table: torch.Tensor, scalers: torch.Tensor) -> torch.Tensor:
     # codes (n / 2,) uint8, two 4-bit codes a byte, the first value in the high half; table (16,);
-    # scalers (n / BLOCK,). A bf16 x bf16 product is exact in float32, so Inductor's float32
+    # scalers (n / block,). A bf16 x bf16 product is exact in float32, so Inductor's float32
     # arithmetic rounds it to the same bf16 as the eager product.
-    pairs = torch.stack((codes >> 4, codes & 0b1111), dim=-1).view(scalers.numel(), BLOCK)  # (blocks, 64)
-    return table[pairs.long()] * scalers.unsqueeze(-1)  # (blocks, 64)
+    pairs = torch.stack((codes >> 4, codes & 0b1111), dim=-1).view(scalers.numel(), -1)  # (blocks, block)
+    return table[pairs.long()] * scalers.unsqueeze(-1)  # (blocks, block)
 
 
 _EXPAND_COMPILED = torch.compile(_expand, dynamic=False)
