@@ -119,6 +119,22 @@ def test_check_is_exact_with_4bit_units_sharded_by_fsdp2(weft, tmp_path):
             and "64 rows and 8 scaler groups, not both multiples of 3" in message)
 
 
+def test_check_is_exact_with_4bit_tiled_mlps_under_fsdp2(weft, tmp_path):
+    """The tiled MLP's 4-bit weights expanded once a pass while FSDP2 holds them gathered, and its
+    recomputation stopping before the tiles: the loss and adapter gradients of the unsharded,
+    untiled reference."""
+    _write(tmp_path, QLORA.replace('shard = { strategy = "none", quantize = "nf4", checkpoint = "full" }',
+                                   'shard = { strategy = "fsdp2", quantize = "nf4", checkpoint = "full", '
+                                   'mlp_tile_tokens = 8 }')
+           .replace('name = "everything else whole"\nshard = { strategy = "none" }',
+                    'name = "everything else: the root"\nshard = { strategy = "fsdp2" }'))
+    done = weft("check", "q.toml", "--world-size", "2", "--set", "parallel.dp_shard=2", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
+    assert result["grad_params"] == {"reference": 28, "plan": 28}
+
+
 def test_a_4bit_run_checkpoints_its_adapters_alone_resumes_and_exports_what_it_trained(weft, tmp_path):
     import shutil
 
