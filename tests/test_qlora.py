@@ -194,3 +194,15 @@ def test_expanded_is_torchaos_dequantisation_bit_for_bit(dtype):
         quantized = to_nf4(weight)
         assert torch.equal(expanded(quantized), quantized.get_original_weight())
         assert expanded(quantized).dtype == dtype
+
+
+def test_the_compiled_expansion_a_gpu_runs_is_torchaos_too():
+    """The Inductor kernel ``expanded`` takes on a GPU, compiled here for the CPU: the same values
+    bit for bit (its float32 arithmetic rounds a bf16 x bf16 product as the eager one does)."""
+    from weft.strategies.model.quantize import _compiled_expand, to_nf4
+
+    quantized = to_nf4(torch.randn(256, 512, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(4)))
+    scalers = quantized.dequantize_scalers(quantized.quantized_scalers, quantized.quantization_factor,
+                                           quantized.scaler_block_size)
+    got = _compiled_expand()(quantized.quantized_data, quantized.nf4, scalers).view(quantized.shape)
+    assert torch.equal(got, quantized.get_original_weight())

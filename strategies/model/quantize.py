@@ -18,6 +18,7 @@ Quantising is deterministic: the same weights give the same codes on every rank 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -105,7 +106,7 @@ def expanded(weight: torch.Tensor) -> torch.Tensor:
     and per pass by the tiled MLP (BENCHMARKS.md, issue 46's 72B profile)."""
     scalers = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
                                         weight.scaler_block_size)  # (blocks,)
-    expand = _EXPAND_COMPILED if weight.quantized_data.is_cuda else _expand
+    expand = _compiled_expand() if weight.quantized_data.is_cuda else _expand
     return expand(weight.quantized_data, weight.nf4, scalers).view(weight.shape)
 
 
@@ -117,7 +118,10 @@ def _expand(codes: torch.Tensor, table: torch.Tensor, scalers: torch.Tensor) -> 
     return table[pairs.long()] * scalers.unsqueeze(-1)  # (blocks, block)
 
 
-_EXPAND_COMPILED = torch.compile(_expand, dynamic=False)
+@functools.cache
+def _compiled_expand():
+    # Made on first use: torch.compile imports dynamo (~2.5 s), which a CPU run never needs.
+    return torch.compile(_expand, dynamic=False)
 
 
 def unshardable(module: torch.nn.Module, *, ranks: int) -> tuple[str, str] | None:
