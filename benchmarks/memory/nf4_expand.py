@@ -18,19 +18,8 @@ import pathlib
 
 import torch
 
+from nf4_linear import timed  # the script beside this one (its folder is on sys.path)
 from weft.strategies.model.quantize import expanded, stored_bytes, to_nf4
-
-
-def timed(fn, iters: int = 10) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters / 1e3
 
 
 def main() -> None:
