@@ -97,7 +97,8 @@ def test_tile_size_is_checked():
 def test_a_4bit_mlp_is_expanded_once_a_pass_and_gives_the_untiled_rows_and_gradients(monkeypatch):
     """NF4 base weights under LoRA: the tiled MLP runs its tiles on weights expanded once per pass
     (forward, backward), with the untiled (torchao per-product) MLP's rows bit for bit and its
-    gradients to float32 rounding (the LoRA weights' sums run over tiles)."""
+    gradients to float32 rounding (the LoRA weights' sums run over tiles); its 4-bit weights are
+    back in place after the call."""
     from peft import LoraConfig, inject_adapter_in_model
 
     from weft.strategies.memory import tiled_mlp
@@ -108,9 +109,11 @@ def test_a_4bit_mlp_is_expanded_once_a_pass_and_gives_the_untiled_rows_and_gradi
     quantize_linears(mlp, method="nf4")
     lora = LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
     inject_adapter_in_model(lora, mlp)
-    calls = []
-    real = tiled_mlp.expanded
+    NF4Tensor = type(mlp.gate_proj.base_layer.weight)  # torchao's (its module path moves between releases)
+    calls, torchao_calls = [], []
+    real, real_torchao = tiled_mlp.expanded, NF4Tensor.get_original_weight
     monkeypatch.setattr(tiled_mlp, "expanded", lambda w: calls.append(w.shape) or real(w))
+    monkeypatch.setattr(NF4Tensor, "get_original_weight", lambda w: torchao_calls.append(w.shape) or real_torchao(w))
     x = torch.randn(1, 40, mlp.gate_proj.in_features, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
     outputs, grads = [], []
     for tile in (0, 8):  # the same module untiled, then tiled (an NF4 tensor does not deep-copy)
@@ -118,11 +121,16 @@ def test_a_4bit_mlp_is_expanded_once_a_pass_and_gives_the_untiled_rows_and_gradi
             TiledMLP(tile_tokens=tile).attach([mlp])
             mlp.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
+        torchao_calls.clear()
         y = mlp(xi)
         y.float().square().sum().backward()
         outputs.append(y)
+        # Untiled, torchao expands each weight per product: forward, input gradient. Tiled, not at
+        # all: the tiles run on weights expanded once a pass, the module's zero-token call on stand-ins.
+        assert len(torchao_calls) == (6 if tile == 0 else 0), (tile, torchao_calls)
         grads.append({"x": xi.grad, **{n: p.grad.clone() for n, p in mlp.named_parameters() if p.requires_grad}})
     assert len(calls) == 6  # 3 weights x (forward, backward), none for the untiled module
+    assert all(isinstance(m.weight, NF4Tensor) for m in (mlp.gate_proj.base_layer, mlp.down_proj.base_layer))
     assert torch.equal(outputs[1], outputs[0])
     assert set(grads[1]) == set(grads[0]) and len(grads[0]) == 7  # x, 3 x (lora_A, lora_B)
     for name, g in grads[0].items():

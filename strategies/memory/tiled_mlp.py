@@ -23,7 +23,10 @@ the module with the expanded tensors in place of the 4-bit parameters
 product would expand it again, twice in the backward (the tile's forward and its input
 gradient): at 128K in 16K tiles that was 96 expansions a 72B layer, ~0.47 s of its step on an
 H100 (BENCHMARKS.md, issue 46's 72B profile). The cost: the MLP's weights in 16 bits held
-while its tiles run (1.4 GB at 72B; the planner counts it).
+while its tiles run (1.4 GB at 72B; the planner counts it). The module's own zero-token call
+runs on stand-ins for its 4-bit weights (one zero of the dtype, broadcast to the weight's
+shape): its products are empty, and torchao's expansion of each weight in that call (three a
+layer, six under recomputation, ~27 ms of a 72B layer's step on an H100) is not paid.
 """
 
 from __future__ import annotations
@@ -109,10 +112,13 @@ class TiledMLP:
             raise ValueError(f"tile_tokens must be at least 1, got {tile_tokens}")
         self.tile = tile_tokens
         self._inputs: dict[int, torch.Tensor] = {}  # id(module) -> the input held back from its own forward
+        self._held: dict[int, list[tuple[torch.nn.Module, str, torch.Tensor]]] = {}  # 4-bit weights set aside
 
     def attach(self, modules: list[torch.nn.Module]) -> int:
         for module in modules:
             module.register_forward_pre_hook(self._before)
+            # Registered first so that it runs first, and on an error too: _after sees the real weights.
+            module.register_forward_hook(self._give_back, always_call=True)
             module.register_forward_hook(self._after)
         return len(modules)
 
@@ -121,7 +127,12 @@ class TiledMLP:
         if x.dim() != 3 or x.shape[1] <= self.tile:
             return None  # one tile or less: the module's own call as it stands
         self._inputs[id(module)] = x
+        self._held[id(module)] = _stand_in(module)
         return (x[:, :0], *args[1:])  # the module's own forward runs on zero tokens
+
+    def _give_back(self, module: torch.nn.Module, args: tuple, output) -> None:
+        for owner, name, weight in self._held.pop(id(module), ()):
+            owner._parameters[name] = weight
 
     def _after(self, module: torch.nn.Module, args: tuple, output: torch.Tensor):
         x = self._inputs.pop(id(module), None)
@@ -134,3 +145,17 @@ class TiledMLP:
         # again (early stop, its default), and _Keep's are the layer's last; the tiles'
         # forward then runs twice in all (forward, this backward), not three times.
         return _Rows.apply(run, self.tile, _Keep.apply(run, self.tile, x, *params))
+
+
+def _stand_in(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """Puts a stand-in in place of each 4-bit weight under ``module`` (a zero broadcast to its shape,
+    no memory) and returns (owner, name, weight) to put back. Swapped in the owner's parameter
+    table, as torch.func.functional_call does, so the module's class and its forward are its own."""
+    held = []
+    for path, weight in module.named_parameters():
+        if is_quantized(weight):
+            prefix, _, name = path.rpartition(".")
+            owner = module.get_submodule(prefix)
+            held.append((owner, name, weight))
+            owner._parameters[name] = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    return held
