@@ -96,7 +96,8 @@
 #                  On an H200 (over 100 GB) first decode/generate_long.sh 28u (fused projections or
 #                  not, the copy bandwidth); on any card memory/nf4_expand.py, then
 #                  step/profile_step.py on step/variants/72b-qlora-128k-4layers.toml (the 72B's
-#                  4-bit layers, per layer); with SLICE=1 on an H200 last `planned b` (the 1M slice,
+#                  4-bit layers, per layer), memory/memory_peak.py on 7b-128k-4layers (what holds
+#                  its peak, 23% over the planner's); with SLICE=1 on an H200 last `planned b` (the 1M slice,
 #                  2 steps, SLICE_LIMIT 900).
 #                  The 7B's 4-layer profiles: step/profile_variants.sh. BENCHMARKS.md, issue 46.
 #
@@ -363,6 +364,10 @@ set_limits() {
   timeout 420 python3 "$here/step/profile_step.py" --out "$dest/prof72b" \
     "$here/step/variants/72b-qlora-128k-4layers.toml" --step 3 > "$dest/prof72b.log" 2>&1
   echo "profile 72b rc=$?" | tee -a "$dest/status.txt"
+  # What holds the 7B 128K 4-layer slice's peak (49.1 GiB measured against the planner's 40).
+  timeout 300 python3 "$here/memory/memory_peak.py" --out "$dest/peak128k4" \
+    "$here/step/variants/7b-128k-4layers.toml" --step 2 > "$dest/peak128k4.log" 2>&1
+  echo "memory_peak 128k 4 layers rc=$?" | tee -a "$dest/status.txt"
   # The 1M slice (~11 minutes for two steps) only where asked: SLICE=1.
   [ "${mib:-0}" -gt 100000 ] && [ "${SLICE:-0}" = 1 ] && SLICE_LIMIT=${SLICE_LIMIT:-900} OUT="$dest/pl" set_planned b
   return 0
