@@ -156,15 +156,14 @@ def _with_guards(recipe: pathlib.Path, guards: str) -> pathlib.Path:
     return path
 
 
-def test_nan_at_step_k(recipe, tmp_path, plugin_site):
+def test_nan_at_step_k(weft, recipe, tmp_path, plugin_site):
     """NaN from step 5: step 5 skipped, step 6 aborts (exit 3, one message); the row of step 6 says so;
     the state before it (step 5 skipped, so after step 4) is saved as step-5; summary says aborted."""
     guarded = _with_guards(recipe, '{ strategy = "finite", max_consecutive_skips = 2 }, '
                                    '{ strategy = "nan_from", step = 5 }')
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "weft", "run", str(guarded), "--run-dir", str(run_dir),
-                           "--set", "train.checkpoint_every=4"], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env=plugin_site)
+    done = weft("run", str(guarded), "--run-dir", str(run_dir), "--set", "train.checkpoint_every=4", cwd=tmp_path,
+                env=plugin_site)
     assert done.returncode == 3, done.stderr[-3000:]
     assert done.stderr.count("weft: error:") == 1 and "Traceback" not in done.stderr
     assert "weft: error: guard: guard 'finite' stopped the run at step 6: grad_norm not finite" in done.stderr
@@ -175,11 +174,10 @@ def test_nan_at_step_k(recipe, tmp_path, plugin_site):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-4", "step-5"]
 
 
-def test_raising_plugin_is_named(recipe, tmp_path, plugin_site):
+def test_raising_plugin_is_named(weft, recipe, tmp_path, plugin_site):
     guarded = _with_guards(recipe, '{ strategy = "raise_at", step = 2 }')
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "weft", "run", str(guarded), "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=plugin_site)
+    done = weft("run", str(guarded), "--run-dir", str(run_dir), cwd=tmp_path, env=plugin_site)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert ("plugin 'weft-test' (weft-test-plugins 0.1) raised RuntimeError in hook weft_guard: "
             "injected failure at step 2") in done.stderr
@@ -300,13 +298,12 @@ def test_stripped_vision_tokens():
     assert events[-1]["image_token_ratio"] == round(8 / 12, 4)
 
 
-def test_out_of_memory_is_one_message_naming_the_levers(recipe, tmp_path, plugin_site):
+def test_out_of_memory_is_one_message_naming_the_levers(weft, recipe, tmp_path, plugin_site):
     """A step that runs out of memory: one paragraph (step, rank, micro-batch sizes, the levers not
     pulled yet with their rule's file:line, the intact checkpoint), exit 1, summary "failed"."""
     guarded = _with_guards(recipe, '{ strategy = "finite" }, { strategy = "oom_at", step = 3 }')
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "weft", "run", str(guarded), "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=plugin_site)
+    done = weft("run", str(guarded), "--run-dir", str(run_dir), cwd=tmp_path, env=plugin_site)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.count("weft: error:") == 1
     message = done.stderr[done.stderr.index("weft: error:"):]
