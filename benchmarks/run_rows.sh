@@ -93,12 +93,12 @@
 #                  $OUT/ret-NAME.tgz; called again, it goes on like `retrieval`.
 # limits FOLDER     issue 46's rows for whichever card the lease brings, into FOLDER (started detached:
 #                  benchmarks/detached.sh). weft, structlog, torchao and flash-attn-4 on PYTHONPATH.
-#                  On an H200 (over 100 GB) first decode/generate_long.sh 28u (fused projections or
-#                  not, the copy bandwidth); on any card memory/nf4_expand.py, then
-#                  step/profile_step.py on step/variants/72b-qlora-128k-4layers.toml (the 72B's
-#                  4-bit layers, per layer), memory/memory_peak.py on 7b-128k-4layers (what holds
-#                  its peak, 23% over the planner's); with SLICE=1 on an H200 last `planned b` (the 1M slice,
-#                  2 steps, SLICE_LIMIT 900).
+#                  PARTS (default "decode nf4 prof72b peak") says which, in this order: decode, on
+#                  an H200 (over 100 GB) decode/generate_long.sh 28u (fused projections or not, the
+#                  copy bandwidth); nf4 memory/nf4_expand.py; prof72b step/profile_step.py on
+#                  step/variants/72b-qlora-128k-4layers.toml (the 72B's 4-bit layers, per layer);
+#                  peak memory/memory_peak.py on 7b-128k-4layers (what holds its peak); slice (only
+#                  where named, on an H200) `planned b`: the 1M slice, 2 steps, SLICE_LIMIT 900.
 #                  The 7B's 4-layer profiles: step/profile_variants.sh. BENCHMARKS.md, issue 46.
 #
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
@@ -354,22 +354,28 @@ set_limits() {
   mkdir -p "$dest/u"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$dest/gpu.txt"
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  decode() {  # $1: generate_long.sh's rows
-    (cd "$dest/u" && OUT="$dest/u" bash "$here/decode/generate_long.sh" "$1" > "$dest/u-$1.log" 2>&1)
-    echo "$1 rc=$?" | tee -a "$dest/status.txt"
-  }
-  [ "${mib:-0}" -gt 100000 ] && decode 28u  # the 6.0 ms row is an H200's (an H100's came earlier)
-  timeout 120 python3 "$here/memory/nf4_expand.py" --out "$dest/nf4" > "$dest/nf4.log" 2>&1
-  echo "nf4_expand rc=$?" | tee -a "$dest/status.txt"
-  timeout 420 python3 "$here/step/profile_step.py" --out "$dest/prof72b" \
-    "$here/step/variants/72b-qlora-128k-4layers.toml" --step 3 > "$dest/prof72b.log" 2>&1
-  echo "profile 72b rc=$?" | tee -a "$dest/status.txt"
-  # What holds the 7B 128K 4-layer slice's peak (49.1 GiB measured against the planner's 40).
-  timeout 300 python3 "$here/memory/memory_peak.py" --out "$dest/peak128k4" \
-    "$here/step/variants/7b-128k-4layers.toml" --step 2 > "$dest/peak128k4.log" 2>&1
-  echo "memory_peak 128k 4 layers rc=$?" | tee -a "$dest/status.txt"
-  # The 1M slice (~11 minutes for two steps) only where asked: SLICE=1.
-  [ "${mib:-0}" -gt 100000 ] && [ "${SLICE:-0}" = 1 ] && SLICE_LIMIT=${SLICE_LIMIT:-900} OUT="$dest/pl" set_planned b
+  part() { [[ " ${PARTS:-decode nf4 prof72b peak} " == *" $1 "* ]]; }  # PARTS: which, in this order
+  h200() { [ "${mib:-0}" -gt 100000 ]; }
+  if part decode && h200; then  # the 6.0 ms row is an H200's (an H100's came earlier)
+    (cd "$dest/u" && OUT="$dest/u" bash "$here/decode/generate_long.sh" 28u > "$dest/u-28u.log" 2>&1)
+    echo "28u rc=$?" | tee -a "$dest/status.txt"
+  fi
+  if part nf4; then
+    timeout 120 python3 "$here/memory/nf4_expand.py" --out "$dest/nf4" > "$dest/nf4.log" 2>&1
+    echo "nf4_expand rc=$?" | tee -a "$dest/status.txt"
+  fi
+  if part prof72b; then
+    timeout 420 python3 "$here/step/profile_step.py" --out "$dest/prof72b" \
+      "$here/step/variants/72b-qlora-128k-4layers.toml" --step 3 > "$dest/prof72b.log" 2>&1
+    echo "profile 72b rc=$?" | tee -a "$dest/status.txt"
+  fi
+  if part peak; then  # what holds the 7B 128K 4-layer slice's peak (49.1 GiB against the planner's 40)
+    timeout 300 python3 "$here/memory/memory_peak.py" --out "$dest/peak128k4" \
+      "$here/step/variants/7b-128k-4layers.toml" --step 2 > "$dest/peak128k4.log" 2>&1
+    echo "memory_peak 128k 4 layers rc=$?" | tee -a "$dest/status.txt"
+  fi
+  # The 1M slice (~11 minutes for two steps) only where asked (PARTS naming slice), on an H200.
+  if part slice && h200; then SLICE_LIMIT=${SLICE_LIMIT:-900} OUT="$dest/pl" set_planned b; fi
   return 0
 }
 
