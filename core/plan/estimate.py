@@ -36,18 +36,22 @@ MLP_SAVED = 3.0
 #: bf16's and gw_hp's 132.6 (10 such layers; this counts 11.6 of the 15.7 GiB: an upper bound).
 FLOAT8_MLP_SAVED = {"tensorwise": 2.0, "rowwise": 2.0}
 #: One layer's recomputation in the backward holds at once about ``RECOMPUTE_ATTENTION``
-#: layer inputs' worth (q, k, v, out) and ``RECOMPUTE_MLP`` x tokens x intermediate x 2
-#: bytes (the MLP's, compiled; one tile's under ``mlp_tile_tokens``): fitted at 128K,
-#: "full" and "except_attention".
+#: layer inputs' worth (q, k, v, out; a float32 norm) and ``RECOMPUTE_MLP`` x tokens x
+#: intermediate x 2 bytes: the MLP's four intermediates (gate, up, the activation and its
+#: gradient) in its compiled backward. Measured: a snapshot at the 7B 128K 4-layer slice's peak
+#: (H100, issue 46), 4.03 and 4.3 for "except_attention". A tiled MLP (``mlp_tile_tokens``)
+#: holds one tile's, ``TILED_RECOMPUTE_MLP`` of them: fitted to the frontier rows (7B, 128K to
+#: 512K) and the 72B QLoRA slice.
 RECOMPUTE_ATTENTION = 4.0
-RECOMPUTE_MLP = 1.6
+RECOMPUTE_MLP = 4.0
+TILED_RECOMPUTE_MLP = 1.6
 #: The same MLP term for a float8 layer made again whole ("except_attention", "full"): its
 #: casts' float8 copies (and rowwise's transposed ones) beside the bf16 intermediates. Fitted
 #: to the 128K float8 recipe on one H200 (2026-12-01/02: tensorwise 129.0 GiB, rowwise 136.05,
-#: bf16 122.68), a little above both; rowwise_with_gw_hp unmeasured, given rowwise's (an upper
-#: bound: it casts less). Under "mlp" recomputation (the 32K layout) the float8 peaks already
-#: sit under the estimate, so that mode keeps ``RECOMPUTE_MLP``.
-FLOAT8_RECOMPUTE_MLP = {"tensorwise": 2.8, "rowwise": 4.3, "rowwise_with_gw_hp": 4.3}
+#: bf16 122.68); rowwise_with_gw_hp unmeasured, given rowwise's (an upper bound: it casts
+#: less). Under "mlp" recomputation (the 32K layout) the loss, not the recomputation, is the
+#: peak.
+FLOAT8_RECOMPUTE_MLP = {"tensorwise": 5.7, "rowwise": 7.2, "rowwise_with_gw_hp": 7.2}
 #: The same for a layer whose input comes back from host memory (``offload_activations``,
 #: the frontier recipes, MLP tiled): ~10 layer inputs at once (the restored input, the
 #: next one's prefetch, the recomputed layer's float32 norm work and attention's), fitted
@@ -62,12 +66,13 @@ FUSED_LOSS_CHUNKS = 0.55 * GIB
 NF4_BYTES = 0.518
 #: The chunked loss over materialised logits: float32 chunk temporaries (512 MiB chunks).
 LOGITS_LOSS_CHUNKS = 1.0 * GIB
-#: What a decoder layer with adapters (PEFT LoRA) holds beyond the same layer without, in layer
-#: inputs: fitted to one run (7B at 128K on one H200, r 16 on every linear, "except_attention",
-#: compiled: 30 GiB over 28 layers). Not explained yet: on CPU, PEFT's layers under the same
-#: selective recomputation save what the plain layer saves (docs/estimate.md). Not counted for
-#: fully recomputed layers (they keep their input alone).
-ADAPTER_SURPLUS = 1.22
+#: What an untiled MLP with adapters (PEFT LoRA on its linears) holds beyond the plain one
+#: while it is made again, in tokens x intermediate x 2 bytes: four more intermediates (the
+#: adapters' outputs of gate and up, scaled, beside the base's). Fitted to one run (7B at 128K
+#: on one H200, r 16 on every linear, "except_attention", compiled: 106.84 GiB), where it was
+#: counted as 1.22 layer inputs a layer before the snapshot of issue 46 placed the plain MLP's
+#: recomputation; a tiled MLP's adapters are inside its tile term (the 72B QLoRA slice).
+ADAPTER_RECOMPUTE_MLP = 4.0
 
 
 @attrs.frozen(kw_only=True)
@@ -127,6 +132,7 @@ class Setup:
     ring: int = 1
     ulysses: int = 1
     loss: str = "fused"
+    micro_batches: int = 1  # per rank per step (train.step_tokens): gradients from the first live in the rest
 
     @property
     def sp(self) -> int:
@@ -194,11 +200,6 @@ def memory(units: list[Unit], shape: Shape, setup: Setup, *, extra: tuple[Contri
                                           mlp_saved=FLOAT8_MLP_SAVED.get(u.float8, MLP_SAVED) if u.compiled
                                           else MLP_SAVED)
                               for u in text)
-    # The surplus was measured under selective recomputation; a fully recomputed layer keeps its
-    # input alone whatever its inside (torch's checkpoint saves nothing else), adapters or not.
-    surplus = [u for u in text if u.adapter_params and u.checkpoint != "full"]
-    if surplus:
-        part["adapter surplus"] = sum(ADAPTER_SURPLUS * layer_in for u in surplus)
     vision = [u for u in units if u.modality == "vision"]
     patches = setup.patches / setup.sp  # images are spread over the SP ranks
     if vision and shape.vision_hidden and backward_reaches(vision):
@@ -212,20 +213,32 @@ def memory(units: list[Unit], shape: Shape, setup: Setup, *, extra: tuple[Contri
                      # a tiled MLP's 4-bit weights expanded to 16 bits while its tiles run (tiled_mlp.py)
                      + 6 * shape.hidden * shape.intermediate * bool(u.quantized_params and u.mlp_tile_tokens)
                      for u in text if u.checkpoint != "off"), default=0.0)
-    if setup.loss == "fused":  # a frozen head has no gradient, nor its float32 sum
-        head = all(u.trainable for u in units if u.modality is None)
-        loss = shape.vocab * shape.hidden * 2 * head + FUSED_LOSS_CHUNKS
-    else:
-        loss = tokens * shape.vocab * 2 + LOGITS_LOSS_CHUNKS  # bf16 logits, their gradient in their storage
+    head = all(u.trainable for u in units if u.modality is None)  # a frozen head has no gradient
+    if setup.loss == "fused":  # the head's gradient summed in float32 over the chunks, kept to the step's end
+        loss, head_grad = FUSED_LOSS_CHUNKS, shape.vocab * shape.hidden * 4 * head
+    else:  # bf16 logits, their gradient in their storage
+        loss, head_grad = tokens * shape.vocab * 2 + LOGITS_LOSS_CHUNKS, shape.vocab * shape.hidden * 2 * head
     # The loss runs before any layer's backward; the hidden states' gradient then flows down.
     part["loss or recomputation"] = max(loss, recompute) + layer_in
+    # The backward frees each layer's saved activations as it makes that layer's gradients, so its
+    # peak is at one end: at its first layer, every layer's activations held and of the gradients
+    # only the head's (a snapshot of the 7B 128K 4-layer slice: BENCHMARKS.md, issue 46), or at
+    # its last, where every gradient is made (activations offloaded: none held). The fused loss
+    # only: the 32K rows over materialised logits hold 15-25 GiB beyond what the head's gradient
+    # alone explains (not yet snapshotted), so that loss keeps every gradient, as fitted. Several
+    # micro-batches a step: the first one's gradients live through the others' backward.
+    every = part["gradients"]
+    if setup.loss == "fused" and setup.micro_batches == 1 and head_grad + part["activations"] >= every:
+        part["gradients"] = head_grad
+    else:  # every gradient counted in the storage dtype; the float32 sum's surplus beside it
+        part["loss or recomputation"] += max(0, head_grad - shape.vocab * shape.hidden * 2 * head)
     part["communication"] = _comm_buffers(shape, setup, tokens, reduced)
     for c in extra:
         add_parts(part, c.memory(units=units, shape=shape, setup=setup) if c.memory is not None else {})
     part["total"] = sum(part.values())
     # The first step: AdamW makes its states in its first optimizer step, after the backward,
     # so that step's peak is the larger of the backward's (without states) and the states'.
-    states = part["weights"] + part["gradients"] + part["optimizer"]
+    states = part["weights"] + every + part["optimizer"]
     part["first step"] = max(part["total"] - part["optimizer"], states)
     part["host"] = host_static + _host(units, layer_in) + 8 * GIB
     return part
@@ -240,9 +253,12 @@ def backward_reaches(units: list[Unit]) -> bool:  # nothing trained in it: no ba
 
 
 def _recompute_mlp(unit: Unit) -> float:
-    """The MLP's intermediates (in tokens x intermediate x 2 bytes) a layer's recomputation holds at once."""
+    """The MLP's intermediates (in rows x intermediate x 2 bytes) a layer's recomputation holds at once."""
+    if unit.mlp_tile_tokens:
+        return TILED_RECOMPUTE_MLP
     whole = unit.checkpoint in ("except_attention", "full")
-    return FLOAT8_RECOMPUTE_MLP.get(unit.float8, RECOMPUTE_MLP) if whole else RECOMPUTE_MLP
+    mlp = FLOAT8_RECOMPUTE_MLP.get(unit.float8, RECOMPUTE_MLP) if whole else RECOMPUTE_MLP
+    return mlp + ADAPTER_RECOMPUTE_MLP * bool(unit.adapter_params)
 
 
 def _mlp_rows(unit: Unit, tokens: float) -> float:

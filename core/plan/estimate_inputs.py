@@ -5,6 +5,7 @@ parameter counts and config; allocates nothing."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING, Any
 
 from weft.core.plan.estimate import Contribution, Setup, Shape, Unit
@@ -120,8 +121,15 @@ def setup_of(recipe: Recipe, plan: Plan, *, tokens: int | None = None) -> Setup:
     return Setup(
         tokens=tokens or recipe.train.micro_batch_tokens, patches=patches_of(recipe) * rows, rows=rows,
         dp_shard=mesh.dp_shard, dp_replicate=mesh.dp_replicate, ring=mesh.ring, ulysses=mesh.ulysses,
-        loss=recipe.train.loss,
+        loss=recipe.train.loss, micro_batches=micro_batches_of(recipe, plan, tokens=tokens),
     )
+
+
+def micro_batches_of(recipe: Recipe, plan: Plan, *, tokens: int | None = None) -> int:
+    """Micro-batches one rank runs a step: ``train.step_tokens`` over the data-parallel ranks'
+    micro-batches (their SP ranks share one), at least one; 0 step tokens: one round."""
+    each = (tokens or recipe.train.micro_batch_tokens) * plan.mesh.dp_shard * plan.mesh.dp_replicate
+    return max(1, math.ceil(recipe.train.step_tokens / each)) if recipe.train.step_tokens else 1
 
 
 def rows_of(recipe: Any) -> int:
