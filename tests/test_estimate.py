@@ -428,7 +428,7 @@ def test_the_lora_row_against_its_measured_run():
 @pytest.mark.quick
 def test_the_longest_length_of_an_adapter_run_uses_the_same_counts():
     """The LoRA variant's longest length (states 46 GiB lighter than the full fine-tune's, the
-    adapter surplus heavier) fits by the same memory model the table shows, one step more does not."""
+    adapters' recomputation heavier) fits by the same memory model the table shows, one step more does not."""
     from weft.core.plan.estimate_view import HEADROOM_GIB, estimate
     from weft.core.plan.planner import plan_recipe
     from weft.core.plugin_manager import plugin_manager_from_env
