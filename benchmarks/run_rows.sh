@@ -97,8 +97,9 @@
 #                  an H200 (over 100 GB) decode/generate_long.sh 28u (fused projections or not, the
 #                  copy bandwidth); nf4 memory/nf4_expand.py; prof72b step/profile_step.py on
 #                  step/variants/72b-qlora-128k-4layers.toml (the 72B's 4-bit layers, per layer);
-#                  peak memory/memory_peak.py on 7b-128k-4layers (what holds its peak); slice (only
-#                  where named, on an H200) `planned b`: the 1M slice, 2 steps, SLICE_LIMIT 900.
+#                  peak, peak32k, peaklora memory/memory_peak.py on the 4-layer variants 7b-128k-,
+#                  7b-32k-, 7b-lora-128k-4layers (what holds each peak); slice (only where named, on
+#                  an H200) `planned b`: the 1M slice, 2 steps, SLICE_LIMIT 900.
 #                  The 7B's 4-layer profiles: step/profile_variants.sh. BENCHMARKS.md, issue 46.
 #
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
@@ -369,11 +370,16 @@ set_limits() {
       "$here/step/variants/72b-qlora-128k-4layers.toml" --step 3 > "$dest/prof72b.log" 2>&1
     echo "profile 72b rc=$?" | tee -a "$dest/status.txt"
   fi
-  if part peak; then  # what holds the 7B 128K 4-layer slice's peak (49.1 GiB against the planner's 40)
-    timeout 300 python3 "$here/memory/memory_peak.py" --out "$dest/peak128k4" \
-      "$here/step/variants/7b-128k-4layers.toml" --step 2 > "$dest/peak128k4.log" 2>&1
-    echo "memory_peak 128k 4 layers rc=$?" | tee -a "$dest/status.txt"
-  fi
+  peak() {  # $1: the part's name, $2: a 4-layer variant: what holds its step's peak
+    if part "$1"; then
+      timeout 300 python3 "$here/memory/memory_peak.py" --out "$dest/$1" "$here/step/variants/$2.toml" --step 2 \
+        > "$dest/$1.log" 2>&1
+      echo "memory_peak $2 rc=$?" | tee -a "$dest/status.txt"
+    fi
+  }
+  peak peak 7b-128k-4layers        # 49.1 GiB against the planner's 40 before it was corrected
+  peak peak32k 7b-32k-4layers      # the logits loss's peak (its rows keep every gradient, fitted)
+  peak peaklora 7b-lora-128k-4layers  # ADAPTER_RECOMPUTE_MLP, fitted to the whole LoRA recipe
   # The 1M slice (~11 minutes for two steps) only where asked (PARTS naming slice), on an H200.
   if part slice && h200; then SLICE_LIMIT=${SLICE_LIMIT:-900} OUT="$dest/pl" set_planned b; fi
   return 0
