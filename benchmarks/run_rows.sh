@@ -93,7 +93,7 @@
 #                  $OUT/ret-NAME.tgz; called again, it goes on like `retrieval`.
 # limits FOLDER     issue 46's rows for whichever card the lease brings, into FOLDER (started detached:
 #                  benchmarks/detached.sh). weft, structlog, torchao and flash-attn-4 on PYTHONPATH.
-#                  PARTS (default "decode nf4 prof72b peak") says which, in this order: decode, on
+#                  PARTS (default: all but slice) says which, in this order: decode, on
 #                  an H200 (over 100 GB) decode/generate_long.sh 28u (fused projections or not, the
 #                  copy bandwidth); nf4 memory/nf4_expand.py; prof72b step/profile_step.py on
 #                  step/variants/72b-qlora-128k-4layers.toml (the 72B's 4-bit layers, per layer);
@@ -355,7 +355,7 @@ set_limits() {
   mkdir -p "$dest/u"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$dest/gpu.txt"
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  part() { [[ " ${PARTS:-decode nf4 prof72b peak} " == *" $1 "* ]]; }  # PARTS: which, in this order
+  part() { [[ " ${PARTS:-decode nf4 prof72b peak peak32k peaklora} " == *" $1 "* ]]; }  # PARTS: which, in this order
   h200() { [ "${mib:-0}" -gt 100000 ]; }
   if part decode && h200; then  # the 6.0 ms row is an H200's (an H100's came earlier)
     (cd "$dest/u" && OUT="$dest/u" bash "$here/decode/generate_long.sh" 28u > "$dest/u-28u.log" 2>&1)
