@@ -95,7 +95,7 @@ def test_transformers_alone_gives_weft_eval_s_answers(data, short_run, exported,
 
 def test_lora_teaches_the_words_with_the_base_untouched(data, exported):
     """LoRA over the exported model (words.toml): the digit answered as an English word, far above
-    guessing (150 steps: 38% here, 250: 77%, the recipe's 800: 96.7%); the checkpoint holds
+    guessing (150 steps: 45% of all 359 here, 250: 77%, the recipe's 800: 96.7%); the checkpoint holds
     adapters only and the base's weights file is the same bytes."""
     import hashlib
 
@@ -110,12 +110,14 @@ def test_lora_teaches_the_words_with_the_base_untouched(data, exported):
              if k.startswith("model.")]
     assert saved and all("lora_" in k for k in saved), saved[:5]
     results = data.parent / "words.results.jsonl"
+    task = data / "held_out_words_120.jsonl"  # a third of the held-out digits (the suite's time): 37.5% here
+    task.write_text("".join((data / "held_out_words.jsonl").read_text().splitlines(keepends=True)[:120]))
     done = run_weft("eval", str(data.parent / "words.toml"), "--nproc", "1", "--set", f"model.path={exported}",
-                    "--run-dir", str(run), "--task", str(data / "held_out_words.jsonl"), "--results", str(results),
+                    "--run-dir", str(run), "--task", str(task), "--results", str(results),
                     "--max-new-tokens", "8", "--json", cwd=data.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
-    assert summary["accuracy"] >= 0.25 and summary["interval_95"][0] > 0.2, summary  # guessing: 10%
+    assert summary["questions"] == 120 and summary["accuracy"] >= 0.25 and summary["interval_95"][0] > 0.2, summary
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == before
 
 
