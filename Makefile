@@ -41,7 +41,8 @@ digits: $(VENV)/.installed-digits
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
-	# Two workers, a test file each (module fixtures made once): ~8.5 min on 2 cores where one
-	# worker took ~12, much of it waiting on process starts and the fault tests' timeouts. The
-	# longest files first (tests/conftest.py LONGEST_FIRST), in the order collected.
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	# Three workers on the 2 cores, a test file each (module fixtures made once), one thread each:
+	# much of a worker's time waits on process starts, forked ranks and the fault tests' timeouts,
+	# which a third worker fills (8.6 min where two took 11.1 on this 2-core machine, 2026-12-06).
+	# The longest files first (tests/conftest.py LONGEST_FIRST), in the order collected.
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder

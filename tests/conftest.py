@@ -15,7 +15,7 @@ from weft_cli import run_weft
 
 #: The test files that take longest on 2 cores (the durations CI prints), longest first. They
 #: are collected first, and `make test` keeps that order (`--no-loadscope-reorder`; xdist would
-#: otherwise start the files with the most tests first), so the two workers of `-n 2 --dist
+#: otherwise start the files with the most tests first), so the workers of `-n 3 --dist
 #: loadfile` take the long files first and end together, instead of one worker idling while the
 #: other runs a long file it took last.
 LONGEST_FIRST: tuple[str, ...] = (
