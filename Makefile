@@ -43,6 +43,6 @@ test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	# Three workers on the 2 cores, a test file each (module fixtures made once), one thread each:
 	# much of a worker's time waits on process starts, forked ranks and the fault tests' timeouts,
-	# which a third worker fills (8.6 min where two took 11.1 on this 2-core machine, 2026-12-06).
+	# which a third worker fills (a fresh-clone .ci/run, 2026-12-06: 569 s where two took 648).
 	# The longest files first (tests/conftest.py LONGEST_FIRST), in the order collected.
 	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
