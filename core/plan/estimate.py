@@ -188,9 +188,9 @@ def memory(units: list[Unit], shape: Shape, setup: Setup, *, extra: tuple[Contri
     # peak is at one end: at its first layer, every layer's activations held and of the gradients
     # only the head's (a snapshot of the 7B 128K 4-layer slice: BENCHMARKS.md, issue 46), or at
     # its last, where every gradient is made (activations offloaded: none held). The fused loss
-    # only: the 32K rows over materialised logits hold 15-25 GiB beyond what the head's gradient
-    # alone explains (not yet snapshotted), so that loss keeps every gradient, as fitted. Several
-    # micro-batches a step: the first one's gradients live through the others' backward.
+    # only: the logits loss keeps every gradient, as fitted (its 32K slice peaks at the loss with no
+    # gradient, but the whole 32K recipe holds ~0.5 GiB a layer more than that explains; docs/
+    # estimate.md). Several micro-batches a step: the first one's gradients live through the rest.
     every = part["gradients"]
     if setup.loss == "fused" and setup.micro_batches == 1 and head_grad + part["activations"] >= every:
         part["gradients"] = head_grad

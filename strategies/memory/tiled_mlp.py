@@ -43,8 +43,7 @@ class _Tiles:
         self.module = module
 
     def expand(self) -> dict[str, torch.Tensor]:
-        # Under FSDP2 a sharded weight is a DTensor, never an NF4Tensor: those keep torchao's path.
-        return {name: expanded(p) for name, p in self.module.named_parameters() if is_quantized(p)}
+        return {name: expanded(p) for name, p in _four_bit(self.module)}
 
     def __call__(self, x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
         if not weights:
@@ -152,10 +151,14 @@ def _stand_in(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch
     no memory) and returns (owner, name, weight) to put back. Swapped in the owner's parameter
     table, as torch.func.functional_call does, so the module's class and its forward are its own."""
     held = []
-    for path, weight in module.named_parameters():
-        if is_quantized(weight):
-            prefix, _, name = path.rpartition(".")
-            owner = module.get_submodule(prefix)
-            held.append((owner, name, weight))
-            owner._parameters[name] = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    for path, weight in _four_bit(module):
+        prefix, _, name = path.rpartition(".")
+        owner = module.get_submodule(prefix)
+        held.append((owner, name, weight))
+        owner._parameters[name] = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
     return held
+
+
+def _four_bit(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    # Under FSDP2 a sharded weight is a DTensor, never an NF4Tensor: those keep torchao's path.
+    return [(path, p) for path, p in module.named_parameters() if is_quantized(p)]
