@@ -99,26 +99,32 @@ def test_a_4bit_base_is_refused_where_nothing_freezes_it(weft, tmp_path):
     assert "quantize = 'nf4' stores weights no optimizer can update" in message and "q.toml:" in message
 
 
+def _write_fsdp2_4bit(tmp_path, *, tile):
+    tiles = f", mlp_tile_tokens = {tile}" if tile else ""
+    _write(tmp_path, QLORA.replace('shard = { strategy = "none", quantize = "nf4", checkpoint = "full" }',
+                                   f'shard = {{ strategy = "fsdp2", quantize = "nf4", checkpoint = "full"{tiles} }}')
+           .replace('name = "everything else whole"\nshard = { strategy = "none" }',
+                    'name = "everything else: the root"\nshard = { strategy = "fsdp2" }'))
+
+
 @pytest.mark.parametrize("tile", [0, 8])
 def test_check_is_exact_with_4bit_units_sharded_by_fsdp2(weft, tmp_path, tile):
     """FSDP2 over 4-bit units: each rank holds its rows of torchao's NF4 codes (quantised before
     fully_shard), the all-gather rebuilds them; the plan's loss and adapter gradients equal the
     unsharded reference's with the same codes. With the MLP in tiles of 8 tokens too (its 4-bit
     weights expanded once a pass while FSDP2 holds them gathered, the recomputation stopping
-    before the tiles; a 1% error in the tiles' input gradient fails it). A shard degree that does
-    not divide a weight's rows and scaler groups is the rule's error, not torchao's assertion."""
-    tiles = f", mlp_tile_tokens = {tile}" if tile else ""
-    _write(tmp_path, QLORA.replace('shard = { strategy = "none", quantize = "nf4", checkpoint = "full" }',
-                                   f'shard = {{ strategy = "fsdp2", quantize = "nf4", checkpoint = "full"{tiles} }}')
-           .replace('name = "everything else whole"\nshard = { strategy = "none" }',
-                    'name = "everything else: the root"\nshard = { strategy = "fsdp2" }'))
+    before the tiles; a 1% error in the tiles' input gradient fails it)."""
+    _write_fsdp2_4bit(tmp_path, tile=tile)
     done = weft("check", "q.toml", "--world-size", "2", "--set", "parallel.dp_shard=2", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["ok"] and result["loss_rel_diff"] <= 1e-5 and result["grad_max_rel_diff"] <= 1e-4
     assert result["grad_params"] == {"reference": 28, "plan": 28}  # the adapters only
-    if tile:
-        return
+
+
+def test_a_shard_degree_that_does_not_divide_4bit_rows_is_the_rules_error(weft, tmp_path):
+    """Not torchao's assertion: the rule, its file and line, the rows and scaler groups."""
+    _write_fsdp2_4bit(tmp_path, tile=0)
     done = weft("check", "q.toml", "--world-size", "3", "--set", "parallel.dp_shard=3", cwd=tmp_path)
     message = " ".join(done.stderr.split())
     assert done.returncode == 2, done.stderr[-2000:]
