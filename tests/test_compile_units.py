@@ -91,11 +91,13 @@ def test_eval_and_generate_attach_no_recomputation(inference):
     generate (``ctx.inference``) attach neither, and compile what the rule compiles. Their
     hooks broke the compiled decoding step in every layer under torch 2.11 (the composable
     checkpoint's state lookup, ``module.__dict__.setdefault``: 2026-12-01's lease); training
-    keeps them."""
+    keeps them. Training runs the recomputed SwiGLU MLP by hand (its element-wise kernels compiled
+    on their own, strategies/memory/swiglu.py), not through the module's compiled forward."""
     first, second = _prepared_layers({"strategy": "none", "checkpoint": "full", "offload_activations": True,
                                       "compile": True}, inference=inference)
     assert bool(first._forward_pre_hooks) is not inference and not second._forward_pre_hooks
-    assert first.mlp._compiled_call_impl is not None
+    assert (first.mlp._compiled_call_impl is not None) is inference
+    assert bool(first.mlp._forward_hooks) is not inference
 
 
 @pytest.mark.quick

@@ -466,12 +466,14 @@ def test_float8_steps_within_the_tolerance_of_the_measured_runs(tokens, scaling,
     units = [attrs.evolve(u, float8=scaling) if u.float8 else u for u in units]
     assert sum(1 for u in units if u.float8) == 28
     step = step_seconds(units, shape, setup, GPUS["h200"])["total"]
-    plain = step_seconds([attrs.evolve(u, float8="") for u in units], shape, setup, GPUS["h200"])["total"]
+    # The same units at bf16's rate (the same recomputation: a compiled float8 MLP makes its down
+    # product again, a plain one's recomputation by hand does not).
+    plain = step_seconds(units, shape, setup, attrs.evolve(GPUS["h200"], float8=()))["total"]
     assert abs(step / seconds - 1) <= 0.25, (tokens, scaling, step, seconds)
     assert step < plain
-    a100 = GPUS["a100-80g"]
-    assert step_seconds(units, shape, setup, a100)["total"] == step_seconds(
-        [attrs.evolve(u, float8="") for u in units], shape, setup, a100)["total"]
+    # An A100 has no float8 units: bf16's rate (its step differs from the bf16 plan's by the down
+    # product a compiled float8 MLP makes again, which a plain one's recomputation by hand does not).
+    assert GPUS["a100-80g"].float8_speedup(scaling) == 1.0
 
 
 #: Peaks of the bundled 32K float8 layout on one H200 (BENCHMARKS.md, 2026-12-01/02), by scaling.
@@ -562,14 +564,17 @@ def test_a_tiled_mlp_adds_a_forward_only_where_its_layer_is_not_recomputed():
     setup, gpu = Setup(tokens=4096), GPUS["h200"]
     mlp_forward = 2 * 4096 * 3 * 64 * 256 / (gpu.matmul_tflops * 1e12)
 
-    def matmul(checkpoint: str, tile: int) -> float:
+    def matmul(checkpoint: str, tile: int, *, adapters: bool = False) -> float:
         unit = Unit(path="model.layers.0", modality="text", params=90_000, strategy="none", storage_bytes=2,
-                    checkpoint=checkpoint, mlp_tile_tokens=tile)
+                    checkpoint=checkpoint, mlp_tile_tokens=tile, adapter_params=1000 * adapters)
         return step_seconds([unit], shape, setup, gpu)["matmul"]
 
     assert matmul("full", 1024) == pytest.approx(matmul("full", 0), rel=1e-12)
     assert matmul("except_attention", 1024) == pytest.approx(matmul("except_attention", 0), rel=1e-12)
-    assert matmul("off", 1024) - matmul("off", 0) == pytest.approx(mlp_forward, rel=1e-9)
+    # A plain SwiGLU's tiles make gate and up again by hand, not down (strategies/memory/swiglu.py);
+    # an MLP with adapters runs its tiles' whole forward again.
+    assert matmul("off", 1024) - matmul("off", 0) == pytest.approx(mlp_forward * 2 / 3, rel=1e-9)
+    assert matmul("off", 1024, adapters=True) - matmul("off", 0, adapters=True) == pytest.approx(mlp_forward, rel=1e-9)
 
 
 @pytest.mark.quick

@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_ranks, sharded_text_model
 from model_helpers import build_model
@@ -66,25 +67,34 @@ def test_tiled_mlp_and_offload_keep_the_loss_and_gradients(world, strategy):
     run_ranks(world, _compare, strategy)
 
 
+class _Products(TorchDispatchMode):
+    """Each matrix product's output shape, in order (a SwiGLU's tiles run F.linear and @, not
+    the projections' modules, so module hooks would not see them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
 @pytest.mark.quick
 def test_only_one_tile_of_intermediates_exists_at_a_time():
-    """The MLP's widest tensors (tokens x intermediate) are never larger than one tile's."""
+    """The MLP's widest tensors (tokens x intermediate: 128) are never larger than one tile's."""
     model = build_model(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}}), device="cpu", seed=0)
     reference = copy.deepcopy(model)
     TiledMLP(tile_tokens=8).attach([layer.mlp for layer in model.model.layers])
-    widest = {}
-
-    def watch(name):
-        def hook(module, args, output):
-            widest[name] = max(widest.get(name, 0), output.shape[1])
-        return hook
-
-    for m, name in ((model, "tiled"), (reference, "plain")):
-        for layer in m.model.layers:
-            layer.mlp.up_proj.register_forward_hook(watch(name))
     ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(0))
-    for m in (model, reference):
-        m(input_ids=ids, use_cache=False).logits.sum().backward()
+    widest = {}
+    for m, name in ((model, "tiled"), (reference, "plain")):
+        with _Products() as products:
+            m(input_ids=ids, use_cache=False).logits.sum().backward()
+        # (tokens, 128): gate, up and their gradient; (64, 128) is the down weight's gradient.
+        widest[name] = max(rows for rows, cols in products.shapes if cols == 128 and rows != 64)
     assert widest == {"tiled": 8, "plain": 40}
 
 
@@ -138,20 +148,27 @@ def test_a_4bit_mlp_is_expanded_once_a_pass_and_gives_the_untiled_rows_and_gradi
 
 
 @pytest.mark.quick
-def test_a_recomputed_layer_runs_its_tiles_twice_not_three_times():
+@pytest.mark.parametrize("tile", [8, None])
+def test_a_recomputed_layer_makes_its_mlp_again_once_without_the_down_product(tile):
     """Under full recomputation the layer's recomputation stops at the MLP's kept input (torch's
-    early stop): the tiles run in the forward and in the MLP's backward, not a third time."""
+    early stop): the MLP's rows are made in the forward and once more in its backward, where the
+    gate and up products run again and the down product does not (a compiled MLP under torch's
+    checkpoint ran all three: strategies/memory/swiglu.py). In tiles of 8, and as one tile."""
     from weft.strategies.memory.activation_checkpoint import apply_checkpointing
 
     model = build_model(Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}}), device="cpu", seed=0)
     layers = model.model.layers
-    TiledMLP(tile_tokens=8).attach([layer.mlp for layer in layers])
+    TiledMLP(tile_tokens=tile).attach([layer.mlp for layer in layers])
     for layer in layers:
         apply_checkpointing(layer, mode="full")
-    tiles = []
-    layers[0].mlp.up_proj.register_forward_hook(lambda m, args, out: tiles.append(out.shape[1]))
     ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, use_cache=False).logits.sum().backward()
-    # 5 tiles of 8 in the forward and 5 in the backward; the zero-token calls are the module's own
-    # (its hooks hand it an empty slice), once in the forward and once in the recomputation.
-    assert sorted(tiles) == [0, 0] + [8] * 10
+    with _Products() as products:
+        model(input_ids=ids, use_cache=False).logits.sum().backward()
+    per_layer = {shape: products.shapes.count(shape) / len(layers) for shape in set(products.shapes)}
+    # (rows, 128): gate and up in the forward, again in the backward, and h's gradient.
+    if tile:  # (8, 64): the down product in the forward, the input's gradient (two products) in the backward
+        assert (per_layer[(8, 128)], per_layer[(8, 64)]) == (5 * 5, 3 * 5)
+    else:  # (40, 64) is the attention's q and o projections' too: the MLP's gate, up, h's gradient alone
+        assert per_layer[(40, 128)] == 5
+
+

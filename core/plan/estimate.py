@@ -216,6 +216,13 @@ def backward_reaches(units: list[Unit]) -> bool:  # nothing trained in it: no ba
     return any(_trained(u) for u in units)
 
 
+def mlp_by_hand(unit: Unit) -> bool:
+    """Whether a recomputed MLP of this unit is made again by hand, gate and up products only
+    (plugins/shard/levers.py ``recomputed_swiglu``, strategies/memory/swiglu.py): its linear layers
+    plain, so no float8 and no adapters (taken to reach the MLP: "all-linear") and no 4-bit weights."""
+    return not (unit.float8 or unit.adapter_params or unit.quantized_params)
+
+
 def _recompute_mlp(unit: Unit) -> float:
     """The MLP's intermediates (in rows x intermediate x 2 bytes) a layer's recomputation holds at once."""
     if unit.mlp_tile_tokens:

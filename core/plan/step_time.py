@@ -8,7 +8,16 @@ mesh as the memory model takes them (core/plan/estimate.py). Plain arithmetic, n
 
 from __future__ import annotations
 
-from weft.core.plan.estimate import Contribution, Setup, Shape, Unit, add_parts, backward_reaches, offload_kept
+from weft.core.plan.estimate import (
+    Contribution,
+    Setup,
+    Shape,
+    Unit,
+    add_parts,
+    backward_reaches,
+    mlp_by_hand,
+    offload_kept,
+)
 from weft.core.plan.flops import sequence_flops
 from weft.core.plan.gpus import GpuKind
 
@@ -22,14 +31,18 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind, *,
     text = [u for u in units if u.modality == "text"]
     root = next((u for u in units if u.modality is None), None)
     head = shape.vocab * shape.hidden  # 6 FLOPs per weight and token, a frozen one's 4 (no weight gradient)
-    mlp = 2 * shape.hidden * shape.intermediate  # gate and up: what "mlp" recomputes (down stops early)
+    mlp = 3 * shape.hidden * shape.intermediate  # gate, up, down
 
     def redone(u: Unit) -> float:  # a decoder unit's recomputed matmul FLOPs
         whole = u.checkpoint in ("full", "except_attention")
-        if u.mlp_tile_tokens:  # its backward runs the tiles again; a recomputation stops before them
-            tiles = 3 * shape.hidden * shape.intermediate
-            return 2 * tokens * ((shape.layer_params + u.adapter_params - tiles) * whole + tiles)
-        return 2 * tokens * (shape.layer_params + u.adapter_params if whole else mlp if u.checkpoint == "mlp" else 0)
+        # What the MLP's recomputation makes again: gate and up by hand or eagerly (torch's
+        # checkpoint stops before the down product), all three through a compiled module's forward
+        # or a tile's own forward (strategies/memory/swiglu.py).
+        tiled = u.mlp_tile_tokens > 0
+        again = mlp * (2 / 3 if mlp_by_hand(u) or not (u.compiled or tiled) else 1)
+        if not (whole or tiled or u.checkpoint == "mlp"):
+            return 0.0
+        return 2 * tokens * ((shape.layer_params + u.adapter_params - mlp) * whole + again)
 
     again_flops = [redone(u) for u in text]
     # Each decoder unit's products at its own rate: float8 by rule at its scaling's measured speed-up.

@@ -136,21 +136,49 @@ def freeze(model, units, *, plan, ctx) -> None:
 def recompute(model, units, *, plan, ctx) -> None:
     """Activation checkpointing of each unit whose rule asks for it. None at inference
     (``ctx.inference``): with no backward its hooks only cost, and they broke the compiled
-    decoding step in every layer (torch 2.11)."""
+    decoding step in every layer (torch 2.11). A recomputed SwiGLU MLP of plain linear layers
+    (untiled) keeps its input and is made again by hand in its backward, without its down
+    product (``recomputed_swiglu``; strategies/memory/tiled_mlp.py): under the "mlp" mode that
+    is its whole recomputation, under "full" and "except_attention" the unit's stops before it."""
     from weft.strategies.memory.activation_checkpoint import apply_checkpointing
+    from weft.strategies.memory.tiled_mlp import TiledMLP
 
-    checkpointed = 0 if ctx.inference else sum(
-        apply_checkpointing(model.get_submodule(unit.info.path), mode=config.checkpoint)
-        for unit, config in configured(units, Recompute))
-    if checkpointed:
-        ctx.log.info("shard.checkpointing", modules=checkpointed)
+    checkpointed, by_hand = 0, {False: [], True: []}
+    for unit, config in ([] if ctx.inference else configured(units, Recompute)):
+        module = model.get_submodule(unit.info.path)
+        swiglu = recomputed_swiglu(module, unit, config)
+        if swiglu is not None:
+            compiled = config_of(unit.get("shard").params, Compile)
+            by_hand[compiled is not None and compiled.compile].append(swiglu)
+        if swiglu is None or config.checkpoint != "mlp":
+            checkpointed += apply_checkpointing(module, mode=config.checkpoint)
+    kept = sum(TiledMLP(tile_tokens=None, compile=compiled).attach(mlps) for compiled, mlps in by_hand.items() if mlps)
+    if checkpointed or kept:
+        ctx.log.info("shard.checkpointing", modules=checkpointed, **({"mlps_by_hand": kept} if kept else {}))
 
 
-def compile_units(model, units, *, plan) -> tuple[int, list[str]]:
+#: The checkpoint modes that make a unit's MLP again in the backward.
+RECOMPUTES_MLP = ("mlp", "full", "except_attention")
+
+
+def recomputed_swiglu(module, unit, config: Recompute):
+    """The unit's ``mlp`` child where its recomputation is done by hand: a recomputing mode, no
+    tiles (the tiled MLP does the same per tile), a SwiGLU of plain linear layers; else None."""
+    from weft.strategies.memory.swiglu import is_swiglu
+
+    tiled = config_of(unit.get("shard").params, TiledMlp)
+    mlp = getattr(module, "mlp", None)
+    if config.checkpoint not in RECOMPUTES_MLP or (tiled is not None and tiled.mlp_tile_tokens) or mlp is None:
+        return None
+    return mlp if is_swiglu(mlp) else None
+
+
+def compile_units(model, units, *, plan, inference: bool = False) -> tuple[int, list[str]]:
     """``compile = true``: the unit's children, its attention too where one kernel on the local
-    sequence runs it (fused rotary embedding and casts around the kernel; no collectives).
-    Returns the modules compiled, and the units asking ``compile_scope = "unit"`` that hold an
-    attention torch cannot trace (compiled child by child)."""
+    sequence runs it (fused rotary embedding and casts around the kernel; no collectives); not an
+    MLP that runs by hand or in tiles (``recompute``, ``tiled_mlp``: their element-wise kernels
+    are compiled on their own). Returns the modules compiled, and the units asking
+    ``compile_scope = "unit"`` that hold an attention torch cannot trace (compiled child by child)."""
     from weft.plugins.attention import traceable
     from weft.strategies.memory.compile_units import compile_unit
 
@@ -163,16 +191,20 @@ def compile_units(model, units, *, plan) -> tuple[int, list[str]]:
         traced = bool(inside) and all(inside)
         whole = config.compile_scope == "unit"
         children += [unit.info.path] if whole and not traced else []
-        tiled = config_of(unit.get("shard").params, TiledMlp)
-        compiled += compile_unit(model.get_submodule(unit.info.path), attention=traced,
-                                 skip=("mlp",) if tiled is not None and tiled.mlp_tile_tokens > 0 else (),
+        module, params = model.get_submodule(unit.info.path), unit.get("shard").params
+        tiled = config_of(params, TiledMlp)
+        recompute = config_of(params, Recompute)
+        by_hand = (not inference and recompute is not None
+                   and recomputed_swiglu(module, unit, recompute) is not None)
+        compiled += compile_unit(module, attention=traced,
+                                 skip=("mlp",) if by_hand or (tiled is not None and tiled.mlp_tile_tokens > 0) else (),
                                  whole=traced and whole)
     return compiled, children
 
 
 def compile_lever(model, units, *, plan, ctx) -> None:
     """``compile_units`` as a lever, with what it did in the log."""
-    compiled, children = compile_units(model, units, plan=plan)
+    compiled, children = compile_units(model, units, plan=plan, inference=ctx.inference)
     if compiled:
         ctx.log.info("shard.compile", modules=compiled)
     if children:  # compile_scope = "unit" asked, an attention torch cannot trace inside: child by child instead
@@ -181,15 +213,17 @@ def compile_lever(model, units, *, plan, ctx) -> None:
 
 
 def tiled_mlp(model, units, *, plan, ctx) -> None:
-    """``mlp_tile_tokens``: each unit's ``mlp`` child applied in tiles (one TiledMLP per tile size)."""
+    """``mlp_tile_tokens``: each unit's ``mlp`` child applied in tiles (one TiledMLP per tile size
+    and ``compile``: a SwiGLU's element-wise kernels through torch.compile where the unit asks it)."""
     from weft.strategies.memory.tiled_mlp import TiledMLP
 
-    by_size: dict[int, list] = {}
+    groups: dict[tuple[int, bool], list] = {}
     for unit, config in configured(units, TiledMlp):
         mlp = getattr(model.get_submodule(unit.info.path), "mlp", None)
+        compiled = config_of(unit.get("shard").params, Compile)
         if config.mlp_tile_tokens and mlp is not None:
-            by_size.setdefault(config.mlp_tile_tokens, []).append(mlp)
-    tiled = sum(TiledMLP(tile_tokens=size).attach(mlps) for size, mlps in by_size.items())
+            groups.setdefault((config.mlp_tile_tokens, compiled is not None and compiled.compile), []).append(mlp)
+    tiled = sum(TiledMLP(tile_tokens=size, compile=compiled).attach(mlps) for (size, compiled), mlps in groups.items())
     if tiled:
         ctx.log.info("shard.tiled_mlp", modules=tiled)
 
