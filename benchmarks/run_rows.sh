@@ -99,7 +99,11 @@
 #                  step/variants/72b-qlora-128k-4layers.toml (the 72B's 4-bit layers, per layer);
 #                  peak, peak32k, peaklora memory/memory_peak.py on the 4-layer variants 7b-128k-,
 #                  7b-32k-, 7b-lora-128k-4layers (what holds each peak); slice (only where named, on
-#                  an H200) `planned b`: the 1M slice, 2 steps, SLICE_LIMIT 900.
+#                  an H200) `planned b`: the 1M slice, 2 steps, SLICE_LIMIT 900; byhand
+#                  step/mlp_by_hand.py (a recomputed MLP by hand against torch's checkpoint of the
+#                  compiled one); ab128s, and on an H200 ab32 and ab128: weft run, 5 steps, of the 128K
+#                  4-layer variant, the bundled 32K and 128K recipes, this tree's weft then the one
+#                  installed in OLD_SITE (another commit, for the same lease's before and after).
 #                  The 7B's 4-layer profiles: step/profile_variants.sh. BENCHMARKS.md, issue 46.
 #
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
@@ -380,6 +384,25 @@ set_limits() {
   peak peak 7b-128k-4layers        # 49.1 GiB against the planner's 40 before it was corrected
   peak peak32k 7b-32k-4layers      # the logits loss's peak (its rows keep every gradient, fitted)
   peak peaklora 7b-lora-128k-4layers  # ADAPTER_RECOMPUTE_MLP, fitted to the whole LoRA recipe
+  if part byhand; then  # a recomputed MLP by hand against torch's checkpoint of the compiled one
+    timeout 300 python3 "$here/step/mlp_by_hand.py" --out "$dest/byhand" > "$dest/byhand.log" 2>&1
+    echo "mlp_by_hand rc=$?" | tee -a "$dest/status.txt"
+  fi
+  ab() {  # $1: the part's name, $2: a recipe or variant, $3: "h200" where it needs one. weft run, 5
+    # steps, with this tree's weft, then with OLD_SITE's (another tree installed into a folder) before it.
+    if part "$1" && [ -n "${OLD_SITE:-}" ] && { [ "${3:-}" != h200 ] || h200; }; then
+      for tree in new old; do
+        local path=$PYTHONPATH; [ "$tree" = old ] && path="$OLD_SITE:$PYTHONPATH"
+        (cd /tmp && PYTHONPATH=$path timeout 480 python3 -m weft run "$2" --run-dir "$dest/$1-$tree" \
+          --set train.max_steps=5 > "$dest/$1-$tree.log" 2>&1)
+        echo "$1 $tree rc=$?" | tee -a "$dest/status.txt"
+        grep -h '"step"' "$dest/$1-$tree/metrics.jsonl" 2>/dev/null | cut -c1-400 | tail -n 5
+      done
+    fi
+  }
+  ab ab128s "$here/step/variants/7b-128k-4layers.toml"   # the 128K recipe's rules over 4 layers
+  ab ab32 qwen2.5-vl-7b-32k-1gpu h200
+  ab ab128 qwen2.5-vl-7b-128k-1gpu h200
   # The 1M slice (~11 minutes for two steps) only where asked (PARTS naming slice), on an H200.
   if part slice && h200; then SLICE_LIMIT=${SLICE_LIMIT:-900} OUT="$dest/pl" set_planned b; fi
   return 0
