@@ -145,10 +145,14 @@ def test_the_attention_backward_runs_faster_at_length():
 
 
 #: The bundled 128K recipe and the same rules over 4 of its 28 layers
-#: (benchmarks/step/variants/7b-128k-4layers.toml), peaks in GiB: 122.7 on one H200 (2026-12-02),
-#: 49.09 on one H100 (2026-12-06, BENCHMARKS.md issue 46: a snapshot of that peak); the LoRA
-#: recipe's rules over the same 4 layers (benchmarks/step/variants/7b-lora-128k-4layers.toml), 53.90.
-PEAK_128K, PEAK_128K_SLICE, PEAK_LORA_SLICE = 122.7, 49.09, 53.90
+#: (benchmarks/step/variants/7b-128k-4layers.toml), peaks in GiB: the slice 44.47 on one H100
+#: with its MLPs made again by hand (2026-12-06, session 8; 49.09 through the compiled module,
+#: the snapshot of issue 46); the whole 122.7 on one H200 (2026-12-02) through the compiled
+#: module, less what the slice measured the by-hand recomputation to save (the peak's one
+#: recomputed MLP: the same in both). The LoRA recipe's rules over the same 4 layers
+#: (benchmarks/step/variants/7b-lora-128k-4layers.toml; adapters: not by hand), 53.90.
+PEAK_128K_SLICE, PEAK_LORA_SLICE = 44.47, 53.90
+PEAK_128K = 122.7 - (49.09 - PEAK_128K_SLICE)
 
 
 @pytest.mark.quick
@@ -505,14 +509,15 @@ FLOAT8_PEAKS_128K = {"tensorwise": 129.0, "rowwise": 136.05}
 def test_float8_peaks_at_128k_are_not_under_estimated(scaling):
     """Recomputed whole ("except_attention"), a float8 layer holds its casts' copies beside the
     bf16 intermediates while it is made again: each measured 128K peak within 1% above the
-    estimate's (never under it by more than 1%), bf16's estimate unchanged by the rule."""
+    estimate's (never under it by more than 1%), bf16's estimate unchanged by the rule (its MLPs
+    made again by hand: one intermediate fewer than the compiled module's)."""
     units, shape, setup = _plan(ROOT / "recipes" / "qwen2.5-vl-7b-128k-float8-1gpu.toml")
     units = [attrs.evolve(u, float8=scaling) if u.float8 else u for u in units]
     assert {u.checkpoint for u in units if u.float8} == {"except_attention"}
     peak = memory(units, shape, setup)["total"] / GIB
     assert 0 <= peak / FLOAT8_PEAKS_128K[scaling] - 1 <= 0.01, (scaling, peak)
     bf16 = memory([attrs.evolve(u, float8="") for u in units], shape, setup)["total"] / GIB
-    assert bf16 == pytest.approx(121.56, abs=0.01) and bf16 < peak
+    assert bf16 == pytest.approx(116.93, abs=0.01) and bf16 < peak
 
 
 @pytest.mark.quick

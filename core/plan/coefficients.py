@@ -21,13 +21,19 @@ FLOAT8_MLP_SAVED = {"tensorwise": 2.0, "rowwise": 2.0}
 #: One layer's recomputation in the backward holds at once about ``RECOMPUTE_ATTENTION``
 #: layer inputs' worth (q, k, v, out; a float32 norm) and ``RECOMPUTE_MLP`` x tokens x
 #: intermediate x 2 bytes: the MLP's four intermediates (gate, up, the activation and its
-#: gradient) in its compiled backward. Measured: a snapshot at the 7B 128K 4-layer slice's peak
+#: gradient) in a compiled module's backward (float8's, adapters'). Measured: a snapshot at the 7B 128K 4-layer slice's peak
 #: (H100, issue 46), 4.03 and 4.3 for "except_attention". A tiled MLP (``mlp_tile_tokens``)
 #: holds one tile's, ``TILED_RECOMPUTE_MLP`` of them: fitted to the frontier rows (7B, 128K to
 #: 512K) and the 72B QLoRA slice.
 RECOMPUTE_ATTENTION = 4.0
 RECOMPUTE_MLP = 4.0
 TILED_RECOMPUTE_MLP = 1.6
+#: The same for an untiled MLP made again by hand (a SwiGLU of plain linear layers,
+#: strategies/memory/swiglu.py): gate, up and h, then gate, up and h's gradient, which the
+#: backward writes the gate's and up's gradients over. Measured: the 7B 128K 4-layer slice on one
+#: H100 (2026-12-06, session 8), 44.47 GiB against 49.09 through the compiled module: one
+#: intermediate (4.62 GiB) fewer.
+BY_HAND_RECOMPUTE_MLP = 3.0
 #: The same MLP term for a float8 layer made again whole ("except_attention", "full"): its
 #: casts' float8 copies (and rowwise's transposed ones) beside the bf16 intermediates. Fitted
 #: to the 128K float8 recipe on one H200 (2026-12-01/02: tensorwise 129.0 GiB, rowwise 136.05,

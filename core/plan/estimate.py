@@ -24,6 +24,7 @@ import attrs
 
 from weft.core.plan.coefficients import (
     ADAPTER_RECOMPUTE_MLP,
+    BY_HAND_RECOMPUTE_MLP,
     FLOAT8_MLP_SAVED,
     FLOAT8_RECOMPUTE_MLP,
     FUSED_LOSS_CHUNKS,
@@ -227,6 +228,8 @@ def _recompute_mlp(unit: Unit) -> float:
     """The MLP's intermediates (in rows x intermediate x 2 bytes) a layer's recomputation holds at once."""
     if unit.mlp_tile_tokens:
         return TILED_RECOMPUTE_MLP
+    if mlp_by_hand(unit):
+        return BY_HAND_RECOMPUTE_MLP
     whole = unit.checkpoint in ("except_attention", "full")
     mlp = FLOAT8_RECOMPUTE_MLP.get(unit.float8, RECOMPUTE_MLP) if whole else RECOMPUTE_MLP
     return mlp + ADAPTER_RECOMPUTE_MLP * bool(unit.adapter_params)
