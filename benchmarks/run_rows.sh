@@ -102,8 +102,8 @@
 #                  an H200) `planned b`: the 1M slice, 2 steps, SLICE_LIMIT 900; byhand
 #                  step/mlp_by_hand.py (a recomputed MLP by hand against torch's checkpoint of the
 #                  compiled one); ab128s, and on an H200 ab32 and ab128: weft run, 5 steps, of the 128K
-#                  4-layer variant, the bundled 32K and 128K recipes, this tree's weft then the one
-#                  installed in OLD_SITE (another commit, for the same lease's before and after).
+#                  4-layer variant, the bundled 32K and 128K recipes, this tree's weft, then, where
+#                  OLD_SITE is set, the one installed there (another commit: the same lease's before and after).
 #                  The 7B's 4-layer profiles: step/profile_variants.sh. BENCHMARKS.md, issue 46.
 #
 # Not sets (one script each, run as BENCHMARKS.md records): check/gpu_check.sh (`weft check` on the
@@ -389,9 +389,9 @@ set_limits() {
     echo "mlp_by_hand rc=$?" | tee -a "$dest/status.txt"
   fi
   ab() {  # $1: the part's name, $2: a recipe or variant, $3: "h200" where it needs one. weft run, 5
-    # steps, with this tree's weft, then with OLD_SITE's (another tree installed into a folder) before it.
-    if part "$1" && [ -n "${OLD_SITE:-}" ] && { [ "${3:-}" != h200 ] || h200; }; then
-      for tree in new old; do
+    # steps, with this tree's weft, then (OLD_SITE set: another tree installed into a folder) with that one's.
+    if part "$1" && { [ "${3:-}" != h200 ] || h200; }; then
+      for tree in new ${OLD_SITE:+old}; do
         local path=$PYTHONPATH; [ "$tree" = old ] && path="$OLD_SITE:$PYTHONPATH"
         (cd /tmp && PYTHONPATH=$path timeout 480 python3 -m weft run "$2" --run-dir "$dest/$1-$tree" \
           --set train.max_steps=5 > "$dest/$1-$tree.log" 2>&1)
