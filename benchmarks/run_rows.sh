@@ -101,8 +101,9 @@
 #                  7b-32k-, 7b-lora-128k-4layers (what holds each peak); slice (only where named, on
 #                  an H200) `planned b`: the 1M slice, 2 steps, SLICE_LIMIT 900; byhand
 #                  step/mlp_by_hand.py (a recomputed MLP by hand against torch's checkpoint of the
-#                  compiled one); ab128s, and on an H200 ab32 and ab128: weft run, 5 steps, of the 128K
-#                  4-layer variant, the bundled 32K and 128K recipes, this tree's weft, then, where
+#                  compiled one); ab128s, ablora, ab72s, and on an H200 ab32 and ab128: weft run, 5
+#                  steps, of the 4-layer variants 7b-128k-, 7b-lora-128k-, 72b-qlora-128k-4layers, the
+#                  bundled 32K and 128K recipes, this tree's weft, then, where
 #                  OLD_SITE is set, the one installed there (another commit: the same lease's before and after).
 #                  The 7B's 4-layer profiles: step/profile_variants.sh. BENCHMARKS.md, issue 46.
 #
@@ -401,6 +402,8 @@ set_limits() {
     fi
   }
   ab ab128s "$here/step/variants/7b-128k-4layers.toml"   # the 128K recipe's rules over 4 layers
+  ab ablora "$here/step/variants/7b-lora-128k-4layers.toml"  # the LoRA 128K recipe's
+  ab ab72s "$here/step/variants/72b-qlora-128k-4layers.toml"  # the 72B QLoRA recipe's
   ab ab32 qwen2.5-vl-7b-32k-1gpu h200
   ab ab128 qwen2.5-vl-7b-128k-1gpu h200
   # The 1M slice (~11 minutes for two steps) only where asked (PARTS naming slice), on an H200.

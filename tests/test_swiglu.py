@@ -70,18 +70,51 @@ def test_under_bf16_autocast_the_backward_uses_the_forwards_precision():
         torch.testing.assert_close(grads[name], g, rtol=5e-2, atol=5e-2 * g.abs().max().item(), msg=name)
 
 
-@pytest.mark.quick
-def test_only_plain_swiglu_mlps_are_taken():
-    """PEFT's adapters, torchao's float8, a hook on a projection or another activation keep the
-    module's own forward (a whole-sequence tile is refused for them)."""
+def _lora(mlp: torch.nn.Module, **config) -> torch.nn.Module:
     from peft import LoraConfig, inject_adapter_in_model
 
-    assert is_swiglu(_mlp()) and is_swiglu(_mlp(bias=True))
-    lora = _mlp()
-    inject_adapter_in_model(LoraConfig(r=2, target_modules=["down_proj"]), lora)
+    torch.manual_seed(1)
+    inject_adapter_in_model(LoraConfig(r=3, lora_alpha=5, target_modules=["gate_proj", "up_proj", "down_proj"],
+                                       init_lora_weights=False, **config), mlp)
+    return mlp.to(torch.float64)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("tile", [None, 4])
+def test_lora_by_hand_gives_peft_rows_and_gradients_and_follows_its_switch(tile):
+    """PEFT's LoRA on all three projections: the adapter's product added into the base's by one
+    matrix product, its gradients by hand, in float64 equal to PEFT's forward under autograd; the
+    base frozen (no gradient). With the adapters switched off (a DPO reference pass) the base
+    alone, as PEFT computes it then."""
+    from weft.strategies.model.adapters_off import adapters_off
+
+    mlp, reference = _lora(_mlp()), _lora(_mlp())
+    for m in (mlp, reference):
+        for name, p in m.named_parameters():
+            p.requires_grad_("lora_" in name)
+    x, dy = torch.randn(2, 9, 24, dtype=torch.float64), torch.randn(2, 9, 24, dtype=torch.float64)
+    TiledMLP(tile_tokens=tile).attach([mlp])
+    y, grads = _grads(mlp, x, dy)
+    ref_y, ref_grads = _grads(reference, x, dy)
+    torch.testing.assert_close(y, ref_y, rtol=1e-13, atol=1e-13)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 7  # x, 3 x (A, B)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-12, atol=1e-12, msg=name)
+    with adapters_off(mlp), adapters_off(reference):
+        off, ref_off = mlp(x), reference(x)
+    torch.testing.assert_close(off, ref_off, rtol=1e-13, atol=1e-13)
+    assert (off - y).abs().max() > 1e-3  # the adapters did add something
+
+
+@pytest.mark.quick
+def test_only_swiglu_mlps_this_file_runs_are_taken():
+    """DoRA, an adapter's dropout, a hook on a projection or another activation keep the
+    module's own forward (a whole-sequence tile is refused for them)."""
+    assert is_swiglu(_mlp()) and is_swiglu(_mlp(bias=True)) and is_swiglu(_lora(_mlp()))
+    dora, dropout = _lora(_mlp(), use_dora=True), _lora(_mlp(), lora_dropout=0.1)
     hooked = _mlp()
     hooked.up_proj.register_forward_hook(lambda m, a, o: None)
     gelu = Qwen2MLP(Qwen2Config(hidden_size=24, intermediate_size=40, hidden_act="gelu"))
-    assert not any(is_swiglu(m) for m in (lora, hooked, gelu, torch.nn.Linear(4, 4)))
+    assert not any(is_swiglu(m) for m in (dora, dropout, hooked, gelu, torch.nn.Linear(4, 4)))
     with pytest.raises(ValueError, match="one whole-sequence tile is for SwiGLU MLPs"):
-        TiledMLP(tile_tokens=None).attach([lora])
+        TiledMLP(tile_tokens=None).attach([dora])

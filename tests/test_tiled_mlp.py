@@ -106,9 +106,9 @@ def test_tile_size_is_checked():
 
 def test_a_4bit_mlp_is_expanded_once_a_pass_and_gives_the_untiled_rows_and_gradients(monkeypatch):
     """NF4 base weights under LoRA: the tiled MLP runs its tiles on weights expanded once per pass
-    (forward, backward), with the untiled (torchao per-product) MLP's rows bit for bit and its
-    gradients to float32 rounding (the LoRA weights' sums run over tiles); its 4-bit weights are
-    back in place after the call."""
+    (forward, backward), with the untiled (torchao per-product) MLP's rows and gradients to bf16
+    rounding (by hand; the LoRA weights' sums run over tiles); its 4-bit weights are back in
+    place after the call."""
     from peft import LoraConfig, inject_adapter_in_model
 
     from weft.strategies.memory import tiled_mlp
@@ -141,7 +141,9 @@ def test_a_4bit_mlp_is_expanded_once_a_pass_and_gives_the_untiled_rows_and_gradi
         grads.append({"x": xi.grad, **{n: p.grad.clone() for n, p in mlp.named_parameters() if p.requires_grad}})
     assert len(calls) == 6  # 3 weights x (forward, backward), none for the untiled module
     assert all(isinstance(m.weight, NF4Tensor) for m in (mlp.gate_proj.base_layer, mlp.down_proj.base_layer))
-    assert torch.equal(outputs[1], outputs[0])
+    # By hand (strategies/memory/swiglu.py): the adapters' products added into the base's by one
+    # matrix product, where PEFT rounds them, scales and adds: bf16 roundings apart.
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=2e-2, atol=2e-2 * outputs[0].abs().max().item())
     assert set(grads[1]) == set(grads[0]) and len(grads[0]) == 7  # x, 3 x (lora_A, lora_B)
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=2e-2, atol=1e-2 * g.abs().max().item(), msg=name)

@@ -219,9 +219,10 @@ def backward_reaches(units: list[Unit]) -> bool:  # nothing trained in it: no ba
 
 def mlp_by_hand(unit: Unit) -> bool:
     """Whether a recomputed MLP of this unit is made again by hand, gate and up products only
-    (plugins/shard/levers.py ``recomputed_swiglu``, strategies/memory/swiglu.py): its linear layers
-    plain, so no float8 and no adapters (taken to reach the MLP: "all-linear") and no 4-bit weights."""
-    return not (unit.float8 or unit.adapter_params or unit.quantized_params)
+    (plugins/shard/levers.py ``recomputed_swiglu``, strategies/memory/swiglu.py): its projections
+    plain linear layers or PEFT's LoRA over them (4-bit or not), so anything but float8's. The
+    estimate takes an adapter to be LoRA: DoRA keeps the module's own forward."""
+    return not unit.float8
 
 
 def _recompute_mlp(unit: Unit) -> float:

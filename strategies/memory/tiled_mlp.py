@@ -46,7 +46,7 @@ import contextlib
 
 import torch
 
-from weft.strategies.memory.swiglu import Weights, backward_rows, forward_rows, is_swiglu, weights_of
+from weft.strategies.memory.swiglu import Parts, Weights, backward_rows, forward_rows, is_swiglu, parts
 from weft.strategies.model.quantize import expanded, is_quantized
 
 
@@ -54,14 +54,14 @@ class _Tiles:
     """One MLP's rows tile by tile: by hand for a SwiGLU, else the module's own forward on each
     tile (its 4-bit weights expanded once a pass)."""
 
-    def __init__(self, module: torch.nn.Module, *, swiglu: bool, compile: bool) -> None:
+    def __init__(self, module: torch.nn.Module, *, swiglu: Parts | None, compile: bool) -> None:
         self.module, self.swiglu, self.compile = module, swiglu, compile
-        # Which of swiglu.weights_of's six tensors exist: params() holds those, in that order.
-        self.layout = tuple(t is not None for t in weights_of(module)) if swiglu else ()
+        # Which of the SwiGLU's twelve tensors exist: params() holds those, in that order.
+        self.layout = tuple(t is not None for t in swiglu.tensors) if swiglu is not None else ()
 
     def params(self) -> tuple[torch.Tensor, ...]:
-        if self.swiglu:
-            return tuple(t for t in weights_of(self.module) if t is not None)
+        if self.swiglu is not None:
+            return tuple(t for t in self.swiglu.tensors if t is not None)
         return tuple(self.module.parameters())
 
     def expand(self) -> dict[str, torch.Tensor]:
@@ -83,11 +83,11 @@ class _Tiles:
         if cast is not None:
             tensors = [t if t is None or not t.is_floating_point() else t.to(cast) for t in tensors]
             x = x.to(cast)
-        return Weights.of(tensors), x.reshape(-1, x.shape[-1])
+        return Weights.of(tensors, self.swiglu.scales), x.reshape(-1, x.shape[-1])
 
     def forward(self, x: torch.Tensor, tile: int) -> torch.Tensor:
         """The MLP's output, no autograd. x (B, S, H), or any (..., H) for a SwiGLU."""
-        if self.swiglu:
+        if self.swiglu is not None:
             w, rows = self._weights(self.params(), x)  # rows (N, H): row-wise, so tiles of rows
             compiled = self.compile and x.is_cuda
             out = [forward_rows(rows[s:s + tile], w, compiled=compiled) for s in range(0, rows.shape[0], tile)]
@@ -99,19 +99,19 @@ class _Tiles:
         """x's gradient and the parameters' (float32 sums over the tiles for 16-bit weights)."""
         wants = [p.requires_grad for p in params]
         sums: list[torch.Tensor | None] = [None] * len(params)
-        if self.swiglu:
+        if self.swiglu is not None:
             w, rows = self._weights(params, x)  # (N, H)
             drows, compiled = grad.reshape(-1, grad.shape[-1]).to(rows.dtype), self.compile and x.is_cuda
             present = [i for i, p in enumerate(self.layout) if p]  # Weights' field of each param
-            want6 = tuple(i in present and wants[present.index(i)] for i in range(6))
+            want12 = tuple(i in present and wants[present.index(i)] for i in range(12))
             if rows.shape[0] <= tile:  # one tile: its gradients as they come, no float32 sums
-                d, got = backward_rows(rows, drows, w, compiled=compiled, wants=want6)
+                d, got = backward_rows(rows, drows, w, compiled=compiled, wants=want12)
                 return d.to(x.dtype).view(x.shape), [None if got[i] is None else got[i].to(p.dtype)
                                                      for i, p in zip(present, params)]
             dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             dx_rows = dx.view(-1, x.shape[-1])
             for s in range(0, rows.shape[0], tile):
-                d, got = backward_rows(rows[s:s + tile], drows[s:s + tile], w, compiled=compiled, wants=want6)
+                d, got = backward_rows(rows[s:s + tile], drows[s:s + tile], w, compiled=compiled, wants=want12)
                 dx_rows[s:s + tile] = d
                 _accumulate(sums, [got[i] for i in present])
         else:
@@ -193,7 +193,7 @@ class TiledMLP:
             self._swiglu[id(module)] = is_swiglu(module)
             if self.tile is None and not self._swiglu[id(module)]:
                 raise ValueError(f"{type(module).__name__}: one whole-sequence tile is for SwiGLU MLPs of plain "
-                                 "linear layers only (strategies/memory/swiglu.py)")
+                                 "linear layers (LoRA's too) only (strategies/memory/swiglu.py)")
             module.register_forward_pre_hook(self._before)
             # Registered first so that it runs first, and on an error too: _after sees the real weights.
             module.register_forward_hook(self._give_back, always_call=True)
@@ -206,13 +206,18 @@ class TiledMLP:
             n = x.numel() // x.shape[-1] if x.dim() >= 2 else 0
             tile = n if self.tile is None else self.tile
             return tile if n > tile or (self.tile is None and n > 0) else 0
-        return self.tile if x.dim() == 3 and x.shape[1] > self.tile else 0
+        return self.tile if self.tile is not None and x.dim() == 3 and x.shape[1] > self.tile else 0
 
     def _before(self, module: torch.nn.Module, args: tuple):
         x = args[0]
-        if not self._rows(x, self._swiglu[id(module)]):
+        # Read at each call, as PEFT's forward reads its adapters (switched off: the base alone). A
+        # SwiGLU this file cannot run by hand at this call (nothing bundled makes one) takes the
+        # generic tiles, or, in one whole tile, its own call: the same values, nothing recomputed.
+        swiglu = parts(module) if self._swiglu[id(module)] else None
+        tile = self._rows(x, swiglu is not None)
+        if not tile:
             return None  # one tile or less: the module's own call as it stands
-        self._inputs[id(module)] = x
+        self._inputs[id(module)] = (x, swiglu, tile)
         self._held[id(module)] = _stand_in(module)
         return (x[..., :0, :], *args[1:])  # the module's own forward runs on zero tokens
 
@@ -221,11 +226,11 @@ class TiledMLP:
             owner._parameters[name] = weight
 
     def _after(self, module: torch.nn.Module, args: tuple, output: torch.Tensor):
-        x = self._inputs.pop(id(module), None)
-        if x is None:
+        held = self._inputs.pop(id(module), None)
+        if held is None:
             return None
-        swiglu = self._swiglu[id(module)]
-        run, tile = _Tiles(module, swiglu=swiglu, compile=self.compile), self._rows(x, swiglu)
+        x, swiglu, tile = held
+        run = _Tiles(module, swiglu=swiglu, compile=self.compile)
         # Two steps, so that a checkpointed layer's recomputation ends at _Keep: torch's
         # non-reentrant checkpoint stops once the last tensor the backward needs is saved
         # again (early stop, its default), and _Keep's are the layer's last; the tiles'
