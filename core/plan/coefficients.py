@@ -21,8 +21,8 @@ FLOAT8_MLP_SAVED = {"tensorwise": 2.0, "rowwise": 2.0}
 #: One layer's recomputation in the backward holds at once about ``RECOMPUTE_ATTENTION``
 #: layer inputs' worth (q, k, v, out; a float32 norm) and ``RECOMPUTE_MLP`` x tokens x
 #: intermediate x 2 bytes: the MLP's four intermediates (gate, up, the activation and its
-#: gradient) in a compiled module's backward (float8's, adapters'). Measured: a snapshot at the 7B 128K 4-layer slice's peak
-#: (H100, issue 46), 4.03 and 4.3 for "except_attention". A tiled MLP (``mlp_tile_tokens``)
+#: gradient) in a compiled module's backward (float8's). Measured: a snapshot at the 7B 128K
+#: 4-layer slice's peak (H100, issue 46), 4.03 and 4.3 for "except_attention". A tiled MLP (``mlp_tile_tokens``)
 #: holds one tile's, ``TILED_RECOMPUTE_MLP`` of them: fitted to the frontier rows (7B, 128K to
 #: 512K) and the 72B QLoRA slice.
 RECOMPUTE_ATTENTION = 4.0
