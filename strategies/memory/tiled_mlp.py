@@ -14,7 +14,8 @@ It is attached with module hooks, not by replacing the module or its class: a fo
 pre-hook hands the MLP's own forward an empty slice of the sequence (it runs on zero
 tokens) and keeps the real input; the forward hook returns the tiled result in its
 place, computed by that same module's ``forward``, tile by tile. Parameter names, FSDP2
-units and checkpoints are untouched. Rows are bit-identical to the untiled MLP's; the
+units and checkpoints are untouched. Rows are bit-identical to the untiled MLP's (a SwiGLU's
+by hand, below, round their element-wise work once in float32, as a compiled module does); the
 weights' gradients are sums over tiles, equal up to the order of the additions.
 
 A 4-bit (NF4) weight is expanded to its dtype once per pass, not once per tile: each tile runs
