@@ -55,9 +55,10 @@ FUSED_LOSS_CHUNKS = 0.55 * GIB
 NF4_BYTES = 0.518
 #: The chunked loss over materialised logits: float32 chunk temporaries (512 MiB chunks).
 LOGITS_LOSS_CHUNKS = 1.0 * GIB
-#: What an untiled MLP with adapters (PEFT LoRA on its linears) holds beyond the plain one
-#: while it is made again, in tokens x intermediate x 2 bytes: four more intermediates (the
-#: adapters' outputs of gate and up, scaled, beside the base's). Fitted to one run (7B at 128K
+#: What an untiled MLP with adapters holds beyond the plain one while PEFT's forward makes it
+#: again (only where the MLP is not made by hand: a float8 unit's), in tokens x intermediate x
+#: 2 bytes: four more intermediates (the adapters' outputs of gate and up, scaled, beside the
+#: base's). Fitted to one run (7B at 128K
 #: on one H200, r 16 on every linear, "except_attention", compiled: 106.84 GiB), where it was
 #: counted as 1.22 layer inputs a layer before the snapshot of issue 46 placed the plain MLP's
 #: recomputation; a tiled MLP's adapters are inside its tile term (the 72B QLoRA slice).

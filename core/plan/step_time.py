@@ -35,13 +35,13 @@ def step_seconds(units: list[Unit], shape: Shape, setup: Setup, gpu: GpuKind, *,
 
     def redone(u: Unit) -> float:  # a decoder unit's recomputed matmul FLOPs
         whole = u.checkpoint in ("full", "except_attention")
+        tiled = u.mlp_tile_tokens > 0
+        if not (whole or tiled or u.checkpoint == "mlp"):
+            return 0.0
         # What the MLP's recomputation makes again: gate and up by hand or eagerly (torch's
         # checkpoint stops before the down product), all three through a compiled module's forward
         # or a tile's own forward (strategies/memory/swiglu.py).
-        tiled = u.mlp_tile_tokens > 0
-        again = mlp * (2 / 3 if mlp_by_hand(u) or not (u.compiled or tiled) else 1)
-        if not (whole or tiled or u.checkpoint == "mlp"):
-            return 0.0
+        again = 2 * shape.hidden * shape.intermediate if mlp_by_hand(u) or not (u.compiled or tiled) else mlp
         return 2 * tokens * ((shape.layer_params + u.adapter_params - mlp) * whole + again)
 
     again_flops = [redone(u) for u in text]

@@ -35,8 +35,6 @@ from torch import nn
 #: transformers' MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``.
 SWIGLU_CLASSES = frozenset({"Qwen2MLP", "Qwen2_5_VLMLP", "Qwen3MLP", "LlamaMLP", "MistralMLP"})
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-#: Per projection, the tensors ``Parts.tensors`` holds in this order (None where absent).
-SLOTS = ("weight", "bias", "a", "b")
 #: Rows an eager element-wise pass takes at a time: its float32 temporaries stay a few MB wide.
 EAGER_ROWS = 1024
 

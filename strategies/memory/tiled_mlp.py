@@ -103,8 +103,10 @@ class _Tiles:
         if self.swiglu is not None:
             w, rows = self._weights(params, x)  # (N, H)
             drows, compiled = grad.reshape(-1, grad.shape[-1]).to(rows.dtype), self.compile and x.is_cuda
-            present = [i for i, p in enumerate(self.layout) if p]  # Weights' field of each param
-            want12 = tuple(i in present and wants[present.index(i)] for i in range(12))
+            present = [i for i, p in enumerate(self.layout) if p]  # each param's place among the twelve
+            want12 = [False] * 12
+            for i, want in zip(present, wants):
+                want12[i] = want
             if rows.shape[0] <= tile:  # one tile: its gradients as they come, no float32 sums
                 d, got = backward_rows(rows, drows, w, compiled=compiled, wants=want12)
                 return d.to(x.dtype).view(x.shape), [None if got[i] is None else got[i].to(p.dtype)
