@@ -14,6 +14,10 @@ rest, neither on by default:
 - ``combo_kernels``: independent small kernels of the graph (the query's and the key's rotary,
   the two cache writes) horizontally fused into one launch.
 
+Two more on request (``--sets tuned,autotune``; longer first steps): ``coordinate_descent_tuning``
+(the small kernels' block sizes searched) and ``max_autotune_gemm`` (the products offered
+Triton templates, their epilogues fused, beside cuBLAS).
+
 Each set runs in a process of its own (``weft generate`` in-process under
 ``torch._inductor.config.patch``): the same recipe, prompt and 100 greedy tokens; the table gives
 the replayed ms a token and whether the tokens equal the default's. ``--profile NAME``: that set
@@ -35,6 +39,10 @@ SETS = {
     "pdl": {"triton.enable_pdl": True},
     "combo": {"combo_kernels": True},
     "both": {"triton.enable_pdl": True, "combo_kernels": True},
+    # Not in the default sets (longer compilations): the small kernels' block sizes searched, and
+    # the products offered Triton templates (their epilogues fused: the residual adds) beside cuBLAS.
+    "tuned": {"coordinate_descent_tuning": True},
+    "autotune": {"max_autotune_gemm": True, "triton.enable_pdl": True},
 }
 
 
