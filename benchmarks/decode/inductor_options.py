@@ -18,6 +18,7 @@ Two more on request (``--sets tuned,autotune``; longer first steps): ``coordinat
 (the small kernels' block sizes searched) and ``max_autotune_gemm`` (the products offered
 Triton templates, their epilogues fused, beside cuBLAS).
 
+``weft.decode_pdl``: weft's own split-KV kernels launched so too (decode_triton.py's ``CONFIG["pdl"]``).
 Each set runs in a process of its own (``weft generate`` in-process under
 ``torch._inductor.config.patch``): the same recipe, prompt and 100 greedy tokens; the table gives
 the replayed ms a token and whether the tokens equal the default's. ``--profile NAME``: that set
@@ -39,6 +40,9 @@ SETS = {
     "pdl": {"triton.enable_pdl": True},
     "combo": {"combo_kernels": True},
     "both": {"triton.enable_pdl": True, "combo_kernels": True},
+    # Inductor's kernels and weft's split-KV pair (strategies/attention/kernels/decode_triton.py's CONFIG)
+    "pdl_all": {"triton.enable_pdl": True, "weft.decode_pdl": True},
+    "all": {"triton.enable_pdl": True, "combo_kernels": True, "weft.decode_pdl": True},
     # Not in the default sets (longer compilations): the small kernels' block sizes searched, and
     # the products offered Triton templates (their epilogues fused: the residual adds) beside cuBLAS.
     "tuned": {"coordinate_descent_tuning": True},
@@ -55,9 +59,11 @@ def child(name: str, args: list[str]) -> int:
     import torch._inductor.config as inductor
 
     from weft.core.commands.main import main
+    from weft.strategies.attention.kernels import decode_triton
 
-    options = {k: v for k, v in SETS[name].items() if _has(inductor, k)}
-    missing = sorted(set(SETS[name]) - set(options))
+    decode_triton.CONFIG["pdl"] = bool(SETS[name].get("weft.decode_pdl"))
+    options = {k: v for k, v in SETS[name].items() if not k.startswith("weft.") and _has(inductor, k)}
+    missing = sorted(k for k in set(SETS[name]) - set(options) if not k.startswith("weft."))
     if missing:
         print(f"inductor_options: this torch has no {missing}", file=sys.stderr)
     with inductor.patch(options):
@@ -73,7 +79,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--tokens", type=int, default=131072)
-    parser.add_argument("--sets", default="default,pdl,combo,both")
+    parser.add_argument("--sets", default="default,pdl,pdl_all,combo,all")
     parser.add_argument("--profile", default="", help="a set to run once more under the profiler")
     parser.add_argument("--timeout", type=int, default=300, help="seconds a run")
     parser.add_argument("--recipe", default=str(RECIPE), help="the 7B's static-cache variant by default")

@@ -38,8 +38,10 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Rows of one block of the sweep, warps and pipeline stages of the split kernel, and the
 #: programs per SM the split count aims for (more than one, so the last wave is no long tail):
 #: measured on one H200 (benchmarks/attention/decode_attention.py --sweep). Read at every call, so the
-#: benchmark's sweep can set them.
-CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "waves": 2}
+#: benchmark's sweep can set them. ``pdl``: both kernels launched with programmatic dependent launch
+#: (Hopper on), each waiting in its body for the kernel before it (``gdc_wait``) so that its launch
+#: overlaps that kernel's tail; off until measured (benchmarks/decode/inductor_options.py).
+CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "pdl": False}
 #: The SM count assumed off the GPU (the interpreter's tests): an H200's, so the CPU runs the
 #: split layout the GPU would.
 DEFAULT_SMS = 132
@@ -56,8 +58,10 @@ def _kernels():
         sqb, sqh, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sl,
         kv_heads, groups, n_rows, head_dim, split_rows, num_splits, qk_scale2,
         HAS_LENGTHS: tl.constexpr, DOT_F32: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # launched early: the query and the cache's new row are the kernels' before this one's
+            tl.extra.cuda.gdc_wait()
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = (bh // kv_heads).to(tl.int64)  # int64: b x its stride passes 2^31 elements at large batches
@@ -107,6 +111,8 @@ def _kernels():
             else:
                 acc = acc * alpha[:, None] + tl.dot(p, v)
             m = m_new
+        if PDL:  # the merge may launch now (it waits for this grid's end in its own body)
+            tl.extra.cuda.gdc_launch_dependents()
         out = acc / tl.where(total > 0, total, 1.0)[:, None]  # an empty split: 0, not 0 / 0
         lse2 = m + tl.log2(total)  # an empty split: -inf
         row = (b * kv_heads * groups + heads) * num_splits + split  # (G_PAD,): scratch (B x Hq, S[, D])
@@ -116,8 +122,10 @@ def _kernels():
     @triton.jit
     def merge_kernel(
         O_PART, L_PART, OUT, LSE, num_splits, head_dim,
-        S_PAD: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr,
+        S_PAD: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)  # b x Hq + h
         offs_s = tl.arange(0, S_PAD)
         offs_d = tl.arange(0, D_PAD)
@@ -211,6 +219,8 @@ def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         lengths = lengths.reshape(-1)  # (B,) or (1,): one length for every row (stride 0)
         length_stride = 0 if lengths.numel() == 1 else lengths.stride(0)
     d_pad = max(16, triton.next_power_of_2(d))
+    pdl = bool(CONFIG.get("pdl")) and query.is_cuda
+    launch = {"launch_pdl": True} if pdl else {}  # only where asked: a Triton without it takes no such key
     split_kernel[(b * hkv, splits)](
         query, key, value, lengths if lengths is not None else key, o_part, l_part,
         query.stride(0), query.stride(1), query.stride(3), *key.stride(), *value.stride(),
@@ -218,13 +228,13 @@ def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         hkv, groups, n, d, split_rows, splits, scale * _LOG2E,
         HAS_LENGTHS=lengths is not None,
         DOT_F32=key.dtype == torch.float32 or not key.is_cuda,  # off CUDA: Triton's interpreter (tests)
-        G_PAD=max(16, triton.next_power_of_2(groups)), D_PAD=d_pad, BLOCK_N=CONFIG["BLOCK_N"],
-        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+        G_PAD=max(16, triton.next_power_of_2(groups)), D_PAD=d_pad, BLOCK_N=CONFIG["BLOCK_N"], PDL=pdl,
+        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"], **launch,
     )
     out = torch.empty(b, hq, 1, d, dtype=query.dtype, device=query.device)  # (B, Hq, 1, D)
     lse = torch.empty(b, hq, 1, dtype=torch.float32, device=query.device)  # (B, Hq, 1)
     merge_kernel[(b * hq,)](o_part, l_part, out, lse, splits, d, S_PAD=triton.next_power_of_2(splits),
-                            BLOCK_S=16, D_PAD=d_pad, num_warps=4)
+                            BLOCK_S=16, D_PAD=d_pad, PDL=pdl, num_warps=4, **launch)
     return out, lse
 
 
