@@ -97,6 +97,17 @@ def main() -> None:
     # More splits than the merge takes at once (16): its loop over blocks of splits.
     check("18 splits", randn(1, 2, 1, 16, g=g), *cache(1, 1, 1100, 16, torch.float32, g),
           torch.tensor([700], device=DEVICE), scale=0.25, splits=18)
+    # The merge's other launches (CONFIG, what decode_attention.py --sweep-merge times): a head's
+    # columns over programs (32 of a padded 48), blocks of 4 splits, all 18 splits in one load.
+    query, (key, value) = randn(2, 4, 1, 40, g=g), cache(2, 2, 1100, 40, torch.float32, g)
+    base = dict(CONFIG)
+    try:
+        for block_d, block_s in ((32, 4), (32, 64), (128, 64)):
+            CONFIG.update(merge_block_d=block_d, merge_block_s=block_s, merge_warps=1)
+            check(f"merge columns {block_d} splits {block_s}", query, key, value,
+                  torch.tensor([700, 9], device=DEVICE), scale=0.25, splits=18)
+    finally:
+        CONFIG.update(base)
     check("mha", randn(2, 4, 1, 16, g=g), *cache(2, 4, 90, 16, torch.float32, g),
           torch.tensor([90, 17], device=DEVICE), scale=0.25)
     # Non-contiguous views: the cache a slice along N of a larger buffer; a (B, N, Hkv, D) buffer

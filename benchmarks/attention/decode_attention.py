@@ -9,10 +9,11 @@ read once per call: 2 (K and V) x B x Hkv x N x D x 2 bytes. Each variant's outp
 against a float32 reference (the torch version over float32 copies, TF32 off), at the full
 length and at a ragged one.
 
-    python3 benchmarks/attention/decode_attention.py [--out DIR] [--sweep]
+    python3 benchmarks/attention/decode_attention.py [--out DIR] [--sweep] [--sweep-merge]
 
 ``--sweep`` also times the Triton kernel over block rows, warps, stages and waves (its
-``CONFIG``), the fastest first.
+``CONFIG``), the fastest first; ``--sweep-merge`` the merge's launch (splits a load, head columns
+and warps a program) with and without programmatic dependent launch of the pair.
 """
 
 from __future__ import annotations
@@ -123,6 +124,30 @@ def sweep(queries, caches, lengths, scale, *, iters: int) -> list[dict]:
     return sorted(rows, key=lambda r: r["us"])
 
 
+def sweep_merge(queries, caches, lengths, scale, *, iters: int) -> list[dict]:
+    """The merge's launch (splits a load, head columns and warps a program) and programmatic
+    dependent launch of the pair, the split kernel as configured; each checked against the reference."""
+    base = dict(decode_triton.CONFIG)
+    fn = variants(caches[0][0].shape[2])["triton"]
+    q, (k, v) = queries[0], caches[0]
+    want = split_decode_attention(q.float(), k.float(), v.float(), lengths=lengths, scale=scale,
+                                  splits=split_rows(k.shape[2])[1])
+    rows = []
+    for block_s, block_d, warps, pdl in itertools.product((16, 64, 128), (32, 128), (1, 4, 8), (False, True)):
+        decode_triton.CONFIG.update(merge_block_s=block_s, merge_block_d=block_d, merge_warps=warps, pdl=pdl)
+        try:
+            err = (fn(q, k, v, lengths, scale).float() - want).abs().max().item()
+            seconds = timed_graph(fn, queries, caches, lengths, scale, iters=iters)
+        except Exception as error:  # a launch this Triton refuses: reported, not fatal
+            print(f"merge_block_s={block_s} merge_block_d={block_d} warps={warps} pdl={pdl}: {type(error).__name__}: "
+                  f"{str(error)[:200]}")
+            continue
+        rows.append({"merge_block_s": block_s, "merge_block_d": block_d, "merge_warps": warps, "pdl": pdl,
+                     "us": seconds * 1e6, "max_abs_err": err})
+    decode_triton.CONFIG.update(base)
+    return sorted(rows, key=lambda r: r["us"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[16384, 131072], help="cache rows N")
@@ -132,13 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=28, help="distinct caches, one call each per step")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--sweep", action="store_true", help="also time the Triton kernel's configs")
+    parser.add_argument("--sweep-merge", action="store_true", help="also time the merge's launch and PDL")
     parser.add_argument("--out", type=pathlib.Path, help="folder for decode_attention.json / .md")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not decode_triton.triton_decode_available("cuda"):
         print("decode_attention.py needs a CUDA GPU and Triton", file=sys.stderr)
         return 1
     (hq, hkv), d, b = args.heads, args.head_dim, args.batch
-    table, sweeps = [], {}
+    table, sweeps, merges = [], {}, {}
     for n in args.rows:
         queries, caches = make(b, hq, hkv, n, d, args.layers)
         scale = d ** -0.5
@@ -156,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             sweeps[n] = sweep(queries, caches, full, scale, iters=max(1, args.iters // 5))
             for row in sweeps[n][:8]:
                 print(f"sweep N={n}", json.dumps(row), flush=True)
+        if args.sweep_merge:
+            merges[n] = sweep_merge(queries, caches, full, scale, iters=max(1, args.iters // 5))
+            for row in merges[n]:
+                print(f"merge N={n}", json.dumps(row), flush=True)
         del queries, caches
         torch.cuda.empty_cache()
     lines = [f"B={b}, Hq={hq}, Hkv={hkv}, D={d}, bf16, {args.layers} layers, "
@@ -167,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode_attention.json").write_text(json.dumps({"table": table, "sweep": sweeps}, indent=1))
+        found = {"table": table, "sweep": sweeps, "merge": merges}
+        (args.out / "decode_attention.json").write_text(json.dumps(found, indent=1))
         (args.out / "decode_attention.md").write_text("\n".join(lines) + "\n")
     return 0
 

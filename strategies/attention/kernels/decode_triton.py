@@ -40,8 +40,11 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: measured on one H200 (benchmarks/attention/decode_attention.py --sweep). Read at every call, so the
 #: benchmark's sweep can set them. ``pdl``: both kernels launched with programmatic dependent launch
 #: (Hopper on), each waiting in its body for the kernel before it (``gdc_wait``) so that its launch
-#: overlaps that kernel's tail; off until measured (benchmarks/decode/inductor_options.py).
-CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "pdl": False}
+#: overlaps that kernel's tail; off until measured (benchmarks/decode/inductor_options.py). The
+#: merge's splits a load (``merge_block_s``), head columns a program (``merge_block_d``) and warps:
+#: it is a few microseconds of latency a layer, not bandwidth (decode_attention.py --sweep-merge).
+CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "waves": 2, "pdl": False,
+          "merge_block_s": 16, "merge_block_d": 128, "merge_warps": 4}
 #: The SM count assumed off the GPU (the interpreter's tests): an H200's, so the CPU runs the
 #: split layout the GPU would.
 DEFAULT_SMS = 132
@@ -122,29 +125,31 @@ def _kernels():
     @triton.jit
     def merge_kernel(
         O_PART, L_PART, OUT, LSE, num_splits, head_dim,
-        S_PAD: tl.constexpr, BLOCK_S: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr,
+        S_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:
             tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)  # b x Hq + h
+        part = tl.program_id(1)  # which BLOCK_D columns of the head
         offs_s = tl.arange(0, S_PAD)
-        offs_d = tl.arange(0, D_PAD)
+        offs_d = part * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = offs_d < head_dim
         lse2 = tl.load(L_PART + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
         top = tl.max(lse2, 0)
         top = tl.where(top == float("-inf"), 0.0, top)  # no visible row at all: out 0, lse -inf (not NaN)
         total = tl.sum(tl.exp2(lse2 - top), 0)
-        acc = tl.zeros((D_PAD,), tl.float32)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
         for s0 in range(0, num_splits, BLOCK_S):  # blocks of splits: the tile stays small at any count
             offs = s0 + tl.arange(0, BLOCK_S)
             ok = offs < num_splits
             w = tl.exp2(tl.load(L_PART + row * num_splits + offs, mask=ok, other=float("-inf")) - top)  # (BS,)
             o = tl.load(O_PART + (row * num_splits + offs[:, None]) * head_dim + offs_d[None, :],
-                        mask=ok[:, None] & d_ok[None, :], other=0.0)  # (BS, D_PAD)
+                        mask=ok[:, None] & d_ok[None, :], other=0.0)  # (BS, BLOCK_D)
             acc += tl.sum(w[:, None] * o, 0)
         out = acc / tl.where(total > 0, total, 1.0)
         tl.store(OUT + row * head_dim + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
-        tl.store(LSE + row, (top + tl.log2(total)) * 0.6931471805599453)  # natural log
+        if part == 0:
+            tl.store(LSE + row, (top + tl.log2(total)) * 0.6931471805599453)  # natural log
 
     return triton, split_kernel, merge_kernel
 
@@ -233,8 +238,11 @@ def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     )
     out = torch.empty(b, hq, 1, d, dtype=query.dtype, device=query.device)  # (B, Hq, 1, D)
     lse = torch.empty(b, hq, 1, dtype=torch.float32, device=query.device)  # (B, Hq, 1)
-    merge_kernel[(b * hq,)](o_part, l_part, out, lse, splits, d, S_PAD=triton.next_power_of_2(splits),
-                            BLOCK_S=16, D_PAD=d_pad, PDL=pdl, num_warps=4, **launch)
+    s_pad = triton.next_power_of_2(splits)
+    block_d = min(d_pad, CONFIG["merge_block_d"])
+    merge_kernel[(b * hq, triton.cdiv(d, block_d))](
+        o_part, l_part, out, lse, splits, d, S_PAD=s_pad, BLOCK_S=min(s_pad, CONFIG["merge_block_s"]),
+        BLOCK_D=block_d, PDL=pdl, num_warps=CONFIG["merge_warps"], **launch)
     return out, lse
 
 
