@@ -99,7 +99,8 @@
 #                  step/variants/72b-qlora-128k-4layers.toml (the 72B's 4-bit layers, per layer);
 #                  peak, peak32k, peaklora memory/memory_peak.py on the 4-layer variants 7b-128k-,
 #                  7b-32k-, 7b-lora-128k-4layers (what holds each peak); slice (only where named, on
-#                  an H200) `planned b`: the 1M slice, 2 steps, SLICE_LIMIT 900; byhand
+#                  an H200) `planned b`: the 1M slice, 2 steps, SLICE_LIMIT 900; slice2 (the same, on an
+#                  H200) its 2-layer twin frontier/slice-1m-2layers-1gpu.toml, 2 steps, ~7 minutes; byhand
 #                  step/mlp_by_hand.py (a recomputed MLP by hand against torch's checkpoint of the
 #                  compiled one); ab128s, ablora, ab72s, and on an H200 ab32 and ab128: weft run, 5
 #                  steps, of the 4-layer variants 7b-128k-, 7b-lora-128k-, 72b-qlora-128k-4layers, the
@@ -408,6 +409,13 @@ set_limits() {
   ab ab128 qwen2.5-vl-7b-128k-1gpu h200
   # The 1M slice (~11 minutes for two steps) only where asked (PARTS naming slice), on an H200.
   if part slice && h200; then SLICE_LIMIT=${SLICE_LIMIT:-900} OUT="$dest/pl" set_planned b; fi
+  if part slice2 && h200; then  # the same rules over 2 layers: ~2.3 minutes a step planned
+    python3 -m weft plan "$here/frontier/slice-1m-2layers-1gpu.toml" --estimate --json > "$dest/slice2.plan.json" 2>/dev/null
+    timeout 560 python3 "$here/frontier/frontier.py" --out "$dest/slice2" \
+      --recipe "$here/frontier/slice-1m-2layers-1gpu.toml" --lengths 1048576 --steps 2 --timeout 550 \
+      > "$dest/slice2.log" 2>&1; echo "slice2 rc=$?" | tee -a "$dest/status.txt"
+    tail -n 20 "$dest/slice2.log"
+  fi
   return 0
 }
 
