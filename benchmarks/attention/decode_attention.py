@@ -102,48 +102,31 @@ def make(batch: int, hq: int, hkv: int, n: int, d: int, layers: int):
     return queries, caches
 
 
-def sweep(queries, caches, lengths, scale, *, iters: int) -> list[dict]:
-    """The Triton kernel over a grid of its CONFIG, each config checked against the reference."""
+#: The split kernel's CONFIG grid (``--sweep``) and the merge's launch with PDL of the pair (``--sweep-merge``).
+SPLIT_GRID = {"BLOCK_N": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4), "waves": (1, 2, 4)}
+MERGE_GRID = {"merge_block_s": (16, 64, 128), "merge_block_d": (32, 128), "merge_warps": (1, 4, 8),
+              "pdl": (False, True)}
+
+
+def sweep(queries, caches, lengths, scale, *, iters: int, grid: dict = SPLIT_GRID) -> list[dict]:
+    """The Triton kernel over every combination of ``grid``'s CONFIG values (the rest as configured),
+    each checked against the reference; the fastest first."""
     base = dict(decode_triton.CONFIG)
     fn = variants(caches[0][0].shape[2])["triton"]
     q, (k, v) = queries[0], caches[0]
     want = split_decode_attention(q.float(), k.float(), v.float(), lengths=lengths, scale=scale,
                                   splits=split_rows(k.shape[2])[1])
     rows = []
-    for block_n, warps, stages, waves in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4)):
-        decode_triton.CONFIG.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages, waves=waves)
+    for values in itertools.product(*grid.values()):
+        config = dict(zip(grid, values))
+        decode_triton.CONFIG.update(base, **config)
         try:
             err = (fn(q, k, v, lengths, scale).float() - want).abs().max().item()
             seconds = timed_graph(fn, queries, caches, lengths, scale, iters=iters)
-        except Exception as error:  # a config past the shared memory: reported, not fatal
-            print(f"BLOCK_N={block_n} warps={warps} stages={stages} waves={waves}: {type(error).__name__}")
+        except Exception as error:  # past the shared memory, a launch this Triton refuses: reported, not fatal
+            print(f"{config}: {type(error).__name__}: {str(error)[:200]}")
             continue
-        rows.append({"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
-                     "us": seconds * 1e6, "max_abs_err": err})
-    decode_triton.CONFIG.update(base)
-    return sorted(rows, key=lambda r: r["us"])
-
-
-def sweep_merge(queries, caches, lengths, scale, *, iters: int) -> list[dict]:
-    """The merge's launch (splits a load, head columns and warps a program) and programmatic
-    dependent launch of the pair, the split kernel as configured; each checked against the reference."""
-    base = dict(decode_triton.CONFIG)
-    fn = variants(caches[0][0].shape[2])["triton"]
-    q, (k, v) = queries[0], caches[0]
-    want = split_decode_attention(q.float(), k.float(), v.float(), lengths=lengths, scale=scale,
-                                  splits=split_rows(k.shape[2])[1])
-    rows = []
-    for block_s, block_d, warps, pdl in itertools.product((16, 64, 128), (32, 128), (1, 4, 8), (False, True)):
-        decode_triton.CONFIG.update(merge_block_s=block_s, merge_block_d=block_d, merge_warps=warps, pdl=pdl)
-        try:
-            err = (fn(q, k, v, lengths, scale).float() - want).abs().max().item()
-            seconds = timed_graph(fn, queries, caches, lengths, scale, iters=iters)
-        except Exception as error:  # a launch this Triton refuses: reported, not fatal
-            print(f"merge_block_s={block_s} merge_block_d={block_d} warps={warps} pdl={pdl}: {type(error).__name__}: "
-                  f"{str(error)[:200]}")
-            continue
-        rows.append({"merge_block_s": block_s, "merge_block_d": block_d, "merge_warps": warps, "pdl": pdl,
-                     "us": seconds * 1e6, "max_abs_err": err})
+        rows.append({**config, "us": seconds * 1e6, "max_abs_err": err})
     decode_triton.CONFIG.update(base)
     return sorted(rows, key=lambda r: r["us"])
 
@@ -183,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in sweeps[n][:8]:
                 print(f"sweep N={n}", json.dumps(row), flush=True)
         if args.sweep_merge:
-            merges[n] = sweep_merge(queries, caches, full, scale, iters=max(1, args.iters // 5))
+            merges[n] = sweep(queries, caches, full, scale, iters=max(1, args.iters // 5), grid=MERGE_GRID)
             for row in merges[n]:
                 print(f"merge N={n}", json.dumps(row), flush=True)
         del queries, caches
