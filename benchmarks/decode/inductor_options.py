@@ -1,7 +1,7 @@
 """The compiled decoding step under Inductor options that cut its small kernels' cost (issue 46).
 
-    python3 benchmarks/decode/inductor_options.py --out $OUT [--tokens 16384] [--sets default,pdl,combo,both]
-        [--profile default]
+    python3 benchmarks/decode/inductor_options.py --out $OUT [--tokens 131072] [--sets default,pdl,pdl_all,combo,all]
+        [--profile default] [--recipe TOML]
 
 At 128K a token's step is ~5.6 ms of weight and cache reads and ~0.9 ms of small kernels between
 them (norms, rotary and cache writes, the split-KV merge, SiLU) and the gaps at their boundaries
