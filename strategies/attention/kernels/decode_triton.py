@@ -224,7 +224,7 @@ def _triton_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         lengths = lengths.reshape(-1)  # (B,) or (1,): one length for every row (stride 0)
         length_stride = 0 if lengths.numel() == 1 else lengths.stride(0)
     d_pad = max(16, triton.next_power_of_2(d))
-    pdl = bool(CONFIG.get("pdl")) and query.is_cuda
+    pdl = bool(CONFIG["pdl"]) and query.is_cuda
     launch = {"launch_pdl": True} if pdl else {}  # only where asked: a Triton without it takes no such key
     split_kernel[(b * hkv, splits)](
         query, key, value, lengths if lengths is not None else key, o_part, l_part,
