@@ -153,6 +153,27 @@ def test_bf16_weight_grad_is_the_float32_sum_rounded_once(chunk_bytes):
     assert torch.equal(again[0], default[0]) and torch.equal(sums[-1].to(torch.bfloat16), default[0])
 
 
+def test_the_gpus_one_pass_chunk_gradient_is_the_in_place_one():
+    """On CUDA the backward makes each chunk's gradient with core/train/loss.py's compiled
+    ``chunk_backward`` (float32 logits in, the matmuls' bf16 out): eager, it equals the CPU's
+    in-place passes bit for bit; compiled (Inductor's CPU code here), within one bf16 rounding."""
+    from weft.core.train.fused_loss import softmax_grad_in_place
+    from weft.core.train.loss import chunk_backward, chunk_forward
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(23, 301, generator=g) * 4  # (C, V) float32 logits
+    t = torch.randint(0, 301, (23,), generator=g)
+    t[:4] = IGNORE
+    lse, _ = chunk_forward(x, t, torch.float32)
+    grad = torch.tensor(1.7)
+    want = softmax_grad_in_place(x.clone(), t, lse, grad, torch.bfloat16)
+    assert want.dtype == torch.bfloat16 and torch.all(want[:4] == 0) and want.abs().max() > 0.1
+    assert torch.equal(chunk_backward(x, t, lse, grad, torch.bfloat16), want)
+    got = torch.compile(chunk_backward)(x, t, lse, grad, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.all(got[:4] == 0)
+    assert (got.float() - want.float()).abs().max() <= 2**-8 * want.float().abs().max()
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize(("rows", "vocab_rows"), [(53, 5), (53, 53), (53, 1), (7, 100), (1, 1)])
 def test_narrowing_in_place_equals_to(rows, vocab_rows):

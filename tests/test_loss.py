@@ -127,15 +127,15 @@ def test_logits_whose_producer_reads_them_are_not_reused():
 
 
 def test_compiled_chunk_kernels_equal_the_eager_ones():
-    from weft.core.train.loss import _chunk_backward, _chunk_forward
+    from weft.core.train.loss import chunk_backward, chunk_forward
 
     logits, target = _case(torch.bfloat16, s=40, v=97)
     x, t = logits.flatten(0, 1), target.flatten()
     grad = torch.tensor(0.37)
-    lse, part = _chunk_forward(x, t, torch.float32)
-    c_lse, c_part = torch.compile(_chunk_forward)(x, t, torch.float32)
+    lse, part = chunk_forward(x, t, torch.float32)
+    c_lse, c_part = torch.compile(chunk_forward)(x, t, torch.float32)
     assert torch.allclose(c_lse, lse, rtol=1e-6) and torch.allclose(c_part, part, rtol=1e-6)
-    g = _chunk_backward(x, t, lse, grad)
-    c_g = torch.compile(_chunk_backward)(x, t, lse, grad)
+    g = chunk_backward(x, t, lse, grad)
+    c_g = torch.compile(chunk_backward)(x, t, lse, grad)
     assert c_g.dtype == torch.bfloat16 and (c_g.float() - g.float()).abs().max() <= 2**-8 * g.float().abs().max()
     assert torch.all(c_g[:5] == 0)  # ignored rows

@@ -15,7 +15,7 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
-from weft.core.train.loss import IGNORE  # transformers' ignore index
+from weft.core.train.loss import IGNORE, chunk_backward, chunk_forward, chunk_kernel  # IGNORE: transformers' index
 
 
 def linear_cross_entropy_sum(
@@ -104,14 +104,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(compute, torch.float32)  # float32, or float64 for float64 inputs
         lse = torch.empty(n, dtype=acc, device=hidden.device)  # (N,)
         total = torch.zeros((), dtype=acc, device=hidden.device)
+        # On CUDA one compiled pass over each chunk (log-sum-exp and the picked logit), where
+        # eager torch makes the max, a shifted copy, its exponential and their sum as passes of
+        # their own over the float32 chunk (core/train/loss.py's kernels, shared with the chunked loss).
+        forward = chunk_kernel(chunk_forward, hidden.device)
         with _no_autocast(hidden.device):
             w, b = _cast(weight, compute), _cast(bias, compute)  # no copy when already `compute`
             for start in range(0, n, rows):
-                t = target[start:start + rows]
                 x = _logits(hidden[start:start + rows], w, b, compute, acc)  # (C, V)
-                lse[start:start + rows] = row_lse = torch.logsumexp(x, dim=-1)
-                picked = x.gather(1, t.clamp(min=0)[:, None]).squeeze(1)
-                total += torch.where(t != IGNORE, row_lse - picked, 0.0).sum()  # where, not a mask: no sync
+                lse[start:start + rows], part = forward(x, target[start:start + rows], acc)
+                total += part  # the labelled rows' sum: a where, not a mask, so no host sync
         ctx.save_for_backward(hidden, weight, bias, target, lse)
         ctx.rows, ctx.compute, ctx.weight_grad_dtype, ctx.vocab_rows = rows, compute, weight_grad_dtype, vocab_rows
         return total
@@ -124,21 +126,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None  # (N, H) in hidden's dtype
         grad_w = torch.zeros(weight.shape, dtype=ctx.weight_grad_dtype, device=weight.device) if want_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
+        # On CUDA without a bias, the chunk's gradient in one compiled pass (the float32 logits
+        # read once, the matmuls' dtype written once: 1.5 chunks at once); else in place in the
+        # logits' own storage, one pass an operation (1 chunk; the bias's sum wants float32).
+        fused = hidden.is_cuda and not want_b
         with _no_autocast(hidden.device):
             w, b = _cast(weight, compute), _cast(bias, compute)
             for start in range(0, hidden.shape[0], rows):
                 h = hidden[start:start + rows].to(compute)  # (C, H)
-                t = target[start:start + rows]
-                keep = (t != IGNORE).to(acc)  # (C,)
+                t, row_lse = target[start:start + rows], lse[start:start + rows]
                 g = _logits(h, w, b, compute, acc)  # (C, V), recomputed: the logits were never kept
-                g.sub_(lse[start:start + rows, None]).exp_()  # softmax, in place
-                g.scatter_add_(1, t.clamp(min=0)[:, None], -keep[:, None])  # minus the one-hot target
-                g.mul_((grad * keep)[:, None])  # ignored rows: zero
-                if want_b:
-                    grad_b += g.sum(0)
-                # The matmuls run in the logits' dtype, as autograd through F.linear would; a
-                # narrower dtype is written into g's own storage (no second chunk-sized buffer).
-                g = _narrow(g, compute, max(1, g.shape[0] // 8)) if g.dtype != compute else g
+                if fused:
+                    g = chunk_kernel(chunk_backward, g.device)(g, t, row_lse, grad, compute)
+                else:
+                    g = softmax_grad_in_place(g, t, row_lse, grad, compute, grad_b=grad_b)
                 if want_h:
                     grad_h[start:start + rows] = g @ w  # (C, H)
                 if want_w:
@@ -148,6 +149,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if want_b:
             grad_b = grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def softmax_grad_in_place(g: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
+                          compute: torch.dtype, *, grad_b: torch.Tensor | None = None) -> torch.Tensor:
+    """core/train/loss.py's ``chunk_backward(g, t, lse, grad, compute)`` with no temporary: g (C, V),
+    the chunk's logits in float32 (float64), becomes their gradient in ``compute``, written into
+    g's own storage; ``grad_b`` (V,) gains the rows' sum before the narrowing."""
+    keep = (t != IGNORE).to(g.dtype)  # (C,)
+    g.sub_(lse[:, None]).exp_()  # softmax, in place
+    g.scatter_add_(1, t.clamp(min=0)[:, None], -keep[:, None])  # minus the one-hot target
+    g.mul_((grad * keep)[:, None])  # ignored rows: zero
+    if grad_b is not None:
+        grad_b += g.sum(0)
+    # The matmuls run in the logits' dtype, as autograd through F.linear would; a narrower
+    # dtype is written into g's own storage (no second chunk-sized buffer).
+    return _narrow(g, compute, max(1, g.shape[0] // 8)) if g.dtype != compute else g
 
 
 def _narrow(wide: torch.Tensor, dtype: torch.dtype, vocab_rows: int) -> torch.Tensor:

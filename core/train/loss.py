@@ -71,7 +71,7 @@ def _made_by_product(logits: torch.Tensor) -> bool:
     return node is not None and type(node).__name__ in _PRODUCTS
 
 
-def _chunk_forward(x: torch.Tensor, t: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_forward(x: torch.Tensor, t: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x (C, V) logits, t (C,) targets -> (lse (C,), sum of the labelled rows' losses)."""
     x = x.to(acc)
     lse = torch.logsumexp(x, dim=-1)  # (C,)
@@ -79,12 +79,14 @@ def _chunk_forward(x: torch.Tensor, t: torch.Tensor, acc: torch.dtype) -> tuple[
     return lse, torch.where(t != IGNORE, lse - picked, 0.0).sum()
 
 
-def _chunk_backward(x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """d(loss)/d(x) for one chunk, in x's dtype: (softmax - one-hot target) x grad, zero on ignored rows."""
+def chunk_backward(x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """d(loss)/d(x) for one chunk, in ``dtype`` (x's by default): (softmax - one-hot target) x grad,
+    zero on ignored rows. The fused loss passes float32 logits and asks for the matmuls' dtype."""
     scale = torch.where(t != IGNORE, grad, 0.0).to(lse.dtype)  # (C,)
     g = torch.exp(x.to(lse.dtype) - lse[:, None])  # softmax (C, V)
     g.scatter_add_(1, t.clamp(min=0)[:, None], -torch.ones_like(g[:, :1]))  # minus the one-hot target
-    return (g * scale[:, None]).to(x.dtype)
+    return (g * scale[:, None]).to(dtype or x.dtype)
 
 
 @functools.cache
@@ -95,7 +97,8 @@ def _compiled(fn):
     return torch.compile(fn)
 
 
-def _kernel(fn, device: torch.device):
+def chunk_kernel(fn, device: torch.device):
+    """``fn`` compiled on CUDA (one fused pass over a chunk), as written elsewhere."""
     return _compiled(fn) if device.type == "cuda" else fn
 
 
@@ -109,7 +112,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for float64 logits
         lse = torch.empty(n, dtype=acc, device=logits.device)  # (N,)
         total = torch.zeros((), dtype=acc, device=logits.device)
-        forward = _kernel(_chunk_forward, logits.device)
+        forward = chunk_kernel(chunk_forward, logits.device)
         for start in range(0, n, rows):
             row_lse, part = forward(logits[start:start + rows], target[start:start + rows], acc)
             lse[start:start + rows] = row_lse
@@ -124,7 +127,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # (N, V) in the logits' dtype; with reuse, the logits' own storage: each chunk is
         # read by the kernel before its gradient is written back over it.
         out = logits if ctx.reuse else torch.empty_like(logits)
-        backward = _kernel(_chunk_backward, logits.device)
+        backward = chunk_kernel(chunk_backward, logits.device)
         for start in range(0, logits.shape[0], ctx.rows):
             stop = start + ctx.rows
             out[start:stop] = backward(logits[start:stop], target[start:stop], lse[start:stop], grad)
