@@ -43,9 +43,10 @@ def linear_cross_entropy_sum(
     input's dtype.
 
     Rows per chunk: ``chunk_rows``, else ``chunk_bytes // (4 * V)`` (float32 bytes of one
-    chunk's logits; 882 rows at V = 152,064 and 512 MiB). Temporaries: forward ~2 such
-    float32 chunks; backward one (its 16-bit copy for the matmuls written into its own
-    storage), plus on CPU a (V, H) slice of at most ``chunk_bytes``.
+    chunk's logits; 882 rows at V = 152,064 and 512 MiB). Temporaries: on CUDA (no bias),
+    forward one such float32 chunk and backward 1.5 (the chunk and its 16-bit gradient, each
+    made by one compiled pass); elsewhere forward ~2 and backward one (its 16-bit copy for the
+    matmuls written into its own storage), plus on CPU a (V, H) slice of at most ``chunk_bytes``.
 
     grad_weight: summed over the row chunks in float32 (float64 for float64 inputs), rounded
     to the weight's dtype once at the end. For a float32 weight the sum is the gradient
