@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,9 +171,14 @@ def test_the_gpus_one_pass_chunk_gradient_is_the_in_place_one():
     want = softmax_grad_in_place(x.clone(), t, lse, grad, torch.bfloat16)
     assert want.dtype == torch.bfloat16 and torch.all(want[:4] == 0) and want.abs().max() > 0.1
     assert torch.equal(chunk_backward(x, t, lse, grad, torch.bfloat16), want)
-    got = torch.compile(chunk_backward)(x, t, lse, grad, torch.bfloat16)
+    from torch._inductor.utils import run_and_get_code
+
+    got, code = run_and_get_code(torch.compile(chunk_backward), x, t, lse, grad, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.all(got[:4] == 0)
     assert (got.float() - want.float()).abs().max() <= 2**-8 * want.float().abs().max()
+    # One pass: one kernel, whose one buffer is the bf16 gradient (no float32 softmax written between).
+    kernels, buffers = re.findall(r"\bcpp_fused\w* = ", code[0]), re.findall(r"\bbuf\d+ = empty_strided", code[0])
+    assert len(kernels) == 1 and len(buffers) == 1
 
 
 @pytest.mark.quick

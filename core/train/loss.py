@@ -85,7 +85,13 @@ def chunk_backward(x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, grad: to
     zero on ignored rows. The fused loss passes float32 logits and asks for the matmuls' dtype."""
     scale = torch.where(t != IGNORE, grad, 0.0).to(lse.dtype)  # (C,)
     g = torch.exp(x.to(lse.dtype) - lse[:, None])  # softmax (C, V)
-    g.scatter_add_(1, t.clamp(min=0)[:, None], -torch.ones_like(g[:, :1]))  # minus the one-hot target
+    if torch.compiler.is_compiling():
+        # The one-hot target as the column index compared with it: Inductor fuses it into the
+        # one pass (a scatter made the softmax a float32 buffer of its own, written and read
+        # again). An ignored row matches no column; its scale is 0 either way.
+        g = g - (torch.arange(g.shape[1], device=g.device) == t[:, None]).to(g.dtype)
+    else:  # eagerly in place: no chunk-sized temporaries besides g
+        g.scatter_add_(1, t.clamp(min=0)[:, None], -torch.ones_like(g[:, :1]))  # minus the one-hot target
     return (g * scale[:, None]).to(dtype or x.dtype)
 
 
