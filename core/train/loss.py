@@ -80,7 +80,7 @@ def chunk_forward(x: torch.Tensor, t: torch.Tensor, acc: torch.dtype) -> tuple[t
 
 
 def chunk_backward(x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
-                    dtype: torch.dtype | None = None) -> torch.Tensor:
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """d(loss)/d(x) for one chunk, in ``dtype`` (x's by default): (softmax - one-hot target) x grad,
     zero on ignored rows. The fused loss passes float32 logits and asks for the matmuls' dtype."""
     scale = torch.where(t != IGNORE, grad, 0.0).to(lse.dtype)  # (C,)
