@@ -159,6 +159,8 @@ def test_the_gpus_one_pass_chunk_gradient_is_the_in_place_one():
     """On CUDA the backward makes each chunk's gradient with core/train/loss.py's compiled
     ``chunk_backward`` (float32 logits in, the matmuls' bf16 out): eager, it equals the CPU's
     in-place passes bit for bit; compiled (Inductor's CPU code here), within one bf16 rounding."""
+    from torch._inductor.utils import run_and_get_code
+
     from weft.core.train.fused_loss import softmax_grad_in_place
     from weft.core.train.loss import chunk_backward, chunk_forward
 
@@ -171,8 +173,6 @@ def test_the_gpus_one_pass_chunk_gradient_is_the_in_place_one():
     want = softmax_grad_in_place(x.clone(), t, lse, grad, torch.bfloat16)
     assert want.dtype == torch.bfloat16 and torch.all(want[:4] == 0) and want.abs().max() > 0.1
     assert torch.equal(chunk_backward(x, t, lse, grad, torch.bfloat16), want)
-    from torch._inductor.utils import run_and_get_code
-
     got, code = run_and_get_code(torch.compile(chunk_backward), x, t, lse, grad, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.all(got[:4] == 0)
     assert (got.float() - want.float()).abs().max() <= 2**-8 * want.float().abs().max()

@@ -130,15 +130,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # On CUDA without a bias, the chunk's gradient in one compiled pass (the float32 logits
         # read once, the matmuls' dtype written once: 1.5 chunks at once); else in place in the
         # logits' own storage, one pass an operation (1 chunk; the bias's sum wants float32).
-        fused = hidden.is_cuda and not want_b
+        fused = chunk_kernel(chunk_backward, hidden.device) if hidden.is_cuda and not want_b else None
         with _no_autocast(hidden.device):
             w, b = _cast(weight, compute), _cast(bias, compute)
             for start in range(0, hidden.shape[0], rows):
                 h = hidden[start:start + rows].to(compute)  # (C, H)
                 t, row_lse = target[start:start + rows], lse[start:start + rows]
                 g = _logits(h, w, b, compute, acc)  # (C, V), recomputed: the logits were never kept
-                if fused:
-                    g = chunk_kernel(chunk_backward, g.device)(g, t, row_lse, grad, compute)
+                if fused is not None:
+                    g = fused(g, t, row_lse, grad, compute)
                 else:
                     g = softmax_grad_in_place(g, t, row_lse, grad, compute, grad_b=grad_b)
                 if want_h:
