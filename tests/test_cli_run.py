@@ -1,4 +1,5 @@
-"""`weft run` end to end: the embedded default on 2 gloo ranks, the run directory, resume."""
+"""`weft run` end to end: the embedded default on 2 gloo ranks, the run directory, resume, a run
+directory that holds a run, and a working folder whose code must not run."""
 
 from __future__ import annotations
 
@@ -23,13 +24,62 @@ def read_metrics(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+#: Modules a folder someone unpacked might hold, each shadowing what weft or its ranks import;
+#: importing any of them writes its marker.
+PLANTED = ("pluggy", "torch", "weft", "transformers", "structlog", "planted_plugin")
+
+
+def plant(folder: pathlib.Path, names: tuple[str, ...] = PLANTED) -> list[pathlib.Path]:
+    """``folder`` as a hostile working folder: shadowing modules and a weft plugin's dist-info
+    (an entry point in group ``weft``), each leaving a marker when imported; the markers."""
+    markers = []
+    for name in names:
+        marker = folder / f"{name}.imported"
+        (folder / f"{name}.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                                           f"raise ImportError('planted {name} ran')\n")
+        markers.append(marker)
+    info = folder / "planted_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: planted-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[weft]\nplanted = planted_plugin\n")
+    return markers
+
+
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> pathlib.Path:
+def hostile(tmp_path_factory) -> tuple[pathlib.Path, list[pathlib.Path]]:
+    folder = tmp_path_factory.mktemp("unpacked")
+    return folder, plant(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, hostile) -> pathlib.Path:
+    """The 2-rank run, started as a user starts it (the console script) from a folder full of
+    planted modules: the parent has no working folder on its path, and its ranks are started
+    with ``python -P`` (core/run/launch.py), whose ``-m`` would otherwise put it first."""
     run_dir = tmp_path_factory.mktemp("run") / "tiny"
-    done = weft_process("run", str(TINY), "--set", "train.max_steps=12", "--set", "train.checkpoint_every=6",
-                        "--run-dir", str(run_dir), cwd=run_dir.parent)
+    script = pathlib.Path(sys.executable).parent / "weft"
+    assert script.is_file(), f"{script}: the console script `pip install -e .` makes"
+    done = subprocess.run([str(script), "run", str(TINY), "--set", "train.max_steps=12", "--set",
+                           "train.checkpoint_every=6", "--run-dir", str(run_dir)], cwd=hostile[0], capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return run_dir
+
+
+def test_nothing_in_the_working_folder_is_imported(tiny_run, hostile, tmp_path):
+    """The run trained from the planted folder (tiny_run) without importing any planted module
+    or plugin, in the launcher or either rank. `python -m weft plugins` (``-m`` puts the folder
+    first on the path, weft/__main__.py takes it off) lists and loads what the ranks load: no
+    planted plugin. (A ``weft.py`` there shadows ``python -m weft`` itself, before any weft code
+    runs: Python's own rule, which the console script and ``python -P`` escape.)"""
+    folder, markers = hostile
+    assert json.loads((tiny_run / "summary.json").read_text())["status"] == "completed"
+    assert [m.name for m in markers if m.exists()] == []
+    markers = plant(tmp_path, tuple(name for name in PLANTED if name != "weft"))
+    listed = weft_process("plugins", "--json", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    assert "planted" not in listed.stdout and "weft.plugins.adapter" in listed.stdout, listed.stdout[:2000]
+    assert [m.name for m in markers if m.exists()] == []
 
 
 def test_run_writes_the_run_directory(tiny_run):

@@ -10,12 +10,21 @@ import uuid
 
 from weft.core.errors import EXIT_GUARD, EXIT_RUNTIME, EXIT_USER
 
+#: The interpreter's flags of every process weft starts: the working folder is not on sys.path.
+SAFE_PATH = ("-P",)
+
 
 def launch_local(*, nproc: int, args: list[str], run_dir: pathlib.Path | None = None, max_restarts: int = 0) -> int:
     """Start ``nproc`` ranks running ``python args``; with ``max_restarts``, torch's elastic agent
     restarts all of them after a rank dies (the restarted ranks resume by themselves: see
     ``restarted``). A weft command (``-m weft ...``) is given this process's pid, so each rank
-    ends when this process does (core/run/launcher_watch.py)."""
+    ends when this process does (core/run/launcher_watch.py).
+
+    Every rank's interpreter runs in safe-path mode (``python -P``, Python >= 3.11): ``-m`` would
+    otherwise put the working folder first on ``sys.path``, and a ``pluggy.py``, ``torch.py`` or
+    plugin ``.dist-info`` in a folder the user happens to run from would be imported in every
+    rank (docs/faults.md, "Untrusted inputs"). So the ranks import exactly what ``weft plugins``
+    lists."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -35,7 +44,7 @@ def launch_local(*, nproc: int, args: list[str], run_dir: pathlib.Path | None = 
         monitor_interval=0.2,
     )
     try:
-        elastic_launch(config, entrypoint=sys.executable)(*args)
+        elastic_launch(config, entrypoint=sys.executable)(*SAFE_PATH, *args)
     except ChildFailedError as error:
         codes = [failure.exitcode for failure in error.failures.values()]
         print(f"weft: {len(codes)} rank(s) failed with exit codes {sorted(set(codes))}", file=sys.stderr)
