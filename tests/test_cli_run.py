@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -129,6 +130,40 @@ def test_resume_continues_from_newest_checkpoint(weft, tiny_run, tmp_path):
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert summary["start_step"] == 12
     assert summary["largest_position"] == meta(14)["largest_position"] == first
+
+
+def _files(folder: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_new_run_into_a_finished_run_is_refused_or_moves_it_aside(weft, tiny_run, tmp_path):
+    """Without --resume, a run directory holding a finished run is exit 2 naming its state, its
+    last checkpoint and the ways on; nothing in it changes. With --overwrite the old run's files
+    all move, byte for byte, to a folder beside it, and the new run's checkpoint is its own (at
+    0149418 the new run appended to metrics.jsonl and keep_checkpoints deleted its own step 2)."""
+    old = tmp_path / "finished"
+    shutil.copytree(tiny_run, old)
+    before = _files(old)
+    done = weft("run", str(TINY), "--nproc", "1", "--set", "train.max_steps=2", "--run-dir", str(old), cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = max(int(p.name.removeprefix("step-")) for p in (old / "checkpoints").iterdir())
+    for part in (f"--run-dir: {old} holds a completed run", f"last checkpoint step-{last}", "--resume",
+                 "another --run-dir", "--overwrite"):
+        assert part in done.stderr, (part, done.stderr)
+    assert _files(old) == before
+
+    done = weft("run", str(TINY), "--nproc", "1", "--set", "train.max_steps=2", "--set", "train.keep_checkpoints=1",
+                "--run-dir", str(old), "--overwrite", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (aside,) = tmp_path.glob("finished.old-*")
+    assert f"moved to {aside}" in done.stderr
+    assert _files(aside) == before
+    assert [r["step"] for r in read_metrics(old)] == [1, 2]
+    assert sorted(p.name for p in (old / "checkpoints").iterdir()) == ["step-2"]
+    summary = json.loads((old / "summary.json").read_text())
+    assert summary["last_checkpoint"] == "step-2" and summary["start_step"] == 0
+    done = weft("run", str(TINY), "--run-dir", str(old), "--overwrite", "--resume", cwd=tmp_path)
+    assert done.returncode == 2 and "--overwrite" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_resume_without_checkpoint_is_a_user_error(weft, tmp_path):

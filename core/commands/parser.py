@@ -33,6 +33,8 @@ def build_parser(*, handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
                      help="restart the ranks up to N times after one dies; they resume from the newest checkpoint")
     run.add_argument("--resume", action="store_true",
                      help="continue from the newest checkpoint of --run-dir (default: the newest run of this recipe)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="start over in a --run-dir that holds a run: its files are moved to a folder beside it first")
     run.set_defaults(func=handlers["run"])
 
     plan = sub.add_parser("plan", help="show which strategy each module gets, without weights or processes")
@@ -77,6 +79,9 @@ def build_parser(*, handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
                         help="a run with adapters: fold them into the base's weights and write a plain model "
                              "(default: the adapters' own directory, PEFT's adapter_config.json and "
                              "adapter_model.safetensors)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="OUT_DIR holds files: replace them whole (the export is written beside it and swapped in; "
+                             "default: refused)")
     export.set_defaults(func=handlers["export"])
 
     plugins = sub.add_parser("plugins", help="hook points, plugins and their strategies")

@@ -15,6 +15,7 @@ from weft.core.errors import EXIT_OK, WeftError
 from weft.core.plugin_manager import WeftPluginManager, plugin_manager_from_env
 from weft.core.run.lock import join_run, run_lock
 from weft.core.run.model_files import check_processor_files, check_weight_files, data_needs
+from weft.core.run.previous_run import settle_previous_run
 from weft.core.run.rank_errors import clear, note, noted
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ def cmd_run(args) -> int:
     launcher = getattr(args, "launcher", None)  # a rank weft's launcher started: main() watches that launcher
     recipe = Recipe.from_toml(args.recipe, overrides=tuple(args.overrides))
     pm = plugin_manager_from_env()
+    if args.overwrite and args.resume:
+        raise WeftError("--overwrite starts over and --resume continues: give one", where="--overwrite")
     if _under_launcher():
         run_dir = args.run_dir or pathlib.Path("runs") / (
             f"{pathlib.Path(args.recipe).stem}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}")
@@ -46,6 +49,8 @@ def cmd_run(args) -> int:
             join_run(run_dir, launcher_pid=launcher.launcher_pid, rank=launcher.rank)
         try:
             with contextlib.nullcontext() if held else run_lock(run_dir):
+                if not held and not resume:  # under torchrun: rank 0, before any rank writes
+                    _settle(run_dir, overwrite=args.overwrite)
                 return _train(recipe, pm, run_dir=run_dir, resume=resume, launcher=launcher)
         except WeftError as error:
             if launcher is not None:  # weft's launcher says it, once (core/run/rank_errors.py)
@@ -64,6 +69,8 @@ def cmd_run(args) -> int:
     with run_lock(run_dir):
         plan_recipe(recipe, pm=pm, world_size=nproc)
         _check_inputs(recipe, pm)
+        if not args.resume:
+            _settle(run_dir, overwrite=args.overwrite)
         (run_dir / "recipe.json").write_text(json.dumps(
             {"source": recipe.source, "overrides": args.overrides, "recipe": recipe.raw}, indent=1, default=str))
         print(f"weft: run directory {run_dir}", file=sys.stderr)
@@ -82,6 +89,12 @@ def cmd_run(args) -> int:
         if error is not None:
             raise error
         return code
+
+
+def _settle(run_dir: pathlib.Path, *, overwrite: bool) -> None:
+    aside = settle_previous_run(run_dir, overwrite=overwrite)
+    if aside is not None:
+        print(f"weft: --overwrite: the previous run of {run_dir} moved to {aside}", file=sys.stderr)
 
 
 def _check_inputs(recipe: Recipe, pm: WeftPluginManager) -> None:
