@@ -264,3 +264,38 @@ def test_a_preset_path_is_read_beside_its_recipe(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     typed = Recipe.from_toml(recipe_path, overrides=("model.preset=shapes/mine.toml",))
     assert preset_location(typed) == tmp_path / "shapes" / "mine.toml"
+
+
+def test_a_warmup_past_the_run_s_steps_is_a_warning(tmp_path, capsys):
+    """train.warmup_steps = 1000 with max_steps = 3: the learning rate only ramps up (to 3/1001 of
+    train.lr). Not refused (a short trial run keeps its recipe's warmup), but said: one stderr line
+    from `weft plan`, which still plans, and the run's schedule.warmup_past_end event; nothing for a
+    warmup below the steps, nor under train.epochs before the data counts the steps."""
+    import torch
+
+    from model_helpers import ListLog, build_model
+    from weft.core.commands.main import main
+    from weft.core.context import RunContext
+    from weft.core.plan.planner import plan_recipe
+    from weft.core.plugin_manager import build_plugin_manager
+    from weft.core.train.optimizer_setup import make_optimizer
+
+    path = write(tmp_path, '[model]\npreset = "qwen2_text_tiny"\n[train]\nmax_steps = 3\nwarmup_steps = 1000\n')
+    assert main(["plan", str(path), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("weft: warning:") == 1 and (
+        f"{path} (train.warmup_steps): train.warmup_steps = 1000 is not below the run's 3 steps" in err), err
+    assert "0.003 x train.lr at the last step" in err
+
+    recipe = Recipe.from_toml(path)
+    model = build_model(recipe)
+    pm = build_plugin_manager(entry_points=False)
+    plan, _ = plan_recipe(recipe, pm=pm, world_size=1, model=model)
+    log = ListLog()
+    make_optimizer(recipe, model, plan=plan, pm=pm, ctx=RunContext(recipe=recipe, device=torch.device("cpu"), log=log))
+    (event,) = [fields for name, fields in log.events if name == "schedule.warmup_past_end"]
+    assert event["warmup_steps"] == 1000 and event["steps"] == 3 and event["last_lr_factor"] == pytest.approx(3 / 1001)
+
+    assert TrainSection(max_steps=3, warmup_steps=2).warmup_warning() is None
+    assert TrainSection(epochs=1, warmup_steps=1000).warmup_warning() is None  # the steps are not known yet
+    assert "the run's 5 steps" in TrainSection(epochs=1, warmup_steps=1000).warmup_warning(steps=5)

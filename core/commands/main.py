@@ -64,6 +64,8 @@ def _cmd_plan(args) -> int:
     from weft.core.plan.planner import plan_recipe
 
     recipe = _load(args)
+    if (warning := recipe.train.warmup_warning()) is not None:  # a warning: short test runs keep their recipe's
+        print(f"weft: warning: {recipe.source} (train.warmup_steps): {warning}", file=sys.stderr)
     pm = plugin_manager_from_env()
     world_size = args.world_size or recipe.parallel.nproc
     plan, model = plan_recipe(recipe, pm=pm, world_size=world_size)
@@ -147,7 +149,8 @@ def _cmd_check_worker(args) -> int:
 def _cmd_export(args) -> int:
     from weft.core.commands.export import export
 
-    checkpoint = export(args.run_dir, args.out_dir, step=args.step, pm=plugin_manager_from_env(), merge=args.merge)
+    checkpoint = export(args.run_dir, args.out_dir, step=args.step, pm=plugin_manager_from_env(), merge=args.merge,
+                        overwrite=args.overwrite)
     print(f"weft: exported {checkpoint} to {args.out_dir}", file=sys.stderr)
     return EXIT_OK
 

@@ -266,13 +266,15 @@ def _show(value: Any) -> str:
     return f"{text[:60]} ({kind})"
 
 
-def in_range(*, low: float | None = None, high: float | None = None):
-    """attrs validator: a finite number within [low, high] (nan and inf are refused)."""
+def in_range(*, low: float | None = None, high: float | None = None, high_text: str | None = None):
+    """attrs validator: a finite number within [low, high] (nan and inf are refused).
+    ``high_text``: how the message writes ``high`` (``2**63 - 1`` reads better than its 19 digits)."""
 
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         finite = not isinstance(value, float) or math.isfinite(value)
         if not finite or low is not None and value < low or high is not None and value > high:
-            bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"between {low} and {high}"
+            top = high_text or high
+            bounds = f">= {low}" if high is None else f"<= {top}" if low is None else f"between {low} and {top}"
             if not finite:
                 bounds = f"a finite number {bounds}"
             raise FieldValueError(f"{attribute.name} = {value!r} is out of range; accepted: {bounds}",
