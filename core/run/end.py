@@ -32,6 +32,7 @@ class Ending:
     status: str = "completed"
     reason: str = ""
     last_step: int | None = None
+    aborted_step: int | None = None  # the step a guard stopped (its row in metrics.jsonl says so)
     loss: float | None = None
     checkpoint: str | None = None
     best: dict | None = None  # eval.keep_best: the checkpoint of the lowest held-out loss
@@ -56,7 +57,10 @@ class Ending:
             "last_step": self.last_step,
             "last_checkpoint": self.checkpoint,
             **({"best_checkpoint": self.best} if self.best is not None else {}),
-            "steps": recipe.train.max_steps,
+            **({"aborted_step": self.aborted_step} if self.aborted_step is not None else {}),
+            # The last step that ran (a step a guard stopped included; 0: none) and the steps the run was to take.
+            "steps": max(self.aborted_step or 0, self.last_step or 0),
+            "max_steps": recipe.train.max_steps,
             "start_step": ctx.start_step,
             "final_loss": self.loss,
             "tokens": self.totals["tokens"],

@@ -125,6 +125,8 @@ def _train(*, recipe: Recipe, pm: WeftPluginManager, ctx: RunContext, resume: bo
                 row, verdict = _one_step(run=run, steps=steps, state=state, optimizer=optimizer,
                                          scheduler=scheduler, autocast=autocast, pm=pm, ctx=ctx, totals=totals)
             except GuardAbort as abort:
+                # The step ran (its row says aborted) but took no optimizer step: the last good state is the one before.
+                ending.aborted_step, ending.last_step = step, step - 1
                 _aborted(abort, state=state, metrics=metrics, run=run, optimizer=optimizer, scheduler=scheduler,
                          ctx=ctx, ending=ending)
                 raise
