@@ -50,6 +50,10 @@ class WeftPluginManager(HookCalls, pluggy.PluginManager):
         self._models: ModelRegistry | None = None
         #: (plugin, distribution, error) of plugins whose weft_strategies raised: left out, reported.
         self.broken: list[tuple[str, str, str]] = []
+        #: (entry point, distribution, error) of entry points whose module raised on import: left out, reported.
+        self.unloaded: list[tuple[str, str, str]] = []
+        #: entry-point plugin name -> "distribution version", as loaded (see :func:`_origin`).
+        self._origins: dict[str, str] = {}
 
     @property
     def registry(self) -> StrategyRegistry:
@@ -125,11 +129,38 @@ class WeftPluginManager(HookCalls, pluggy.PluginManager):
 
     def distribution_of(self, plugin_name: str) -> str:
         """The distribution a plugin came from: 'weft (built-in)' or 'name version'."""
-        plugin = self.get_plugin(plugin_name)
-        for loaded, dist in self.list_plugin_distinfo():
-            if loaded is plugin:
-                return f"{dist.project_name} {dist.version}"
+        if plugin_name in self._origins:
+            return self._origins[plugin_name]
         return "weft (built-in)" if plugin_name in BUILTIN_PLUGINS else "(registered in-process)"
+
+    def load_entry_point(self, ep: importlib.metadata.EntryPoint) -> None:
+        """Import and register one entry point of the ``weft`` group. A module that raises on
+        import is left out with one warning naming it (its distribution, the error's first line),
+        as a plugin whose weft_strategies raises is: the others, built-ins included, still load,
+        and `weft plugins` lists it as left out."""
+        origin = _origin(ep)
+        try:
+            plugin = ep.load()
+        except (Exception, SystemExit) as error:  # its own code failed (a missing dependency, a bug, an exit)
+            first = (str(error).splitlines() or [""])[0]
+            said = f"{type(error).__name__}: {first}" if first else type(error).__name__
+            self.unloaded.append((ep.name, origin, said))
+            print(f"weft: plugin {ep.name!r} ({origin}) failed to import ({ep.value}) and is left out: {said}",
+                  file=sys.stderr)
+            return
+        self.register(plugin, name=ep.name)
+        self._origins[ep.name] = origin
+
+
+def _origin(ep: importlib.metadata.EntryPoint) -> str:
+    """'name version' of the distribution that declares ``ep``; a dist-info without METADATA
+    (or one that names neither) is named by the entry point's module: 'module m, unknown version'."""
+    dist = getattr(ep, "dist", None)
+    metadata = getattr(dist, "metadata", None)
+    name = metadata.get("Name") if metadata is not None else None
+    version = metadata.get("Version") if metadata is not None else None
+    module = ep.value.partition(":")[0].strip()
+    return f"{name or f'module {module}'}" + (f" {version}" if version else ", unknown version")
 
 
 def _names(var: str) -> list[str] | None:
@@ -177,8 +208,8 @@ def build_plugin_manager(
             if ep.name in blocked or (allowed is not None and ep.name not in allowed):
                 log.info("plugin.skipped", plugin=ep.name, reason="blocked" if ep.name in blocked else "not allowed")
                 continue
-            if pm.get_plugin(ep.name) is None:
-                pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
+            if pm.get_plugin(ep.name) is None and ep.name not in (name for name, _, _ in pm.unloaded):
+                pm.load_entry_point(ep)
     for name, plugin in extra:
         if name not in blocked:
             pm.register(plugin, name=name)

@@ -198,3 +198,59 @@ def test_the_loop_carries_guard_memory_between_steps(installed, tmp_path):
     assert len({id(s.memory) for s in seen}) == 1  # one dict for the whole run
     running = seen[-1].memory["loss_spike"]
     assert running.count == 3 and running.mean == pytest.approx(sum(s.loss for s in seen) / 3)
+
+
+def _plant(site: pathlib.Path, *, module: str, entry: str, code: str, metadata: str | None) -> None:
+    """A package and its dist-info (with or without METADATA) declaring ``entry`` in group weft."""
+    (site / module).mkdir(parents=True)
+    (site / module / "__init__.py").write_text(code)
+    info = site / f"{module}-0.3.dist-info"
+    info.mkdir()
+    if metadata is not None:
+        (info / "METADATA").write_text(metadata)
+    (info / "entry_points.txt").write_text(f"[weft]\n{entry} = {module}\n")
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    site = tmp_path / "planted"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    for var in ("WEFT_PLUGINS", "WEFT_DISABLE_PLUGINS", "WEFT_TRACE_HOOKS"):
+        monkeypatch.delenv(var, raising=False)
+    yield site
+    for name in ("weft_raising_plugin", "weft_bare_plugin"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.quick
+def test_a_plugin_whose_import_raises_is_named_and_left_out(planted, capsys):
+    """A plugin module that raises on import (a missing dependency, a bug): left out with one
+    warning naming the entry point, its distribution and the error's first line, as a plugin
+    whose weft_strategies raises is; the built-ins load, `weft plugins` lists it as left out."""
+    _plant(planted, module="weft_raising_plugin", entry="raising",
+           code='raise RuntimeError("needs a library this machine lacks\\nsecond line of detail")\n',
+           metadata="Metadata-Version: 2.1\nName: weft-raising-plugin\nVersion: 0.3\n")
+    pm = build_plugin_manager()
+    err = capsys.readouterr().err
+    assert ("weft: plugin 'raising' (weft-raising-plugin 0.3) failed to import (weft_raising_plugin) and is left "
+            "out: RuntimeError: needs a library this machine lacks") in err
+    assert "second line" not in err and "Traceback" not in err
+    assert "raising" not in pm.plugin_names() and pm.registry.get("attention", "ring") is not None
+
+    assert cli.main(["plugins", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert {"name": "raising", "distribution": "weft-raising-plugin 0.3",
+            "error": "import: RuntimeError: needs a library this machine lacks"} in json.loads(captured.out)["plugins"]
+    assert cli.main(["plugins"]) == 0
+    assert "its import raised RuntimeError" in capsys.readouterr().out
+
+
+@pytest.mark.quick
+def test_a_plugin_without_metadata_is_named_by_its_module(planted):
+    """A dist-info with entry_points.txt and no METADATA (a hand-made or damaged install): named
+    by the entry point's module and 'unknown version', not '(None None)'."""
+    _plant(planted, module="weft_bare_plugin", entry="bare", code="", metadata=None)
+    pm = build_plugin_manager()
+    assert "bare" in pm.plugin_names()
+    assert pm.distribution_of("bare") == "module weft_bare_plugin, unknown version"

@@ -171,6 +171,9 @@ def plugins_table(pm: WeftPluginManager) -> dict:
     broken = {name: error for name, _, error in pm.broken}
     plugins = [{"name": name, "distribution": pm.distribution_of(name), "error": broken.get(name)}
                for name in pm.plugin_names()]
+    # Entry points whose module raised on import: never registered, listed as left out all the same.
+    plugins += [{"name": name, "distribution": where, "error": f"import: {error}"}
+                for name, where, error in pm.unloaded]
     strategies = [
         {
             "point": s.point,
@@ -202,7 +205,10 @@ def render_plugins(table: dict) -> None:
     plugins.add_column("distribution")
     plugins.add_column("status")
     for plugin in table["plugins"]:
-        status = f"[red]left out: weft_strategies raised {plugin['error']}[/red]" if plugin.get("error") else "ok"
+        error = plugin.get("error") or ""
+        said = error.removeprefix("import: ")  # an entry point whose module raised on import, else weft_strategies
+        status = f"[red]left out: {'its import' if said != error else 'weft_strategies'} raised {said}[/red]" \
+            if error else "ok"
         plugins.add_row(plugin["name"], plugin["distribution"], status)
     console.print(plugins)
     strategies = Table(title="strategies")
