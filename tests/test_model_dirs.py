@@ -218,3 +218,63 @@ def test_a_directory_s_own_code_never_runs(hub_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'evil_remote'" in err and "Traceback" not in err and err.count("weft: error:") == 1
     assert not marker.exists()
+
+
+@pytest.mark.quick
+def test_a_file_only_its_own_code_reads_is_exit_2_naming_it(hub_dir, tmp_path, capsys):
+    """A processor folder whose preprocessor_config.json names the directory's own image processor
+    (an auto_map) and no class transformers ships: one exit-2 paragraph naming the file and its
+    auto_map before any rank starts, nothing of it imported (it was exit 1 and transformers'
+    traceback asking to pass trust_remote_code=True); tokenizer_config.json and config.json alike."""
+    from weft.core.commands.main import main
+
+    marker = tmp_path / "code-ran"
+    folder = tmp_path / "processor"
+    folder.mkdir()
+    for name in CARRIED[:3]:
+        shutil.copy(hub_dir / name, folder / name)
+    for module in ("tokenization_evil", "image_processing_evil", "configuration_evil"):
+        (folder / f"{module}.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    for name, key, value in (("preprocessor_config.json", "image_processor_type", "EvilImageProcessor"),
+                             ("tokenizer_config.json", "tokenizer_class", "EvilTokenizer")):
+        entry = json.loads((folder / name).read_text())
+        auto = {"AutoImageProcessor": "image_processing_evil.EvilImageProcessor"} if key == "image_processor_type" \
+            else {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+        (folder / name).write_text(json.dumps(dict(entry, auto_map=auto, **{key: value})))
+    recipe = tmp_path / "own-processor.toml"
+    recipe.write_text(f'[model]\npreset = "qwen2_5_vl_tiny"\nprocessor = "{folder}"\n[data]\nnum_samples = 8\n'
+                      "[train]\nmax_steps = 1\n[parallel]\nnproc = 1\n")
+
+    def refused(name: str, named: str, native: str) -> None:
+        assert main(["run", str(recipe), "--run-dir", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert (f"weft: error: {recipe} (model.processor): {folder / name}: auto_map names the directory's own code "
+                f"({named}) and {native} is not one of transformers' classes, so only that code could read it; weft "
+                "never runs a model directory's code (trust_remote_code is never true). Accepted: a directory whose "
+                "config, tokenizer and image processor transformers ships") in err, err[-2000:]
+        assert "Traceback" not in err and err.count("weft: error:") == 1
+        assert not marker.exists() and not (tmp_path / "run").exists()
+
+    refused("tokenizer_config.json", "AutoTokenizer: ['tokenization_evil.EvilTokenizer', None]",
+            "tokenizer_class 'EvilTokenizer'")
+    shutil.copy(hub_dir / "tokenizer_config.json", folder)  # transformers' own tokenizer: the image processor next
+    refused("preprocessor_config.json", "AutoImageProcessor: image_processing_evil.EvilImageProcessor",
+            "image_processor_type 'EvilImageProcessor'")
+
+    # config.json: a model type no installed family handles is refused by name first (test above); one a
+    # plugin's family would take but only the directory's code defines is read here, where the message is weft's.
+    from weft.core.errors import WeftError
+    from weft.core.recipe import Recipe
+    from weft.plugins.models.build import model_config
+
+    model = tmp_path / "own-config"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(HUB_CONFIG, model_type="evil_remote",
+                                                       auto_map={"AutoConfig": "configuration_evil.EvilConfig"})))
+    shutil.copy(folder / "configuration_evil.py", model)
+    with pytest.raises(WeftError) as refusal:
+        model_config(Recipe.from_toml(_recipe(tmp_path, model)))
+    assert str(refusal.value).startswith(
+        f"{tmp_path / 'from-hub.toml'} (model.path): {model / 'config.json'}: auto_map names the directory's own code "
+        "(AutoConfig: configuration_evil.EvilConfig) and model_type 'evil_remote' is not one of transformers' classes")
+    assert refusal.value.exit_code == 2 and not marker.exists()

@@ -297,5 +297,9 @@ def test_a_warmup_past_the_run_s_steps_is_a_warning(tmp_path, capsys):
     assert event["warmup_steps"] == 1000 and event["steps"] == 3 and event["last_lr_factor"] == pytest.approx(3 / 1001)
 
     assert TrainSection(max_steps=3, warmup_steps=2).warmup_warning() is None
+    # The default warmup (2) in a 1-step trial: no one asked for it, so no word.
+    assert TrainSection(max_steps=1).warmup_warning() is not None
+    trial = Recipe.from_dict({"model": {"preset": "qwen2_text_tiny"}, "train": {"max_steps": 1}})
+    assert trial.warmup_warning() is None
     assert TrainSection(epochs=1, warmup_steps=1000).warmup_warning() is None  # the steps are not known yet
     assert "the run's 5 steps" in TrainSection(epochs=1, warmup_steps=1000).warmup_warning(steps=5)

@@ -64,7 +64,7 @@ def _cmd_plan(args) -> int:
     from weft.core.plan.planner import plan_recipe
 
     recipe = _load(args)
-    if (warning := recipe.train.warmup_warning()) is not None:  # a warning: short test runs keep their recipe's
+    if (warning := recipe.warmup_warning()) is not None:  # not an error: a short trial may keep its warmup
         print(f"weft: warning: {recipe.source} (train.warmup_steps): {warning}", file=sys.stderr)
     pm = plugin_manager_from_env()
     world_size = args.world_size or recipe.parallel.nproc

@@ -155,6 +155,15 @@ class Recipe:
             raise ValueError("this recipe builds a preset; it has no model.path")
         return self.relative(self.model.path)
 
+    def warmup_warning(self, *, steps: int | None = None) -> str | None:
+        """The warning for a ``train.warmup_steps`` the recipe (or --set) gives that the run's steps
+        never get past (TrainSection.warmup_warning), else None: the default warmup in a shorter
+        trial run is no one's mistake."""
+        train = self.raw.get("train")
+        if not isinstance(train, dict) or "warmup_steps" not in train:
+            return None
+        return self.train.warmup_warning(steps=steps)
+
     def task_file(self) -> pathlib.Path | None:
         """``eval.task`` resolved, or None."""
         return None if self.eval.task is None else self.relative(self.eval.task)

@@ -45,7 +45,7 @@ class TrainSection:
     warmup_steps: int = attrs.field(default=2, validator=in_range(low=0), metadata=_doc(
         "linear warmup steps, then the cosine decay; as many as the run's steps or more (max_steps, or the "
         "steps of the epochs) and the learning rate only ramps up, never reaching train.lr nor decaying: "
-        "a warning (`weft plan`, and the run's schedule.warmup_past_end), not an error"))
+        "a warning when the recipe sets it (`weft plan`, and the run's schedule.warmup_past_end), not an error"))
     weight_decay: float = attrs.field(default=0.0, validator=in_range(low=0.0), metadata=_doc("AdamW weight decay"))
     beta1: float = attrs.field(default=0.9, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta1"))
     beta2: float = attrs.field(default=0.95, validator=in_range(low=0.0, high=1.0), metadata=_doc("AdamW beta2"))

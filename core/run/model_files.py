@@ -10,6 +10,14 @@ A directory that lacks one the data or the prompt needs would otherwise fail ins
 rank with transformers' OSError and a traceback; here it is one message naming the file,
 the key that points at the folder, and what needs it (exit 2).
 
+A directory's files are read as data, never as code: an ``auto_map`` (in config.json,
+tokenizer_config.json or preprocessor_config.json) names the directory's own Python classes,
+which weft never imports (``trust_remote_code`` is never true). Where transformers ships the
+class itself (the file's model_type, tokenizer_class or image_processor_type, or the model's
+config) the auto_map is ignored; where only the directory's code could read the file, that is
+one message naming the file and its auto_map (exit 2), not transformers' advice to pass
+``trust_remote_code=True``.
+
 What needs what mirrors how the data is read (plugins/batching/samples.py, the prompt of `weft
 generate`): chat conversations (``data.source = "jsonl"``, or synthetic without
 ``data.tokens``) go through the tokenizer and the image processor; long synthetic samples
@@ -28,6 +36,10 @@ from typing import Any
 
 from weft.core.errors import WeftError
 
+#: The files that may name a directory's own code, with the auto class each is read by and the key
+#: that names transformers' own class in it.
+OWN_CODE = {"config.json": ("AutoConfig", "model_type"), "tokenizer_config.json": ("AutoTokenizer", "tokenizer_class"),
+            "preprocessor_config.json": ("AutoImageProcessor", "image_processor_type")}
 #: Any one of these is a tokenizer: a fast tokenizer, a BPE vocabulary (with merges.txt),
 #: a SentencePiece model.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
@@ -72,6 +84,51 @@ def check_processor_files(recipe: Any, processor: str | None, *, needs: dict[str
     if "tokenizer" in needs and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise WeftError(f"{folder} has no tokenizer ({' or '.join(TOKENIZER_FILES)}), which {needs['tokenizer']} "
                         f"needs; {hint}", where=where)
+    for name in ("tokenizer_config.json", "preprocessor_config.json"):
+        if (name == "tokenizer_config.json" or "image processor" in needs) and _names_own_code(folder / name):
+            _check_native(folder, name, where=where)
+
+
+def _names_own_code(file: pathlib.Path) -> bool:
+    try:
+        return file.is_file() and "auto_map" in json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False  # not JSON, or not an object: the rank's reading of it says so
+
+
+def _check_native(folder: pathlib.Path, name: str, *, where: str) -> None:
+    """Read the file as the ranks will, with transformers' own classes only (rare: an auto_map is
+    there); transformers refusing for want of the directory's code becomes weft's message. Any
+    other failure is left to the ranks, which report it as they always have."""
+    import transformers
+
+    auto = getattr(transformers, OWN_CODE[name][0])
+    extra = {"backend": "pil"} if name == "preprocessor_config.json" else {}  # as the ranks read it
+    try:
+        auto.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False, **extra)
+    except ValueError as error:
+        if "trust_remote_code" in str(error):
+            raise own_code_error(folder / name, where=where) from None
+    except Exception:  # not this check's business (see above)
+        pass
+
+
+def own_code_error(file: pathlib.Path, *, where: str) -> WeftError:
+    """The message for ``file`` whose ``auto_map`` names code transformers does not ship."""
+    auto, key = OWN_CODE[file.name]
+    try:
+        given = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        given = {}
+    given = given if isinstance(given, dict) else {}
+    mapped = given.get("auto_map")
+    named = mapped.get(auto, mapped) if isinstance(mapped, dict) else mapped
+    native = f"{key} {given[key]!r} is not one of transformers' classes" if given.get(key) else f"it gives no {key}"
+    return WeftError(
+        f"{file}: auto_map names the directory's own code ({auto}: {named}) and {native}, so only that code could "
+        "read it; weft never runs a model directory's code (trust_remote_code is never true). Accepted: a "
+        "directory whose config, tokenizer and image processor transformers ships (model_type, tokenizer_class and "
+        "image_processor_type naming transformers' own classes; an auto_map beside them is ignored)", where=where)
 
 
 def _bundled(processor: str) -> bool:

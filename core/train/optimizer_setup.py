@@ -64,7 +64,7 @@ def make_optimizer(recipe: Recipe, model: torch.nn.Module, *, plan: Plan, pm: We
     for torch_group, group in zip(optimizer.param_groups, groups):
         torch_group.setdefault("rule", f"{group.decision.rule} ({group.decision.source})")  # what guards name
     if ctx.log is not None:
-        if recipe.train.warmup_warning(steps=recipe.train.max_steps) is not None:  # a schedule that never peaks
+        if recipe.warmup_warning(steps=recipe.train.max_steps) is not None:  # a schedule that never peaks
             ctx.log.warning("schedule.warmup_past_end", warmup_steps=recipe.train.warmup_steps,
                             steps=recipe.train.max_steps, last_lr_factor=lr_lambda(recipe)(recipe.train.max_steps - 1),
                             advice="set train.warmup_steps below the run's steps")

@@ -15,6 +15,7 @@ from weft.core.errors import RecipeError, WeftError
 from weft.core.models import ties_embeddings
 from weft.core.recipe import Recipe
 from weft.core.recipe.presets import build_config, load_preset, preset_location
+from weft.core.run.model_files import own_code_error
 from weft.strategies.model.yarn import scaled_parameters, trained_positions
 
 #: Files of a processor folder that travel with an exported model (not weights).
@@ -38,6 +39,8 @@ def model_config(recipe: Recipe) -> tuple[transformers.PretrainedConfig, str | N
             # Never the directory's own code (an auto_map in config.json): transformers' classes only.
             config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         except (ValueError, KeyError, OSError) as error:
+            if "trust_remote_code" in str(error):  # only the directory's own code could read it: weft's words
+                raise own_code_error(path / "config.json", where=f"{recipe.source} (model.path)") from None
             raise RecipeError(f"{path / 'config.json'}: transformers cannot read it: {error}",
                               where=f"{recipe.source} (model.path)") from None
         processor = str(path)
