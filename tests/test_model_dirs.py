@@ -278,3 +278,25 @@ def test_a_file_only_its_own_code_reads_is_exit_2_naming_it(hub_dir, tmp_path, c
         f"{tmp_path / 'from-hub.toml'} (model.path): {model / 'config.json'}: auto_map names the directory's own code "
         "(AutoConfig: configuration_evil.EvilConfig) and model_type 'evil_remote' is not one of transformers' classes")
     assert refusal.value.exit_code == 2 and not marker.exists()
+
+
+@pytest.mark.quick
+def test_model_dir_errors_name_the_folder_given(hub_dir, tmp_path, capsys, monkeypatch):
+    """`weft eval --model-dir DIR` and `weft generate --model-dir DIR`: a mistake found while the
+    recipe --model-dir stands for is in use is said of `--model-dir DIR` as typed, never of the
+    temporary model-dir.toml weft wrote for it."""
+    from weft.core.commands.main import main
+
+    partial = tmp_path / "partial"
+    shutil.copytree(hub_dir, partial)
+    sorted(partial.glob("model-*.safetensors"))[-1].unlink()
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--model-dir", "partial"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"weft: error: --model-dir partial: {partial} lacks 1 of the "), err
+    assert "model-dir.toml" not in err
+
+    assert main(["generate", "--model-dir", "partial", "--prompt", "hello", "--set", "train.seed=-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weft: error: --model-dir partial (--set train.seed=-1): seed = -1 is out of range"), err
+    assert "model-dir.toml" not in err

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import tempfile
 from typing import Any
 
 from weft.core.commands.rank_args import for_ranks, model_dir_recipe, recipe_from
@@ -81,8 +80,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def cmd_eval(args) -> int:
-    with tempfile.TemporaryDirectory() as folder:
-        model_dir_recipe(args, folder)
+    with model_dir_recipe(args):  # its errors name --model-dir DIR, not the recipe it writes
         return _eval(args)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
-import tempfile
 
 from weft.core.commands.rank_args import for_ranks, model_dir_recipe, recipe_from
 from weft.core.errors import EXIT_OK, WeftError
@@ -42,8 +41,7 @@ def check_options(*, max_new_tokens: int, temperature: float, top_p: float,
 
 
 def cmd_generate(args) -> int:
-    with tempfile.TemporaryDirectory() as folder:
-        model_dir_recipe(args, folder)
+    with model_dir_recipe(args):  # its errors name --model-dir DIR, not the recipe it writes
         return _generate(args)
 
 

@@ -4,9 +4,12 @@ weights' files, then the ranks' arguments. A mistake is a message before any ran
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
-from typing import Any, Callable
+import re
+import tempfile
+from typing import Any, Callable, Iterator
 
 from weft.core.errors import WeftError
 
@@ -17,20 +20,44 @@ def recipe_from(path: str, overrides: list[str]) -> Any:
     return Recipe.from_toml(path, overrides=tuple(overrides))
 
 
-def model_dir_recipe(args: Any, folder: str) -> None:
-    """``--model-dir DIR``: a recipe of just ``model.path = DIR``, written into ``folder`` (which
-    outlives the ranks), becomes the command's recipe."""
+@contextlib.contextmanager
+def model_dir_recipe(args: Any) -> Iterator[None]:
+    """``--model-dir DIR``: a recipe of just ``model.path = DIR``, written into a temporary folder
+    (which outlives the ranks), becomes the command's recipe while the context lasts. A WeftError
+    raised meanwhile (the parent's checks, a rank's noted error) names ``--model-dir DIR``, the
+    folder the user gave, where it would name that temporary file."""
     if (args.recipe is None) == (args.model_dir is None):
         raise WeftError("give a recipe or --model-dir, not both" if args.recipe else "give a recipe or --model-dir",
                         where="--model-dir")
     if args.model_dir is None:
+        yield
         return
     if not (args.model_dir / "config.json").is_file():
         raise WeftError(f"{args.model_dir} has no config.json; --model-dir takes a Hugging Face model directory",
                         where="--model-dir")
-    recipe = pathlib.Path(folder) / "model-dir.toml"
-    recipe.write_text(f"[model]\npath = {json.dumps(str(args.model_dir.resolve()))}\n")
-    args.recipe = str(recipe)
+    with tempfile.TemporaryDirectory() as folder:
+        recipe = pathlib.Path(folder) / "model-dir.toml"
+        recipe.write_text(f"[model]\npath = {json.dumps(str(args.model_dir.resolve()))}\n")
+        args.recipe = str(recipe)
+        try:
+            yield
+        except WeftError as error:
+            _name_the_folder(error, recipe=recipe, flag=f"--model-dir {args.model_dir}")
+            raise
+
+
+def _name_the_folder(error: WeftError, *, recipe: pathlib.Path, flag: str) -> None:
+    """``error``'s words with ``flag`` in place of the temporary recipe (its line number, and the
+    ``(model.path)`` that the flag already says, with it), in place."""
+    # The longer first: one may hold the other (/tmp/x in /private/tmp/x).
+    paths = sorted({str(recipe), str(recipe.resolve())}, key=len, reverse=True)
+    pattern = re.compile("|".join(rf"{re.escape(path)}(?::\d+)?(?: \(model\.path\))?" for path in paths))
+
+    def swap(text: str | None) -> str | None:
+        return None if text is None else pattern.sub(lambda _: flag, text)
+
+    error.where, error.message = swap(error.where), swap(error.message)
+    error.args = (swap(str(error)), *error.args[1:])
 
 
 def for_ranks(args: Any, overrides: list[str], options: dict, *,
