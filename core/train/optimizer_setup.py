@@ -65,8 +65,9 @@ def make_optimizer(recipe: Recipe, model: torch.nn.Module, *, plan: Plan, pm: We
         torch_group.setdefault("rule", f"{group.decision.rule} ({group.decision.source})")  # what guards name
     if ctx.log is not None:
         if recipe.warmup_warning(steps=recipe.train.max_steps) is not None:  # a schedule that never peaks
+            last = round(lr_lambda(recipe)(recipe.train.max_steps - 1), 6)  # of train.lr, at the last step
             ctx.log.warning("schedule.warmup_past_end", warmup_steps=recipe.train.warmup_steps,
-                            steps=recipe.train.max_steps, last_lr_factor=lr_lambda(recipe)(recipe.train.max_steps - 1),
+                            steps=recipe.train.max_steps, last_lr_factor=last,
                             advice="set train.warmup_steps below the run's steps")
         for group in groups:
             ctx.log.info("optimizer.group", strategy=group.decision.strategy, rule=group.decision.source,
