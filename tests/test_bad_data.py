@@ -164,3 +164,55 @@ def test_images_past_skip_pixels_are_skipped_and_counted(tmp_path):
     assert [isinstance(r, BadSample) for r in limited] == [True, False, True]
     assert limited[0].where == f"{path}:1"
     assert "84x56 = 4,704 pixels, over data.skip_pixels = 3,000" in limited[0].reason
+
+
+def corrupted_chunk_png() -> bytes:
+    """A PNG whose image data is split over two IDAT chunks, the second one's type corrupted:
+    its header reads, and decoding stops midway with Pillow's `SyntaxError: broken PNG file`."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    whole = png((56, 84))
+    start = whole.find(b"IDAT") - 4
+    (size,) = struct.unpack(">I", whole[start:start + 4])
+    data = whole[start + 8:start + 8 + size]
+    return whole[:start] + chunk(b"IDAT", data[:size // 2]) + chunk(b"ID\x00T", data[size // 2:]) \
+        + whole[start + 12 + size:]
+
+
+def test_records_that_fail_to_decode_are_skipped_with_their_place(weft, tmp_path):
+    """Issue 69 (items 4, 7, 8): a PNG that fails mid-decode, a line nested 100,000 deep, a line
+    and a .json record that are not UTF-8, and (data.allow_outside = false) an image path leaving
+    the data folder, among good samples: the run completes, each one skipped and counted with its
+    file:line (file:record N)."""
+    folder = tmp_path / "data"
+    (folder / "images").mkdir(parents=True)
+    (folder / "images" / "red.png").write_bytes(png((56, 84)))
+    (folder / "images" / "chunk.png").write_bytes(corrupted_chunk_png())
+    (tmp_path / "beside.png").write_bytes(png((56, 84)))  # readable, but outside the data folder
+    good = json.dumps(chat("images/red.png")).encode()
+    lines = [good, json.dumps(chat("images/chunk.png")).encode(), b"[" * 100_000 + b"]" * 100_000,
+             good.replace(b"What", b"Wh\xff\xfet"), good, json.dumps(chat("../beside.png")).encode(), good]
+    (folder / "chat.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (folder / "records.json").write_bytes(b"[" + good + b",\n" + good.replace(b"What", b"Wh\xe9t") + b",\n" + good
+                                          + b"]")
+    run_dir = tmp_path / "run"
+    done = weft("run", str(ROOT / "recipes" / "tiny-vl.toml"), "--nproc", "1",
+                "--set", "data.source='jsonl'", "--set", f"data.path='{folder}'", "--set", "data.workers=0",
+                "--set", "data.allow_outside=false", "--set", "train.max_steps=1",
+                "--set", "train.micro_batch_tokens=256", "--run-dir", str(run_dir), cwd=tmp_path)
+
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    jsonl, array = folder / "chat.jsonl", folder / "records.json"
+    expected = {f"{jsonl}:2": "cannot be decoded: SyntaxError: broken PNG file",
+                f"{jsonl}:3": "JSON nested deeper than Python's parser reads",
+                f"{jsonl}:4": "not UTF-8: byte 0xff at offset 71 of the line",
+                f"{jsonl}:6": "image '../beside.png': the path leaves the data folder",
+                f"{array}:record 2": "not UTF-8: byte 0xe9 at offset"}
+    events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    reported = {e["where"]: e["reason"] for e in events if e["event"] == "data.skipped"}
+    assert sorted(reported) == sorted(expected), reported
+    for where, reason in expected.items():
+        assert reason in reported[where], (where, reported[where])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["skipped_samples"] == len(expected) and summary["steps"] == 1

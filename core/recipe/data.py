@@ -76,6 +76,11 @@ class DataSection:
     skip_pixels: int = attrs.field(default=0, validator=in_range(low=0), metadata=_doc(
         "an image file of more pixels is skipped and counted before it is decoded (a guard against huge files); "
         "0 = PIL's decompression-bomb limit (~89M)"))
+    allow_outside: bool = attrs.field(default=True, metadata=_doc(
+        "jsonl: a record's image and video paths may leave the data file's folder (absolute paths, '..', symlinks "
+        "to elsewhere), as LLaMA-Factory and ms-swift read local data; false: such a record is a bad sample, "
+        "skipped and counted before its file is looked at (for a dataset from elsewhere: it reads no file beside "
+        "it)"))
     workers: int = attrs.field(default=-1, validator=in_range(low=-1),
                                metadata=_doc("preprocessing processes; -1 = min(8, cores - 1), 0/1 = in-process"))
     cache: bool = attrs.field(default=True,

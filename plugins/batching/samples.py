@@ -39,7 +39,7 @@ def _file_samples(recipe, path, processor):
                                   cache_dir=_cache_of(path) if recipe.data.cache else None,
                                   skip_pixels=recipe.data.skip_pixels, system=recipe.data.system,
                                   videos=video_limits(recipe, processor), pixels=recipe.data.pixels,
-                                  split=recipe.data.split)
+                                  split=recipe.data.split, allow_outside=recipe.data.allow_outside)
 
 
 def _need_processor(recipe, processor) -> None:
@@ -226,7 +226,7 @@ def _file_store(recipe, path, processor, *, ctx, on_bad):
     store = _first_on_rank0(lambda: datasets.jsonl_store(
         path, processor=processor, cache_dir=_cache_of(path), workers=_workers(recipe),
         skip_pixels=recipe.data.skip_pixels, system=recipe.data.system, videos=video_limits(recipe, processor),
-        pixels=recipe.data.pixels, split=recipe.data.split, log=ctx.log))
+        pixels=recipe.data.pixels, split=recipe.data.split, allow_outside=recipe.data.allow_outside, log=ctx.log))
     for where, reason in store.bad:
         on_bad(datasets.BadSample(where, reason))
     ctx.log.info("data.store", samples=len(store), bad=len(store.bad), folder=str(store.folder))

@@ -29,6 +29,7 @@ import torch
 from PIL import Image
 
 from weft.strategies.data.chat_format import Rendered, processor_chat_template, render_chat
+from weft.strategies.data.images import open_allowed
 
 IGNORE_INDEX = -100
 # Values of mm_token_type_ids, as transformers' Qwen2.5-VL processor writes them.
@@ -409,13 +410,15 @@ def _parts(message: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def _open_image(part: Mapping[str, Any]) -> Image.Image:
+    """A part's image: decoded already (a data file's, strategies/data/images.py), or bytes or a path
+    (`weft generate --image`) opened in the allowed formats only, as a data file's are."""
     source = part.get("image", part.get("path"))
     if isinstance(source, Image.Image):
         return source
     if isinstance(source, (bytes, bytearray)):
-        return Image.open(io.BytesIO(source))
+        return open_allowed(io.BytesIO(source))
     if isinstance(source, (str, os.PathLike)):
-        return Image.open(source)
+        return open_allowed(source)
     raise TypeError(f"image part needs a PIL image, bytes or a path, got {type(source).__name__}")
 
 

@@ -37,13 +37,14 @@ def synthetic_samples(
 def jsonl_samples(
     path: pathlib.Path, *, processor: str, workers: int = 1, cache_dir: pathlib.Path | None = None,
     skip_pixels: int = 0, videos: Any = None, system: str | None = None, pixels: tuple[int, int] = (0, 0),
-    split: str = "train",
+    split: str = "train", allow_outside: bool = True,
 ) -> Iterator[Sample | BadSample]:
     """JSONL in the chat or sharegpt-style format (``data_formats``), one record per line,
     encoded in ``workers`` processes (``preprocess``), tokenized samples cached in ``cache_dir``.
 
     A line that cannot become a sample, for whatever reason, is a BadSample naming
-    its file:line and the reason; blank lines are not samples.
+    its file:line and the reason; blank lines are not samples. ``allow_outside`` false: an image
+    or video path that leaves the data file's folder is such a reason (data.allow_outside).
     """
     from weft.strategies.data.conversation import processor_dir
     from weft.strategies.data.preprocess import encode_lines
@@ -53,7 +54,7 @@ def jsonl_samples(
                                       processor_folder=processor_dir(processor),
                                       base=record_files.base_of(path), workers=workers, cache_dir=cache_dir,
                                       skip_pixels=skip_pixels, videos=videos or VideoLimits(), system=system,
-                                      pixels=pixels):
+                                      pixels=pixels, allow_outside=allow_outside):
 
         yield result if isinstance(result, Sample) else BadSample(where, result)
 
@@ -70,7 +71,7 @@ def jsonl_lines(path: pathlib.Path, *, split: str = "train") -> Iterator[tuple[s
 
 def jsonl_store(path: pathlib.Path, *, processor: str, cache_dir: pathlib.Path, workers: int = 1,
                 skip_pixels: int = 0, videos: Any = None, system: str | None = None, log=None,
-                pixels: tuple[int, int] = (0, 0), split: str = "train"):
+                pixels: tuple[int, int] = (0, 0), split: str = "train", allow_outside: bool = True):
     """The JSONL file preprocessed into a store of shards in ``cache_dir`` (strategies/data/
     shards.py), made or resumed here, then opened. The store is named by the data file (its
     path, size and modification time) and by everything that decides its tokens
@@ -88,7 +89,7 @@ def jsonl_store(path: pathlib.Path, *, processor: str, cache_dir: pathlib.Path, 
     videos = videos or VideoLimits()
     data_key = record_files.data_key(path)
     fingerprint = encoding_fingerprint(processor_folder=processor_dir(processor), skip_pixels=skip_pixels,
-                                       videos=videos, system=system, pixels=pixels)
+                                       videos=videos, system=system, pixels=pixels, allow_outside=allow_outside)
     # The split read is part of how the data is read: two splits' stores live side by side.
     encoding_key = hashlib.sha256(f"{fingerprint}:shards={shards.FORMAT}:split={split}".encode()).hexdigest()[:12]
     folder = cache_dir / f"shards-{data_key}-{encoding_key}"
@@ -96,7 +97,7 @@ def jsonl_store(path: pathlib.Path, *, processor: str, cache_dir: pathlib.Path, 
     def encode(jobs):
         return encode_lines(jobs, processor=processor, processor_folder=processor_dir(processor),
                             base=record_files.base_of(path), workers=workers, cache_dir=None, skip_pixels=skip_pixels,
-                            videos=videos, system=system, pixels=pixels)
+                            videos=videos, system=system, pixels=pixels, allow_outside=allow_outside)
 
     index = shards.build(folder, lines=jsonl_lines(path, split=split), encode=encode, log=log)
     for old in cache_dir.glob("shards-*"):  # an older version of the data file: never read again

@@ -17,8 +17,9 @@
   files, ``"video": ["f0.png", "f1.png"]``; optional ``fps`` and ``max_frames`` keys), or
   ``<video>`` placeholders taking the paths of a ``"videos"`` list (strategies/data/video.py).
 
-Image paths are relative to the dataset file. Every problem raises ``ValueError`` or
-``OSError`` with a reason; the caller skips and counts the sample.
+Image paths are relative to the dataset file; with ``allow_outside`` false (``data.allow_outside``)
+a path that leaves its folder is refused (strategies/data/images.py, ``media_path``). Every problem
+raises ``ValueError`` or ``OSError`` with a reason; the caller skips and counts the sample.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 import pathlib
 import re
 from typing import Any
+
+import attrs
 
 from weft.strategies.data.images import load_image
 from weft.strategies.data.video import VideoLimits, load_video
@@ -36,11 +39,32 @@ VIDEO_PLACEHOLDER = "<video>"
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
+@attrs.frozen(kw_only=True)
+class _Media:
+    """How a record's files are read: relative to ``base``, images of at most ``skip_pixels``,
+    videos sampled by ``videos``, kept inside ``base`` unless ``allow_outside``."""
+
+    base: pathlib.Path
+    skip_pixels: int = 0
+    videos: VideoLimits = VideoLimits()
+    allow_outside: bool = True
+
+    def image(self, source: Any) -> dict:
+        return {"type": "image", "image": load_image(source, base=self.base, skip_pixels=self.skip_pixels,
+                                                     allow_outside=self.allow_outside)}
+
+    def video(self, source: Any, *, limits: VideoLimits) -> dict:
+        frames, fps = load_video(source, base=self.base, limits=limits, allow_outside=self.allow_outside)
+        return {"type": "video", "video": frames, "fps": fps}
+
+
 def record_to_messages(record: Any, *, base: pathlib.Path, skip_pixels: int = 0,
-                       videos: VideoLimits = VideoLimits()) -> list[dict]:
+                       videos: VideoLimits = VideoLimits(), allow_outside: bool = True) -> list[dict]:
     """A JSONL record as chat messages with their images opened (each at most ``skip_pixels``
     pixels when > 0; always within PIL's limit) and their videos decoded and sampled
-    (``videos``). A bad record, image or video is a ValueError."""
+    (``videos``); with ``allow_outside`` false, only files inside ``base``. A bad record, image
+    or video is a ValueError."""
+    media = _Media(base=base, skip_pixels=skip_pixels, videos=videos, allow_outside=allow_outside)
     if not isinstance(record, dict):
         raise ValueError(f"a line must hold a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -58,8 +82,8 @@ def record_to_messages(record: Any, *, base: pathlib.Path, skip_pixels: int = 0,
     images, clips = media_lists(record)
     if images is not None or clips is not None or _has_placeholder(messages):
         # A placeholder with no list is checked here too: 2 <image> placeholders but 0 images.
-        return _sharegpt(messages, images or [], clips or [], base=base, skip_pixels=skip_pixels, videos=videos)
-    return [_chat_message(m, base=base, skip_pixels=skip_pixels, videos=videos) for m in messages]
+        return _sharegpt(messages, images or [], clips or [], media=media)
+    return [_chat_message(m, media=media) for m in messages]
 
 
 def alpaca_messages(record: dict) -> list[dict]:
@@ -111,8 +135,7 @@ def _role(message: Any) -> str:
     return message["role"]
 
 
-def _chat_message(message: Any, *, base: pathlib.Path, skip_pixels: int = 0,
-                  videos: VideoLimits = VideoLimits()) -> dict:
+def _chat_message(message: Any, *, media: _Media) -> dict:
     role = _role(message)
     content = message.get("content")
     if isinstance(content, str):
@@ -125,22 +148,15 @@ def _chat_message(message: Any, *, base: pathlib.Path, skip_pixels: int = 0,
         if kind == "text":
             parts.append({"type": "text", "text": str(part.get("text", ""))})
         elif kind == "image":
-            image = load_image(part.get("image", part.get("path")), base=base, skip_pixels=skip_pixels)
-            parts.append({"type": "image", "image": image})
+            parts.append(media.image(part.get("image", part.get("path"))))
         elif kind == "video":
-            parts.append(_video_part(part.get("video", part.get("path")), base=base, limits=videos.for_part(part)))
+            parts.append(media.video(part.get("video", part.get("path")), limits=media.videos.for_part(part)))
         else:
             raise ValueError(f"unsupported content part {kind!r} (text, image and video are supported)")
     return {"role": role, "content": parts}
 
 
-def _video_part(source: Any, *, base: pathlib.Path, limits: VideoLimits) -> dict:
-    frames, fps = load_video(source, base=base, limits=limits)
-    return {"type": "video", "video": frames, "fps": fps}
-
-
-def _sharegpt(messages: list, images: Any, clips: Any, *, base: pathlib.Path, skip_pixels: int = 0,
-              videos: VideoLimits = VideoLimits()) -> list[dict]:
+def _sharegpt(messages: list, images: Any, clips: Any, *, media: _Media) -> list[dict]:
     for key, value, placeholder in (("images", images, PLACEHOLDER), ("videos", clips, VIDEO_PLACEHOLDER)):
         if not isinstance(value, list):
             raise ValueError(f"'{key}' must be a list of paths")
@@ -157,9 +173,9 @@ def _sharegpt(messages: list, images: Any, clips: Any, *, base: pathlib.Path, sk
         parts: list[dict] = []
         for piece in re.split(f"({re.escape(PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})", content):
             if piece == PLACEHOLDER:
-                parts.append({"type": "image", "image": load_image(next(queue), base=base, skip_pixels=skip_pixels)})
+                parts.append(media.image(next(queue)))
             elif piece == VIDEO_PLACEHOLDER:
-                parts.append(_video_part(next(clip_queue), base=base, limits=videos))
+                parts.append(media.video(next(clip_queue), limits=media.videos))
             elif piece:
                 parts.append({"type": "text", "text": piece})
         out.append({"role": role, "content": parts})

@@ -15,6 +15,7 @@ import json
 import multiprocessing as mp
 import os
 import pathlib
+import sys
 from typing import Any, Iterable, Iterator
 
 import attrs
@@ -22,6 +23,8 @@ import torch
 
 from weft.strategies.data.conversation import Sample
 from weft.strategies.data.formats import media_lists
+from weft.strategies.data.images import media_path
+from weft.strategies.data.record_text import Unreadable
 from weft.strategies.data.video import VideoLimits
 
 #: A JSONL line longer than this is skipped and counted without being held in memory
@@ -53,7 +56,8 @@ def processor_fingerprint(folder: pathlib.Path) -> str:
 
 
 def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str, skip_pixels: int = 0,
-          videos: VideoLimits = VideoLimits(), system: str | None = None, pixels: tuple[int, int] = (0, 0)) -> None:
+          videos: VideoLimits = VideoLimits(), system: str | None = None, pixels: tuple[int, int] = (0, 0),
+          allow_outside: bool = True) -> None:
     from weft.strategies.data.conversation import load_processor, load_video_sizing
 
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
@@ -63,16 +67,18 @@ def _init(processor: str, base: str, cache_dir: str | None, fingerprint: str, sk
     videos = attrs.evolve(videos, temporal=int(getattr(image_processor, "temporal_patch_size", 2)))
     _WORKER.update(tokenizer=tokenizer, image_processor=image_processor, base=pathlib.Path(base),
                    cache=pathlib.Path(cache_dir) if cache_dir else None, fingerprint=fingerprint,
-                   skip_pixels=skip_pixels, videos=videos, system=system, video_sizing=video_sizing)
+                   skip_pixels=skip_pixels, videos=videos, system=system, video_sizing=video_sizing,
+                   allow_outside=allow_outside)
 
 
-def _key(line: str, record: Any, base: pathlib.Path, fingerprint: str) -> str:
+def _key(line: str, record: Any, base: pathlib.Path, fingerprint: str, allow_outside: bool = True) -> str:
     digest = hashlib.sha256(line.encode() + fingerprint.encode())
     for path in sorted(_image_paths(record)):
         try:
-            stat = (base / path).stat()
+            # A path that may not leave the folder is never looked at (its record is refused anyway).
+            stat = media_path(path, base=base, allow_outside=allow_outside).stat()
             digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-        except OSError:
+        except (OSError, ValueError):
             digest.update(f"{path}:missing".encode())
     return digest.hexdigest()
 
@@ -100,20 +106,21 @@ def _image_paths(record: Any) -> list[str]:
 
 
 def _encode(job: tuple[str, str]) -> tuple[str, Any]:
-    """(where, line) -> (where, Sample) or (where, "reason")."""
-    from weft.strategies.data.conversation import encode_conversation
-    from weft.strategies.data.formats import record_to_messages
-    from weft.strategies.data.pairs import is_pair, join_pair, pair_records
-
+    """(where, line) -> (where, Sample) or (where, "reason"). Whatever fails in one record is that
+    record's reason: a bad sample, skipped and counted, never the end of the preprocessing."""
     where, line = job
     if isinstance(line, int):
         return where, f"line of {line:,} bytes, over the {MAX_LINE_BYTES:,}-byte limit of one sample; not read"
+    if isinstance(line, Unreadable):
+        return where, line.reason
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         return where, f"malformed JSON: {error.msg} at column {error.colno}"
+    except RecursionError:  # a line of 100,000 '[': Python's parser stops at its recursion limit
+        return where, f"JSON nested deeper than Python's parser reads ({sys.getrecursionlimit():,} levels)"
     cache = _WORKER["cache"]
-    key = _key(line, record, _WORKER["base"], _WORKER["fingerprint"]) if cache else None
+    key = _key(line, record, _WORKER["base"], _WORKER["fingerprint"], _WORKER["allow_outside"]) if cache else None
     if key and (cache / f"{key}.pt").is_file():
         try:
             # Tensors only (weights_only): a pickle planted in a shared cache folder is refused,
@@ -121,48 +128,59 @@ def _encode(job: tuple[str, str]) -> tuple[str, Any]:
             return where, Sample(**torch.load(cache / f"{key}.pt", weights_only=True))
         except Exception:  # a damaged or planted entry is re-made below
             pass
-    def encoded(one: Any) -> Sample:
-        messages = record_to_messages(one, base=_WORKER["base"], skip_pixels=_WORKER["skip_pixels"],
-                                      videos=_WORKER["videos"])
-        return encode_conversation(messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"],
-                                   system=_WORKER["system"], video_sizing=_WORKER["video_sizing"])
-
     try:
-        if is_pair(record):  # a preference pair: both conversations, one sample (strategies/data/pairs.py)
-            chosen, rejected, reference = pair_records(record)
-            sample = join_pair(encoded(chosen), encoded(rejected), reference=reference)
-        else:
-            sample = encoded(record)
-    except (ValueError, KeyError, TypeError, OSError) as error:
+        sample = _read(record)
+    except Exception as error:  # a damaged image, a record of the wrong shape, a decoder's own error: this record's
         return where, f"{type(error).__name__}: {error}"
-    if key:
+    if key:  # outside the try: a cache that cannot be written is the machine's fault, not the record's
         tmp = cache / f".{key}.{os.getpid()}.tmp"
         torch.save(attrs.asdict(sample, recurse=False), tmp)  # a dict of tensors, nothing to unpickle
         tmp.replace(cache / f"{key}.pt")
     return where, sample
 
 
+def _read(record: Any) -> Sample:
+    """The record's Sample; raises what its reading raises."""
+    from weft.strategies.data.conversation import encode_conversation
+    from weft.strategies.data.formats import record_to_messages
+    from weft.strategies.data.pairs import is_pair, join_pair, pair_records
+
+    def encoded(one: Any) -> Sample:
+        messages = record_to_messages(one, base=_WORKER["base"], skip_pixels=_WORKER["skip_pixels"],
+                                      videos=_WORKER["videos"], allow_outside=_WORKER["allow_outside"])
+        return encode_conversation(messages, tokenizer=_WORKER["tokenizer"], image_processor=_WORKER["image_processor"],
+                                   system=_WORKER["system"], video_sizing=_WORKER["video_sizing"])
+
+    if is_pair(record):  # a preference pair: both conversations, one sample (strategies/data/pairs.py)
+        chosen, rejected, reference = pair_records(record)
+        return join_pair(encoded(chosen), encoded(rejected), reference=reference)
+    return encoded(record)
+
+
 def encoding_fingerprint(*, processor_folder: pathlib.Path, skip_pixels: int, videos: VideoLimits,
-                         system: str | None, pixels: tuple[int, int] = (0, 0)) -> str:
+                         system: str | None, pixels: tuple[int, int] = (0, 0), allow_outside: bool = True) -> str:
     """Everything besides a line itself that decides its tokens and pixels: the processor's files,
     the pixel limit (a sample cached under a looser one is not reused), the resize budget, the video
-    limits (nor one at another frame rate), the system prompt, and the version of the encoding itself."""
+    limits (nor one at another frame rate), the system prompt, whether files may lie outside the data
+    folder (nor one made from such a file once they may not), and the version of the encoding itself.
+    The default ``allow_outside`` adds nothing: stores made before the switch existed are still read."""
     return (f"{ENCODING}:{processor_fingerprint(processor_folder)}:skip_pixels={skip_pixels}:"
-            f"pixels={pixels[0]}-{pixels[1]}:fps={videos.fps:g}:max_frames={videos.max_frames}:system={system!r}")
+            f"pixels={pixels[0]}-{pixels[1]}:fps={videos.fps:g}:max_frames={videos.max_frames}:system={system!r}"
+            + ("" if allow_outside else ":inside"))
 
 
 def encode_lines(lines: Iterable[tuple[str, str]], *, processor: str, processor_folder: pathlib.Path,
                  base: pathlib.Path, workers: int, cache_dir: pathlib.Path | None, skip_pixels: int = 0,
                  videos: VideoLimits = VideoLimits(), system: str | None = None,
-                 pixels: tuple[int, int] = (0, 0)) -> Iterator[tuple[str, Any]]:
+                 pixels: tuple[int, int] = (0, 0), allow_outside: bool = True) -> Iterator[tuple[str, Any]]:
 
     """Encode (where, JSON line) jobs in order; yields (where, Sample) or (where, reason)."""
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = encoding_fingerprint(processor_folder=processor_folder, skip_pixels=skip_pixels, videos=videos,
-                                       system=system, pixels=pixels)
+                                       system=system, pixels=pixels, allow_outside=allow_outside)
     args = (processor, str(base), str(cache_dir) if cache_dir else None, fingerprint, skip_pixels, videos, system,
-            pixels)
+            pixels, allow_outside)
     if workers <= 1:
         _init(*args)
         yield from map(_encode, lines)

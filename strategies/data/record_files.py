@@ -23,6 +23,8 @@ import json
 import pathlib
 from typing import Iterator
 
+from weft.strategies.data.record_text import Unreadable, array_pieces, escaped_bytes, line_text
+
 #: The file kinds a folder of data files may hold, by suffix.
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 #: CSV cells under these columns hold JSON text (a list of messages, of image paths).
@@ -62,9 +64,11 @@ def data_key(path: pathlib.Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def records(path: pathlib.Path, *, split: str = "train", max_line_bytes: int) -> Iterator[tuple[str, str | int]]:
+def records(path: pathlib.Path, *, split: str = "train",
+            max_line_bytes: int) -> Iterator[tuple[str, str | int | Unreadable]]:
     """(where, the record as one JSON line) for every record of ``path``; a JSONL line over
-    ``max_line_bytes`` as its size in bytes (the encoder reports it)."""
+    ``max_line_bytes`` as its size in bytes, a record whose bytes are not UTF-8 as Unreadable (the
+    encoder reports both as bad samples)."""
     if path.is_dir():
         if is_saved_dataset(path):
             yield from _saved_dataset(path, split=split)
@@ -83,19 +87,26 @@ def records(path: pathlib.Path, *, split: str = "train", max_line_bytes: int) ->
     with path.open("rb") as handle:
         for number, line in enumerate(_bounded_lines(handle, limit=max_line_bytes), start=1):
             if isinstance(line, int) or line.strip():
-                yield f"{path}:{number}", line if isinstance(line, int) else line.decode("utf-8", "replace")
+                yield f"{path}:{number}", line if isinstance(line, int) else line_text(line)
 
 
-def _array_records(path: pathlib.Path) -> Iterator[tuple[str, str]]:
+def _array_records(path: pathlib.Path) -> Iterator[tuple[str, str | Unreadable]]:
     """A JSON array file's records, numbered from 1. The whole array is parsed at once (by the
     process that preprocesses: rank 0), so an array file is bounded by that process's memory;
-    JSONL is read a line at a time."""
+    JSONL is read a line at a time. An array that does not parse whole (bytes that are not UTF-8,
+    a record nested too deep, a malformed record) is read a record at a time, each that cannot be
+    read a bad sample of its own (strategies/data/record_text.py)."""
+    data = path.read_bytes()
     try:
-        found = json.loads(path.read_bytes())
-    except json.JSONDecodeError as error:
-        raise DataFileError(f"data.path {str(path)!r}: not a JSON array file ({error.msg} at line {error.lineno}, "
-                            f"column {error.colno}); a .json file holds one array of records, a .jsonl file one "
-                            "record a line") from None
+        found = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        try:
+            for number, piece in enumerate(array_pieces(data), start=1):
+                yield f"{path}:record {number}", piece
+        except ValueError as error:  # the records cannot be told apart from here on
+            raise DataFileError(f"data.path {str(path)!r}: not a readable JSON array: {error}; a .json "
+                                "file holds one array of records, a .jsonl file one record a line") from None
+        return
     if not isinstance(found, list):
         raise DataFileError(f"data.path {str(path)!r}: a .json file holds one JSON array of records; this one "
                             f"holds a {type(found).__name__} (one record a line: name the file .jsonl)")
@@ -103,12 +114,18 @@ def _array_records(path: pathlib.Path) -> Iterator[tuple[str, str]]:
         yield f"{path}:record {number}", json.dumps(record)
 
 
-def _csv_records(path: pathlib.Path) -> Iterator[tuple[str, str]]:
+def _csv_records(path: pathlib.Path) -> Iterator[tuple[str, str | Unreadable]]:
     import csv
 
-    with path.open(newline="", encoding="utf-8", errors="replace") as handle:
+    # Bytes that are not UTF-8 kept as markers (U+DC80-U+DCFF), so their row is refused, not trained
+    # with U+FFFD in their place.
+    with path.open(newline="", encoding="utf-8", errors="surrogateescape") as handle:
         rows = csv.DictReader(handle)
         for number, row in enumerate(rows, start=2):  # the header is line 1
+            broken = sorted(str(key) for key, value in row.items() if _not_utf8(key) or _not_utf8(value))
+            if broken:
+                yield f"{path}:{number}", Unreadable(f"not UTF-8 (in the column {broken[0]!r})")
+                continue
             record = {}
             for key, value in row.items():
                 if key is None or value in (None, ""):
@@ -120,6 +137,11 @@ def _csv_records(path: pathlib.Path) -> Iterator[tuple[str, str]]:
                         pass  # left as text: the record is then refused with its reason
                 record[key] = value
             yield f"{path}:{number}", json.dumps(record)
+
+
+def _not_utf8(cell) -> bool:
+    """A CSV cell (or a ragged row's list of them) holding bytes that were not UTF-8."""
+    return any(isinstance(c, str) and escaped_bytes(c) for c in (cell if isinstance(cell, list) else [cell]))
 
 
 def _parquet_records(path: pathlib.Path) -> Iterator[tuple[str, str]]:

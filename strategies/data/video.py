@@ -25,7 +25,7 @@ import attrs
 import torch
 from PIL import Image
 
-from weft.strategies.data.images import load_image
+from weft.strategies.data.images import load_image, media_path
 
 #: Frame rate and frame limit when neither the sample nor the recipe gives one (Qwen2.5-VL's defaults).
 DEFAULT_FPS = 2.0
@@ -67,11 +67,13 @@ def sample_indices(available: int, count: int) -> list[int]:
     return list(range(available)) + [available - 1] * (count - available)
 
 
-def load_video(source: Any, *, base: pathlib.Path, limits: VideoLimits) -> tuple[list[Image.Image], float]:
+def load_video(source: Any, *, base: pathlib.Path, limits: VideoLimits,
+               allow_outside: bool = True) -> tuple[list[Image.Image], float]:
     """(RGB frames, the sampled frames per second) of a video file or a list of frame files.
 
     A file's own frame rate is read from its stream; a list of frames is taken to be at
-    ``fps`` already. A missing, empty or undecodable video is a ValueError."""
+    ``fps`` already. A missing, empty or undecodable video, or (``allow_outside`` false) a path
+    that leaves ``base``, is a ValueError."""
 
     fps, max_frames, temporal = limits.fps, limits.max_frames, limits.temporal
     if isinstance(source, list):
@@ -80,12 +82,12 @@ def load_video(source: Any, *, base: pathlib.Path, limits: VideoLimits) -> tuple
         count = frame_count(available=len(source), native_fps=None, fps=fps, max_frames=max_frames,
                             temporal=temporal)
         picked = sample_indices(len(source), count)
-        frames = [load_image(source[i], base=base) for i in picked]
+        frames = [load_image(source[i], base=base, allow_outside=allow_outside) for i in picked]
         # Frames dropped to max_frames stretch the time each kept frame stands for.
         return frames, fps * min(count, len(source)) / len(source)
     if not isinstance(source, str) or not source:
         raise ValueError(f"a video part needs a file path or a list of frame paths, got {source!r}")
-    path = base / source
+    path = media_path(source, base=base, allow_outside=allow_outside, kind="video")
     if not path.is_file():
         raise ValueError(f"video file {source!r} not found")
     declared, native = _stream_info(path, name=source)
@@ -118,7 +120,7 @@ def _stream_info(path: pathlib.Path, *, name: str) -> tuple[int, float | None]:
             rate = stream.average_rate or stream.guessed_rate
             return int(stream.frames or 0), float(rate) if rate else None
     except av.FFmpegError as error:  # truncated, corrupt or not a video: skipped and counted by the caller
-        raise ValueError(f"video {name!r} cannot be decoded: {error}") from None
+        raise ValueError(f"video {name!r} cannot be decoded: {str(error).replace(str(path), name)}") from None
 
 
 def _decode(path: pathlib.Path, *, name: str, wanted: set[int] | None) -> dict[int, Image.Image]:
@@ -136,7 +138,7 @@ def _decode(path: pathlib.Path, *, name: str, wanted: set[int] | None) -> dict[i
                 if last is not None and index >= last:
                     break
     except av.FFmpegError as error:  # truncated, corrupt or not a video: skipped and counted by the caller
-        raise ValueError(f"video {name!r} cannot be decoded: {error}") from None
+        raise ValueError(f"video {name!r} cannot be decoded: {str(error).replace(str(path), name)}") from None
     if not frames:
         raise ValueError(f"video {name!r} has no frames")
     return frames
