@@ -56,7 +56,10 @@ def test_no_usable_checkpoint_is_one_message(weft, trained, recipe, tmp_path):
 
 @pytest.mark.quick
 def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """One paragraph: the folder, the OS's error, the state's real size and the space free; no
+    traceback (DCP wraps a failed write in every rank's traceback)."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     from weft.core.run import checkpoint
 
@@ -70,16 +73,22 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypat
         kw = dict(run_dir=tmp_path, model=model, optimizer=optimizer, scheduler=scheduler, rank=0, keep=3)
         good = checkpoint.save(step=1, **kw)
 
-        def full_disk(state, *, checkpoint_id):
-            (pathlib.Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        def full_disk(self, plan, planner):  # inside dcp.save, which wraps it as a real write's failure
+            (pathlib.Path(self.path) / "__0_0.distcp").write_bytes(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
+        monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
         with pytest.raises(checkpoint.CheckpointError) as caught:
             checkpoint.save(step=2, **kw)
         message = str(caught.value)
-        assert ".tmp-step-2" in message and "No space left on device" in message
-        assert "GiB are free" in message and f"{good} is intact" in message
+        tensors = [*model.parameters(),
+                   *(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))]
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        assert "\n" not in message and "Traceback" not in message and "CheckpointException" not in message
+        assert message.startswith(f"{tmp_path / 'checkpoints' / '.tmp-step-2'}: saving the step-2 checkpoint "
+                                  "failed: No space left on device (errno 28, ENOSPC). ")
+        assert f"The state being saved is {size} bytes (every rank's share) and " in message
+        assert " are free on that disk" in message and f"{good} is intact" in message
         assert not (tmp_path / "checkpoints" / ".tmp-step-2").exists()
         assert checkpoint.checkpoint_dirs(tmp_path) == [good] and checkpoint.verify(good) is None
     finally:

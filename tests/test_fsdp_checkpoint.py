@@ -72,8 +72,9 @@ def train(recipe, run_dir, env, *extra):
 
 def exported(run_dir: pathlib.Path, env: dict, *, step: int | None = None) -> dict:
     out = run_dir.parent / f"{run_dir.name}-export{step or ''}"
-    done = run_weft("export", str(run_dir), str(out), *(["--step", str(step)] if step else []), env=env,
-                    cwd=run_dir.parent)
+    # The module exports the same run more than once: each replaces the one before whole.
+    done = run_weft("export", str(run_dir), str(out), *(["--step", str(step)] if step else []), "--overwrite",
+                    env=env, cwd=run_dir.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     from safetensors.torch import load_file
 

@@ -88,7 +88,9 @@ def test_rng_state_planted_is_passed_over_on_resume(weft, trained, recipe, tmp_p
     done = weft("run", str(recipe), "--run-dir", str(trained), "--resume", "--set", "train.max_steps=9", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not marker.exists()
-    assert "passed over step-8" in done.stderr and "rng-rank0.pt" in done.stderr
+    assert "passed over step-8: rng-rank0.pt holds something other than tensors and numbers" in done.stderr
+    # torch's own message advises loading it with weights_only=False: how its code would run
+    assert "weights_only" not in done.stderr and "Re-running" not in done.stderr
     assert summary(trained)["start_step"] == 6
 
 

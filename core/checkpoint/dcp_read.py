@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import re
 from typing import Any
 
 import torch
@@ -107,9 +108,35 @@ def plain_value(data: io.BytesIO, *, what: str) -> Any:
     try:
         return torch.load(data, weights_only=True)
     except pickle.UnpicklingError as error:
-        reason = str(error).split("\n\n")[-1].splitlines()[0][:200] if str(error) else ""
-        raise UnsafeCheckpoint(f"{what} is not plain data ({reason}): refused unread, nothing in it ran",
-                               where=what) from error
+        raise UnsafeCheckpoint(f"{what} is not plain data ({unpickling_reason(error)}): refused unread, nothing in "
+                               "it ran", where=what) from error
+
+
+def plain_file(path: pathlib.Path) -> Any:
+    """A small file of tensors and numbers (a rank's RNG state), ``weights_only``: anything else
+    is :class:`UnsafeCheckpoint`, nothing in it having run."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise UnsafeCheckpoint(f"{path.name} holds something other than tensors and numbers "
+                               f"({unpickling_reason(error)}): refused, nothing in it ran (a checkpoint weft writes "
+                               "never holds it)", where=str(path)) from error
+
+
+def unpickling_reason(error: pickle.UnpicklingError) -> str:
+    """What a ``weights_only`` load refused, in weft's words. Torch's own message goes on to
+    advise loading the file again with ``weights_only=False`` or allowlisting what it names:
+    for a file planted in a checkpoint, that advice is how its code would run, so it is never
+    relayed."""
+    text = str(error)
+    named = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if named:
+        return f"it names {named.group(1)}, which is neither a tensor, a number nor a container"
+    found = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+    if found:
+        return re.split(r"\. (?:Please|Use|Re-run)", found.group(1))[0][:200]
+    return f"{error.__class__.__name__}: " + (text.splitlines()[0][:120] if text and "weights_only" not in text
+                                              else "not a weights-only pickle")
 
 
 class SafeReader(FileSystemReader):
@@ -158,12 +185,17 @@ def load(state: dict, path: pathlib.Path) -> None:
         raise
 
 
-def plain_data(path: pathlib.Path) -> str | None:
-    """None when the checkpoint's index and every non-tensor value in it read as plain data;
-    else why not. Reads the index and the few small values (bytes), not the tensors: a checkpoint
-    is checked before anything is loaded from it (``verify``)."""
+def plain_data(path: pathlib.Path, *, listed: set[str] | None = None) -> str | None:
+    """None when the checkpoint's index and every non-tensor value in it read as plain data,
+    and every file the index points at is one of ``listed`` (the manifest's: a file it does not
+    list was never checked); else why not. Reads the index and the few small values (bytes),
+    not the tensors: a checkpoint is checked before anything is loaded from it (``verify``)."""
     try:
         metadata = read_metadata(path)
+        unlisted = sorted({info.relative_path for info in (metadata.storage_data or {}).values()}
+                          - (listed if listed is not None else set()))
+        if listed is not None and unlisted:
+            return f"{METADATA} points at {unlisted[0]}, which its manifest.json does not list"
         for index, info in (metadata.storage_data or {}).items():
             if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
                 continue

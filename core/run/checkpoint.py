@@ -15,20 +15,26 @@ core/checkpoint/dcp_read.py (an allowlist of DCP's own classes; ``weights_only``
 planted in a checkpoint is refused, never run, even with the manifest rewritten to match it.
 
 ``--resume`` takes the newest checkpoint that passes ``verify`` (core/checkpoint/read.py: every
-file present, sizes and checksums matching, checked by the ranks in parallel) and says which newer
-ones it passed over and why. A save that fails (disk full, permission) removes its
+file present, sizes and checksums matching, checked by the ranks in parallel) and says, in one
+line, which newer ones it passed over and why, and which ``step-N`` folders have no manifest
+(damaged or planted: never a save of weft's, whose folder gets its name only after its manifest
+is written). Each of those is renamed ``step-N.refused-<UTC time>`` before the run goes on, and a
+save that finds its ``step-N`` taken renames that one ``step-N.replaced-<UTC time>``: the
+evidence is kept, never overwritten or deleted, and the rotation (which counts ``step-N``
+names only) never removes it. A save that fails (disk full, permission) removes its
 temporary folder, leaves the previous checkpoint as it was, and raises
-:class:`CheckpointError` naming the folder, the error and the space it needed.
+:class:`CheckpointError`: one paragraph naming the folder, the OS's error (strerror, errno),
+the bytes of the state being saved and the space free there.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-import random
 import re
 import shutil
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,8 +44,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from weft.core.checkpoint import dcp_read
-from weft.core.checkpoint.read import MANIFEST, checkpoint_dirs, describe, saved_positions, verify
+from weft.core.checkpoint.read import MANIFEST, checkpoint_dirs, describe, saved_positions, unfinished_dirs, verify
 from weft.core.errors import EXIT_RUNTIME, WeftError
+from weft.core.run.checkpoint_state import os_reason, plain, rng_state, set_rng_state, size_words, state_bytes
 from weft.core.run.collectives import any_rank, collective_device, global_max
 from weft.core.whole_files import write_json_whole
 
@@ -84,34 +91,38 @@ def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank:
     if not any_rank(error is not None, device=device):  # every rank takes the same branch
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # raises on every rank
-            torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+            torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
             mine = {name: describe(tmp / name) for name in _own_files(tmp, rank)}
         except (OSError, RuntimeError, CheckpointException) as caught:
             error = caught
     if any_rank(error is not None, device=device):
-        needed = _state_bytes(model_sd, optim_sd, device=device)
+        needed = state_bytes(model_sd, optim_sd, device=device)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         previous = checkpoint_dirs(run_dir)
         free = shutil.disk_usage(root if root.exists() else run_dir).free
         raise CheckpointError(
-            f"saving the step-{step} checkpoint failed ({error or 'on another rank'}); it needs about "
-            f"{needed / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free there. The partial folder was removed; "
-            + (f"the previous checkpoint {previous[-1]} is intact." if previous else "no earlier checkpoint exists."),
+            f"saving the step-{step} checkpoint failed: {os_reason(error)}. The state being saved is "
+            f"{size_words(needed)} (every rank's share) and {size_words(free)} are free on that disk. The partial "
+            "folder was removed; " + (f"the previous checkpoint {previous[-1]} is intact: free space (or give the "
+                                      "run a --run-dir on another disk) and continue with --resume."
+                                      if previous else "no earlier checkpoint exists."),
             where=str(tmp))
     described = [None] * dist.get_world_size()
     dist.all_gather_object(described, mine)
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps(
-            {"step": step, "scheduler": _plain(scheduler.state_dict()), "world_size": dist.get_world_size(),
+            {"step": step, "scheduler": plain(scheduler.state_dict()), "world_size": dist.get_world_size(),
              "largest_position": largest}))
         files = {name: entry for part in described for name, entry in part.items()}
         for path in sorted(tmp.iterdir()):  # DCP's .metadata and meta.json: rank 0's
             files.setdefault(path.name, describe(path))
         # The manifest last: until it exists, the folder is not a checkpoint.
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
+        if final.exists():  # a folder --resume did not take (or one put there since): kept, not overwritten
+            moved = set_aside(final, why="replaced")
+            print(f"weft: {final} was there before this save: moved aside to {moved.name}", file=sys.stderr)
         tmp.rename(final)
         _rotate(run_dir, keep=keep)
     dist.barrier()
@@ -119,7 +130,8 @@ def save(*, run_dir: pathlib.Path, step: int, model, optimizer, scheduler, rank:
 
 
 def _rotate(run_dir: pathlib.Path, *, keep: int) -> None:
-    """The checkpoints past the newest ``keep`` removed, but the best (``best.json``)."""
+    """The checkpoints past the newest ``keep`` removed, but the best (``best.json``). Only
+    ``step-N`` folders with a manifest count: a folder set aside (``set_aside``) is never removed."""
     kept = (best(run_dir) or {}).get("checkpoint")
     for old in checkpoint_dirs(run_dir)[:-keep]:
         if old.name != kept:
@@ -170,22 +182,32 @@ def load(*, path: pathlib.Path, model, optimizer, scheduler, rank: int) -> int:
     scheduler.load_state_dict(meta["scheduler"])
     rng = path / f"rng-rank{rank}.pt"
     if rng.is_file() and meta["world_size"] == dist.get_world_size():
-        _set_rng_state(torch.load(rng, weights_only=True))
+        set_rng_state(torch.load(rng, weights_only=True))
     return int(meta["step"])
 
 
 def resume(ctx: RunContext, *, model, optimizer, scheduler) -> int:
-    """``--resume``: the newest good checkpoint restored in place (the newer ones passed over
-    named); returns its step. The position watch takes the run's largest position so far."""
+    """``--resume``: the newest good checkpoint restored in place; returns its step. The newer
+    ones passed over and the folders without a manifest are named in one line (log and stderr)
+    and set aside. The position watch takes the run's largest position so far."""
     path, passed = newest_good(ctx.run_dir, rank=ctx.rank, world=ctx.world_size, device=ctx.device)
-    for reason in passed:
-        ctx.log.warning("checkpoint.rejected", reason=reason)
-    if path is None:
-        found = "; ".join(passed) or "none found"
+    for folder, reason in passed:
+        ctx.log.warning("checkpoint.rejected", checkpoint=folder.name, reason=reason)
+    if path is None:  # the run stops here: nothing is moved
+        found = "; ".join(f"{folder.name}: {reason}" for folder, reason in passed) or "none found"
         raise CheckpointError(f"--resume: no usable checkpoint under {ctx.run_dir / 'checkpoints'} ({found})",
                               where="--resume")
     if passed and ctx.rank == 0:
-        print(f"weft: resuming from {path.name}: passed over {'; '.join(passed)}", file=sys.stderr)
+        # Kept as evidence under another name: the resumed run's saves would otherwise reach step-N
+        # and overwrite it, and the rotation would count it.
+        moved = [set_aside(folder, why="refused") for folder, _ in passed]
+        for (folder, _), aside in zip(passed, moved):
+            ctx.log.warning("checkpoint.set_aside", checkpoint=folder.name, moved_to=aside.name)
+        print(f"weft: resuming from {path.name}: passed over "
+              + "; ".join(f"{folder.name}: {reason} (moved aside to {aside.name})"
+                          for (folder, reason), aside in zip(passed, moved)), file=sys.stderr)
+    if passed and ctx.world_size > 1:
+        dist.barrier()  # every rank sees the folders moved before any save
     step = load(path=path, model=model, optimizer=optimizer, scheduler=scheduler, rank=ctx.rank)
     if ctx.positions is not None:
         ctx.positions.resumed(saved_positions(path))
@@ -193,73 +215,39 @@ def resume(ctx: RunContext, *, model, optimizer, scheduler) -> int:
     return step
 
 
-def newest_good(run_dir: pathlib.Path, *, rank: int, world: int, device: torch.device) -> tuple[pathlib.Path | None,
-                                                                                                 list[str]]:
-    """The newest checkpoint every rank found whole, and why each newer one was passed over."""
-    passed = []
+def newest_good(run_dir: pathlib.Path, *, rank: int, world: int,
+                device: torch.device) -> tuple[pathlib.Path | None, list[tuple[pathlib.Path, str]]]:
+    """The newest checkpoint every rank found whole, and (folder, why) for each one passed over:
+    the newer ones that failed ``verify`` and every ``step-N`` folder without a manifest, newest first."""
+    passed = [(folder, f"it has no {MANIFEST}, so it is no finished save of weft's: not used")
+              for folder in unfinished_dirs(run_dir)]
+    found = None
     for path in reversed(checkpoint_dirs(run_dir)):
         reason = verify(path, rank=rank, world=world)
         if not any_rank(reason is not None, device=device):
-            return path, passed
+            found = path
+            break
         reasons = [None] * world
         dist.all_gather_object(reasons, reason)
-        passed.append(f"{path.name}: {next(r for r in reasons if r)}")
-    return None, passed
+        passed.append((path, next(r for r in reasons if r)))
+    return found, sorted(passed, key=lambda entry: -_step_of(entry[0]))
+
+
+def set_aside(folder: pathlib.Path, *, why: str) -> pathlib.Path:
+    """``step-N`` renamed ``step-N.<why>-<UTC time>`` (a number added if taken): out of the
+    checkpoints' names, so neither a save nor the rotation touches it."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target, n = folder.with_name(f"{folder.name}.{why}-{stamp}"), 1
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"{folder.name}.{why}-{stamp}-{n}")
+    return folder.rename(target)
+
+
+def _step_of(folder: pathlib.Path) -> int:
+    return int(folder.name.removeprefix("step-"))
 
 
 def _own_files(folder: pathlib.Path, rank: int) -> list[str]:
     # DCP names each rank's data files __<rank>_<n>.distcp.
     return [p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng-rank{rank}.pt"]
-
-
-def _state_bytes(*states, device: torch.device) -> int:
-    """Bytes of this rank's shards of every tensor, summed over the ranks."""
-    total = 0
-    for state in states:
-        for value in _tensors(state):
-            local = value.to_local() if hasattr(value, "to_local") else value
-            total += local.numel() * local.element_size()
-    t = torch.tensor([total], dtype=torch.int64, device=device)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return int(t.item())
-
-
-def _tensors(state):
-    if isinstance(state, torch.Tensor):
-        yield state
-    elif isinstance(state, dict):
-        for value in state.values():
-            yield from _tensors(value)
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            yield from _tensors(value)
-
-
-def _rng_state() -> dict:
-    # Python's Mersenne state as a tensor: the file then holds tensors and numbers only
-    # and loads with weights_only=True.
-    version, words, gauss = random.getstate()
-    state = {"python_version": version, "python": torch.tensor(words, dtype=torch.int64), "python_gauss": gauss,
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate((state["python_version"], tuple(state["python"].tolist()), state["python_gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _plain(value):
-    """A scheduler's state as JSON: one-element tensors (torchao keeps lr as a tensor) as numbers."""
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
