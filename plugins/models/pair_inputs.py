@@ -35,7 +35,8 @@ def pair_inputs(*, recipe: Any, processor: str | None, config: Any) -> Iterator[
         for where, out in encode_lines(feed(), processor=processor, processor_folder=processor_dir(processor),
                                        base=record_files.base_of(path), workers=1, cache_dir=None,
                                        skip_pixels=recipe.data.skip_pixels, videos=video_limits(recipe, processor),
-                                       system=recipe.data.system, pixels=recipe.data.pixels):
+                                       system=recipe.data.system, pixels=recipe.data.pixels,
+                                       allow_outside=recipe.data.allow_outside):
             line = lines.pop(where)
             if isinstance(out, str):
                 yield where, line, out
