@@ -86,7 +86,8 @@ class TransformersFamily:
         pad_id = pad_id_of(load_processor(processor)[0], config) if processor is not None else 0
         return task_inputs(processor=processor, record=record, base=base, choices=choices, pad_id=pad_id,
                            video_limits=video_limits(recipe, processor), system=recipe.data.system,
-                           skip_pixels=recipe.data.skip_pixels, pixels=recipe.data.pixels, reply_end=reply_end)
+                           skip_pixels=recipe.data.skip_pixels, pixels=recipe.data.pixels, reply_end=reply_end,
+                           allow_outside=recipe.data.allow_outside)
 
     def pair_inputs(self, recipe: Recipe):
         from weft.plugins.models.pair_inputs import pair_inputs

@@ -49,10 +49,11 @@ def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def task_inputs(*, processor: str | None, record: dict, base: Any, choices: Sequence[str] | None, pad_id: int,
                 video_limits: Any = None, system: str | None = None,
                 skip_pixels: int = 0, pixels: tuple[int, int] = (0, 0), reply_end: bool = False,
-                ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+                allow_outside: bool = True) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     """(the question's prompt inputs (B = 1) for generation, one micro-batch per choice with the
     choice's tokens as its only labels; ``reply_end``: the reply's closing token labelled too).
-    ValueError or OSError when the line cannot be read."""
+    ValueError or OSError when the line cannot be read (``allow_outside`` false: a file outside
+    ``base``, as data.allow_outside reads a data file)."""
     from weft.core.errors import WeftError
     from weft.strategies.data.conversation import collate, load_processor
     from weft.strategies.data.task_encode import choice_samples, continuation_samples, question, text_question
@@ -70,7 +71,8 @@ def task_inputs(*, processor: str | None, record: dict, base: Any, choices: Sequ
         scored = continuation_samples(choices or (), prompt, encode=encode)
         return _model_inputs(collate([prompt], pad_id=0)), [collate([s], pad_id=pad_id) for s in scored]
     messages, prompt = question(record, base=base, tokenizer=tokenizer, image_processor=image_processor,
-                                system=system, skip_pixels=skip_pixels, videos=video_limits or VideoLimits())
+                                system=system, skip_pixels=skip_pixels, videos=video_limits or VideoLimits(),
+                                allow_outside=allow_outside)
     scored = choice_samples(choices or (), messages, prompt, tokenizer=tokenizer, image_processor=image_processor,
                             system=system, reply_end=reply_end)
     return _model_inputs(collate([prompt], pad_id=0)), [collate([s], pad_id=pad_id) for s in scored]

@@ -20,7 +20,7 @@ from weft.strategies.data.formats import record_to_messages
 def question(record: dict, *, base: pathlib.Path, tokenizer: Any, image_processor: Any, system: str | None = None,
              **read: Any) -> tuple[list[dict], Sample]:
     """(the question's messages, its prompt: the conversation and the generation prompt, no labels).
-    ``read``: ``record_to_messages``' limits (skip_pixels, videos)."""
+    ``read``: ``record_to_messages``' limits (skip_pixels, videos, allow_outside)."""
     messages = record_to_messages(record, base=base, **read)
     return messages, encode_prompt(messages, tokenizer=tokenizer, image_processor=image_processor, system=system)
 
