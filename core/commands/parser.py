@@ -170,8 +170,9 @@ def _inference_commands(sub: Any, *, handlers: Mapping[str, Handler]) -> None:
 def _common(parser: Any) -> None:
     """The arguments eval and generate share: where the model and its weights come from, the ranks."""
     parser.add_argument("--model-dir", type=pathlib.Path, default=None,
-                        help="a Hugging Face model directory (e.g. from `weft export`) instead of a recipe: "
-                             "one rank, float32, the default rules")
+                        help="a Hugging Face model directory (e.g. from `weft export`), a Hub id in the local "
+                             "Hugging Face cache or a .gguf file, instead of a recipe: one rank, float32, the default "
+                             "rules")
     parser.add_argument("--nproc", type=_positive, default=None, help="ranks (default: parallel.nproc)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--run-dir", type=pathlib.Path, default=None,

@@ -32,12 +32,18 @@ def model_dir_recipe(args: Any) -> Iterator[None]:
     if args.model_dir is None:
         yield
         return
-    if not (args.model_dir / "config.json").is_file():
-        raise WeftError(f"{args.model_dir} has no config.json; --model-dir takes a Hugging Face model directory",
-                        where="--model-dir")
+    from weft.core.model_source import local_model_dir
+
+    given = str(args.model_dir)
+    local = local_model_dir(given, base=pathlib.Path.cwd(), revision=None, where="--model-dir")
+    if not (local / "config.json").is_file():
+        raise WeftError(f"{args.model_dir} has no config.json; --model-dir takes a Hugging Face model directory, a "
+                        "Hub id in the local Hugging Face cache or a .gguf file", where="--model-dir")
     with tempfile.TemporaryDirectory() as folder:
         recipe = pathlib.Path(folder) / "model-dir.toml"
-        recipe.write_text(f"[model]\npath = {json.dumps(str(args.model_dir.resolve()))}\n")
+        # A local path made absolute (the recipe lives elsewhere); a Hub id as given.
+        path = str(args.model_dir.resolve()) if args.model_dir.exists() else given
+        recipe.write_text(f"[model]\npath = {json.dumps(path)}\n")
         args.recipe = str(recipe)
         try:
             yield

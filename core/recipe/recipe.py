@@ -28,7 +28,11 @@ else:  # pragma: no cover - Python 3.10 is not supported, kept for clarity
 
 @attrs.frozen(kw_only=True)
 class ModelSection:
-    path: str | None = attrs.field(default=None, metadata=_doc("local Hugging Face model directory"))
+    path: str | None = attrs.field(default=None, metadata=_doc(
+        "the model: a Hugging Face directory, a Hub id (org/name) in the local Hugging Face cache, or a .gguf file "
+        "(converted once into weft's cache); docs/models.md"))
+    revision: str | None = attrs.field(default=None, metadata=_doc(
+        "with a Hub id in model.path: the branch, tag or commit in the local cache (default main)"))
     preset: str | None = attrs.field(default=None, metadata=_doc("random init of a named shape (recipes/presets)"))
     processor: str | None = attrs.field(default=None, metadata=_doc(
         "processor folder (a path relative to the recipe, as model.path) or bundled name; default: the model's"))
@@ -42,6 +46,8 @@ class ModelSection:
     def __attrs_post_init__(self) -> None:
         if (self.path is None) == (self.preset is None):
             raise ValueError("set exactly one of model.path (a local HF directory) or model.preset (a named shape)")
+        if self.revision is not None and self.path is None:
+            raise ValueError("model.revision names a revision of model.path's Hub id; this recipe gives no model.path")
         if self.rope_scaling != "none" and self.rope_factor <= 1.0:
             raise ValueError(f"model.rope_scaling = {self.rope_scaling!r} needs model.rope_factor above 1 (got "
                              f"{self.rope_factor:g}); a run's warning 'positions.beyond_trained' names the factor")
@@ -144,16 +150,22 @@ class Recipe:
         """A path of the recipe (``model.path``, ``data.path``): absolute as given, else
         relative to the recipe's folder (the current folder for an in-memory recipe)."""
         given = pathlib.Path(path)
-        if given.is_absolute():
-            return given
-        base = pathlib.Path(self.source).parent if self.source != "<memory>" else pathlib.Path.cwd()
-        return base / given
+        return given if given.is_absolute() else self.base() / given
+
+    def base(self) -> pathlib.Path:
+        """The folder the recipe's relative paths start from: its file's, or the current one."""
+        return pathlib.Path(self.source).parent if self.source != "<memory>" else pathlib.Path.cwd()
 
     def model_dir(self) -> pathlib.Path:
-        """``model.path`` resolved; only for recipes that give one."""
+        """``model.path`` as a local directory: a folder relative to the recipe, a Hub id's snapshot
+        in the local cache, or a GGUF file's converted folder (core/model_source.py); only for
+        recipes that give one."""
         if self.model.path is None:
             raise ValueError("this recipe builds a preset; it has no model.path")
-        return self.relative(self.model.path)
+        from weft.core.model_source import local_model_dir  # torch only where a GGUF file is converted
+
+        return local_model_dir(self.model.path, base=self.base(), revision=self.model.revision,
+                               where=f"{self.source} (model.path)")
 
     def warmup_warning(self, *, steps: int | None = None) -> str | None:
         """The warning for a ``train.warmup_steps`` the recipe (or --set) gives that the run's steps

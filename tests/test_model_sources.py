@@ -1,0 +1,135 @@
+"""Models as users hold them (core/model_source.py): a Hub id found in the local Hugging Face
+cache, offline, with no network call; a missing id or revision named with where weft looked.
+In-process (`weft.core.commands.main.main`), one rank, a tiny Llama written by transformers."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import textwrap
+
+import pytest
+import torch
+
+REPO = "tiny-org/tiny-llama"
+COMMITS = {"main": "a" * 40, "v1": "b" * 40}
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory) -> pathlib.Path:
+    """A Hugging Face hub cache as `hf download` leaves it: models--org--name/refs/<branch>
+    holding a commit, snapshots/<commit>/ the files; two revisions whose weights differ."""
+    import transformers
+
+    cache = tmp_path_factory.mktemp("hf") / "hub"
+    repo = cache / ("models--" + REPO.replace("/", "--"))
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                      tie_word_embeddings=True)
+    for seed, (ref, commit) in enumerate(COMMITS.items()):
+        torch.manual_seed(seed)
+        transformers.LlamaForCausalLM(config).save_pretrained(repo / "snapshots" / commit)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return cache
+
+
+def _recipe(folder: pathlib.Path, path: str, **model) -> pathlib.Path:
+    recipe = folder / "from-id.toml"
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in model.items())
+    recipe.write_text(f'[model]\npath = "{path}"\n{extra}' + textwrap.dedent('''
+        [data]
+        source = "synthetic"
+        tokens = 32
+        num_samples = 8
+        [train]
+        max_steps = 2
+        micro_batch_tokens = 32
+        lr = 1e-3
+        warmup_steps = 0
+        [parallel]
+        nproc = 1
+    '''))
+    return recipe
+
+
+@pytest.fixture
+def offline(monkeypatch, hub_cache):
+    """HF_HUB_OFFLINE set, the cache where HF_HUB_CACHE says, and a guard that fails any
+    connection or name lookup beyond this host: the proof that nothing is fetched."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    attempts = []
+    local = ("127.0.0.1", "::1", "localhost", "0.0.0.0", "")
+    real_connect, real_lookup = socket.socket.connect, socket.getaddrinfo
+
+    def connect(self, address):
+        if isinstance(address, tuple) and address[0] not in local:
+            attempts.append(address)
+            raise OSError(f"test: no network ({address})")
+        return real_connect(self, address)
+
+    def lookup(host, *args, **kwargs):
+        if host not in local and host != socket.gethostname():
+            attempts.append(host)
+            raise OSError(f"test: no network ({host})")
+        return real_lookup(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    return attempts
+
+
+def _loaded(run_dir: pathlib.Path) -> str:
+    rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if "weights.loaded" in line]
+    return rows[0]["path"]
+
+
+def test_a_hub_id_trains_from_the_local_cache(offline, hub_cache, tmp_path, capsys):
+    """`model.path = "org/name"`: the snapshot refs/main names, read offline with no connection
+    tried; `model.revision` picks another. The first step's loss differs between the two
+    revisions (their weights do), so the revision is not only a name in the log."""
+    from weft.core.commands.main import main
+
+    losses = {}
+    for revision in ("main", "v1"):
+        run_dir = tmp_path / revision
+        extra = {} if revision == "main" else {"revision": revision}
+        code = main(["run", str(_recipe(tmp_path, REPO, **extra)), "--run-dir", str(run_dir)])
+        assert code == 0, capsys.readouterr().err[-3000:]
+        assert _loaded(run_dir) == str(hub_cache / "models--tiny-org--tiny-llama" / "snapshots" / COMMITS[revision])
+        losses[revision] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert losses["main"] != losses["v1"]
+    assert offline == []
+
+
+@pytest.mark.quick
+def test_a_hub_id_not_in_the_cache_names_where_it_looked(offline, hub_cache, tmp_path, capsys):
+    from weft.core.commands.main import main
+
+    recipe = _recipe(tmp_path, "tiny-org/absent")
+    assert main(["plan", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert f"{recipe} (model.path): 'tiny-org/absent' is neither a folder" in err, err
+    assert str(hub_cache / "models--tiny-org--absent") in err and "never downloads" in err and "HF_HUB_CACHE" in err
+    assert "Traceback" not in err and offline == []
+
+
+@pytest.mark.quick
+def test_a_revision_not_in_the_cache_lists_those_that_are(offline, tmp_path, capsys):
+    from weft.core.commands.main import main
+
+    assert main(["plan", str(_recipe(tmp_path, REPO, revision="v9"))]) == 2
+    err = capsys.readouterr().err
+    assert "not at revision 'v9'" in err and "main" in err and "v1" in err and COMMITS["v1"] in err, err
+    assert "Traceback" not in err and offline == []
+
+
+@pytest.mark.quick
+def test_a_revision_with_a_local_folder_is_refused(tmp_path, capsys):
+    from weft.core.commands.main import main
+
+    (tmp_path / "local-model").mkdir()
+    assert main(["plan", str(_recipe(tmp_path, "local-model", revision="main"))]) == 2
+    assert "model.revision 'main' is for a Hub id" in capsys.readouterr().err
