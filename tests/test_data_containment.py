@@ -103,3 +103,22 @@ def test_a_csv_row_that_is_not_utf8_is_a_bad_record(tmp_path):
     rows = list(jsonl_lines(path))
     assert rows[0] == (f"{path}:2", json.dumps({"instruction": "Name it.", "output": "Red."}))
     assert rows[1] == (f"{path}:3", Unreadable("not UTF-8 (in the column 'output')"))
+
+
+@pytest.mark.parametrize("kind", ["csv", "parquet"])
+def test_a_csv_or_parquet_file_that_breaks_is_one_message_naming_it(tmp_path, kind):
+    """A CSV cell past a JSONL line's limit (the rows after it cannot be told apart), a damaged
+    parquet file: a data-file error naming the file (exit 2 in a run), not a traceback."""
+    from weft.strategies.data.datasets import DataFileError, jsonl_lines
+
+    path = tmp_path / f"records.{kind}"
+    if kind == "csv":
+        path.write_text('instruction,output\nName it.,Red.\nName it.,"' + "y" * (17 << 20) + '"\n')
+        said = "after line 2: field larger than field limit (16777216)"
+    else:
+        pytest.importorskip("pyarrow")
+        path.write_bytes(b"PAR1 not a parquet file PAR1")
+        said = "not a readable parquet file after row 0: ArrowInvalid"
+    with pytest.raises(DataFileError) as caught:
+        list(jsonl_lines(path))
+    assert str(caught.value).startswith(f"data.path {str(path)!r}: {said}"), caught.value

@@ -80,7 +80,10 @@ def records(path: pathlib.Path, *, split: str = "train",
         for file in files:
             yield from records(file, split=split, max_line_bytes=max_line_bytes)
         return
-    reader = {".json": _array_records, ".csv": _csv_records, ".parquet": _parquet_records}.get(path.suffix)
+    if path.suffix == ".csv":
+        yield from _csv_records(path, max_cell_bytes=max_line_bytes)
+        return
+    reader = {".json": _array_records, ".parquet": _parquet_records}.get(path.suffix)
     if reader is not None:
         yield from reader(path)
         return
@@ -114,29 +117,40 @@ def _array_records(path: pathlib.Path) -> Iterator[tuple[str, str | Unreadable]]
         yield f"{path}:record {number}", json.dumps(record)
 
 
-def _csv_records(path: pathlib.Path) -> Iterator[tuple[str, str | Unreadable]]:
+def _csv_records(path: pathlib.Path, *, max_cell_bytes: int) -> Iterator[tuple[str, str | Unreadable]]:
     import csv
 
+    # A cell may be as long as a JSONL line may: csv's own limit (128 Ki characters) is less than a long
+    # conversation's messages cell. The limit is the process's; it is only ever raised here.
+    csv.field_size_limit(max(csv.field_size_limit(), max_cell_bytes))
     # Bytes that are not UTF-8 kept as markers (U+DC80-U+DCFF), so their row is refused, not trained
     # with U+FFFD in their place.
     with path.open(newline="", encoding="utf-8", errors="surrogateescape") as handle:
         rows = csv.DictReader(handle)
-        for number, row in enumerate(rows, start=2):  # the header is line 1
-            broken = sorted(str(key) for key, value in row.items() if _not_utf8(key) or _not_utf8(value))
-            if broken:
-                yield f"{path}:{number}", Unreadable(f"not UTF-8 (in the column {broken[0]!r})")
-                continue
-            record = {}
-            for key, value in row.items():
-                if key is None or value in (None, ""):
-                    continue  # a ragged row's extra cells, an empty cell
-                if key in _JSON_COLUMNS and value.lstrip()[:1] in ("[", "{"):
-                    try:
-                        value = json.loads(value)
-                    except json.JSONDecodeError:
-                        pass  # left as text: the record is then refused with its reason
-                record[key] = value
-            yield f"{path}:{number}", json.dumps(record)
+        try:
+            yield from _csv_rows(path, rows)
+        except csv.Error as error:  # a cell over the limit: the rows after it cannot be told apart
+            raise DataFileError(f"data.path {str(path)!r}: after line {rows.line_num}: {error} (the most a cell holds "
+                                "is a JSONL line's limit)") from None
+
+
+def _csv_rows(path: pathlib.Path, rows) -> Iterator[tuple[str, str | Unreadable]]:
+    for number, row in enumerate(rows, start=2):  # the header is line 1
+        broken = sorted(str(key) for key, value in row.items() if _not_utf8(key) or _not_utf8(value))
+        if broken:
+            yield f"{path}:{number}", Unreadable(f"not UTF-8 (in the column {broken[0]!r})")
+            continue
+        record = {}
+        for key, value in row.items():
+            if key is None or value in (None, ""):
+                continue  # a ragged row's extra cells, an empty cell
+            if key in _JSON_COLUMNS and value.lstrip()[:1] in ("[", "{"):
+                try:
+                    value = json.loads(value)
+                except (json.JSONDecodeError, RecursionError):
+                    pass  # left as text: the record is then refused with its reason
+            record[key] = value
+        yield f"{path}:{number}", json.dumps(record)
 
 
 def _not_utf8(cell) -> bool:
@@ -151,10 +165,14 @@ def _parquet_records(path: pathlib.Path) -> Iterator[tuple[str, str]]:
         raise DataFileError(f"data.path {str(path)!r}: reading parquet needs pyarrow (pip install "
                             "'weft[datasets]')") from None
     number = 0
-    for batch in parquet.ParquetFile(path).iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            number += 1
-            yield f"{path}:row {number}", _row_json(row)
+    try:
+        for batch in parquet.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                number += 1
+                yield f"{path}:row {number}", _row_json(row)
+    except Exception as error:  # pyarrow's: a damaged or truncated file, read no further
+        raise DataFileError(f"data.path {str(path)!r}: not a readable parquet file after row {number}: "
+                            f"{type(error).__name__}: {error}") from None
 
 
 def _saved_dataset(path: pathlib.Path, *, split: str) -> Iterator[tuple[str, str]]:
@@ -163,7 +181,11 @@ def _saved_dataset(path: pathlib.Path, *, split: str) -> Iterator[tuple[str, str
     except ImportError:
         raise DataFileError(f"data.path {str(path)!r} is a saved Hugging Face dataset; reading it needs the "
                             "datasets package (pip install 'weft[datasets]')") from None
-    found = datasets.load_from_disk(str(path))
+    try:
+        found = datasets.load_from_disk(str(path))
+    except Exception as error:  # a damaged state.json or arrow file: the folder as a whole
+        raise DataFileError(f"data.path {str(path)!r}: not a readable saved dataset: {type(error).__name__}: "
+                            f"{error}") from None
     if isinstance(found, datasets.DatasetDict):
         if split not in found:
             raise DataFileError(f"data.split {split!r}: the dataset at {str(path)!r} has the splits "
