@@ -22,8 +22,15 @@ import pathlib
 import shutil
 
 from weft.core.errors import WeftError
-from weft.core.model_source import CONVERTED, weft_cache
 from weft.core.whole_files import write_json_whole
+
+#: Written last into a converted folder: a folder without it is an interrupted conversion.
+CONVERTED = "weft-source.json"
+
+
+def weft_cache() -> pathlib.Path:
+    """weft's own cache (converted GGUF files): XDG_CACHE_HOME/weft, else ~/.cache/weft."""
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "weft"
 
 
 def converted_dir(file: pathlib.Path, *, where: str) -> pathlib.Path:

@@ -24,8 +24,6 @@ from weft.core.errors import WeftError
 
 #: ``org/name`` as the Hub spells repository ids (no "..", no leading dot or dash).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
-#: Written last into a converted folder: a folder without it is an interrupted conversion.
-CONVERTED = "weft-source.json"
 
 
 def is_hub_id(given: str) -> bool:
@@ -40,11 +38,6 @@ def hub_cache() -> pathlib.Path:
         return pathlib.Path(os.environ["HF_HUB_CACHE"]).expanduser()
     home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
     return pathlib.Path(home).expanduser() / "hub"
-
-
-def weft_cache() -> pathlib.Path:
-    """weft's own cache (converted GGUF files): XDG_CACHE_HOME/weft, else ~/.cache/weft."""
-    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "weft"
 
 
 def local_model_dir(given: str, *, base: pathlib.Path, revision: str | None, where: str) -> pathlib.Path:

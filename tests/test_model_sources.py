@@ -133,3 +133,47 @@ def test_a_revision_with_a_local_folder_is_refused(tmp_path, capsys):
     (tmp_path / "local-model").mkdir()
     assert main(["plan", str(_recipe(tmp_path, "local-model", revision="main"))]) == 2
     assert "model.revision 'main' is for a Hub id" in capsys.readouterr().err
+
+
+def test_a_gguf_file_converts_once_and_trains(monkeypatch, tmp_path, capsys):
+    """`model.path = "tiny.gguf"`: converted by transformers' GGUF reader into weft's cache, the
+    weights exactly those transformers reads from the file (tied head included), then trained;
+    a second run reads the converted folder (a marker left in it survives) instead of
+    converting again."""
+    import transformers
+
+    from gguf_fixture import write_tiny_gguf
+    from weft.core.commands.main import main
+    from weft.core.gguf_convert import CONVERTED
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    recipe = _recipe(tmp_path, "tiny.gguf")
+    assert main(["run", str(recipe), "--run-dir", str(tmp_path / "first")]) == 0, capsys.readouterr().err[-3000:]
+    (folder,) = (tmp_path / "cache" / "weft" / "gguf").glob("tiny-*")
+    assert _loaded(tmp_path / "first") == str(folder)
+    assert json.loads((folder / CONVERTED).read_text())["gguf"] == str(gguf.resolve())
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf.name, dtype=torch.float32)
+    got = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert got.config.tie_word_embeddings and got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()
+    assert all(torch.equal(w, got.state_dict()[k]) for k, w in want.state_dict().items())
+    assert transformers.AutoTokenizer.from_pretrained(folder)("hello world")["input_ids"] == \
+        transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf.name)("hello world")["input_ids"]
+
+    (folder / "still-here").write_text("a second conversion would replace the folder")
+    assert main(["run", str(recipe), "--run-dir", str(tmp_path / "second")]) == 0, capsys.readouterr().err[-3000:]
+    assert (folder / "still-here").is_file() and _loaded(tmp_path / "second") == str(folder)
+
+
+@pytest.mark.quick
+def test_a_truncated_gguf_file_is_exit_2_naming_it(monkeypatch, tmp_path, capsys):
+    from gguf_fixture import write_tiny_gguf
+    from weft.core.commands.main import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tmp_path / "cut.gguf")
+    gguf.write_bytes(gguf.read_bytes()[: gguf.stat().st_size // 2])
+    assert main(["plan", str(_recipe(tmp_path, "cut.gguf"))]) == 2
+    err = capsys.readouterr().err
+    assert f"{gguf.resolve()} is not a GGUF model transformers can read" in err and "Traceback" not in err, err
+    assert not list((tmp_path / "cache" / "weft" / "gguf").glob("cut-*"))  # nothing half-converted left as done
