@@ -177,3 +177,56 @@ def test_a_truncated_gguf_file_is_exit_2_naming_it(monkeypatch, tmp_path, capsys
     err = capsys.readouterr().err
     assert f"{gguf.resolve()} is not a GGUF model transformers can read" in err and "Traceback" not in err, err
     assert not list((tmp_path / "cache" / "weft" / "gguf").glob("cut-*"))  # nothing half-converted left as done
+
+
+def test_a_text_only_model_generates_and_evaluates_from_its_gguf(tmp_path):
+    """`weft generate --model-dir FILE.gguf` and `weft eval --model-dir` for a text-only model:
+    no image processor asked for (at 0149418: exit 2, "has no preprocessor_config.json"), the
+    prompt through the file's own chat template, the greedy tokens transformers' generate gives
+    on the same prompt; a chat dataset's loss under eval."""
+    import os
+
+    import transformers
+
+    from gguf_fixture import write_tiny_gguf
+    from weft_cli import run_weft
+
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tmp_path / "chat.gguf", seed=1)
+    done = run_weft("generate", "--model-dir", str(gguf), "--prompt", "hello world", "--max-new-tokens", "6",
+                    "--json", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)["tokens"]
+    (folder,) = (tmp_path / "cache" / "weft" / "gguf").glob("chat-*")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello world"}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)["input_ids"]
+    want = model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                          pad_token_id=tokenizer.pad_token_id)[0, prompt.shape[1]:].tolist()
+    assert got == want[:len(got)] and len(got) >= 1, (got, want)
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant",
+                                                                                       "content": a}]}) + "\n"
+                            for q, a in (("hello", "world"), ("hi", "hello world"))))
+    done = run_weft("eval", "--model-dir", str(gguf), "--data", str(data), "--json", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    # transformers' forward of the same directory, the reply (through its closing token) labelled.
+    loss_sum, count = 0.0, 0
+    for line in data.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        start = len(tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True))
+        end = len(text.rstrip())
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = torch.tensor([encoded["input_ids"]])
+        labelled = torch.tensor([a < end and b > start for a, b in encoded["offset_mapping"]])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1]
+        losses = torch.nn.functional.cross_entropy(logits.double(), ids[0, 1:], reduction="none")
+        loss_sum += float(losses[labelled[1:]].sum())
+        count += int(labelled[1:].sum())
+    assert result["label_tokens"] == count
+    assert result["loss"] == pytest.approx(loss_sum / count, rel=1e-5)

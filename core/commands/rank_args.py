@@ -81,10 +81,10 @@ def for_ranks(args: Any, overrides: list[str], options: dict, *,
         options = {**options, "adapter_dir": str(args.adapter.resolve())}
     recipe = recipe_from(args.recipe, overrides)
     from weft.core.plugin_manager import plugin_manager_from_env
-    from weft.core.run.model_files import check_processor_files, check_weight_files
+    from weft.core.run.model_files import check_processor_files, check_weight_files, reads_images
 
-    processor = plugin_manager_from_env().models.for_recipe(recipe).config(recipe)[1]
-    check_processor_files(recipe, processor, needs=needs(recipe))
+    config, processor = plugin_manager_from_env().models.for_recipe(recipe).config(recipe)
+    check_processor_files(recipe, processor, needs=needs(recipe), vision=reads_images(config))
     check_weight_files(recipe)  # read by every rank, with --run-dir too (its checkpoint's weights replace them)
     given = [args.recipe, *(a for o in overrides for a in ("--set", o)), "--options", json.dumps(options)]
     if args.run_dir is not None:

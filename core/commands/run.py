@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from weft.core.errors import EXIT_OK, WeftError
 from weft.core.plugin_manager import WeftPluginManager, plugin_manager_from_env
 from weft.core.run.lock import join_run, run_lock
-from weft.core.run.model_files import check_processor_files, check_weight_files, data_needs
+from weft.core.run.model_files import check_processor_files, check_weight_files, data_needs, reads_images
 from weft.core.run.previous_run import settle_previous_run
 from weft.core.run.rank_errors import clear, note, noted
 
@@ -104,10 +104,10 @@ def _check_inputs(recipe: Recipe, pm: WeftPluginManager) -> None:
                 raise WeftError(f"{key} {str(path)!r} does not exist (relative to the recipe; with --set, to here)",
                                 where=f"{recipe.source} ({key})")
     tokenized = recipe.data.source == "jsonl" or not recipe.data.tokens
-    processor = pm.models.for_recipe(recipe).config(recipe)[1]
+    config, processor = pm.models.for_recipe(recipe).config(recipe)
     # A downloaded directory without a file the run reads: one message, not one error per rank.
     check_weight_files(recipe)
-    check_processor_files(recipe, processor, needs=data_needs(recipe))
+    check_processor_files(recipe, processor, needs=data_needs(recipe), vision=reads_images(config))
     if tokenized and processor is None:
         # Before any rank builds the model: a 7B preset has no tokenizer to read chat data with.
         raise WeftError(

@@ -67,8 +67,17 @@ def prompt_needs() -> dict[str, str]:
     return {"tokenizer": why, "image processor": why}
 
 
-def check_processor_files(recipe: Any, processor: str | None, *, needs: dict[str, str]) -> None:
-    """One WeftError naming the first file the folder lacks; nothing when it has them."""
+def reads_images(config: Any) -> bool:
+    """Whether a transformers config is a vision-language model's (it has a vision tower's
+    config): a text-only model's folder needs no image processor, and has none."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def check_processor_files(recipe: Any, processor: str | None, *, needs: dict[str, str], vision: bool = True) -> None:
+    """One WeftError naming the first file the folder lacks; nothing when it has them.
+    ``vision`` false (a text-only model, ``reads_images``): no image processor is asked for."""
+    if not vision:
+        needs = {k: v for k, v in needs.items() if k != "image processor"}
     if processor is None or not needs or _bundled(processor):
         return
     folder = pathlib.Path(processor).resolve()

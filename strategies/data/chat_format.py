@@ -79,12 +79,16 @@ def render_chat(messages: Sequence[Mapping[str, Any]], *, tokenizer: Any, system
 def template_messages(messages: Sequence[Mapping[str, Any]], *, system: str | None) -> list[dict]:
     """The messages as a template reads them: text as is, each image or video as a bare
     ``{"type": ...}`` part (templates test the type; the pixels stay out of rendering), and
-    ``system`` first when given and the conversation has no system message."""
+    ``system`` first when given and the conversation has no system message. Content of text
+    parts only is one string, as text-only models' templates (Llama's, SmolLM2's) concatenate
+    it; vision templates render a string as they render its text parts, one after another."""
     chat = []
     for message in messages:
         content = message["content"]
         if not isinstance(content, str):
             content = [_bare(part) for part in content]
+            if all(part["type"] == "text" for part in content):
+                content = "".join(part["text"] for part in content)
         chat.append({"role": message["role"], "content": content})
     if system is not None and (not chat or chat[0]["role"] != "system"):
         chat.insert(0, {"role": "system", "content": system})

@@ -103,34 +103,36 @@ class Sample:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
+#: The id of a special token the tokenizer lacks: no token has it, so nothing matches it.
+ABSENT = -1
+
+
 @attrs.frozen(kw_only=True)
 class _SpecialIds:
-    im_start: int
-    im_end: int
-    vision_start: int
-    vision_end: int
-    image_pad: int
+    """The Qwen-VL family's vision tokens; a text-only model's tokenizer (Llama's, SmolLM2's) has
+    none of them (ABSENT), and its conversations may hold no images or videos."""
+
+    vision_start: int = ABSENT
+    vision_end: int = ABSENT
+    image_pad: int = ABSENT
     video_pad: int | None = None  # a tokenizer without one reads no videos
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> _SpecialIds:
-        names = {
-            "im_start": "<|im_start|>",
-            "im_end": "<|im_end|>",
-            "vision_start": "<|vision_start|>",
-            "vision_end": "<|vision_end|>",
-            "image_pad": "<|image_pad|>",
-        }
-        ids = {}
-        for field, token in names.items():
-            token_id = tokenizer.convert_tokens_to_ids(token)
-            if token_id is None or token_id == tokenizer.unk_token_id:
-                raise ValueError(f"tokenizer has no {token}: not a Qwen2-VL style tokenizer")
-            ids[field] = token_id
-        video = tokenizer.convert_tokens_to_ids("<|video_pad|>")
-        if video is not None and video != tokenizer.unk_token_id:
+        names = {"vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>", "image_pad": "<|image_pad|>"}
+        found = {field: _token_id(tokenizer, token) for field, token in names.items()}
+        if None in found.values() and any(v is not None for v in found.values()):
+            missing = [names[f] for f, v in found.items() if v is None]
+            raise ValueError(f"tokenizer has some of Qwen-VL's vision tokens but not {', '.join(missing)}")
+        ids = {f: v for f, v in found.items() if v is not None}
+        if (video := _token_id(tokenizer, "<|video_pad|>")) is not None and ids:
             ids["video_pad"] = video
         return cls(**ids)
+
+
+def _token_id(tokenizer: Any, token: str) -> int | None:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return None if token_id is None or token_id == tokenizer.unk_token_id else int(token_id)
 
 
 def encode_conversation(
@@ -176,6 +178,9 @@ def _tokenized(rendered: Rendered, messages: Sequence[Mapping[str, Any]], *, tok
     tokens, so widening after gives the same ids). Labels on tokens that overlap a reply span,
     never on vision tokens: the model cannot fill an image it emits."""
     images = [_to_rgb(_open_image(part)) for m in messages for part in _parts(m) if part["type"] == "image"]
+    if images and (image_processor is None or special.image_pad == ABSENT):
+        raise ValueError("an image, but this model reads none (a text-only model: its folder has no image processor "
+                         "or its tokenizer no <|image_pad|>)")
     pixel_values = image_grid_thw = None
     pads_per_image: list[int] = []
     merge = int(getattr(image_processor, "merge_size", 2))
@@ -189,8 +194,8 @@ def _tokenized(rendered: Rendered, messages: Sequence[Mapping[str, Any]], *, tok
     pads_per_video = [int(n) // merge**2 for n in videos["video_grid_thw"].prod(-1)] if videos else []
 
     enc = tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
-    vision = {special.vision_start, special.vision_end, special.image_pad, special.video_pad}
-    widths = {special.image_pad: (pads_per_image, IMAGE_TYPE, "image")}
+    vision = {special.vision_start, special.vision_end, special.image_pad, special.video_pad} - {ABSENT, None}
+    widths = {special.image_pad: (pads_per_image, IMAGE_TYPE, "image")} if special.image_pad != ABSENT else {}
     if special.video_pad is not None:
         widths[special.video_pad] = (pads_per_video, VIDEO_TYPE, "video")
     for token_id, (pads, _, kind) in widths.items():
@@ -230,8 +235,9 @@ def _encode_videos(parts: list, *, image_processor: Any, special: _SpecialIds,
 
     if not parts:
         return {}
-    if special.video_pad is None:
-        raise ValueError("a video, but the tokenizer has no <|video_pad|>")
+    if special.video_pad is None or image_processor is None:
+        raise ValueError("a video, but this model reads none (its tokenizer has no <|video_pad|> or its folder no "
+                         "image processor)")
     temporal = int(image_processor.temporal_patch_size)
     pixels, grids, seconds = [], [], []
     for part in parts:
@@ -335,7 +341,8 @@ def processor_dir(path_or_bundled_name: str | os.PathLike[str]) -> pathlib.Path:
 
 def load_processor(path_or_bundled_name: str | os.PathLike[str], *, backend: str | None = "pil",
                    pixels: tuple[int, int] = (0, 0)) -> tuple[Any, Any]:
-    """(tokenizer, image_processor) from a processor folder.
+    """(tokenizer, image_processor) from a processor folder; image_processor None where the folder
+    has no preprocessor_config.json (a text-only model's).
 
     A bare name such as "tiny_vl" means the folder shipped in `weft.recipes`; a path
     (anything with a separator, or a PathLike) is used as is. `backend="pil"` by default
@@ -376,6 +383,8 @@ def _load_from(folder: pathlib.Path, backend: str | None, auto_tok: Any, auto_im
     template = processor_chat_template(folder)
     if template is not None:  # the processor's template is the one the model is served with
         tokenizer.chat_template = template
+    if not (folder / "preprocessor_config.json").is_file():
+        return tokenizer, None  # a text-only model's folder: its conversations hold no images
     kwargs = {} if backend is None else {"backend": backend}
     image_processor = auto_image.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False, **kwargs)
     if any(pixels):
