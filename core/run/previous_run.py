@@ -48,7 +48,7 @@ def settle_previous_run(run_dir: pathlib.Path, *, overwrite: bool) -> pathlib.Pa
     if not overwrite:
         raise WeftError(
             f"{run_dir} holds {held}; a new run would mix its metrics and checkpoints with that run's. Continue "
-            f"it with --resume, give another --run-dir, or start over with --overwrite (the old run's files are "
+            f"it with --resume{' and a larger train.max_steps' if 'completed' in held else ''}, give another --run-dir, or start over with --overwrite (the old run's files are "
             f"moved to a folder beside it, {run_dir.name}.old-<date>, nothing deleted)", where="--run-dir")
     aside = _free_name(run_dir)
     aside.mkdir()
