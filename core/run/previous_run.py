@@ -46,10 +46,11 @@ def settle_previous_run(run_dir: pathlib.Path, *, overwrite: bool) -> pathlib.Pa
     if held is None:
         return None
     if not overwrite:
+        longer = " and a larger train.max_steps" if "completed" in held else ""
         raise WeftError(
             f"{run_dir} holds {held}; a new run would mix its metrics and checkpoints with that run's. Continue "
-            f"it with --resume{' and a larger train.max_steps' if 'completed' in held else ''}, give another --run-dir, or start over with --overwrite (the old run's files are "
-            f"moved to a folder beside it, {run_dir.name}.old-<date>, nothing deleted)", where="--run-dir")
+            f"it with --resume{longer}, give another --run-dir, or start over with --overwrite (the old run's files "
+            f"are moved to a folder beside it, {run_dir.name}.old-<date>, nothing deleted)", where="--run-dir")
     aside = _free_name(run_dir)
     aside.mkdir()
     for entry in sorted(run_dir.iterdir()):
