@@ -241,3 +241,24 @@ def test_a_preset_without_processor_reading_jsonl_is_a_user_error(weft, tmp_path
     assert f"{recipe} (model.processor)" in done.stderr and "data.tokens" in done.stderr, done.stderr
     done = weft("plan", str(recipe), "--positions", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr and "model.processor" in done.stderr, done.stderr
+
+
+@pytest.mark.quick
+def test_a_run_s_recipe_keeps_its_folder_from_another_working_folder(tmp_path, monkeypatch):
+    """recipe.json names the recipe's file by its absolute path: `weft run examples/x/r.toml` from
+    one folder, then `weft export RUN` from another, still reads model.path (relative to the
+    recipe) from the recipe's folder; a relative source sent it to the new working folder."""
+    from weft.core.commands.export import run_recipe
+    from weft.core.commands.run import recipe_record
+    from weft.core.recipe import Recipe
+
+    (tmp_path / "examples" / "x").mkdir(parents=True)
+    (tmp_path / "examples" / "x" / "r.toml").write_text('[model]\npath = "data/model.gguf"\n')
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    recipe = Recipe.from_toml("examples/x/r.toml")
+    (run / "recipe.json").write_text(json.dumps(recipe_record(recipe, [])))
+    monkeypatch.chdir(run)
+    want = (tmp_path / "examples" / "x" / "data" / "model.gguf").resolve()
+    assert run_recipe(run).relative("data/model.gguf") == want

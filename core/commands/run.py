@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from weft.core.recipe import Recipe
 
 
+def recipe_record(recipe: Recipe, overrides: list[str]) -> dict:
+    """What a run directory's recipe.json holds: the recipe's file by its absolute path (its relative
+    paths, model.path and data.path, start from its folder: `weft export RUN` started in another folder
+    than the run's must find that folder too), the overrides and the recipe."""
+    source = recipe.source if recipe.source == "<memory>" else str(pathlib.Path(recipe.source).resolve())
+    return {"source": source, "overrides": overrides, "recipe": recipe.raw}
+
+
 def _under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -71,8 +79,7 @@ def cmd_run(args) -> int:
         _check_inputs(recipe, pm)
         if not args.resume:
             _settle(run_dir, overwrite=args.overwrite)
-        (run_dir / "recipe.json").write_text(json.dumps(
-            {"source": recipe.source, "overrides": args.overrides, "recipe": recipe.raw}, indent=1, default=str))
+        (run_dir / "recipe.json").write_text(json.dumps(recipe_record(recipe, args.overrides), indent=1, default=str))
         print(f"weft: run directory {run_dir}", file=sys.stderr)
         if nproc == 1:
             return _train(recipe, pm, run_dir=run_dir, resume=args.resume)
