@@ -153,6 +153,24 @@ def test_set_model_path_replaces_model_preset():
     assert recipe.model == ModelSection(path="/models/Qwen2.5-VL-7B-Instruct")
 
 
+@pytest.mark.quick
+def test_set_paths_that_are_not_relative_to_where_typed(tmp_path, monkeypatch):
+    """--set data.path=<stdlib>/... stays the standard library's glob, and --set model.path=org/name a
+    Hub id, unless a folder of that name is here (a folder wins, docs/models.md); a plain relative
+    path is still taken from the folder typed in."""
+    monkeypatch.chdir(tmp_path)
+    data: dict = {"model": {"preset": "qwen2_5_vl_tiny"}}
+    apply_override(data, "data.path=<stdlib>/email/*.py")
+    apply_override(data, "model.path=HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert data["data"]["path"] == "<stdlib>/email/*.py"
+    assert data["model"] == {"path": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    (tmp_path / "HuggingFaceTB" / "SmolLM2-135M-Instruct").mkdir(parents=True)
+    apply_override(data, "model.path=HuggingFaceTB/SmolLM2-135M-Instruct")
+    apply_override(data, "data.path=chat.jsonl")
+    assert data["model"]["path"] == str(tmp_path / "HuggingFaceTB" / "SmolLM2-135M-Instruct")
+    assert data["data"]["path"] == str(tmp_path / "chat.jsonl")
+
+
 def test_apply_override_on_raw_data():
     data: dict = {"model": {"preset": "qwen2_5_vl_tiny"}}
     apply_override(data, "train.seed=3")

@@ -250,6 +250,19 @@ def _check_preset(model: ModelSection, *, where: Where) -> None:
 _PATH_KEYS = {("model", "path"), ("data", "path")}
 
 
+def _relative_to_where_typed(value: str, *, key: tuple[str, str]) -> bool:
+    """Whether a --set path is a file path relative to the current folder: not an absolute one, not
+    a standard-library glob (``<stdlib>/...``, strategies/data/text_corpus.py), and for model.path
+    not a Hub id (``org/name``) unless a folder of that name is here (a folder wins, docs/models.md)."""
+    if pathlib.Path(value).is_absolute() or value.startswith("<stdlib>/"):
+        return False
+    if key == ("model", "path"):
+        from weft.core.model_source import is_hub_id
+
+        return not is_hub_id(value) or (pathlib.Path.cwd() / value).exists()
+    return True
+
+
 def apply_override(data: dict, override: str) -> None:
     """Apply one ``--set a.b=value`` to the raw recipe data; the value is read as TOML."""
     if "=" not in override:
@@ -280,7 +293,7 @@ def apply_override(data: dict, override: str) -> None:
     except (tomllib.TOMLDecodeError, RecursionError):
         value = text.strip()  # a bare word is a string: --set model.preset=qwen2_5_vl_7b
     if ((section, name) in _PATH_KEYS or (section, name) == ("model", "preset") and is_preset_path(value)) \
-            and isinstance(value, str) and not pathlib.Path(value).is_absolute():  # relative to where typed
+            and isinstance(value, str) and _relative_to_where_typed(value, key=(section, name)):
         value = str(pathlib.Path.cwd() / value)
     table = data.setdefault("eval", {}).setdefault("data", {}) if nested else data.setdefault(section, {})
     if not isinstance(table, dict):
