@@ -33,6 +33,25 @@ def is_preset_path(name: str | pathlib.Path) -> bool:
     return isinstance(name, pathlib.Path) or text.endswith(".toml") or "/" in text or "\\" in text
 
 
+#: Keys holding file paths (and a path-like model.preset): relative to the recipe's folder, to the cwd with --set.
+_PATH_KEYS = {("model", "path"), ("data", "path")}
+
+
+def typed_path(section: str, name: str, value: object) -> bool:
+    """Whether ``--set SECTION.NAME=VALUE`` is a path relative to the folder it was typed in:
+    model.path, data.path or a path-like model.preset, unless absolute, a standard-library glob
+    (``<stdlib>/...``) or, for model.path, a Hub id (``org/name``) with no such folder here (a
+    folder wins, docs/models.md)."""
+    key = (section, name)
+    if not isinstance(value, str) or not (key in _PATH_KEYS or key == ("model", "preset") and is_preset_path(value)):
+        return False
+    if pathlib.Path(value).is_absolute() or value.startswith("<stdlib>/"):
+        return False
+    from weft.core.model_source import is_hub_id
+
+    return key != ("model", "path") or not is_hub_id(value) or (pathlib.Path.cwd() / value).exists()
+
+
 def preset_location(recipe: Any) -> str | pathlib.Path:
     """A recipe's ``model.preset``: a bundled name as given; a path as the recipe's other paths
     are (relative to its folder; one given with --set was made absolute where it was typed)."""

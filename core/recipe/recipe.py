@@ -16,7 +16,7 @@ import attrs
 from weft.core.errors import RecipeError
 from weft.core.recipe.convert import Where, build, did_you_mean, in_range
 from weft.core.recipe.data import DataSection, EvalSection, _doc
-from weft.core.recipe.presets import is_preset_path, preset_names
+from weft.core.recipe.presets import is_preset_path, preset_names, typed_path
 from weft.core.recipe.syntax import Rule, bundled_path, load_includes, parse_rules, parse_toml, read_toml_text
 from weft.core.recipe.train import TrainSection
 
@@ -246,23 +246,6 @@ def _check_preset(model: ModelSection, *, where: Where) -> None:
         )
 
 
-#: Keys holding file paths (and a path-like model.preset): relative to the recipe's folder, to the cwd with --set.
-_PATH_KEYS = {("model", "path"), ("data", "path")}
-
-
-def _relative_to_where_typed(value: str, *, key: tuple[str, str]) -> bool:
-    """Whether a --set path is a file path relative to the current folder: not an absolute one, not
-    a standard-library glob (``<stdlib>/...``, strategies/data/text_corpus.py), and for model.path
-    not a Hub id (``org/name``) unless a folder of that name is here (a folder wins, docs/models.md)."""
-    if pathlib.Path(value).is_absolute() or value.startswith("<stdlib>/"):
-        return False
-    if key == ("model", "path"):
-        from weft.core.model_source import is_hub_id
-
-        return not is_hub_id(value) or (pathlib.Path.cwd() / value).exists()
-    return True
-
-
 def apply_override(data: dict, override: str) -> None:
     """Apply one ``--set a.b=value`` to the raw recipe data; the value is read as TOML."""
     if "=" not in override:
@@ -292,8 +275,7 @@ def apply_override(data: dict, override: str) -> None:
         value = tomllib.loads(f"v = {text.strip()}")["v"]
     except (tomllib.TOMLDecodeError, RecursionError):
         value = text.strip()  # a bare word is a string: --set model.preset=qwen2_5_vl_7b
-    if ((section, name) in _PATH_KEYS or (section, name) == ("model", "preset") and is_preset_path(value)) \
-            and isinstance(value, str) and _relative_to_where_typed(value, key=(section, name)):
+    if typed_path(section, name, value):  # a path relative to where it was typed
         value = str(pathlib.Path.cwd() / value)
     table = data.setdefault("eval", {}).setdefault("data", {}) if nested else data.setdefault(section, {})
     if not isinstance(table, dict):
