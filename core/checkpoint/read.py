@@ -35,18 +35,18 @@ MANIFEST = "manifest.json"
 
 def checkpoint_dirs(run_dir: pathlib.Path) -> list[pathlib.Path]:
     """Finished checkpoints (a manifest present), oldest first. Not yet verified: see ``verify``."""
-    root = run_dir / "checkpoints"
-    found = [(int(m.group(1)), p) for p in root.glob("step-*")
-             if (m := _STEP.match(p.name)) and (p / MANIFEST).is_file()]
-    return [p for _, p in sorted(found)]
+    return [p for p in _step_dirs(run_dir) if (p / MANIFEST).is_file()]
 
 
 def unfinished_dirs(run_dir: pathlib.Path) -> list[pathlib.Path]:
     """``step-N`` folders without a manifest, oldest first: not checkpoints (a save renames its
     folder to ``step-N`` only after the manifest is written), so damaged or planted."""
-    root = run_dir / "checkpoints"
-    found = [(int(m.group(1)), p) for p in root.glob("step-*")
-             if (m := _STEP.match(p.name)) and p.is_dir() and not (p / MANIFEST).is_file()]
+    return [p for p in _step_dirs(run_dir) if p.is_dir() and not (p / MANIFEST).is_file()]
+
+
+def _step_dirs(run_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Every ``checkpoints/step-N`` entry, by step."""
+    found = [(int(m.group(1)), p) for p in (run_dir / "checkpoints").glob("step-*") if (m := _STEP.match(p.name))]
     return [p for _, p in sorted(found)]
 
 
